@@ -1,0 +1,32 @@
+# The README's two commands: `make demo` runs a local network end to end, `make test` runs the tests.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	@# py-libp2p builds fastecdsa from source, which needs the GMP headers.
+	@if ! dpkg -s libgmp-dev >/dev/null 2>&1 && command -v apt-get >/dev/null; then \
+		apt-get update -q && apt-get install -y -q libgmp-dev gcc; fi
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/tessera simulate --validators 2 --miners 4 --rounds 3 --dir .demo
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	mkdir -p .bench
+	$(PY) bench/miner.py --out .bench/miner.json
+	$(PY) bench/validator.py --out .bench/validator.json
+	$(PY) bench/transfer.py --out .bench/transfer.json
+	$(PY) bench/round.py --out .bench/round.json
+
+clean:
+	rm -rf $(VENV) .demo .bench

@@ -1,0 +1,230 @@
+"""The network spec (genesis): what every node of one network must agree on, loaded from TOML.
+
+A spec fixes timing, the base model, the expert group, the data, the validator set, rewards,
+aggregation and limits. Its SHA-256 over a canonical encoding is the network id carried in every
+message. Paths in a spec are relative to the spec file and stay as written in the canonical form,
+so the id does not depend on where a node keeps its files; the files themselves are pinned by
+hashes (`base_hash`, `heldout_sha256`). This module does not load models or data.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from protocol.encoding import canonical_json, sha256_hex
+
+FAMILIES = ("qwen3_moe", "olmoe", "mixtral", "deepseek_v3")
+Family = Literal["qwen3_moe", "olmoe", "mixtral", "deepseek_v3"]
+Hex32 = Annotated[str, Field(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")]
+
+
+class SpecError(ValueError):
+    """A spec file is missing, unreadable or invalid; the message names the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class TimingSpec(_Strict):
+    """Phase lengths in seconds; round r starts at genesis + r * round_seconds."""
+
+    train_s: float = Field(gt=0, description="TRAIN: miners train, validators publish seed commits.")
+    commit_s: float = Field(gt=0, description="COMMIT: miners publish commitments.")
+    reveal_s: float = Field(gt=0, description="REVEAL: miners reveal and serve blobs, validators reveal seeds.")
+    evaluate_s: float = Field(gt=0, description="EVALUATE: validators score and publish reports.")
+    merge_s: float = Field(gt=0, description="MERGE: validators combine, reward, aggregate, publish state.")
+    clock_skew_s: float = Field(default=2.0, ge=0, description="Tolerance on every phase boundary.")
+
+    @property
+    def round_seconds(self) -> float:
+        return self.train_s + self.commit_s + self.reveal_s + self.evaluate_s + self.merge_s
+
+
+class ModelSpec(_Strict):
+    """The base model: a local HF checkpoint directory, or a tiny config plus an init seed."""
+
+    family: Family = Field(description="Transformers MoE family; picks the adapter.")
+    checkpoint: str | None = Field(default=None, description="HF checkpoint directory, relative to the spec.")
+    config: str | None = Field(default=None, description="HF config JSON for a tiny model, relative to the spec.")
+    init_seed: int = Field(default=0, ge=0, description="Seed that initialises a model built from `config`.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="Expert dtype in blobs.")
+    base_hash: Hex32 = Field(description="SHA-256 of the base weights in canonical form.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSpec:
+        if (self.checkpoint is None) == (self.config is None):
+            raise ValueError("set exactly one of model.checkpoint or model.config")
+        return self
+
+
+class DataSpec(_Strict):
+    """Training and held-out data. Validators hold the held-out file; the spec pins its hash."""
+
+    train: list[str] = Field(min_length=1, description="Miners' training files (.txt/.jsonl/.parquet), relative.")
+    heldout_sha256: Hex32 = Field(description="SHA-256 of the validators' held-out file.")
+    tokenizer: str = Field(default="byte", description="'byte' or a tokenizer directory, relative to the spec.")
+    seq_len: int = Field(default=64, ge=8, le=65536, description="Tokens per packed sequence.")
+    heldout_sequences: int = Field(default=32, ge=1, description="Held-out sequences scored each round.")
+
+
+class TrainingSpec(_Strict):
+    """The inner loop the network asks miners to run."""
+
+    inner_steps: int = Field(default=20, ge=1, description="H: local AdamW steps per round.")
+    lr: float = Field(default=1e-3, gt=0, description="Inner AdamW learning rate.")
+    weight_decay: float = Field(default=0.0, ge=0, description="Inner AdamW weight decay.")
+    batch_size: int = Field(default=8, ge=1, description="Sequences per inner step.")
+    grad_clip: float = Field(default=1.0, gt=0, description="Global gradient-norm clip.")
+
+
+class ValidatorEntry(_Strict):
+    """One member of the validator set."""
+
+    key: Hex32 = Field(description="Ed25519 public key, hex (the validator's node id).")
+    weight: float = Field(default=1.0, gt=0, description="Stake: weight in global-state votes.")
+
+
+class RewardSpec(_Strict):
+    """Assignment, ranking and rewards."""
+
+    replication: int = Field(default=2, ge=1, description="R: validators that evaluate each miner.")
+    top_k: int = Field(default=3, ge=1, description="Miners ranked 1..K with positive utility earn points.")
+    ema_alpha: float = Field(default=0.3, gt=0, le=1, description="Weight of this round in the standing EMA.")
+    duplicate_cosine: float = Field(default=0.99, gt=0, le=1, description="Cosine at which updates are copies.")
+
+
+class AggregationSpec(_Strict):
+    """The outer optimizer that merges the best pseudo-gradients."""
+
+    top_g: int = Field(default=3, ge=1, description="How many top-ranked miners are merged.")
+    outer_lr: float = Field(default=0.7, gt=0, description="Nesterov SGD learning rate.")
+    momentum: float = Field(default=0.9, ge=0, lt=1, description="Nesterov momentum.")
+    weighting: Literal["uniform", "utility"] = Field(default="uniform", description="How merged updates are weighted.")
+    clip_to_median: bool = Field(default=True, description="Clip each pseudo-gradient to the median norm.")
+
+
+class LimitSpec(_Strict):
+    """Size limits on what peers may send."""
+
+    max_message_bytes: int = Field(default=65536, ge=1024, le=1 << 20, description="Largest gossip envelope.")
+    max_header_bytes: int = Field(default=1 << 20, ge=1024, description="Largest safetensors header in a blob.")
+
+
+class NetworkSpec(_Strict):
+    """Everything one network agrees on. `network_id` hashes its canonical encoding."""
+
+    name: str = Field(min_length=1, max_length=64, description="Human name of the network.")
+    genesis: datetime = Field(description="UTC start of round 0.")
+    timing: TimingSpec
+    model: ModelSpec
+    group: dict[int, list[int]] = Field(description="Expert group: {layer: [expert ids]}.")
+    data: DataSpec
+    training: TrainingSpec = TrainingSpec()
+    validators: list[ValidatorEntry] = Field(min_length=1)
+    rewards: RewardSpec = RewardSpec()
+    aggregation: AggregationSpec = AggregationSpec()
+    limits: LimitSpec = LimitSpec()
+
+    @field_validator("genesis")
+    @classmethod
+    def _utc(cls, value: datetime) -> datetime:
+        if value.tzinfo is None:
+            raise ValueError("genesis must carry a UTC offset, e.g. 2026-01-01T00:00:00Z")
+        return value.astimezone(UTC)
+
+    @field_validator("group")
+    @classmethod
+    def _group(cls, value: dict[int, list[int]]) -> dict[int, list[int]]:
+        if not value:
+            raise ValueError("the expert group is empty")
+        for layer, experts in value.items():
+            if layer < 0:
+                raise ValueError(f"layer {layer} is negative")
+            if not experts:
+                raise ValueError(f"layer {layer} selects no experts")
+            if any(e < 0 for e in experts) or len(set(experts)) != len(experts):
+                raise ValueError(f"layer {layer}: expert ids must be distinct and non-negative")
+        return {layer: sorted(value[layer]) for layer in sorted(value)}
+
+    @field_validator("validators")
+    @classmethod
+    def _distinct_validators(cls, value: list[ValidatorEntry]) -> list[ValidatorEntry]:
+        keys = [v.key for v in value]
+        if len(set(keys)) != len(keys):
+            raise ValueError("a validator key appears twice")
+        return value
+
+    @property
+    def genesis_ts(self) -> float:
+        """Genesis as a POSIX timestamp."""
+        return self.genesis.timestamp()
+
+    @property
+    def validator_weights(self) -> dict[str, float]:
+        """Validator node id -> weight."""
+        return {v.key: v.weight for v in self.validators}
+
+    @property
+    def total_validator_weight(self) -> float:
+        return sum(v.weight for v in self.validators)
+
+    def canonical_bytes(self) -> bytes:
+        """The canonical encoding that `network_id` hashes."""
+        data = self.model_dump(mode="json")
+        data["group"] = {str(k): v for k, v in self.group.items()}
+        return canonical_json(data)
+
+    @property
+    def network_id(self) -> str:
+        """SHA-256 of the canonical spec: the id carried in every message."""
+        return sha256_hex(self.canonical_bytes())
+
+
+def parse_spec(data: dict[str, object]) -> NetworkSpec:
+    """Validate a spec from already-decoded TOML data; raises SpecError naming the field."""
+    fixed = dict(data)
+    if isinstance(fixed.get("group"), dict):
+        try:
+            fixed["group"] = {int(k): v for k, v in fixed["group"].items()}  # type: ignore[union-attr]
+        except ValueError as exc:
+            raise SpecError("group: layer keys must be integers, e.g. 0 = [1, 5]") from exc
+    try:
+        return NetworkSpec.model_validate(fixed, strict=False)
+    except ValidationError as exc:
+        raise SpecError(_first_error(exc)) from exc
+
+
+def load_spec(path: str | Path) -> NetworkSpec:
+    """Read and validate a spec TOML file; raises SpecError with one line naming the problem."""
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError as exc:
+        raise SpecError(f"{path}: no such spec file") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(f"{path}: cannot read spec: {exc}") from exc
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(f"{path}: not valid TOML: {exc}") from exc
+    try:
+        return parse_spec(data)
+    except SpecError as exc:
+        raise SpecError(f"{path}: {exc}") from exc
+
+
+def spec_dir_path(spec_path: str | Path, relative: str) -> Path:
+    """Resolve a path written in a spec relative to the spec file's directory."""
+    return (Path(spec_path).parent / relative).resolve()
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"]) or "spec"
+    return f"{where}: {err['msg']}"
