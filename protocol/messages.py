@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from protocol.encoding import canonical_json, sha256_hex
 from protocol.identity import Identity, verify
@@ -66,6 +66,12 @@ class ScoreEntry(BaseModel):
     loss: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     verdict: Literal["accept", "reject", "missing"]
     reason: str = Field(default="", max_length=200)
+
+    @model_validator(mode="after")
+    def _loss_iff_accepted(self) -> ScoreEntry:
+        if (self.loss is not None) != (self.verdict == "accept"):
+            raise ValueError("an entry carries a loss exactly when its verdict is 'accept'")
+        return self
 
 
 class ScoreReport(_Message):
@@ -132,6 +138,8 @@ class Envelope(BaseModel):
     def message(self) -> Message:
         """Decode the body into its strict model; raises DecodeError if it does not fit `kind`."""
         cls = MESSAGE_TYPES[self.kind]
+        if "kind" in self.body:
+            raise DecodeError(f"{self.kind} body: the kind belongs in the envelope, not the body")
         try:
             msg = cls.model_validate_json(canonical_json({**self.body, "kind": self.kind}))
         except ValidationError as exc:

@@ -194,8 +194,14 @@ def parse_spec(data: dict[str, object]) -> NetworkSpec:
             fixed["group"] = {int(k): v for k, v in fixed["group"].items()}  # type: ignore[union-attr]
         except ValueError as exc:
             raise SpecError("group: layer keys must be integers, e.g. 0 = [1, 5]") from exc
+    if isinstance(fixed.get("genesis"), str):
+        try:
+            fixed["genesis"] = datetime.fromisoformat(fixed["genesis"])  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise SpecError("genesis: not an ISO 8601 time, e.g. 2026-01-01T00:00:00Z") from exc
     try:
-        return NetworkSpec.model_validate(fixed, strict=False)
+        # Strict: TOML has real types, so a quoted number or a boolean where a number belongs is an error.
+        return NetworkSpec.model_validate(fixed)
     except ValidationError as exc:
         raise SpecError(_first_error(exc)) from exc
 
@@ -227,4 +233,4 @@ def spec_dir_path(spec_path: str | Path, relative: str) -> Path:
 def _first_error(exc: ValidationError) -> str:
     err = exc.errors()[0]
     where = ".".join(str(p) for p in err["loc"]) or "spec"
-    return f"{where}: {err['msg']}"
+    return f"{where}: {err['msg'].removeprefix('Value error, ')}"

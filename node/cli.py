@@ -1,0 +1,68 @@
+"""The `tessera` command line: builds the argument parser from command modules and runs one command.
+
+Each module named in COMMAND_MODULES exposes `register(subparsers) -> None`, which adds its
+subcommands with `set_defaults(run=fn)`, where `fn(args) -> int` is the exit code. Modules keep
+heavy imports (torch, libp2p) inside their run functions so `tessera --help` stays fast. User
+errors (ValueError and its subclasses SpecError, KeyFileError) become one line on stderr and exit
+code 2, never a traceback. This module knows no command's behaviour.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+COMMAND_MODULES: tuple[str, ...] = ("node.commands_keys", "node.commands_offline", "node.commands_daemon", "node.commands_pending")
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line, like every other user error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def command_group(subparsers: argparse._SubParsersAction, name: str, help: str) -> argparse._SubParsersAction:
+    """The subcommand group `tessera NAME ...`, created on first use so several modules can add to it."""
+    parser = subparsers.choices.get(name)
+    if parser is None:
+        parser = subparsers.add_parser(name, help=help, description=help)
+        parser.set_defaults(_group_parser=parser)
+        group = parser.add_subparsers(dest=f"{name}_command", metavar="COMMAND", required=True)
+        parser.set_defaults(_subparsers=group)
+    return parser.get_default("_subparsers")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="tessera",
+        description="Node for decentralized Mixture-of-Experts training: miners train target experts, "
+        "validators score them by Proof-of-Loss and merge the best updates.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one `tessera` command; returns its exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except ValueError as exc:
+        message = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        print(f"tessera: error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""`tessera init | miner | validator | status`: write a node config, run the daemon, ask a node its status.
+
+Heavy imports (the daemon, aiohttp, libp2p) happen inside the run functions so `tessera --help`
+stays fast. This module only turns arguments into calls on node.config and node.daemon.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+CONFIG_NAME = "node.toml"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    init = subparsers.add_parser("init", help="write a node config TOML and a key into a directory")
+    init.add_argument("--role", required=True, choices=("miner", "validator"))
+    init.add_argument("--spec", required=True, metavar="SPEC", help="the network spec TOML")
+    init.add_argument("--dir", required=True, metavar="DIR", help="the node's directory (created)")
+    init.add_argument("--p2p-port", type=int, default=4001, metavar="PORT")
+    init.add_argument("--http-port", type=int, default=8080, metavar="PORT")
+    init.add_argument("--heldout", metavar="FILE", help="validators: the held-out file the spec pins")
+    init.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
+                      help="a bootstrap peer (repeat for several)")
+    init.set_defaults(run=run_init)
+
+    for role in ("miner", "validator"):
+        parser = subparsers.add_parser(role, help=f"run a {role} node until SIGINT/SIGTERM")
+        parser.add_argument("--config", required=True, metavar="FILE", help="the node config TOML")
+        parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+        parser.set_defaults(run=run_daemon, role=role)
+
+    status = subparsers.add_parser("status", help="print a running node's /status")
+    where = status.add_mutually_exclusive_group(required=True)
+    where.add_argument("--config", metavar="FILE", help="the node's config TOML (finds its HTTP port)")
+    where.add_argument("--url", metavar="URL", help="the node's HTTP API, e.g. http://127.0.0.1:8080")
+    status.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS")
+    status.set_defaults(run=run_status)
+
+
+def run_init(args: argparse.Namespace) -> int:
+    from node.config import load_config, render_config
+    from protocol.identity import load_or_create_identity
+    from protocol.spec import load_spec
+
+    directory = Path(args.dir)
+    config_path = directory / CONFIG_NAME
+    if config_path.exists():
+        raise ValueError(f"{config_path}: a node config already exists; refusing to overwrite it")
+    load_spec(args.spec)  # refuse to write a config that points at a broken spec
+    if args.role == "validator" and args.heldout is None:
+        raise ValueError("init --role validator needs --heldout FILE (the held-out file the spec pins)")
+    directory.mkdir(parents=True, exist_ok=True)
+    text = render_config(
+        role=args.role, spec=_relative(Path(args.spec), directory), key=Path("node.key"), data_dir=Path("data"),
+        p2p_port=args.p2p_port, http_port=args.http_port,
+        heldout=None if args.heldout is None else _relative(Path(args.heldout), directory),
+        bootstrap=tuple(args.bootstrap),
+    )
+    tmp = config_path.with_name(f".{CONFIG_NAME}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, config_path)
+    config = load_config(config_path)
+    identity = load_or_create_identity(config.node.key)
+    print(f"{config_path}\t{identity.node_id}")
+    return 0
+
+
+def run_daemon(args: argparse.Namespace) -> int:
+    from node.config import load_config
+    from node.daemon import serve
+
+    config = load_config(args.config)
+    if config.node.role != args.role:
+        raise ValueError(f"{args.config}: node.role is {config.node.role!r}; run `tessera {config.node.role}` "
+                         f"or change the role")
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return serve(config)
+
+
+def run_status(args: argparse.Namespace) -> int:
+    if args.url is not None:
+        url = args.url.rstrip("/")
+    else:
+        from node.config import load_config
+
+        http = load_config(args.config).http
+        if not http.enabled:
+            raise ValueError(f"{args.config}: http.enabled is false; the node serves no status")
+        host = "127.0.0.1" if http.host in ("0.0.0.0", "") else http.host
+        url = f"http://{host}:{http.port}"
+    try:
+        with urllib.request.urlopen(f"{url}/status", timeout=args.timeout) as response:
+            status = json.load(response)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise ValueError(f"{url}/status: no answer from the node ({exc})") from exc
+    print(json.dumps(status, indent=2, sort_keys=True))
+    return 0
+
+
+def _relative(path: Path, directory: Path) -> Path:
+    """`path` as written relative to `directory`, so the node directory can move with its spec."""
+    return Path(os.path.relpath(path.resolve(), directory.resolve()))

@@ -1,0 +1,220 @@
+"""Offline operator commands: create a simulation network, select experts, train once, evaluate.
+
+    tessera spec init --sim DIR       write a simulation network directory (node.simnet)
+    tessera select-experts ...        Phase 1: routing statistics -> expert group JSON
+    tessera train ...                 one miner's local run -> the canonical blob it would submit
+    tessera eval ...                  held-out loss of the base (or base + a blob's experts)
+
+Nothing here touches the network. Heavy imports happen inside each command so `tessera --help`
+stays fast; user mistakes raise ValueError, which the CLI prints as one `tessera: error:` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from node.cli import command_group
+
+RULES = ("gate-mass", "token-freq", "differential", "activation-norm")
+DEFAULT_SEED = "0" * 64
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add this module's subcommands to the `tessera` parser."""
+    _register_spec_init(command_group(subparsers, "spec", "work with network spec files"))
+    _register_select(subparsers)
+    _register_train(subparsers)
+    _register_eval(subparsers)
+
+
+def _register_spec_init(spec_subparsers: argparse._SubParsersAction) -> None:
+    p = spec_subparsers.add_parser("init", help="write a new network spec (a local simulation with --sim)")
+    p.add_argument("--sim", required=True, type=Path, metavar="DIR", help="directory for the simulation network")
+    p.add_argument("--validators", type=int, default=2, help="number of validators (default 2)")
+    p.add_argument("--family", default="qwen3_moe", help="tiny model family (default qwen3_moe)")
+    p.add_argument("--seed", type=int, default=0, help="seed for model, data and keys (default 0)")
+    p.add_argument("--genesis", type=_utc_time, default=None, help="UTC start of round 0 (default: now)")
+    p.set_defaults(run=run_spec_init)
+
+
+def _register_select(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("select-experts", help="Phase 1: pick the expert group from routing statistics")
+    p.add_argument("--spec", required=True, type=Path, help="network spec whose base model is measured")
+    p.add_argument("--data", required=True, nargs="+", type=Path, metavar="FILE", help="domain data files")
+    p.add_argument("--general", nargs="+", type=Path, metavar="FILE", help="general data (differential rule)")
+    p.add_argument("--rule", required=True, choices=RULES, help="statistic that ranks experts")
+    budget = p.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--top-d", type=int, metavar="N", help="experts per layer")
+    budget.add_argument("--mass", type=float, metavar="P", help="cumulative share of the score per layer")
+    p.add_argument("--max-sequences", type=int, default=256, help="sequences read from each source (default 256)")
+    p.add_argument("--out", required=True, type=Path, metavar="GROUP.json", help="where to write the selection")
+    p.set_defaults(run=run_select_experts)
+
+
+def _register_train(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("train", help="run one miner's local training and write its blob")
+    p.add_argument("--spec", required=True, type=Path, help="network spec")
+    p.add_argument("--key", required=True, type=Path, help="the miner's key file")
+    p.add_argument("--round", required=True, type=int, help="round the blob is for")
+    p.add_argument("--steps", type=int, default=None, help="inner steps H (default: the spec's)")
+    p.add_argument("--data", nargs="+", type=Path, metavar="FILE", help="training files (default: the spec's)")
+    p.add_argument("--global", dest="global_blob", type=Path, metavar="BLOB", help="global state to train from")
+    p.add_argument("--out", required=True, type=Path, metavar="BLOB", help="where to write the blob")
+    p.set_defaults(run=run_train)
+
+
+def _register_eval(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("eval", help="held-out loss of the base model, or of the base with a blob's experts")
+    p.add_argument("--spec", required=True, type=Path, help="network spec")
+    p.add_argument("--blob", type=Path, help="expert blob to evaluate (default: the base model)")
+    p.add_argument("--seed", default=DEFAULT_SEED, help="round seed (hex) that picks the held-out subset")
+    p.add_argument("--heldout", type=Path, help="held-out file (default: data/heldout.jsonl beside a sim spec)")
+    p.set_defaults(run=run_eval)
+
+
+def _utc_time(text: str) -> datetime:
+    try:
+        value = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not an ISO time: {text!r}") from exc
+    if value.tzinfo is None:
+        raise argparse.ArgumentTypeError(f"give a UTC offset, e.g. {text}Z")
+    return value
+
+
+def _print_json(value: dict[str, Any]) -> None:
+    print(json.dumps(value, indent=2, sort_keys=True))
+
+
+def run_spec_init(args: argparse.Namespace) -> int:
+    from node.simnet import make_sim_network
+
+    sim = make_sim_network(args.sim, validators=args.validators, family=args.family, genesis=args.genesis,
+                           seed=args.seed)
+    print(sim.spec_path)
+    print(sim.network_id)
+    return 0
+
+
+def _load(spec_path: Path) -> tuple[Any, Any, Any, Any]:
+    from protocol.spec import load_spec
+    from training.model import load_base
+    from training.tokenizer import load_tokenizer
+
+    spec = load_spec(spec_path)
+    model, adapter = load_base(spec, spec_path)
+    tokenizer = load_tokenizer(spec.data.tokenizer, spec_path.parent)
+    return spec, model, adapter, tokenizer
+
+
+def run_select_experts(args: argparse.Namespace) -> int:
+    from training.data import load_sequences
+    from training.selection import select_experts
+
+    spec, model, adapter, tokenizer = _load(args.spec)
+    if args.max_sequences < 1:
+        raise ValueError("--max-sequences must be positive")
+    domain = load_sequences(args.data, tokenizer, spec.data.seq_len)[: args.max_sequences]
+    general = None
+    if args.general:
+        general = load_sequences(args.general, tokenizer, spec.data.seq_len)[: args.max_sequences]
+    selection = select_experts(model, adapter, domain, args.rule, top_d=args.top_d, mass=args.mass,
+                               general=general, pad_id=tokenizer.pad_id)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(selection, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    _print_json({"group": selection["group"], "rule": args.rule, "out": str(args.out)})
+    return 0
+
+
+def _read_blob(path: Path, spec: Any) -> tuple[bytes, Any, dict[str, Any]]:
+    from training.blob import BlobError, decode_blob
+
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read blob: {exc.strerror}") from exc
+    try:
+        meta, tensors = decode_blob(data, spec.limits.max_header_bytes)
+    except BlobError as exc:
+        raise ValueError(f"{path}: not a valid blob: {exc.reason}") from exc
+    if meta.network != spec.network_id:
+        raise ValueError(f"{path}: blob is for network {meta.network[:16]}…, not this spec's network")
+    if meta.group != dict(spec.group):
+        raise ValueError(f"{path}: blob's expert group differs from the spec's group")
+    return data, meta, tensors
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from protocol.encoding import sha256_hex
+    from protocol.identity import load_identity
+    from protocol.spec import spec_dir_path
+    from training.blob import DTYPES, BlobMeta, blob_dtype, encode_blob, write_blob_file
+    from training.data import batches, load_sequences, shard
+    from training.experts import insert
+    from training.trainer import TrainConfig, train_experts
+
+    spec, model, adapter, tokenizer = _load(args.spec)
+    identity = load_identity(args.key)
+    if args.round < 0:
+        raise ValueError("--round must be non-negative")
+    steps = spec.training.inner_steps if args.steps is None else args.steps
+    if steps < 1:
+        raise ValueError("--steps must be positive")
+    base = spec.model.base_hash
+    if args.global_blob is not None:
+        data, _, tensors = _read_blob(args.global_blob, spec)
+        insert(model, adapter, tensors)
+        base = sha256_hex(data)
+    files = args.data or [spec_dir_path(args.spec, p) for p in spec.data.train]
+    sequences = shard(load_sequences(files, tokenizer, spec.data.seq_len), identity.node_id, args.round)
+    seed = int(sha256_hex(f"{identity.node_id}|{args.round}".encode())[:15], 16)
+    cfg = TrainConfig(steps=steps, lr=spec.training.lr, weight_decay=spec.training.weight_decay,
+                      batch_size=spec.training.batch_size, grad_clip=spec.training.grad_clip, seed=seed)
+    result = train_experts(model, adapter, spec.group, batches(sequences, spec.training.batch_size, seed), cfg)
+
+    dtype = DTYPES[blob_dtype(spec.model.dtype)]
+    tensors = {name: t.detach().to(dtype=dtype) for name, t in result.tensors.items()}
+    meta = BlobMeta(network=spec.network_id, round=args.round, miner=identity.node_id, base=base,
+                    group=dict(spec.group))
+    blob = encode_blob(tensors, meta)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_blob_file(args.out, blob)
+    _print_json({
+        "steps": len(result.losses),
+        "first_loss": result.losses[0],
+        "last_loss": result.losses[-1],
+        "tokens": result.tokens,
+        "tokens_per_s": result.tokens / max(result.seconds, 1e-9),
+        "blob": str(args.out),
+        "blob_sha256": sha256_hex(blob),
+        "bytes": len(blob),
+    })
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from training.data import file_sha256, heldout_subset, load_sequences
+    from training.evaluate import heldout_loss, loss_with_experts
+
+    spec, model, adapter, tokenizer = _load(args.spec)
+    heldout = args.heldout or args.spec.parent / "data" / "heldout.jsonl"
+    if not heldout.is_file():
+        raise ValueError(f"{heldout}: no held-out file; pass --heldout FILE")
+    if file_sha256(heldout) != spec.data.heldout_sha256:
+        raise ValueError(f"{heldout}: SHA-256 differs from the spec's data.heldout_sha256; wrong held-out file")
+    sequences = heldout_subset(load_sequences([heldout], tokenizer, spec.data.seq_len), args.seed,
+                               spec.data.heldout_sequences)
+    started = time.perf_counter()
+    if args.blob is None:
+        result = heldout_loss(model, sequences, batch_size=spec.training.batch_size, device="cpu",
+                              pad_id=tokenizer.pad_id)
+    else:
+        _, _, tensors = _read_blob(args.blob, spec)
+        result = loss_with_experts(model, adapter, tensors, sequences)
+    _print_json({"loss": result.loss, "tokens": result.tokens, "seconds": time.perf_counter() - started})
+    return 0

@@ -1,0 +1,205 @@
+"""Node configuration: one TOML file plus `TESSERA_*` environment overrides, validated once at load.
+
+Sections are small typed models with defaults; `load_config` reads the file, lets environment
+variables override it (nested with `__`, e.g. `TESSERA_HTTP__PORT=9000`), and raises `ConfigError`
+naming the file (or variable) and the field. Relative paths are resolved against the config file's
+directory. This module knows nothing about the network spec's contents, storage or networking;
+it only says where things are and how the node should behave.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+ENV_PREFIX = "TESSERA_"
+Role = Literal["miner", "validator"]
+
+
+class ConfigError(ValueError):
+    """A node config file is missing, not TOML, or invalid; the message names the field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NodeSection(_Section):
+    """Who this node is and where it keeps its files."""
+
+    role: Role = Field(description="'miner' trains target experts; 'validator' scores and merges.")
+    spec: Path = Field(description="The network spec TOML every node of the network shares.")
+    key: Path = Field(default=Path("node.key"), description="Ed25519 key file; created (mode 0600) on first start.")
+    data_dir: Path = Field(default=Path("data"), description="SQLite state, blobs and the rewards ledger.")
+
+
+class P2PSection(_Section):
+    """The libp2p host."""
+
+    host: str = Field(default="127.0.0.1", description="Listen address; 0.0.0.0 accepts peers from other hosts.")
+    port: int = Field(default=4001, ge=0, le=65535, description="Listen TCP port; 0 picks a free one.")
+    bootstrap: list[str] = Field(default_factory=list, description="Multiaddrs of bootstrap peers (give several).")
+    max_peers: int = Field(default=32, ge=1, le=1024, description="Connections kept open at most.")
+
+    @field_validator("bootstrap")
+    @classmethod
+    def _multiaddrs(cls, value: list[str]) -> list[str]:
+        for addr in value:
+            if not addr.startswith("/") or "/p2p/" not in addr:
+                raise ValueError(f"{addr!r} is not a multiaddr like /ip4/1.2.3.4/tcp/4001/p2p/<peer id>")
+        return value
+
+
+class HttpSection(_Section):
+    """The local HTTP API (/healthz, /status, /metrics, /rewards)."""
+
+    enabled: bool = Field(default=True, description="Serve the HTTP API.")
+    host: str = Field(default="127.0.0.1", description="Bind address; keep it on loopback unless proxied.")
+    port: int = Field(default=8080, ge=0, le=65535, description="TCP port; 0 picks a free one.")
+
+
+class MinerSection(_Section):
+    """How a miner trains."""
+
+    device: str = Field(default="cpu", description="Torch device for training, e.g. cpu or cuda:0.")
+    forward: Literal["full", "compressed"] = Field(
+        default="full", description="'full' runs all experts (frozen); 'compressed' only the selected ones."
+    )
+    micro_batch_size: int | None = Field(
+        default=None, ge=1, description="Sequences per forward pass; unset = the spec's batch (no accumulation)."
+    )
+    data: Path | None = Field(default=None, description="Local training file overriding the spec's train files.")
+
+
+class ValidatorSection(_Section):
+    """How a validator evaluates."""
+
+    heldout: Path | None = Field(default=None, description="The held-out file whose SHA-256 the spec pins.")
+    device: str = Field(default="cpu", description="Torch device for evaluation.")
+
+
+class StorageSection(_Section):
+    """What the node keeps on disk."""
+
+    blob_retention_rounds: int = Field(default=3, ge=1, description="Rounds of blobs kept before pruning.")
+
+
+class NodeConfig(BaseSettings):
+    """The whole node config tree; build it with `load_config`, hand sections down."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", frozen=True, case_sensitive=False
+    )
+
+    node: NodeSection
+    p2p: P2PSection = P2PSection()
+    http: HttpSection = HttpSection()
+    miner: MinerSection = MinerSection()
+    validator: ValidatorSection = ValidatorSection()
+    storage: StorageSection = StorageSection()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The environment overrides the file, which arrives as init kwargs; no dotenv, no secrets dir.
+        return env_settings, init_settings
+
+    @model_validator(mode="after")
+    def _role_needs(self) -> NodeConfig:
+        if self.node.role == "validator" and self.validator.heldout is None:
+            raise ValueError("validator.heldout: a validator needs the held-out file the spec pins")
+        return self
+
+    @property
+    def db_path(self) -> Path:
+        return self.node.data_dir / "node.db"
+
+    @property
+    def blob_dir(self) -> Path:
+        return self.node.data_dir / "blobs"
+
+    @property
+    def rewards_jsonl(self) -> Path:
+        return self.node.data_dir / "rewards.jsonl"
+
+    def resolved(self, base: Path) -> NodeConfig:
+        """A copy whose relative paths are taken relative to `base` (the config file's directory)."""
+
+        def fix(path: Path | None) -> Path | None:
+            return None if path is None else (base / path).resolve()
+
+        node = self.node.model_copy(update={"spec": fix(self.node.spec), "key": fix(self.node.key),
+                                            "data_dir": fix(self.node.data_dir)})
+        miner = self.miner.model_copy(update={"data": fix(self.miner.data)})
+        validator = self.validator.model_copy(update={"heldout": fix(self.validator.heldout)})
+        return self.model_copy(update={"node": node, "miner": miner, "validator": validator})
+
+
+def load_config(path: str | Path) -> NodeConfig:
+    """Read, override from the environment, validate and resolve paths; raises ConfigError."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{path}: no such config file (create one with `tessera init`)") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    try:
+        config = NodeConfig(**data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, path)) from exc
+    return config.resolved(path.parent.resolve())
+
+
+def _describe(exc: ValidationError, path: Path) -> str:
+    err = exc.errors()[0]
+    loc = [str(p) for p in err["loc"]]
+    msg = err["msg"].removeprefix("Value error, ")
+    if not loc:  # a cross-field rule; its message starts with the field it blames
+        return f"{path}: {msg}"
+    field = ".".join(loc)
+    for depth in range(len(loc), 0, -1):
+        name = ENV_PREFIX + "__".join(loc[:depth]).upper()
+        if any(k.upper() == name for k in os.environ):
+            return f"{name} (environment): {field}: {msg}"
+    return f"{path}: {field}: {msg}"
+
+
+def render_config(role: Role, spec: Path, key: Path, data_dir: Path, p2p_port: int, http_port: int,
+                  heldout: Path | None = None, bootstrap: tuple[str, ...] = ()) -> str:
+    """A commented node config TOML for `tessera init`; paths are written as given."""
+    boot = ", ".join(f'"{b}"' for b in bootstrap)
+    lines = [
+        "# Tessera node config. Environment variables TESSERA_<SECTION>__<FIELD> override it.",
+        "[node]",
+        f'role = "{role}"',
+        f'spec = "{spec.as_posix()}"',
+        f'key = "{key.as_posix()}"',
+        f'data_dir = "{data_dir.as_posix()}"',
+        "",
+        "[p2p]",
+        'host = "127.0.0.1"',
+        f"port = {p2p_port}",
+        f"bootstrap = [{boot}]",
+        "",
+        "[http]",
+        'host = "127.0.0.1"',
+        f"port = {http_port}",
+    ]
+    if role == "validator":
+        lines += ["", "[validator]"]
+        lines.append(f'heldout = "{heldout.as_posix()}"' if heldout is not None else '# heldout = "heldout.txt"')
+    return "\n".join(lines) + "\n"

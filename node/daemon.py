@@ -1,0 +1,238 @@
+"""The node daemon: wires config, key, storage, network, scheduler, HTTP API and duties, and runs them.
+
+`await Node.create(config, ...)` opens everything; `await node.run()` owns ONE TaskGroup holding
+every background task (the scheduler, the gossip consumer) until `stop()`, then closes HTTP, the
+network and storage in that order. Gossip arrives already judged by the network's check (only
+ACCEPTed envelopes are delivered); each is recorded in storage BEFORE the duties see it, so a node
+killed at any point restarts knowing every message its duties acted on.
+
+Miner and validator work plugs in through `Duties` (`on_phase`, `on_message`), built from a
+`NodeContext`; the built-in `HeartbeatDuties` only announces liveness and head each phase.
+This module knows nothing about training, scoring or merging, nor about libp2p (node.p2p).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from node.blobstore import BlobStore
+from node.clock import Clock, SystemClock
+from node.config import NodeConfig
+from node.http_api import HttpApi
+from node.metrics import NodeMetrics
+from node.network import Network, Subscription
+from node.scheduler import PhaseRun, Scheduler
+from node.storage import Storage
+from protocol.identity import Identity, load_or_create_identity
+from protocol.messages import Envelope, Heartbeat, Message, seal
+from protocol.rounds import Phase, Schedule
+from protocol.spec import NetworkSpec, load_spec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeContext:
+    """Everything a duty may use; handed to the duties factory once, at start."""
+
+    config: NodeConfig
+    spec: NetworkSpec
+    schedule: Schedule
+    identity: Identity
+    clock: Clock
+    storage: Storage
+    blobs: BlobStore
+    network: Network
+    metrics: NodeMetrics
+
+    async def publish(self, message: Message) -> Envelope:
+        """Sign, gossip and record one of our own messages; PublishRefused if peers would reject it."""
+        envelope = seal(message, self.spec.network_id, self.identity)
+        await self.network.publish(envelope)
+        await self.storage.record_accepted(envelope, message, self.clock.now())
+        return envelope
+
+    async def head(self) -> str:
+        """The global state this node builds on: the adopted head, else the base model."""
+        return await self.storage.head() or self.spec.model.base_hash
+
+
+class Duties(Protocol):
+    """A role's work. Both hooks run on the event loop; torch work belongs in a thread."""
+
+    async def on_phase(self, round: int, phase: Phase) -> None:
+        """Called once at the start of each phase (at once for the phase in progress at start)."""
+        ...
+
+    async def on_message(self, envelope: Envelope) -> None:
+        """Called for each accepted gossip envelope, after storage has recorded it."""
+        ...
+
+
+DutiesFactory = Callable[[NodeContext], Duties]
+
+
+class HeartbeatDuties:
+    """The minimal duty: publish a Heartbeat with our role and head at every phase start."""
+
+    def __init__(self, ctx: NodeContext) -> None:
+        self.ctx = ctx
+
+    async def on_phase(self, round: int, phase: Phase) -> None:
+        await self.ctx.publish(Heartbeat(round=round, role=self.ctx.config.node.role, head=await self.ctx.head()))
+
+    async def on_message(self, envelope: Envelope) -> None:
+        return None
+
+
+class Node:
+    """One running node. Build with `await Node.create(...)`; `await run()`; `stop()` from anywhere on the loop."""
+
+    def __init__(self, ctx: NodeContext, duties: Duties) -> None:
+        self.ctx = ctx
+        self.duties = duties
+        self.scheduler = Scheduler(ctx.schedule, ctx.clock, self._on_phase, self._on_run)
+        self.http: HttpApi | None = None
+        self._stop = asyncio.Event()
+        self._subscription: Subscription | None = None
+
+    @classmethod
+    async def create(cls, config: NodeConfig, network: Network | None = None, clock: Clock | None = None,
+                     duties: DutiesFactory | None = None) -> Node:
+        """Load spec and key, open storage and blobs, and join the network (libp2p when none is given)."""
+        spec = load_spec(config.node.spec)
+        identity = await asyncio.to_thread(load_or_create_identity, config.node.key)
+        clock = clock or SystemClock()
+        blobs = BlobStore(config.blob_dir)
+        storage = await Storage.open(config.db_path)
+        try:
+            if network is None:
+                network = await _open_libp2p(config, spec, identity, blobs, clock)
+            elif network.node_id != identity.node_id:
+                raise ValueError(f"network joined as {network.node_id[:12]} but the key is {identity.node_id[:12]}")
+        except BaseException:
+            await storage.close()
+            raise
+        metrics = NodeMetrics()
+        metrics.bind_network(lambda: network.stats, lambda: len(network.peers()))
+        ctx = NodeContext(config, spec, Schedule.from_spec(spec), identity, clock, storage, blobs, network, metrics)
+        return cls(ctx, (duties or HeartbeatDuties)(ctx))
+
+    async def run(self) -> None:
+        """Serve until `stop()`; always closes HTTP, network and storage on the way out."""
+        try:
+            if self.ctx.config.http.enabled:
+                self.http = await HttpApi.start(self, self.ctx.config.http.host, self.ctx.config.http.port)
+                log.info("http api on %s", self.http.url)
+            self._subscription = self.ctx.network.subscribe()
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(self._consume(self._subscription), name="gossip-consumer"),
+                         tg.create_task(self.scheduler.run(), name="scheduler")]
+                await self._stop.wait()
+                for task in tasks:
+                    task.cancel()
+        finally:
+            await self._close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def _close(self) -> None:
+        if self.http is not None:
+            await self.http.close()
+        await self.ctx.network.close()
+        await self.ctx.storage.close()
+
+    async def _consume(self, subscription: Subscription) -> None:
+        async for delivery in subscription:
+            envelope = delivery.envelope
+            message = envelope.message()  # the network's check already decoded it once
+            if not await self.ctx.storage.record_accepted(envelope, message, self.ctx.clock.now()):
+                continue  # accepted before a restart; the duties saw it then
+            try:
+                await self.duties.on_message(envelope)
+            except Exception:
+                log.exception("duty failed on %s from %s (round %d)", envelope.kind, envelope.sender[:12],
+                              envelope.round)
+
+    async def _on_phase(self, round: int, phase: Phase) -> None:
+        log.info("round %d: %s", round, phase)
+        if phase is Phase.TRAIN:
+            await self.ctx.storage.record_round(round, self.ctx.schedule.round_start(round))
+            await self._prune_blobs()
+        await self.duties.on_phase(round, phase)
+
+    async def _on_run(self, run: PhaseRun) -> None:
+        self.ctx.metrics.phase_run(run.round, run.phase, run.duration_s, run.late_s, run.ok)
+        await self.ctx.storage.record_phase_run(run)
+        if run.phase == Phase.MERGE:
+            await self.ctx.storage.export_rewards_jsonl(self.ctx.config.rewards_jsonl)
+
+    async def _prune_blobs(self) -> None:
+        keep = {h for h in (await self.ctx.storage.head(), await self.ctx.storage.get_state("momentum")) if h}
+        max_age = self.ctx.config.storage.blob_retention_rounds * self.ctx.schedule.round_seconds
+        deleted = await asyncio.to_thread(self.ctx.blobs.retain, keep, max_age)
+        if deleted:
+            log.info("pruned %d blob(s) older than %d rounds", len(deleted), self.ctx.config.storage.blob_retention_rounds)
+
+    # -- StatusSource for the HTTP API --------------------------------------------------------
+
+    async def status(self) -> dict[str, Any]:
+        ctx = self.ctx
+        now = ctx.clock.now()
+        round_, phase = ctx.schedule.phase_at(now) if now >= ctx.schedule.genesis_ts else (None, None)
+        return {
+            "role": ctx.config.node.role,
+            "node_id": ctx.identity.node_id,
+            "network_id": ctx.spec.network_id,
+            "network": ctx.spec.name,
+            "time": now,
+            "round": round_,
+            "phase": None if phase is None else str(phase),
+            "peers": len(ctx.network.peers()),
+            "listen": ctx.network.listen_addrs,
+            "head": await ctx.storage.head(),
+            "base": ctx.spec.model.base_hash,
+            "last_run": None if not self.scheduler.runs else _run_dict(self.scheduler.runs[-1]),
+        }
+
+    async def rewards(self) -> dict[str, Any]:
+        return (await self.ctx.storage.rewards()).as_dict()
+
+    def metrics_text(self) -> bytes:
+        return self.ctx.metrics.render()
+
+
+def _run_dict(run: PhaseRun) -> dict[str, Any]:
+    return {"round": run.round, "phase": run.phase, "ok": run.ok, "error": run.error,
+            "duration_s": round(run.duration_s, 3), "late_s": round(run.late_s, 3)}
+
+
+async def _open_libp2p(config: NodeConfig, spec: NetworkSpec, identity: Identity, blobs: BlobStore,
+                       clock: Clock) -> Network:
+    from node.p2p import LibP2PNetwork  # the one module that imports libp2p and trio
+
+    return await LibP2PNetwork.create(
+        identity=identity, spec=spec, blobs=blobs, now=clock.now, host=config.p2p.host, port=config.p2p.port,
+        bootstrap=config.p2p.bootstrap, max_peers=config.p2p.max_peers,
+    )
+
+
+def serve(config: NodeConfig, duties: DutiesFactory | None = None) -> int:
+    """Run a node in this process until SIGINT/SIGTERM; returns the exit code (0 on a clean stop)."""
+
+    async def main() -> int:
+        node = await Node.create(config, duties=duties)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, node.stop)
+        log.info("%s %s on network %s", config.node.role, node.ctx.identity.node_id[:12], node.ctx.spec.name)
+        await node.run()
+        return 0
+
+    return asyncio.run(main())

@@ -1,0 +1,112 @@
+"""The round scheduler: runs the node's phase handler at the start of every phase, on an injected Clock.
+
+A plain loop over `Schedule.phase_at` / `next_phase_start` rather than APScheduler: the phase
+boundaries are pure functions of the spec, so the loop needs no job store or trigger objects, and
+with a `ManualClock` a test drives it through rounds deterministically without sleeping.
+
+Semantics:
+- a node started mid-phase runs that phase's handler at once (it resumes in the current round);
+- handlers run one at a time: one that overruns its phase delays the next, never overlaps it, and
+  phases whose window passed meanwhile are skipped (logged) in favour of the one now in progress;
+- a handler that raises is logged and recorded as a failed run; the loop goes on.
+This module knows nothing about what a phase's duty does, messages, storage or networking.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from node.clock import Clock
+from protocol.rounds import Phase, Schedule
+
+log = logging.getLogger(__name__)
+
+PhaseHandler = Callable[[int, Phase], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseRun:
+    """One run of the phase handler: when its phase began, when it ran, and how it ended."""
+
+    round: int
+    phase: str
+    started_at: float
+    finished_at: float
+    ok: bool
+    error: str = ""
+    phase_start: float = 0.0
+
+    @property
+    def duration_s(self) -> float:
+        return self.finished_at - self.started_at
+
+    @property
+    def late_s(self) -> float:
+        """How long after its phase began the handler started (resumes and overruns show here)."""
+        return max(0.0, self.started_at - self.phase_start)
+
+
+class Scheduler:
+    """Fires `handler(round, phase)` at each phase start; `await run()` until cancelled."""
+
+    def __init__(self, schedule: Schedule, clock: Clock, handler: PhaseHandler,
+                 on_run: Callable[[PhaseRun], Awaitable[None]] | None = None, history: int = 64) -> None:
+        self.schedule = schedule
+        self.clock = clock
+        self._handler = handler
+        self._on_run = on_run
+        self.current: tuple[int, Phase] | None = None
+        self.runs: deque[PhaseRun] = deque(maxlen=history)
+        self.skipped = 0
+
+    async def run(self) -> None:
+        last: tuple[int, Phase] | None = None
+        while True:
+            now = self.clock.now()
+            if now < self.schedule.genesis_ts:
+                log.info("waiting %.1f s for genesis", self.schedule.genesis_ts - now)
+                await self.clock.sleep_until(self.schedule.genesis_ts)
+                continue
+            due = self.schedule.phase_at(now)
+            if due == last:
+                _, _, start = self.schedule.next_phase_start(now)
+                await self.clock.sleep_until(start)
+                continue
+            if last is not None and due != self._following(last):
+                self._note_skip(last, due)
+            last = due
+            await self._fire(*due)
+
+    def _following(self, at: tuple[int, Phase]) -> tuple[int, Phase]:
+        r, phase, _ = self.schedule.next_phase_start(self.schedule.phase_window(*at)[0])
+        return r, phase
+
+    def _note_skip(self, last: tuple[int, Phase], due: tuple[int, Phase]) -> None:
+        step, n = self._following(last), 0
+        while step != due:
+            n += 1
+            step = self._following(step)
+        self.skipped += n
+        log.warning("handler for round %d %s overran: skipping %d phase(s), now at round %d %s",
+                    last[0], last[1], n, due[0], due[1])
+
+    async def _fire(self, r: int, phase: Phase) -> None:
+        self.current = (r, phase)
+        phase_start = self.schedule.phase_window(r, phase)[0]
+        started = self.clock.now()
+        error = ""
+        try:
+            await self._handler(r, phase)
+        except Exception as exc:  # a failing duty must not stop the node; the run records it
+            error = f"{type(exc).__name__}: {exc}"
+            log.exception("round %d %s: phase handler failed", r, phase)
+        run = PhaseRun(r, str(phase), started, self.clock.now(), not error, error, phase_start)
+        self.runs.append(run)
+        if self._on_run is not None:
+            try:
+                await self._on_run(run)
+            except Exception:
+                log.exception("round %d %s: recording the phase run failed", r, phase)

@@ -1,0 +1,170 @@
+"""Write a self-contained simulation network directory: spec, tiny model config, data and keys.
+
+`make_sim_network` lays out, under one directory:
+    spec.toml                 the network spec (valid per protocol.spec)
+    model.json                the tiny model's HF config; weights come from `model.init_seed`
+    data/train.jsonl          miners' training data (arithmetic domain)
+    data/heldout.jsonl        validators' held-out data (same domain, another seed, disjoint)
+    data/general.jsonl        mixed code and prose, for `select-experts --rule differential`
+    keys/validator-{i}.key    the validator keys (mode 0600), derived from the seed
+The expert group is chosen by running gate-mass selection on the training data. Everything is
+derived from `seed` and `genesis`, so the same arguments write the same bytes. This module knows
+nothing about running the network; `tessera simulate` and the tests start processes from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from protocol.identity import Identity, save_identity
+from protocol.spec import load_spec
+from training.adapters import adapter_for
+from training.corpus import generate, write_documents
+from training.data import file_sha256, pack
+from training.model import build_tiny_model, state_hash, tiny_config
+from training.selection import select_experts
+from training.tokenizer import ByteTokenizer
+
+DEFAULT_TIMING = {"train_s": 40.0, "commit_s": 4.0, "reveal_s": 8.0, "evaluate_s": 8.0, "merge_s": 6.0}
+TRAIN_DOCS = 2000
+HELDOUT_DOCS = 300
+GENERAL_DOCS = 400
+SEQ_LEN = 64
+SELECTION_SEQUENCES = 64
+
+
+@dataclass(frozen=True)
+class SimNetwork:
+    """Where a simulation network's files are, and who its validators are."""
+
+    directory: Path
+    spec_path: Path
+    network_id: str
+    validator_ids: list[str]
+    validator_keys: list[Path]
+    group: dict[int, list[int]]
+
+
+def sim_identity(seed: int, role: str, index: int) -> Identity:
+    """The deterministic key of simulation node `role`-`index` (e.g. "validator", 0)."""
+    return Identity.from_seed(hashlib.sha256(f"tessera-sim:{seed}:{role}:{index}".encode()).digest())
+
+
+def make_sim_network(
+    directory: str | Path,
+    validators: int = 2,
+    family: str = "qwen3_moe",
+    genesis: datetime | None = None,
+    timing: Mapping[str, float] | None = None,
+    seed: int = 0,
+    experts_per_layer: int = 2,
+) -> SimNetwork:
+    """Create the directory (which must be empty or absent) and write a simulation network into it."""
+    directory = Path(directory).resolve()
+    if directory.exists() and any(directory.iterdir()):
+        raise ValueError(f"{directory}: directory is not empty; choose a new directory for the simulation")
+    if validators < 1:
+        raise ValueError(f"a network needs at least one validator, got {validators}")
+    unknown = set(timing or {}) - set(DEFAULT_TIMING) - {"clock_skew_s"}
+    if unknown:
+        raise ValueError(f"unknown timing field(s): {', '.join(sorted(unknown))}")
+    directory.mkdir(parents=True, exist_ok=True)
+
+    base_hash, group = _write_model_and_data(directory, family, seed, experts_per_layer)
+    ids, keys = [], []
+    for i in range(validators):
+        identity = sim_identity(seed, "validator", i)
+        key_path = directory / "keys" / f"validator-{i}.key"
+        save_identity(identity, key_path)
+        ids.append(identity.node_id)
+        keys.append(key_path)
+
+    when = genesis or datetime.now(UTC).replace(microsecond=0)
+    spec = {
+        "name": f"sim-{seed}",
+        "genesis": when.astimezone(UTC),
+        "timing": {**DEFAULT_TIMING, **(timing or {})},
+        "model": {"family": family, "config": "model.json", "init_seed": seed, "base_hash": base_hash},
+        "group": {str(layer): experts for layer, experts in sorted(group.items())},
+        "data": {
+            "train": ["data/train.jsonl"],
+            "heldout_sha256": file_sha256(directory / "data" / "heldout.jsonl"),
+            "tokenizer": "byte",
+            "seq_len": SEQ_LEN,
+            "heldout_sequences": 32,
+        },
+        "training": {"inner_steps": 20},
+        "validators": [{"key": node_id, "weight": 1.0} for node_id in ids],
+    }
+    spec_path = directory / "spec.toml"
+    spec_path.write_text(to_toml(spec), encoding="utf-8")
+    loaded = load_spec(spec_path)
+    return SimNetwork(directory, spec_path, loaded.network_id, ids, keys, dict(loaded.group))
+
+
+def _write_model_and_data(
+    directory: Path, family: str, seed: int, experts_per_layer: int
+) -> tuple[str, dict[int, list[int]]]:
+    config = tiny_config(family)
+    (directory / "model.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    train = generate("arithmetic", TRAIN_DOCS, seed)
+    seen = set(train)
+    heldout = [doc for doc in generate("arithmetic", HELDOUT_DOCS, seed + 1_000_003) if doc not in seen]
+    general = generate("code", GENERAL_DOCS // 2, seed) + generate("prose", GENERAL_DOCS // 2, seed)
+    data = directory / "data"
+    write_documents(data / "train.jsonl", train)
+    write_documents(data / "heldout.jsonl", heldout)
+    write_documents(data / "general.jsonl", general)
+
+    model = build_tiny_model(family, config, seed)
+    adapter = adapter_for(family)
+    sequences = pack(train, ByteTokenizer(), SEQ_LEN)[:SELECTION_SEQUENCES]
+    selection = select_experts(model, adapter, sequences, "gate-mass", top_d=experts_per_layer)
+    group = {int(layer): ids for layer, ids in selection["group"].items()}
+    return state_hash(model), group
+
+
+def to_toml(table: Mapping[str, object]) -> str:
+    """Write a spec-shaped mapping as TOML: scalars first, then sub-tables, then arrays of tables."""
+    lines: list[str] = []
+    _emit_table(lines, table, prefix="")
+    return "\n".join(lines).strip() + "\n"
+
+
+def _emit_table(lines: list[str], table: Mapping[str, object], prefix: str) -> None:
+    subtables = {k: v for k, v in table.items() if isinstance(v, Mapping)}
+    arrays = {k: v for k, v in table.items() if isinstance(v, list) and v and isinstance(v[0], Mapping)}
+    for key, value in table.items():
+        if key not in subtables and key not in arrays:
+            lines.append(f"{_key(key)} = {_value(value)}")
+    for key, value in subtables.items():
+        name = f"{prefix}{_key(key)}"
+        lines.extend(["", f"[{name}]"])
+        _emit_table(lines, value, prefix=f"{name}.")
+    for key, items in arrays.items():
+        for item in items:
+            lines.extend(["", f"[[{prefix}{_key(key)}]]"])
+            _emit_table(lines, item, prefix=f"{prefix}{_key(key)}.")
+
+
+def _key(key: str) -> str:
+    return key if key.replace("_", "").replace("-", "").isalnum() and key.isascii() else json.dumps(key)
+
+
+def _value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, datetime):
+        return value.isoformat().replace("+00:00", "Z")
+    if isinstance(value, list):
+        return "[" + ", ".join(_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} as TOML")

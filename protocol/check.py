@@ -1,0 +1,128 @@
+"""Gossip validation: a pure function that gives every incoming envelope ACCEPT, IGNORE or REJECT.
+
+REJECT means the sender is at fault (malformed, oversized, wrong network, bad signature, a
+validator message from a non-validator, equivocation, outside its phase window); IGNORE means it
+is not (a replay of something already accepted, a round too old to matter). Anyone may mine, so a
+miner message from an unknown sender is judged like any other. The caller owns the clock, the set
+of accepted ids and the first message seen per (kind, sender, round); this module never raises
+for bad peer input, keeps no state and knows nothing about transport or storage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from protocol.messages import VALIDATOR_KINDS, DecodeError, Envelope, decode_envelope
+from protocol.rounds import Phase, Schedule
+
+
+class Verdict(StrEnum):
+    ACCEPT = "accept"
+    IGNORE = "ignore"
+    REJECT = "reject"
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """A verdict, a short stable reason (used as a metric label) and an optional free-text detail."""
+
+    verdict: Verdict
+    reason: str
+    detail: str = ""
+
+    @property
+    def accepted(self) -> bool:
+        return self.verdict is Verdict.ACCEPT
+
+
+ACCEPTED = CheckResult(Verdict.ACCEPT, "ok")
+
+# (kind, sender, round) -> id of the first accepted message with that key.
+SeenKey = tuple[str, str, int]
+
+
+@dataclass(frozen=True)
+class CheckContext:
+    """What a receiver knows when a message arrives."""
+
+    network_id: str
+    validators: Mapping[str, float]
+    schedule: Schedule
+    now: float
+    seen: Container[str] = frozenset()
+    first_seen: Mapping[SeenKey, str] = field(default_factory=dict)
+
+    @property
+    def current_round(self) -> int:
+        """The round in progress, or 0 before genesis (round 0's windows then judge early messages)."""
+        if self.now < self.schedule.genesis_ts:
+            return 0
+        return self.schedule.round_at(self.now)
+
+
+def window(kind: str, r: int, schedule: Schedule) -> tuple[float, float]:
+    """The window [start, end) in which a `kind` message of round `r` is on time, before skew."""
+    if kind == "seed_commit":
+        return schedule.phase_window(r, Phase.TRAIN)
+    if kind == "commit":
+        return schedule.phase_window(r, Phase.COMMIT)
+    if kind in ("reveal", "seed_reveal"):
+        return schedule.phase_window(r, Phase.REVEAL)
+    if kind == "score_report":
+        return schedule.phase_window(r, Phase.EVALUATE)[0], schedule.phase_window(r, Phase.MERGE)[1]
+    if kind == "global_state":
+        return schedule.phase_window(r, Phase.MERGE)[0], schedule.phase_window(r + 1, Phase.TRAIN)[1]
+    if kind == "heartbeat":
+        return schedule.round_start(r), schedule.round_start(r + 1)
+    raise AssertionError(f"no window defined for message kind {kind!r}")
+
+
+def check(envelope: Envelope, ctx: CheckContext) -> CheckResult:
+    """Judge a decoded envelope against the context; never raises for peer input."""
+    if envelope.network != ctx.network_id:
+        return CheckResult(Verdict.REJECT, "wrong network")
+    message_id = envelope.message_id
+    if message_id in ctx.seen:
+        return CheckResult(Verdict.IGNORE, "duplicate")
+    try:
+        message = envelope.message()
+    except DecodeError as exc:
+        return CheckResult(Verdict.REJECT, "malformed body", str(exc))
+    if message.round != envelope.round:
+        return CheckResult(Verdict.REJECT, "round mismatch")
+    if not envelope.signature_ok():
+        return CheckResult(Verdict.REJECT, "bad signature")
+    if envelope.kind in VALIDATOR_KINDS and envelope.sender not in ctx.validators:
+        return CheckResult(Verdict.REJECT, "not a validator")
+    return _check_timing(envelope, message_id, ctx)
+
+
+def _check_timing(envelope: Envelope, message_id: str, ctx: CheckContext) -> CheckResult:
+    if envelope.round < ctx.current_round - 1:
+        return CheckResult(Verdict.IGNORE, "old round")
+    if envelope.kind != "heartbeat":
+        first = ctx.first_seen.get((envelope.kind, envelope.sender, envelope.round))
+        if first is not None and first != message_id:
+            return CheckResult(Verdict.REJECT, "equivocation")
+    start, end = window(envelope.kind, envelope.round, ctx.schedule)
+    skew = ctx.schedule.clock_skew_s
+    if ctx.now < start - skew:
+        return CheckResult(Verdict.REJECT, f"outside {envelope.kind} window", "too early")
+    if ctx.now >= end + skew:
+        if envelope.kind == "heartbeat":
+            return CheckResult(Verdict.IGNORE, "old heartbeat")
+        return CheckResult(Verdict.REJECT, f"outside {envelope.kind} window", "too late")
+    return ACCEPTED
+
+
+def check_bytes(data: bytes, ctx: CheckContext, max_bytes: int) -> tuple[CheckResult, Envelope | None]:
+    """Decode and judge raw gossip bytes; the envelope is None when the bytes did not decode."""
+    if len(data) > max_bytes:
+        return CheckResult(Verdict.REJECT, "oversized", f"{len(data)} > {max_bytes} bytes"), None
+    try:
+        envelope = decode_envelope(data, max_bytes)
+    except DecodeError as exc:
+        return CheckResult(Verdict.REJECT, "malformed envelope", str(exc)), None
+    return check(envelope, ctx), envelope

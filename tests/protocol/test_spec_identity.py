@@ -1,0 +1,144 @@
+"""Spec loading (errors name the field) and key files (mode 0600, never overwritten)."""
+
+from __future__ import annotations
+
+import copy
+import os
+from datetime import UTC, datetime, timedelta, timezone
+
+import pytest
+
+from protocol.identity import (
+    Identity,
+    KeyFileError,
+    load_identity,
+    load_or_create_identity,
+    save_identity,
+    verify,
+)
+from protocol.spec import SpecError, load_spec, parse_spec
+
+
+def test_valid_spec_round_trips_through_toml(spec_dict, write_spec) -> None:
+    spec = load_spec(write_spec(spec_dict))
+    assert spec == parse_spec(spec_dict)
+    assert spec.group == {0: [1, 3], 1: [0]}
+    assert spec.timing.round_seconds == 60
+    assert len(spec.network_id) == 64
+
+
+def test_network_id_ignores_spelling_but_not_content(spec_dict) -> None:
+    base = parse_spec(spec_dict).network_id
+    respelled = copy.deepcopy(spec_dict)
+    respelled["timing"]["train_s"] = 30.0
+    respelled["group"] = {"1": [0], "0": [3, 1]}
+    respelled["genesis"] = datetime(2026, 1, 1, 1, tzinfo=timezone(timedelta(hours=1)))
+    assert parse_spec(respelled).network_id == base
+    changed = copy.deepcopy(spec_dict)
+    changed["rewards"]["top_k"] = 4
+    assert parse_spec(changed).network_id != base
+
+
+def test_genesis_as_iso_string(spec_dict) -> None:
+    spec_dict["genesis"] = "2026-01-01T00:00:00Z"
+    assert parse_spec(spec_dict).genesis == datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def _set(data: dict, dotted: str, value: object) -> dict:
+    data = copy.deepcopy(data)
+    *parents, last = dotted.split(".")
+    node = data
+    for p in parents:
+        node = node[p]
+    if value is KeyError:
+        del node[last]
+    else:
+        node[last] = value
+    return data
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("model.base_hash", "not-a-hash"),
+        ("model.base_hash", "AB" * 32),
+        ("data.heldout_sha256", KeyError),
+        ("timing.train_s", "fast"),
+        ("timing.commit_s", True),
+        ("timing.merge_s", -1),
+        ("data.seq_len", "64"),
+        ("rewards.top_k", 0),
+        ("genesis", "yesterday"),
+        ("genesis", datetime(2026, 1, 1)),
+        ("name", KeyError),
+        ("group", {"x": [1]}),
+        ("group", {"0": []}),
+        ("unknown_field", 1),
+        ("model.checkpoint", "ckpt"),
+    ],
+)
+def test_malformed_spec_names_the_field(spec_dict, field: str, value: object) -> None:
+    name = field.split(".")[0] if field.startswith("group") or field == "model.checkpoint" else field
+    with pytest.raises(SpecError) as info:
+        parse_spec(_set(spec_dict, field, value))
+    assert str(info.value).startswith(name), str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_duplicate_validator_refused(spec_dict) -> None:
+    spec_dict["validators"].append(dict(spec_dict["validators"][0]))
+    with pytest.raises(SpecError, match="validators: .*appears twice"):
+        parse_spec(spec_dict)
+
+
+def test_load_spec_file_errors(tmp_path) -> None:
+    with pytest.raises(SpecError, match="no such spec file"):
+        load_spec(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("name = 'x'\n[timing\n")
+    with pytest.raises(SpecError, match="not valid TOML"):
+        load_spec(bad)
+
+
+def test_key_file_written_0600_and_never_overwritten(tmp_path) -> None:
+    path = tmp_path / "keys" / "node.key"
+    identity = Identity.from_seed(bytes(32))
+    save_identity(identity, path)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert load_identity(path).node_id == identity.node_id
+    with pytest.raises(KeyFileError, match="refusing to overwrite"):
+        save_identity(Identity.generate(), path)
+    assert load_identity(path).node_id == identity.node_id
+
+
+def test_key_file_readable_by_others_refused(tmp_path) -> None:
+    path = tmp_path / "node.key"
+    save_identity(Identity.generate(), path)
+    os.chmod(path, 0o644)
+    with pytest.raises(KeyFileError, match="chmod 600"):
+        load_identity(path)
+
+
+def test_key_file_errors(tmp_path) -> None:
+    with pytest.raises(KeyFileError, match="keygen"):
+        load_identity(tmp_path / "none.key")
+    junk = tmp_path / "junk.key"
+    junk.write_text("hello")
+    os.chmod(junk, 0o600)
+    with pytest.raises(KeyFileError, match="not a PEM"):
+        load_identity(junk)
+
+
+def test_load_or_create_is_stable(tmp_path) -> None:
+    path = tmp_path / "node.key"
+    first = load_or_create_identity(path)
+    assert load_or_create_identity(path).node_id == first.node_id
+
+
+def test_signatures() -> None:
+    identity = Identity.from_seed(bytes(range(32)))
+    sig = identity.sign(b"data")
+    assert verify(identity.node_id, b"data", sig)
+    assert not verify(identity.node_id, b"date", sig)
+    assert not verify("zz", b"data", sig)
+    assert not verify(identity.node_id, b"data", sig[:-1])

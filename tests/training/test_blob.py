@@ -1,0 +1,154 @@
+"""Canonical blob format: bit-exact round trips, one byte form, and the safetensors library agrees."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+
+from training.blob import (
+    BLOB_FORMAT,
+    BlobError,
+    BlobMeta,
+    blob_dtype,
+    blob_hash,
+    decode_blob,
+    decode_header,
+    encode_blob,
+    max_blob_bytes,
+    write_blob_file,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+GROUP = {2: [3, 0], 0: [1]}
+META = BlobMeta(network="ab" * 32, round=7, miner="cd" * 32, base="ef" * 32, group=GROUP)
+MAX_HEADER = 4096
+
+
+
+def make_tensors(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    out = {}
+    for layer, experts in GROUP.items():
+        for e in experts:
+            out[f"layers.{layer}.experts.{e}.gate_up_proj"] = torch.randn(8, 6, generator=g).to(dtype)
+            out[f"layers.{layer}.experts.{e}.down_proj"] = torch.randn(6, 4, generator=g).to(dtype)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_round_trip_is_bit_exact(dtype: torch.dtype) -> None:
+    tensors = make_tensors(dtype)
+    meta, decoded = decode_blob(encode_blob(tensors, META), MAX_HEADER)
+    assert meta.network == META.network and meta.round == 7 and meta.miner == META.miner
+    assert meta.group == {0: [1], 2: [0, 3]} and meta.format == BLOB_FORMAT
+    assert list(decoded) == sorted(tensors)
+    for name, tensor in tensors.items():
+        assert decoded[name].dtype == dtype and decoded[name].shape == tensor.shape
+        assert torch.equal(decoded[name].view(torch.int16 if dtype != torch.float32 else torch.int32),
+                           tensor.view(torch.int16 if dtype != torch.float32 else torch.int32))
+
+
+def test_decoded_tensors_own_their_memory() -> None:
+    data = bytearray(encode_blob(make_tensors(torch.float32), META))
+    _, decoded = decode_blob(bytes(data), MAX_HEADER)
+    before = decoded["layers.0.experts.1.down_proj"].clone()
+    data[-50:] = b"\x00" * 50
+    assert torch.equal(decoded["layers.0.experts.1.down_proj"], before)
+
+
+def test_same_content_same_bytes_regardless_of_insertion_order() -> None:
+    tensors = make_tensors(torch.float32)
+    reordered = dict(reversed(list(tensors.items())))
+    meta2 = BlobMeta(network=META.network, round=7, miner=META.miner, base=META.base, group={0: [1], 2: [0, 3]})
+    assert encode_blob(tensors, META) == encode_blob(reordered, meta2)
+
+
+def test_byte_identical_across_processes() -> None:
+    script = (
+        "import sys, torch; sys.path.insert(0, 'tests/training')\n"
+        "from test_blob import META, make_tensors\n"
+        "from training.blob import blob_hash, encode_blob\n"
+        "print(blob_hash(encode_blob(make_tensors(torch.bfloat16), META)))"
+    )
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == blob_hash(encode_blob(make_tensors(torch.bfloat16), META))
+
+
+def test_header_layout_is_canonical() -> None:
+    data = encode_blob(make_tensors(torch.float32), META)
+    (n,) = struct.unpack("<Q", data[:8])
+    raw = data[8 : 8 + n]
+    assert n % 8 == 0
+    text = raw.decode().rstrip(" ")
+    header = json.loads(text)
+    assert text == json.dumps(header, sort_keys=True, separators=(",", ":"))
+    assert header["__metadata__"] == {"tessera": META.to_json()}
+    assert json.loads(META.to_json())["group"] == {"0": [1], "2": [0, 3]}
+    names = [k for k in header if k != "__metadata__"]
+    assert names == sorted(names)
+    offsets = [header[k]["data_offsets"] for k in names]
+    assert offsets[0][0] == 0 and all(a[1] == b[0] for a, b in zip(offsets, offsets[1:], strict=False))
+    assert offsets[-1][1] == len(data) - 8 - n
+
+
+def test_safetensors_library_reads_our_blob(tmp_path: Path) -> None:
+    tensors = make_tensors(torch.bfloat16)
+    data = encode_blob(tensors, META)
+    loaded = safetensors.torch.load(data)
+    assert set(loaded) == set(tensors)
+    assert all(torch.equal(loaded[k], tensors[k]) for k in tensors)
+    path = tmp_path / "blob.safetensors"
+    write_blob_file(path, data)
+    with safetensors.safe_open(str(path), framework="pt") as fh:
+        assert fh.metadata() == {"tessera": META.to_json()}
+
+
+def test_safetensors_library_output_is_not_canonical() -> None:
+    tensors = make_tensors(torch.float32)
+    theirs = safetensors.torch.save(tensors, metadata={"tessera": META.to_json()})
+    with pytest.raises(BlobError, match="not canonical"):
+        decode_header(theirs, MAX_HEADER)
+
+
+def test_oversized_header_refused_before_reading_it() -> None:
+    claim = struct.pack("<Q", 1 << 30)
+    with pytest.raises(BlobError) as info:
+        decode_header(claim, MAX_HEADER)
+    assert info.value.reason == "header too large"
+    with pytest.raises(BlobError) as info:
+        decode_header(claim[:5], MAX_HEADER)
+    assert info.value.reason == "truncated"
+
+
+def test_max_blob_bytes_is_tight() -> None:
+    tensors = make_tensors(torch.float16)
+    data = encode_blob(tensors, META)
+    (n,) = struct.unpack("<Q", data[:8])
+    shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+    assert max_blob_bytes(shapes, "float16", n) == len(data)
+    assert max_blob_bytes(shapes, torch.float32, n) == 8 + n + 2 * (len(data) - 8 - n)
+
+
+def test_dtype_names() -> None:
+    assert [blob_dtype(d) for d in ("float32", "BF16", torch.float16)] == ["F32", "BF16", "F16"]
+    with pytest.raises(ValueError, match="unsupported blob dtype"):
+        blob_dtype("int8")
+    with pytest.raises(ValueError, match="unsupported blob dtype"):
+        encode_blob({"x": torch.zeros(2, dtype=torch.int64)}, META)
+
+
+def test_write_blob_file_is_atomic_and_overwrites(tmp_path: Path) -> None:
+    path = tmp_path / "b.safetensors"
+    write_blob_file(path, b"old contents")
+    data = encode_blob(make_tensors(torch.float32), META)
+    write_blob_file(path, data)
+    assert path.read_bytes() == data
+    assert [p.name for p in tmp_path.iterdir()] == ["b.safetensors"]

@@ -1,0 +1,166 @@
+"""Data loading, packing, sharding, batching, held-out subsets and the synthetic corpora."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from training.corpus import generate, write_corpus, write_documents
+from training.data import (
+    batches,
+    check_disjoint,
+    file_sha256,
+    heldout_subset,
+    load_sequences,
+    pack,
+    read_documents,
+    shard,
+)
+from training.tokenizer import ByteTokenizer, load_tokenizer
+
+DOCS = ["alpha beta", "gamma\ndelta", "épsilon ζ"]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "txt", "parquet"])
+def test_each_format_reads_back_the_documents_written(tmp_path: Path, fmt: str) -> None:
+    path = write_documents(tmp_path / f"docs.{fmt}", DOCS, fmt)
+    assert read_documents(path) == DOCS
+
+
+def test_txt_splits_documents_on_blank_lines(tmp_path: Path) -> None:
+    path = tmp_path / "a.txt"
+    path.write_text("one\ntwo\n\n\nthree\n\n", encoding="utf-8")
+    assert read_documents(path) == ["one\ntwo", "three"]
+
+
+def test_bad_jsonl_line_names_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"text": "ok"}) + "\n\n{not json\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:3: not valid JSON"):
+        read_documents(path)
+    path.write_text(json.dumps({"body": "no text"}) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1: .*'text'"):
+        read_documents(path)
+
+
+def test_parquet_without_text_column_is_refused(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "p.parquet")
+    with pytest.raises(ValueError, match="no 'text' column"):
+        read_documents(tmp_path / "p.parquet")
+
+
+def test_unknown_suffix_and_missing_file_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unsupported data file type"):
+        read_documents(tmp_path / "x.csv")
+    with pytest.raises(ValueError, match="no such data file"):
+        read_documents(tmp_path / "x.jsonl")
+
+
+def test_pack_appends_eos_and_pads_only_the_last_row() -> None:
+    tok = ByteTokenizer()
+    packed = pack(["ab", "cde"], tok, seq_len=4)
+    assert packed.dtype == torch.long
+    assert packed.tolist() == [[97, 98, 258, 99], [100, 101, 258, 256]]
+    assert pack(["abc"], tok, seq_len=4).tolist() == [[97, 98, 99, 258]]
+
+
+def test_load_sequences_concatenates_files_in_order(tmp_path: Path) -> None:
+    a = write_documents(tmp_path / "a.jsonl", ["xy"])
+    b = write_documents(tmp_path / "b.txt", ["z"], "txt")
+    tok = ByteTokenizer()
+    assert load_sequences([a, b], tok, 3).tolist() == [[120, 121, 258], [122, 258, 256]]
+    assert load_sequences([b, a], tok, 3).tolist() == [[122, 258, 120], [121, 258, 256]]
+
+
+def test_load_tokenizer_byte_and_missing_directory(tmp_path: Path) -> None:
+    tok = load_tokenizer("byte", tmp_path)
+    assert (tok.vocab_size, tok.pad_id, tok.eos_id) == (260, 256, 258)
+    assert tok.encode("é") == [0xC3, 0xA9]
+    with pytest.raises(ValueError, match="not a directory"):
+        load_tokenizer("no-such-tokenizer", tmp_path)
+
+
+def _rows(n: int, seq_len: int = 4) -> torch.Tensor:
+    return torch.arange(n * seq_len).view(n, seq_len)
+
+
+def test_shard_is_deterministic_per_miner_and_differs_between_miners() -> None:
+    data = _rows(100)
+    a1, a2 = shard(data, "miner-a", 3), shard(data, "miner-a", 3)
+    b = shard(data, "miner-b", 3)
+    assert torch.equal(a1, a2)
+    assert a1.shape == (50, 4)
+    assert not torch.equal(a1, b)
+    a_next = shard(data, "miner-a", 4)
+    assert set(map(tuple, a_next.tolist())) == set(map(tuple, a1.tolist()))
+    assert not torch.equal(a_next, a1)
+
+
+def test_batches_are_endless_deterministic_and_cover_every_row_per_pass() -> None:
+    data = _rows(10)
+    first = [b.clone() for _, b in zip(range(5), batches(data, 4, seed=7), strict=False)]
+    again = [b.clone() for _, b in zip(range(5), batches(data, 4, seed=7), strict=False)]
+    other = [b.clone() for _, b in zip(range(5), batches(data, 4, seed=8), strict=False)]
+    assert all(torch.equal(x, y) for x, y in zip(first, again, strict=True))
+    assert not all(torch.equal(x, y) for x, y in zip(first, other, strict=True))
+    seen = torch.cat(first)[:10, 0].div(4, rounding_mode="floor")
+    assert sorted(seen.tolist()) == list(range(10))
+
+
+def test_heldout_subset_follows_the_round_seed() -> None:
+    data = _rows(50)
+    seed_a, seed_b = "ab" * 32, "cd" * 32
+    subset = heldout_subset(data, seed_a, 8)
+    assert torch.equal(subset, heldout_subset(data, seed_a, 8))
+    assert subset.shape == (8, 4)
+    assert not torch.equal(subset, heldout_subset(data, seed_b, 8))
+    with pytest.raises(ValueError, match="has 50 sequences but the spec asks for 51"):
+        heldout_subset(data, seed_a, 51)
+
+
+def test_file_sha256_and_disjointness(tmp_path: Path) -> None:
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"abc")
+    assert file_sha256(path) == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    check_disjoint(["a", "b"], ["c"])
+    with pytest.raises(ValueError, match="shares 1 document"):
+        check_disjoint(["a", "b"], ["b", "c"])
+
+
+def test_corpus_is_deterministic_and_seed_dependent(tmp_path: Path) -> None:
+    assert generate("arithmetic", 20, 1) == generate("arithmetic", 20, 1)
+    assert generate("arithmetic", 20, 1) != generate("arithmetic", 20, 2)
+    p1 = write_corpus(tmp_path / "a.jsonl", "code", 30, 5)
+    p2 = write_corpus(tmp_path / "b.jsonl", "code", 30, 5)
+    assert p1.read_bytes() == p2.read_bytes()
+    with pytest.raises(ValueError, match="unknown corpus domain"):
+        generate("poetry", 1, 0)
+
+
+def test_arithmetic_lines_are_correct() -> None:
+    for doc in generate("arithmetic", 50, 3):
+        for line in doc.splitlines():
+            lhs, rhs = line.split("=")
+            assert eval(lhs) == int(rhs), line  # noqa: S307 - generated arithmetic only
+
+
+def test_domains_are_distinguishable_by_byte_statistics() -> None:
+    def profile(domain: str, seed: int) -> torch.Tensor:
+        counts = torch.zeros(256)
+        for doc in generate(domain, 200, seed):
+            counts += torch.bincount(torch.tensor(list(doc.encode())), minlength=256).float()
+        return counts / counts.sum()
+
+    profiles = {d: profile(d, 0) for d in ("arithmetic", "code", "prose")}
+    for domain in profiles:
+        fresh = profile(domain, 1)
+        nearest = min(profiles, key=lambda d: float((profiles[d] - fresh).abs().sum()))
+        assert nearest == domain
+    digits = sum(profiles["arithmetic"][ord(c)] for c in "0123456789")
+    assert digits > 0.5 > sum(profiles["prose"][ord(c)] for c in "0123456789")

@@ -1,0 +1,104 @@
+"""Synthetic domain corpora for simulations and tests, deterministic from a seed.
+
+Three domains a byte-level model can tell apart: "arithmetic" (lines such as `12+7=19` and
+`(3*4)-5=7`, always correct), "code" (small Python-like function definitions) and "prose"
+(plain sentences from a fixed vocabulary). The same (domain, n_docs, seed) always gives the
+same documents. This module knows nothing about tokenizers, models or the network.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+DOMAINS = ("arithmetic", "code", "prose")
+FORMATS = ("jsonl", "txt", "parquet")
+
+_NAMES = ("total", "count", "value", "item", "index", "size", "left", "right", "acc", "step")
+_FUNCS = ("add", "scale", "clip", "merge", "count", "find", "shift", "norm", "pick", "sum_of")
+_SUBJECTS = ("the miner", "a validator", "the old river", "my neighbour", "the small dog", "every student")
+_VERBS = ("walked to", "looked at", "wrote about", "carried", "remembered", "painted")
+_OBJECTS = ("the market", "a green door", "the quiet hills", "an empty boat", "the last letter", "a warm loaf")
+_TAILS = ("before noon", "in the rain", "without a word", "with great care", "after supper", "once again")
+
+
+def _arithmetic_line(rng: random.Random) -> str:
+    a, b, c = rng.randint(0, 99), rng.randint(0, 99), rng.randint(1, 12)
+    form = rng.randrange(4)
+    if form == 0:
+        return f"{a}+{b}={a + b}"
+    if form == 1:
+        return f"{a}-{b}={a - b}"
+    if form == 2:
+        return f"{a % 13}*{c}={(a % 13) * c}"
+    return f"({a % 10}*{c})-{b % 20}={(a % 10) * c - b % 20}"
+
+
+def _arithmetic_doc(rng: random.Random) -> str:
+    return "\n".join(_arithmetic_line(rng) for _ in range(rng.randint(4, 10)))
+
+
+def _code_doc(rng: random.Random) -> str:
+    name = f"{rng.choice(_FUNCS)}_{rng.randint(0, 99)}"
+    x, y = rng.sample(_NAMES, 2)
+    lines = [f"def {name}({x}, {y}):"]
+    for _ in range(rng.randint(1, 3)):
+        op = rng.choice("+-*")
+        lines.append(f"    {x} = {x} {op} {y} * {rng.randint(1, 9)}")
+    if rng.random() < 0.5:
+        lines.append(f"    if {x} > {rng.randint(0, 50)}:")
+        lines.append(f"        return {y}")
+    lines.append(f"    return {x}")
+    return "\n".join(lines)
+
+
+def _prose_doc(rng: random.Random) -> str:
+    sentences = []
+    for _ in range(rng.randint(2, 4)):
+        sentence = f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_TAILS)}."
+        sentences.append(sentence[0].upper() + sentence[1:])
+    return " ".join(sentences)
+
+
+_GENERATORS: dict[str, Callable[[random.Random], str]] = {
+    "arithmetic": _arithmetic_doc,
+    "code": _code_doc,
+    "prose": _prose_doc,
+}
+
+
+def generate(domain: str, n_docs: int, seed: int) -> list[str]:
+    """`n_docs` documents of `domain`, the same for the same seed."""
+    if domain not in _GENERATORS:
+        raise ValueError(f"unknown corpus domain {domain!r}; choose one of {', '.join(DOMAINS)}")
+    if n_docs < 1:
+        raise ValueError(f"n_docs must be positive, got {n_docs}")
+    rng = random.Random(f"{domain}:{seed}")
+    return [_GENERATORS[domain](rng) for _ in range(n_docs)]
+
+
+def write_documents(path: str | Path, documents: list[str], fmt: str = "jsonl") -> Path:
+    """Write documents in a format `training.data.read_documents` reads back unchanged."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "jsonl":
+        path.write_text("".join(json.dumps({"text": d}, sort_keys=True) + "\n" for d in documents), encoding="utf-8")
+    elif fmt == "txt":
+        if any("\n\n" in d for d in documents):
+            raise ValueError("a document holds a blank line, which the .txt format uses as a separator")
+        path.write_text("\n\n".join(documents) + "\n", encoding="utf-8")
+    elif fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"text": documents}), path)
+    else:
+        raise ValueError(f"unknown corpus format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    return path
+
+
+def write_corpus(path: str | Path, domain: str, n_docs: int, seed: int, fmt: str = "jsonl") -> Path:
+    """Generate a domain corpus and write it to `path`."""
+    return write_documents(path, generate(domain, n_docs, seed), fmt)

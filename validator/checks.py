@@ -1,0 +1,112 @@
+"""Submission checks: does a revealed blob match what its miner committed to for this round?
+
+`check_submission` runs DESIGN §5's checks in order over the blob's bytes and stops at the first
+failure with a short, distinct reason a validator logs and reports. It is pure: no I/O, no clock,
+and it never unpickles; any bytes a peer sends give a verdict, never an exception. It does not
+know where the blob came from or how its loss will be measured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from training.blob import (
+    BLOB_FORMAT,
+    BlobError,
+    BlobMeta,
+    Header,
+    blob_dtype,
+    blob_hash,
+    decode_header,
+    max_blob_bytes,
+    read_tensor,
+)
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """What a valid submission for one miner in one round must be."""
+
+    network: str
+    round: int
+    miner: str
+    base: str
+    group: Mapping[int, list[int]]
+    shapes: Mapping[str, tuple[int, ...]]
+    dtype: str
+    commitment: str
+    max_header_bytes: int
+
+
+@dataclass(frozen=True)
+class SubmissionVerdict:
+    """ACCEPT (`ok`) with the decoded blob, or REJECT with the first failed check's reason."""
+
+    ok: bool
+    reason: str
+    meta: BlobMeta | None = None
+    tensors: dict[str, torch.Tensor] | None = None
+
+
+def check_submission(data: bytes, expect: Expectation) -> SubmissionVerdict:
+    """Check `data` against `expect` in protocol order; the verdict names the first failure."""
+    if blob_hash(data) != expect.commitment:
+        return _reject("hash mismatch")
+    if len(data) > max_blob_bytes(expect.shapes, expect.dtype, expect.max_header_bytes):
+        return _reject("blob too large")
+    try:
+        header = decode_header(data, expect.max_header_bytes)
+    except BlobError as exc:
+        return _reject(exc.reason)
+    reason = _meta_mismatch(header.meta, expect) or _tensor_mismatch(header, expect)
+    if reason:
+        return _reject(reason, header.meta)
+    tensors = {name: read_tensor(data, header, name) for name in header.tensors}
+    for name, tensor in tensors.items():
+        if not bool(torch.isfinite(tensor).all()):
+            nan, inf = int(tensor.isnan().sum()), int(tensor.isinf().sum())
+            return _reject(f"non-finite values in {name}: {nan} NaN, {inf} Inf", header.meta)
+    return SubmissionVerdict(ok=True, reason="", meta=header.meta, tensors=tensors)
+
+
+def _reject(reason: str, meta: BlobMeta | None = None) -> SubmissionVerdict:
+    return SubmissionVerdict(ok=False, reason=reason, meta=meta)
+
+
+def _meta_mismatch(meta: BlobMeta, expect: Expectation) -> str:
+    if meta.format != BLOB_FORMAT:
+        return "wrong format"
+    if meta.network != expect.network:
+        return "wrong network"
+    if meta.round != expect.round:
+        return "wrong round"
+    if meta.miner != expect.miner:
+        return "wrong miner"
+    if meta.base != expect.base:
+        return "stale base"
+    if meta.group != _normalized(expect.group):
+        return "wrong group"
+    return ""
+
+
+def _tensor_mismatch(header: Header, expect: Expectation) -> str:
+    missing = sorted(set(expect.shapes) - set(header.tensors))
+    if missing:
+        return f"missing tensor {missing[0]}"
+    unexpected = sorted(set(header.tensors) - set(expect.shapes))
+    if unexpected:
+        return f"unexpected tensor {unexpected[0][:80]}"
+    dtype = blob_dtype(expect.dtype)
+    for name, info in header.tensors.items():
+        if info.dtype != dtype:
+            return f"wrong dtype for {name}: {info.dtype}, expected {dtype}"
+        if info.shape != tuple(expect.shapes[name]):
+            return f"wrong shape for {name}: {list(info.shape)}, expected {list(expect.shapes[name])}"
+    return ""
+
+
+def _normalized(group: Mapping[int, list[int]]) -> dict[int, list[int]]:
+    return {layer: sorted(ids) for layer, ids in group.items()}

@@ -1,0 +1,136 @@
+"""The MERGE phase's computation: combine score reports, rank and reward, then aggregate the best.
+
+`merge_round` is a pure function of this round's reports, assignment, commitments and checked
+blobs plus the current global state and momentum, computed in a fixed order in CPU fp32, so every
+validator given the same inputs returns byte-identical tensors. The steps:
+1. Count only reports scored against the current head (`report.base == head`); the round's
+   `base_loss` is the median of their base losses.
+2. Rank once without near-duplicate flags to find the candidates (a combined loss and u_i > 0);
+   their pseudo-gradients G_i = global - Φ_i are compared and any pair with cosine >=
+   `rewards.duplicate_cosine` flags both miners. Lazy miners never reach this step: an unchanged
+   blob scores exactly L_base, so u_i = 0 and their zero update is never compared.
+3. Rank again with the flags (`protocol.ranking`), which gives points; the top-G ranked miners are
+   merged by `training.outer.outer_step` with the spec's aggregation settings.
+When no miner qualifies no outer step is taken: the global tensors AND the momentum are returned
+as the very same objects, so the state keeps its bytes and its hash (momentum is not decayed either,
+since a decayed momentum would give validators that saw different rounds different states).
+This module knows nothing about networking, storage or how losses were measured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from protocol.messages import ScoreReport
+from protocol.ranking import RoundRanking, Score, median, rank_round, scores_from_report
+from protocol.spec import NetworkSpec
+from training.experts import pseudo_gradient
+from training.outer import OuterConfig, near_duplicates, outer_step
+
+Tensors = Mapping[str, torch.Tensor]
+
+
+class MergeInputError(ValueError):
+    """The inputs cannot give a merge every honest validator would agree on."""
+
+
+class MissingBlobError(MergeInputError):
+    """Blobs of miners that must be compared or merged are not at hand; fetch them and retry."""
+
+    def __init__(self, miners: list[str]) -> None:
+        shown = ", ".join(m[:12] for m in miners)
+        super().__init__(f"missing checked blobs for {len(miners)} candidate miner(s): {shown}")
+        self.miners = miners
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    """The round's ranking and rewards, who was merged, and the next global tensors and momentum."""
+
+    ranking: RoundRanking
+    points: dict[str, float]
+    contributors: list[str]
+    new_global: dict[str, torch.Tensor]
+    new_momentum: dict[str, torch.Tensor]
+    duplicates: set[str]
+
+    @property
+    def changed(self) -> bool:
+        """False when no miner qualified: `new_global` and `new_momentum` are the inputs unchanged."""
+        return bool(self.contributors)
+
+
+def outer_config(spec: NetworkSpec) -> OuterConfig:
+    """The outer optimizer settings a spec fixes."""
+    agg = spec.aggregation
+    return OuterConfig(lr=agg.outer_lr, momentum=agg.momentum, clip_to_median=agg.clip_to_median,
+                       weighting=agg.weighting)
+
+
+def counted_reports(reports: Mapping[str, ScoreReport], head: str) -> dict[str, ScoreReport]:
+    """The reports that count: those scored against the current head, by validator id."""
+    return {validator: reports[validator] for validator in sorted(reports) if reports[validator].base == head}
+
+
+def candidates(
+    reports: Mapping[str, ScoreReport],
+    assignment: Mapping[str, Iterable[str]],
+    commitments: Mapping[str, str],
+    head: str,
+    spec: NetworkSpec,
+) -> list[str]:
+    """Miners whose blobs `merge_round` needs: a combined loss with positive utility, sorted by id."""
+    scores, base_loss = _scores(reports, commitments, head)
+    ranking = rank_round(scores, assignment, base_loss, commitments, (), spec.rewards.top_k)
+    return sorted(ranking.ranked())
+
+
+def merge_round(
+    reports: Mapping[str, ScoreReport],
+    assignment: Mapping[str, Iterable[str]],
+    commitments: Mapping[str, str],
+    blobs: Mapping[str, Tensors],
+    global_tensors: dict[str, torch.Tensor],
+    momentum: dict[str, torch.Tensor],
+    spec: NetworkSpec,
+    head: str,
+) -> MergeResult:
+    """Rank, reward and aggregate one round (steps in the module doc).
+
+    `reports`: validator -> its ScoreReport for this round; `assignment`: miner -> its assigned
+    validators; `commitments`: miner -> commitment; `blobs`: miner -> tensors of its checked blob
+    (at least every miner `candidates` names); `head`: hash of the state `global_tensors` is.
+    """
+    scores, base_loss = _scores(reports, commitments, head)
+    top_k = spec.rewards.top_k
+    preliminary = rank_round(scores, assignment, base_loss, commitments, (), top_k)
+    needed = sorted(preliminary.ranked())
+    missing = [miner for miner in needed if miner not in blobs]
+    if missing:
+        raise MissingBlobError(missing)
+
+    grads = {miner: pseudo_gradient(global_tensors, blobs[miner]) for miner in needed}
+    duplicates = set(near_duplicates(grads, spec.rewards.duplicate_cosine)) if len(grads) > 1 else set()
+    ranking = rank_round(scores, assignment, base_loss, commitments, duplicates, top_k)
+    contributors = list(ranking.ranked()[: spec.aggregation.top_g])
+    if not contributors:
+        return MergeResult(ranking, ranking.points(), [], global_tensors, momentum, duplicates)
+
+    utilities = [ranking.result(miner).utility for miner in contributors]
+    new_global, new_momentum = outer_step(
+        global_tensors, [blobs[miner] for miner in contributors], utilities, momentum, outer_config(spec)
+    )
+    return MergeResult(ranking, ranking.points(), contributors, new_global, new_momentum, duplicates)
+
+
+def _scores(
+    reports: Mapping[str, ScoreReport], commitments: Mapping[str, str], head: str
+) -> tuple[dict[str, dict[str, Score]], float]:
+    counted = counted_reports(reports, head)
+    if not counted:
+        raise MergeInputError(f"no score report was made against the current head {head[:12]}; keep the state")
+    base_loss = median(report.base_loss for report in counted.values())
+    return {validator: scores_from_report(report, commitments) for validator, report in counted.items()}, base_loss

@@ -1,0 +1,119 @@
+"""Proof-of-Loss scoring (DESIGN §6): one validator's losses for the submissions assigned to it.
+
+A `Scorer` holds the base model in memory for the validator's lifetime. Each round it picks the
+held-out subset from the round seed, puts the current global experts into the model and measures
+L_base, then for each submission in miner-id order: checks the blob (`validator.checks`), swaps the
+miner's experts in, measures L_i and restores the global experts. Everything is deterministic on
+CPU fp32, and the model always holds the global experts when a call returns. This module knows
+nothing about assignment, gossip or how the results are combined across validators.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from protocol.messages import ScoreEntry, ScoreReport
+from protocol.spec import NetworkSpec
+from training.data import heldout_subset
+from training.evaluate import heldout_loss, loss_with_experts
+from training.experts import expected_shapes, insert
+from validator.checks import Expectation, SubmissionVerdict, check_submission
+
+REASON_CHARS = 200
+
+# miner -> (its commitment, the revealed blob's bytes, or None when it could not be fetched)
+Submissions = Mapping[str, tuple[str, bytes | None]]
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    """L_base, one entry per submission (sorted by miner), and the tensors of accepted blobs."""
+
+    base_loss: float
+    entries: list[ScoreEntry]
+    accepted: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    def report(self, round: int, base: str) -> ScoreReport:
+        """The ScoreReport to gossip for `round`, scored against the global state `base`."""
+        return ScoreReport(round=round, base=base, base_loss=self.base_loss, entries=tuple(self.entries))
+
+
+def apply_global(model: torch.nn.Module, adapter: Any, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Put the global expert tensors into the model in place."""
+    insert(model, adapter, tensors)
+
+
+class Scorer:
+    """Scores submissions against one network's held-out data with a resident base model."""
+
+    def __init__(self, model: torch.nn.Module, adapter: Any, spec: NetworkSpec, heldout: torch.Tensor) -> None:
+        """`heldout`: the validators' held-out sequences, [N, seq_len] token ids."""
+        if heldout.shape[0] < spec.data.heldout_sequences:
+            raise ValueError(
+                f"held-out data has {heldout.shape[0]} sequences; the spec scores {spec.data.heldout_sequences} per round"
+            )
+        self.model = model.eval()
+        self.adapter = adapter
+        self.spec = spec
+        self.heldout = heldout
+        self.shapes = expected_shapes(model, adapter, spec.group)
+
+    def check(self, round: int, miner: str, commitment: str, data: bytes, global_hash: str) -> SubmissionVerdict:
+        """Run the submission checks on one blob (also for miners this validator does not score)."""
+        expect = Expectation(
+            network=self.spec.network_id, round=round, miner=miner, base=global_hash, group=self.spec.group,
+            shapes=self.shapes, dtype=self.spec.model.dtype, commitment=commitment,
+            max_header_bytes=self.spec.limits.max_header_bytes,
+        )
+        return check_submission(data, expect)
+
+    def score_round(
+        self,
+        round: int,
+        round_seed: str,
+        global_tensors: Mapping[str, torch.Tensor],
+        global_hash: str,
+        submissions: Submissions,
+    ) -> ScoreResult:
+        """Score every submission against the global state `global_hash` (held in `global_tensors`)."""
+        sequences = heldout_subset(self.heldout, round_seed, self.spec.data.heldout_sequences)
+        apply_global(self.model, self.adapter, global_tensors)
+        base_loss = heldout_loss(self.model, sequences).loss
+        if not math.isfinite(base_loss):
+            raise ValueError(f"the global state {global_hash[:12]} has a non-finite held-out loss")
+        entries: list[ScoreEntry] = []
+        accepted: dict[str, dict[str, torch.Tensor]] = {}
+        for miner in sorted(submissions):
+            commitment, data = submissions[miner]
+            if data is None:
+                entries.append(ScoreEntry(miner=miner, commitment=commitment, verdict="missing", reason="missing"))
+                continue
+            verdict = self.check(round, miner, commitment, data, global_hash)
+            if not verdict.ok:
+                entries.append(_reject(miner, commitment, verdict.reason))
+                continue
+            assert verdict.tensors is not None
+            loss = self._loss(verdict.tensors, global_tensors, sequences)
+            if not math.isfinite(loss):
+                entries.append(_reject(miner, commitment, "non-finite loss"))
+                continue
+            entries.append(ScoreEntry(miner=miner, commitment=commitment, loss=loss, verdict="accept"))
+            accepted[miner] = verdict.tensors
+        return ScoreResult(base_loss=base_loss, entries=entries, accepted=accepted)
+
+    def _loss(
+        self, tensors: Mapping[str, torch.Tensor], global_tensors: Mapping[str, torch.Tensor], sequences: torch.Tensor
+    ) -> float:
+        try:
+            return loss_with_experts(self.model, self.adapter, tensors, sequences).loss
+        finally:
+            apply_global(self.model, self.adapter, global_tensors)
+
+
+def _reject(miner: str, commitment: str, reason: str) -> ScoreEntry:
+    return ScoreEntry(miner=miner, commitment=commitment, verdict="reject", reason=reason[:REASON_CHARS])
