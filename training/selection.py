@@ -39,9 +39,9 @@ class RoutingStats:
 class _LayerRecorder:
     """Accumulates one layer's statistics from its router's inputs and outputs."""
 
-    def __init__(self, router: torch.nn.Module, experts: torch.nn.Module, num_experts: int) -> None:
+    def __init__(self, experts: torch.nn.Module, num_experts: int, sigmoid: bool) -> None:
         self.experts = experts
-        self.sigmoid = hasattr(router, "e_score_correction_bias")
+        self.sigmoid = sigmoid
         self.gate_sum_E = torch.zeros(num_experts, dtype=torch.float64)
         self.slots_E = torch.zeros(num_experts, dtype=torch.float64)
         self.norm_sum_E = torch.zeros(num_experts, dtype=torch.float64)
@@ -87,7 +87,7 @@ def routing_stats(
     handles = []
     for layer in adapter.moe_layers(model):
         router = adapter.router(model, layer)
-        recorders[layer] = _LayerRecorder(router, adapter.experts(model, layer), num_experts)
+        recorders[layer] = _LayerRecorder(adapter.experts(model, layer), num_experts, adapter.routing == "sigmoid")
         handles.append(router.register_forward_hook(recorders[layer].hook))
     was_training = model.training
     model.eval()

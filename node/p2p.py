@@ -1,0 +1,567 @@
+"""The libp2p implementation of `node.network.Network`: the only module that imports libp2p or trio.
+
+py-libp2p is trio-only, so the host runs in its own thread under `trio.run`; asyncio calls in with
+`trio_token.run_sync_soon` and results come back with `loop.call_soon_threadsafe`, and neither
+loop ever blocks on the other. One GossipSub topic per network carries every message kind; its
+topic validator is `GossipJudge`, so only ACCEPTed envelopes are delivered and relayed. Publishes
+are queued and paced. Blobs travel over the `/tessera/blob/1` stream protocol; peers learn about
+each other over `/tessera/peers/1` (each side sends its listen addresses and gets back those of
+the peers it knows), and a supervisor redials bootstrap and known peers that went away. This
+module knows nothing about rounds, duties or storage beyond the blob store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import multiaddr
+import trio
+from libp2p import new_host
+from libp2p.abc import IHost, INetStream
+from libp2p.crypto.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from libp2p.crypto.keys import KeyPair
+from libp2p.crypto.x25519 import create_new_key_pair as new_noise_key_pair
+from libp2p.custom_types import TProtocol
+from libp2p.network.config import ConnectionConfig
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.pubsub.gossipsub import GossipSub
+from libp2p.pubsub.pb import rpc_pb2
+from libp2p.pubsub.pubsub import Pubsub
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.tools.anyio_service import background_trio_service
+
+from node.blobstore import BlobError, BlobStore
+from node.network import (
+    BlobFetchError,
+    Delivery,
+    GossipJudge,
+    NetworkError,
+    NetworkStats,
+    Subscribers,
+    Subscription,
+)
+from protocol.identity import Identity
+from protocol.messages import Envelope
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+GOSSIP_PROTOCOLS = [TProtocol("/meshsub/1.1.0"), TProtocol("/meshsub/1.0.0")]
+BLOB_PROTOCOL = TProtocol("/tessera/blob/1")
+PEX_PROTOCOL = TProtocol("/tessera/peers/1")
+BLOB_OK, BLOB_NOT_SERVED = 0, 1
+MAX_PEX_FRAME = 64 * 1024
+MAX_PEX_PEERS = 64
+
+
+@dataclass(frozen=True)
+class P2PConfig:
+    """How the libp2p host listens, finds peers, paces gossip and moves blobs."""
+
+    host: str = "127.0.0.1"
+    """Listen IP; 0.0.0.0 accepts peers from other hosts."""
+    port: int = 0
+    """Listen TCP port; 0 picks a free one (see `listen_addrs`)."""
+    bootstrap: tuple[str, ...] = ()
+    """Bootstrap multiaddrs with /p2p/<peer id>; redialled for as long as the node runs."""
+    max_peers: int = 32
+    """Stop dialling discovered peers once this many are connected."""
+    publish_interval_s: float = 0.005
+    """Gap between two of our publishes; bursts wait in a queue instead of being dropped."""
+    supervise_interval_s: float = 1.0
+    """How often lost peers are redialled and the peer list refreshed."""
+    exchange_interval_s: float = 10.0
+    """How often each connected peer is asked for the peers it knows."""
+    dial_timeout_s: float = 5.0
+    """Give up one dial after this long."""
+    blob_idle_timeout_s: float = 30.0
+    """Abort a blob transfer when no byte arrives for this long."""
+    blob_chunk_bytes: int = 1 << 20
+    """Read and write size on blob streams."""
+    start_timeout_s: float = 30.0
+    """Give up starting the host after this long."""
+    forget_after_failures: int = 5
+    """Stop redialling a discovered (non-bootstrap) peer after this many failed dials in a row."""
+    serve_rate_bytes_s: float = 0.0
+    """Upload cap per blob stream in bytes/s; 0 serves as fast as the link allows."""
+
+
+def keypair_for(identity: Identity) -> KeyPair:
+    """The libp2p key pair of a node: the same Ed25519 key that signs its messages."""
+    private = Ed25519PrivateKey.new(identity.seed)
+    return KeyPair(private, private.get_public_key())
+
+
+def peer_id_for(node_id: str) -> ID:
+    """The libp2p peer id of a node id (hex Ed25519 public key); ValueError if it is not one."""
+    try:
+        return ID.from_pubkey(Ed25519PublicKey.from_bytes(bytes.fromhex(node_id)))
+    except Exception as exc:
+        raise NetworkError(f"not a node id (64 hex characters of an Ed25519 key): {node_id!r}") from exc
+
+
+def node_id_for(peer_id: ID) -> str:
+    """The node id behind a libp2p peer id; the base58 peer id for non-Ed25519 peers."""
+    key = peer_id.extract_public_key()
+    if isinstance(key, Ed25519PublicKey):
+        return key.to_bytes().hex()
+    return peer_id.to_base58()
+
+
+def parse_bootstrap(addr: str) -> PeerInfo:
+    try:
+        return info_from_p2p_addr(multiaddr.Multiaddr(addr))
+    except Exception as exc:
+        raise NetworkError(f"bootstrap address {addr!r} is not a multiaddr ending in /p2p/<peer id>") from exc
+
+
+@dataclass
+class _PeerBook:
+    """Peers we know how to reach: bootstrap ones forever, discovered ones until they keep failing."""
+
+    bootstrap: dict[ID, PeerInfo]
+    discovered: dict[ID, list[multiaddr.Multiaddr]] = field(default_factory=dict)
+    failures: dict[ID, int] = field(default_factory=dict)
+    dialing: set[ID] = field(default_factory=set)
+    last_exchange: dict[ID, float] = field(default_factory=dict)
+
+    def info(self, peer_id: ID) -> PeerInfo:
+        if peer_id in self.bootstrap:
+            return self.bootstrap[peer_id]
+        return PeerInfo(peer_id, self.discovered[peer_id])
+
+
+class P2PNetwork:
+    """A libp2p host in its own trio thread, behind the asyncio `Network` interface."""
+
+    def __init__(self, identity: Identity, judge: GossipJudge, store: BlobStore, config: P2PConfig) -> None:
+        self.config = config
+        self._identity = identity
+        self._judge = judge
+        self._store = store
+        self._topic = f"tessera/{judge.network_id}"
+        self._key_pair = keypair_for(identity)
+        self._peer_id = ID.from_pubkey(self._key_pair.public_key)
+        self._subscribers = Subscribers(judge.stats)
+        self._served: set[str] = set()
+        self._book = _PeerBook({info.peer_id: info for info in map(parse_bootstrap, config.bootstrap)})
+        self._peer_snapshot: list[str] = []
+        self._listen_addrs: list[str] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._nursery: trio.Nursery | None = None
+        self._stop: trio.Event | None = None
+        self._outbox: trio.MemorySendChannel[bytes] | None = None
+        self._thread: threading.Thread | None = None
+        self._host: IHost | None = None
+        self._pubsub: Pubsub | None = None
+        self.failure: BaseException | None = None
+
+    @classmethod
+    async def create(
+        cls, identity: Identity, judge: GossipJudge, store: BlobStore, config: P2PConfig | None = None
+    ) -> P2PNetwork:
+        """Start the host thread and return once it listens; NetworkError if it cannot start."""
+        net = cls(identity, judge, store, config or P2PConfig())
+        net._loop = asyncio.get_running_loop()
+        ready: asyncio.Future[None] = net._loop.create_future()
+        net._thread = threading.Thread(target=net._thread_main, args=(ready,), name="tessera-p2p", daemon=True)
+        net._thread.start()
+        try:
+            await asyncio.wait_for(asyncio.shield(ready), net.config.start_timeout_s)
+        except TimeoutError as exc:
+            await net.close()
+            raise NetworkError(f"libp2p host did not start within {net.config.start_timeout_s} s") from exc
+        return net
+
+    # ---- the Network interface (asyncio side) ----
+
+    @property
+    def node_id(self) -> str:
+        return self._identity.node_id
+
+    @property
+    def peer_id(self) -> str:
+        return self._peer_id.to_base58()
+
+    @property
+    def listen_addrs(self) -> list[str]:
+        return list(self._listen_addrs)
+
+    @property
+    def stats(self) -> NetworkStats:
+        return self._judge.stats
+
+    def peers(self) -> list[str]:
+        return list(self._peer_snapshot)
+
+    def reject_counts(self) -> Mapping[str, int]:
+        return self._judge.reject_counts()
+
+    def subscribe(self, kinds: Iterable[str] | None = None) -> Subscription:
+        return self._subscribers.add(kinds)
+
+    async def publish(self, envelope: Envelope) -> None:
+        data = self._judge.admit_own(envelope)
+        self._to_trio(self._enqueue, data)
+
+    async def publish_raw(self, data: bytes) -> None:
+        """Gossip bytes without checking them (tests use it to play a misbehaving peer)."""
+        self._to_trio(self._enqueue, data)
+
+    def serve(self, blob_hash: str) -> None:
+        if not self._store.has(blob_hash):
+            raise NetworkError(f"cannot serve blob {blob_hash[:12]}: not in the blob store")
+        self._served.add(blob_hash)
+
+    def unserve(self, blob_hash: str) -> None:
+        self._served.discard(blob_hash)
+
+    async def fetch(self, blob_hash: str, providers: Sequence[str], max_bytes: int) -> Path:
+        if self._store.has(blob_hash):
+            return self._store.path(blob_hash)
+        peer_ids = [peer_id_for(p) for p in providers]
+        return await self._call_trio(self._fetch, blob_hash, peer_ids, max_bytes)
+
+    async def connect(self, addr: str) -> None:
+        """Dial a peer by multiaddr now (the supervisor would only get to it on its next tick)."""
+        info = parse_bootstrap(addr)
+        await self._call_trio(self._connect, info)
+
+    async def close(self) -> None:
+        if self._token is not None and self._stop is not None:
+            try:
+                self._token.run_sync_soon(self._stop.set)
+            except trio.RunFinishedError:
+                pass
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10.0)
+        self._subscribers.close_all()
+
+    # ---- bridging ----
+
+    def _to_trio(self, fn: Callable[..., object], *args: Any) -> None:
+        """Run a plain function on the trio thread soon; NetworkError when the host has stopped."""
+        if self._token is None or self.failure is not None:
+            raise NetworkError("the libp2p host is not running")
+        try:
+            self._token.run_sync_soon(self._guarded, fn, *args)
+        except trio.RunFinishedError as exc:
+            raise NetworkError("the libp2p host has stopped") from exc
+
+    @staticmethod
+    def _guarded(fn: Callable[..., object], *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("p2p: callback %s failed", getattr(fn, "__name__", fn))
+
+    def _to_asyncio(self, fn: Callable[..., object], *args: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            log.debug("p2p: event loop closed; dropped %s", getattr(fn, "__name__", fn))
+
+    async def _call_trio(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Await a trio coroutine function from asyncio; cancelling the caller cancels it."""
+        assert self._loop is not None
+        future: asyncio.Future[T] = self._loop.create_future()
+        scope = trio.CancelScope()
+
+        def settle(ok: bool, value: Any) -> None:
+            if not future.done():
+                future.set_result(value) if ok else future.set_exception(value)
+
+        async def runner() -> None:
+            with scope:
+                try:
+                    result = await fn(*args)
+                except Exception as exc:
+                    self._to_asyncio(settle, False, exc)
+                    return
+                self._to_asyncio(settle, True, result)
+                return
+            self._to_asyncio(settle, False, NetworkError("cancelled: the libp2p host is stopping"))
+
+        def start() -> None:
+            assert self._nursery is not None
+            self._nursery.start_soon(runner)
+
+        self._to_trio(start)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._to_trio(scope.cancel)
+            raise
+
+    # ---- the trio side ----
+
+    def _thread_main(self, ready: asyncio.Future[None]) -> None:
+        try:
+            trio.run(self._main, ready)
+        except BaseException as exc:
+            self.failure = exc
+            log.error("p2p: libp2p host stopped with an error: %r", exc)
+            error = NetworkError(f"libp2p host failed: {exc!r}")
+            self._to_asyncio(lambda: ready.done() or ready.set_exception(error))
+        finally:
+            self._to_asyncio(self._subscribers.close_all)
+
+    async def _main(self, ready: asyncio.Future[None]) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._stop = trio.Event()
+        noise = NoiseTransport(self._key_pair, noise_privkey=new_noise_key_pair().private_key)
+        host = new_host(
+            key_pair=self._key_pair,
+            sec_opt={NOISE_PROTOCOL_ID: noise},
+            muxer_preference="YAMUX",
+            connection_config=ConnectionConfig(max_connections_per_peer=1, dial_timeout=self.config.dial_timeout_s),
+        )
+        gossipsub = GossipSub(
+            GOSSIP_PROTOCOLS,
+            degree=6,
+            degree_low=4,
+            degree_high=12,
+            heartbeat_interval=1,
+            max_messages_per_topic_per_second=1000.0,
+            eclipse_protection_enabled=False,
+        )
+        pubsub = Pubsub(host, gossipsub, strict_signing=True)
+        pubsub.set_topic_validator(self._topic, self._validate, False)
+        host.set_stream_handler(BLOB_PROTOCOL, self._serve_blob)
+        host.set_stream_handler(PEX_PROTOCOL, self._serve_exchange)
+        self._host, self._pubsub = host, pubsub
+        outbox, inbox = trio.open_memory_channel[bytes](float("inf"))
+        self._outbox = outbox
+        listen = multiaddr.Multiaddr(f"/ip4/{self.config.host}/tcp/{self.config.port}")
+        async with background_trio_service(pubsub), background_trio_service(gossipsub), host.run([listen]):
+            await pubsub.wait_until_ready()
+            subscription = await pubsub.subscribe(self._topic)
+            self._listen_addrs = [str(a) for a in host.get_addrs()]
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._drain, subscription)
+                nursery.start_soon(self._pace, inbox)
+                nursery.start_soon(self._supervise)
+                self._to_asyncio(lambda: ready.done() or ready.set_result(None))
+                await self._stop.wait()
+                nursery.cancel_scope.cancel()
+
+    def _enqueue(self, data: bytes) -> None:
+        assert self._outbox is not None
+        self._outbox.send_nowait(data)
+
+    async def _pace(self, inbox: trio.MemoryReceiveChannel[bytes]) -> None:
+        assert self._pubsub is not None
+        async for data in inbox:
+            try:
+                await self._pubsub.publish(self._topic, data)
+            except Exception:
+                log.exception("p2p: publish failed")
+            await trio.sleep(self.config.publish_interval_s)
+
+    @staticmethod
+    async def _drain(subscription: Any) -> None:
+        # Deliveries happen in the validator, which knows the forwarding peer; this only empties the queue.
+        while True:
+            await subscription.get()
+
+    def _validate(self, forwarder: ID, msg: rpc_pb2.Message) -> bool:
+        if msg.from_id == self._peer_id.to_bytes():
+            return forwarder == self._peer_id
+        peer = node_id_for(forwarder)
+        result, envelope = self._judge.judge(msg.data, peer)
+        if not result.accepted:
+            log.debug("p2p: %s from %s: %s %s", result.verdict, peer[:12], result.reason, result.detail)
+            return False
+        assert envelope is not None
+        self._to_asyncio(self._subscribers.deliver, Delivery(envelope, result, peer))
+        return True
+
+    async def _supervise(self) -> None:
+        assert self._host is not None and self._nursery is not None
+        while True:
+            connected = set(self._host.get_connected_peers())
+            self._peer_snapshot = sorted(node_id_for(p) for p in connected)
+            now = trio.current_time()
+            for peer_id in list(self._book.bootstrap) + list(self._book.discovered):
+                room = peer_id in self._book.bootstrap or len(connected) < self.config.max_peers
+                if peer_id not in connected and peer_id not in self._book.dialing and room:
+                    self._book.dialing.add(peer_id)
+                    self._nursery.start_soon(self._redial, peer_id)
+            for peer_id in connected:
+                if now - self._book.last_exchange.get(peer_id, -1e9) >= self.config.exchange_interval_s:
+                    self._book.last_exchange[peer_id] = now
+                    self._nursery.start_soon(self._exchange, peer_id)
+            await trio.sleep(self.config.supervise_interval_s)
+
+    async def _redial(self, peer_id: ID) -> None:
+        try:
+            await self._connect(self._book.info(peer_id))
+            self._book.failures.pop(peer_id, None)
+            self._book.last_exchange.pop(peer_id, None)
+        except Exception as exc:
+            failures = self._book.failures.get(peer_id, 0) + 1
+            self._book.failures[peer_id] = failures
+            log.debug("p2p: dial %s failed (%d): %r", peer_id, failures, exc)
+            if peer_id not in self._book.bootstrap and failures >= self.config.forget_after_failures:
+                self._book.discovered.pop(peer_id, None)
+        finally:
+            self._book.dialing.discard(peer_id)
+
+    async def _connect(self, info: PeerInfo) -> None:
+        assert self._host is not None
+        with trio.fail_after(self.config.dial_timeout_s):
+            await self._host.connect(info)
+
+    # ---- peer exchange ----
+
+    async def _exchange(self, peer_id: ID) -> None:
+        assert self._host is not None
+        try:
+            with trio.fail_after(self.config.dial_timeout_s):
+                stream = await self._host.new_stream(peer_id, [PEX_PROTOCOL])
+                try:
+                    await _write_frame(stream, json.dumps({"addrs": self._listen_addrs}).encode())
+                    reply = json.loads(await _read_frame(stream, MAX_PEX_FRAME))
+                finally:
+                    await stream.close()
+            for entry in reply["peers"][:MAX_PEX_PEERS]:
+                other = ID.from_base58(entry["id"])
+                if other != self._peer_id and other not in self._book.bootstrap:
+                    self._book.discovered[other] = [multiaddr.Multiaddr(a) for a in entry["addrs"][:8]]
+        except Exception as exc:
+            log.debug("p2p: peer exchange with %s failed: %r", peer_id, exc)
+
+    async def _serve_exchange(self, stream: INetStream) -> None:
+        assert self._host is not None
+        try:
+            with trio.fail_after(self.config.dial_timeout_s):
+                request = json.loads(await _read_frame(stream, MAX_PEX_FRAME))
+                remote = stream.muxed_conn.peer_id
+                self._book.discovered[remote] = [multiaddr.Multiaddr(a) for a in request["addrs"][:8]]
+                connected = set(self._host.get_connected_peers())
+                peers = [
+                    {"id": p.to_base58(), "addrs": [str(a) for a in addrs]}
+                    for p, addrs in list(self._book.discovered.items())
+                    if p in connected and p != remote
+                ]
+                await _write_frame(stream, json.dumps({"peers": peers[:MAX_PEX_PEERS]}).encode())
+                await stream.close()
+        except Exception as exc:
+            log.debug("p2p: serving peer exchange failed: %r", exc)
+            await _reset(stream)
+
+    # ---- blobs ----
+
+    async def _serve_blob(self, stream: INetStream) -> None:
+        try:
+            with trio.fail_after(self.config.blob_idle_timeout_s):
+                blob_hash = (await _read_exact(stream, 32)).hex()
+            if blob_hash not in self._served or not self._store.has(blob_hash):
+                await stream.write(bytes([BLOB_NOT_SERVED]) + (0).to_bytes(8, "big"))
+                await stream.close()
+                return
+            path = self._store.path(blob_hash)
+            with open(path, "rb") as f:
+                size = path.stat().st_size
+                await stream.write(bytes([BLOB_OK]) + size.to_bytes(8, "big"))
+                chunk_bytes = self.config.blob_chunk_bytes
+                rate = self.config.serve_rate_bytes_s
+                if rate > 0:
+                    chunk_bytes = max(1, min(chunk_bytes, int(rate / 10)))
+                while chunk := f.read(chunk_bytes):
+                    with trio.fail_after(self.config.blob_idle_timeout_s):
+                        await stream.write(chunk)
+                    self.stats.blob_bytes_out += len(chunk)
+                    if rate > 0:
+                        await trio.sleep(len(chunk) / rate)
+            await stream.close()
+        except Exception as exc:
+            log.info("p2p: serving a blob failed: %r", exc)
+            await _reset(stream)
+
+    async def _fetch(self, blob_hash: str, providers: list[ID], max_bytes: int) -> Path:
+        failures = []
+        for peer_id in providers:
+            try:
+                path = await self._fetch_from(peer_id, blob_hash, max_bytes)
+            except Exception as exc:
+                failures.append(f"{node_id_for(peer_id)[:12]}: {exc!r}")
+                continue
+            self.stats.blobs_fetched += 1
+            return path
+        self.stats.blob_fetch_failures += 1
+        raise BlobFetchError(f"blob {blob_hash[:12]}: no provider delivered it ({'; '.join(failures) or 'no providers'})")
+
+    async def _fetch_from(self, peer_id: ID, blob_hash: str, max_bytes: int) -> Path:
+        assert self._host is not None
+        idle = self.config.blob_idle_timeout_s
+        with trio.fail_after(self.config.dial_timeout_s):
+            stream = await self._host.new_stream(peer_id, [BLOB_PROTOCOL])
+        try:
+            await stream.write(bytes.fromhex(blob_hash))
+            with trio.fail_after(idle):
+                header = await _read_exact(stream, 9)
+            if header[0] != BLOB_OK:
+                raise BlobFetchError("not served")
+            size = int.from_bytes(header[1:], "big")
+            if size > max_bytes:
+                raise BlobFetchError(f"announced {size} bytes, over the {max_bytes}-byte cap")
+            writer = self._store.open_writer(blob_hash, max_bytes)
+            try:
+                remaining = size
+                while remaining:
+                    with trio.fail_after(idle):
+                        chunk = await stream.read(min(self.config.blob_chunk_bytes, remaining))
+                    writer.write(chunk)
+                    remaining -= len(chunk)
+                    self.stats.blob_bytes_in += len(chunk)
+                return await trio.to_thread.run_sync(writer.commit)
+            except BaseException:
+                writer.abort()
+                raise
+        except BlobError as exc:
+            raise BlobFetchError(str(exc)) from exc
+        finally:
+            await _reset(stream)
+
+
+async def _read_exact(stream: INetStream, n: int) -> bytes:
+    """Exactly `n` bytes; EOFError when the stream ends first (read() raises at EOF in 0.8.x)."""
+    parts, got = [], 0
+    while got < n:
+        chunk = await stream.read(n - got)
+        if not chunk:
+            raise EOFError(f"stream ended after {got} of {n} bytes")
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+async def _write_frame(stream: INetStream, payload: bytes) -> None:
+    await stream.write(len(payload).to_bytes(4, "big") + payload)
+
+
+async def _read_frame(stream: INetStream, max_bytes: int) -> bytes:
+    size = int.from_bytes(await _read_exact(stream, 4), "big")
+    if size > max_bytes:
+        raise ValueError(f"frame of {size} bytes exceeds {max_bytes}")
+    return await _read_exact(stream, size)
+
+
+async def _reset(stream: INetStream) -> None:
+    try:
+        await stream.reset()
+    except Exception as exc:
+        log.debug("p2p: stream reset failed: %r", exc)

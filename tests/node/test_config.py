@@ -1,0 +1,94 @@
+"""Node config: one TOML file plus TESSERA_* overrides; every error names the file or variable and field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from node.config import ConfigError, load_config, render_config
+
+MINIMAL = '[node]\nrole = "miner"\nspec = "net/spec.toml"\n'
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "node.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_defaults_and_paths_relative_to_the_config_file(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, MINIMAL))
+    assert config.node.role == "miner"
+    assert config.node.spec == (tmp_path / "net" / "spec.toml").resolve()
+    assert config.node.key == (tmp_path / "node.key").resolve()
+    assert config.db_path == (tmp_path / "data" / "node.db").resolve()
+    assert (config.http.host, config.http.port, config.http.enabled) == ("127.0.0.1", 8080, True)
+    assert config.p2p.host == "127.0.0.1" and config.p2p.bootstrap == []
+    assert config.miner.forward == "full" and config.storage.blob_retention_rounds == 3
+
+
+def test_absolute_paths_stay_absolute(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, MINIMAL + 'data_dir = "/srv/tessera"\n'))
+    assert config.node.data_dir == Path("/srv/tessera")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("[node\nrole = 1\n", "not valid TOML"),
+        (MINIMAL + "colour = 3\n", "node.colour: Extra inputs are not permitted"),
+        (MINIMAL + "[p2p]\nport = 70000\n", "p2p.port: Input should be less than or equal to 65535"),
+        (MINIMAL + '[http]\nport = "eighty"\n', "http.port: Input should be a valid integer"),
+        (MINIMAL + '[miner]\nforward = "sideways"\n', "miner.forward: Input should be 'full' or 'compressed'"),
+        (MINIMAL + '[p2p]\nbootstrap = ["127.0.0.1:4001"]\n', "p2p.bootstrap: '127.0.0.1:4001' is not a multiaddr"),
+        ('[node]\nrole = "miner"\n', "node.spec: Field required"),
+        ('[node]\nrole = "validator"\nspec = "s.toml"\n', "validator.heldout: a validator needs"),
+        ("[unknown]\nx = 1\n" + MINIMAL, "unknown: Extra inputs are not permitted"),
+    ],
+)
+def test_errors_name_the_file_and_field(tmp_path: Path, text: str, expected: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith(f"{path}: ")
+    assert expected in str(info.value)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "absent.toml")
+
+
+def test_environment_overrides_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write(tmp_path, MINIMAL + "[http]\nport = 8081\nhost = \"127.0.0.2\"\n")
+    monkeypatch.setenv("TESSERA_HTTP__PORT", "9000")
+    monkeypatch.setenv("TESSERA_MINER__FORWARD", "compressed")
+    config = load_config(path)
+    assert config.http.port == 9000
+    assert config.http.host == "127.0.0.2"  # untouched fields of the section keep the file's value
+    assert config.miner.forward == "compressed"
+
+
+def test_environment_error_names_the_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TESSERA_HTTP__PORT", "not-a-port")
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, MINIMAL))
+    assert str(info.value).startswith("TESSERA_HTTP__PORT (environment): http.port: ")
+
+
+def test_config_is_frozen(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, MINIMAL))
+    with pytest.raises(ValueError):
+        config.http.port = 1  # type: ignore[misc]
+
+
+def test_rendered_config_loads_back(tmp_path: Path) -> None:
+    text = render_config("validator", Path("../spec.toml"), Path("node.key"), Path("data"), 4101, 0,
+                         heldout=Path("heldout.jsonl"), bootstrap=("/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWabc",))
+    config = load_config(write(tmp_path, text))
+    assert config.node.role == "validator"
+    assert config.node.spec == (tmp_path.parent / "spec.toml").resolve()
+    assert config.validator.heldout == (tmp_path / "heldout.jsonl").resolve()
+    assert config.p2p.port == 4101 and config.http.port == 0
+    assert config.p2p.bootstrap == ["/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWabc"]
