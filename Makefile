@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/tessera simulate --validators 2 --miners 4 --rounds 3 --dir .demo
+	$(VENV)/bin/tessera simulate --validators 2 --miners 4 --rounds 3 --dir .demo --force
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

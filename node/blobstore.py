@@ -39,7 +39,7 @@ def _check_hash(blob_hash: str) -> None:
 class BlobWriter:
     """Streams bytes into a temp file; `commit()` verifies and moves it into place, `abort()` deletes it.
 
-    As a context manager it commits on a clean exit and aborts on an exception.
+    As a context manager it commits on a clean exit (unless committed already) and aborts on an exception.
     """
 
     def __init__(self, store: BlobStore, expected_hash: str, max_bytes: int) -> None:
@@ -90,10 +90,10 @@ class BlobWriter:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if exc_type is None:
-            self.commit()
-        else:
+        if exc_type is not None:
             self.abort()
+        elif not self._done:
+            self.commit()
 
 
 class BlobStore:

@@ -82,7 +82,11 @@ def run_daemon(args: argparse.Namespace) -> int:
                          f"or change the role")
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return serve(config)
+    if config.node.role == "miner":
+        from node.miner import MinerDuties as duties
+    else:
+        from node.validator_node import ValidatorDuties as duties
+    return serve(config, duties)
 
 
 def run_status(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ from node.cli import command_group
 
 RULES = ("gate-mass", "token-freq", "differential", "activation-norm")
 DEFAULT_SEED = "0" * 64
+EVAL_BATCH = 16
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -116,9 +117,9 @@ def run_select_experts(args: argparse.Namespace) -> int:
     from training.data import load_sequences
     from training.selection import select_experts
 
-    spec, model, adapter, tokenizer = _load(args.spec)
     if args.max_sequences < 1:
         raise ValueError("--max-sequences must be positive")
+    spec, model, adapter, tokenizer = _load(args.spec)
     domain = load_sequences(args.data, tokenizer, spec.data.seq_len)[: args.max_sequences]
     general = None
     if args.general:
@@ -143,8 +144,8 @@ def _read_blob(path: Path, spec: Any) -> tuple[bytes, Any, dict[str, Any]]:
     except BlobError as exc:
         raise ValueError(f"{path}: not a valid blob: {exc.reason}") from exc
     if meta.network != spec.network_id:
-        raise ValueError(f"{path}: blob is for network {meta.network[:16]}…, not this spec's network")
-    if meta.group != dict(spec.group):
+        raise ValueError(f"{path}: blob is for network {meta.network[:16]}..., not this spec's network")
+    if {layer: sorted(ids) for layer, ids in meta.group.items()} != dict(spec.group):
         raise ValueError(f"{path}: blob's expert group differs from the spec's group")
     return data, meta, tensors
 
@@ -158,13 +159,13 @@ def run_train(args: argparse.Namespace) -> int:
     from training.experts import insert
     from training.trainer import TrainConfig, train_experts
 
-    spec, model, adapter, tokenizer = _load(args.spec)
-    identity = load_identity(args.key)
     if args.round < 0:
         raise ValueError("--round must be non-negative")
-    steps = spec.training.inner_steps if args.steps is None else args.steps
-    if steps < 1:
+    if args.steps is not None and args.steps < 1:
         raise ValueError("--steps must be positive")
+    identity = load_identity(args.key)
+    spec, model, adapter, tokenizer = _load(args.spec)
+    steps = spec.training.inner_steps if args.steps is None else args.steps
     base = spec.model.base_hash
     if args.global_blob is not None:
         data, _, tensors = _read_blob(args.global_blob, spec)
@@ -174,7 +175,8 @@ def run_train(args: argparse.Namespace) -> int:
     sequences = shard(load_sequences(files, tokenizer, spec.data.seq_len), identity.node_id, args.round)
     seed = int(sha256_hex(f"{identity.node_id}|{args.round}".encode())[:15], 16)
     cfg = TrainConfig(steps=steps, lr=spec.training.lr, weight_decay=spec.training.weight_decay,
-                      batch_size=spec.training.batch_size, grad_clip=spec.training.grad_clip, seed=seed)
+                      batch_size=spec.training.batch_size, grad_clip=spec.training.grad_clip, seed=seed,
+                      pad_id=tokenizer.pad_id)
     result = train_experts(model, adapter, spec.group, batches(sequences, spec.training.batch_size, seed), cfg)
 
     dtype = DTYPES[blob_dtype(spec.model.dtype)]
@@ -211,10 +213,10 @@ def run_eval(args: argparse.Namespace) -> int:
                                spec.data.heldout_sequences)
     started = time.perf_counter()
     if args.blob is None:
-        result = heldout_loss(model, sequences, batch_size=spec.training.batch_size, device="cpu",
-                              pad_id=tokenizer.pad_id)
+        result = heldout_loss(model, sequences, batch_size=EVAL_BATCH, pad_id=tokenizer.pad_id)
     else:
         _, _, tensors = _read_blob(args.blob, spec)
-        result = loss_with_experts(model, adapter, tensors, sequences)
+        result = loss_with_experts(model, adapter, tensors, sequences, batch_size=EVAL_BATCH,
+                                   pad_id=tokenizer.pad_id)
     _print_json({"loss": result.loss, "tokens": result.tokens, "seconds": time.perf_counter() - started})
     return 0

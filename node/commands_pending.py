@@ -10,7 +10,7 @@ import sys
 
 from node.cli import EXIT_USAGE, command_group
 
-PENDING = ("simulate", "inspect")
+PENDING: tuple[str, ...] = ()
 PENDING_SPEC: tuple[str, ...] = ()
 
 

@@ -9,6 +9,7 @@ it only says where things are and how the node should behave.
 
 from __future__ import annotations
 
+import json
 import os
 import tomllib
 from pathlib import Path
@@ -74,6 +75,9 @@ class MinerSection(_Section):
         default=None, ge=1, description="Sequences per forward pass; unset = the spec's batch (no accumulation)."
     )
     data: Path | None = Field(default=None, description="Local training file overriding the spec's train files.")
+    behaviour: Literal["honest", "lazy", "noise", "copier", "late", "garbage"] = Field(
+        default="honest", description="Exists for simulations: anything but 'honest' plays an adversary."
+    )
 
 
 class ValidatorSection(_Section):
@@ -87,6 +91,9 @@ class StorageSection(_Section):
     """What the node keeps on disk."""
 
     blob_retention_rounds: int = Field(default=3, ge=1, description="Rounds of blobs kept before pruning.")
+    message_retention_rounds: int = Field(
+        default=8, ge=2, description="Rounds of the seen-message log kept; commits, scores and states stay."
+    )
 
 
 class NodeConfig(BaseSettings):
@@ -157,6 +164,9 @@ def load_config(path: str | Path) -> NodeConfig:
         raise ConfigError(f"{path}: cannot read config: {exc}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    for key in data:
+        if key.startswith("_"):  # BaseSettings reads `_env_file` and friends from init kwargs
+            raise ConfigError(f"{path}: {key}: Extra inputs are not permitted")
     try:
         config = NodeConfig(**data)
     except ValidationError as exc:
@@ -181,19 +191,18 @@ def _describe(exc: ValidationError, path: Path) -> str:
 def render_config(role: Role, spec: Path, key: Path, data_dir: Path, p2p_port: int, http_port: int,
                   heldout: Path | None = None, bootstrap: tuple[str, ...] = ()) -> str:
     """A commented node config TOML for `tessera init`; paths are written as given."""
-    boot = ", ".join(f'"{b}"' for b in bootstrap)
     lines = [
         "# Tessera node config. Environment variables TESSERA_<SECTION>__<FIELD> override it.",
         "[node]",
-        f'role = "{role}"',
-        f'spec = "{spec.as_posix()}"',
-        f'key = "{key.as_posix()}"',
-        f'data_dir = "{data_dir.as_posix()}"',
+        f"role = {_q(role)}",
+        f"spec = {_q(spec.as_posix())}",
+        f"key = {_q(key.as_posix())}",
+        f"data_dir = {_q(data_dir.as_posix())}",
         "",
         "[p2p]",
         'host = "127.0.0.1"',
         f"port = {p2p_port}",
-        f"bootstrap = [{boot}]",
+        f"bootstrap = [{', '.join(_q(b) for b in bootstrap)}]",
         "",
         "[http]",
         'host = "127.0.0.1"',
@@ -201,5 +210,10 @@ def render_config(role: Role, spec: Path, key: Path, data_dir: Path, p2p_port: i
     ]
     if role == "validator":
         lines += ["", "[validator]"]
-        lines.append(f'heldout = "{heldout.as_posix()}"' if heldout is not None else '# heldout = "heldout.txt"')
+        lines.append(f"heldout = {_q(heldout.as_posix())}" if heldout is not None else '# heldout = "heldout.txt"')
     return "\n".join(lines) + "\n"
+
+
+def _q(text: str) -> str:
+    """A TOML basic string: JSON's escapes (quote, backslash, control, \\uXXXX) are all valid TOML."""
+    return json.dumps(text)

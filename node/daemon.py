@@ -7,13 +7,14 @@ ACCEPTed envelopes are delivered); each is recorded in storage BEFORE the duties
 killed at any point restarts knowing every message its duties acted on.
 
 Miner and validator work plugs in through `Duties` (`on_phase`, `on_message`), built from a
-`NodeContext`; the built-in `HeartbeatDuties` only announces liveness and head each phase.
+`NodeContext`; the built-in `HeartbeatDuties` only announces liveness and head, once a round.
 This module knows nothing about training, scoring or merging, nor about libp2p (node.p2p).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 from collections.abc import Callable
@@ -25,15 +26,18 @@ from node.clock import Clock, SystemClock
 from node.config import NodeConfig
 from node.http_api import HttpApi
 from node.metrics import NodeMetrics
-from node.network import Network, Subscription
+from node.network import GossipJudge, Network, Subscription
 from node.scheduler import PhaseRun, Scheduler
-from node.storage import Storage
+from node.storage import MOMENTUM_KEY, Storage
 from protocol.identity import Identity, load_or_create_identity
 from protocol.messages import Envelope, Heartbeat, Message, seal
 from protocol.rounds import Phase, Schedule
 from protocol.spec import NetworkSpec, load_spec
 
 log = logging.getLogger(__name__)
+
+ROUND_REPORT_KEY = "round_report:{}"  # storage key of a validator's JSON report of one round
+ROUNDS_LISTED = 32
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,11 @@ class NodeContext:
     metrics: NodeMetrics
 
     async def publish(self, message: Message) -> Envelope:
-        """Sign, gossip and record one of our own messages; PublishRefused if peers would reject it."""
+        """Sign, gossip and record one of our own messages; PublishRefused if peers would reject it.
+
+        Recorded after gossiping, so a refused message leaves no trace; a duty that must not repeat
+        an action after a crash in between records its intent first (storage.set_state).
+        """
         envelope = seal(message, self.spec.network_id, self.identity)
         await self.network.publish(envelope)
         await self.storage.record_accepted(envelope, message, self.clock.now())
@@ -63,7 +71,12 @@ class NodeContext:
 
 
 class Duties(Protocol):
-    """A role's work. Both hooks run on the event loop; torch work belongs in a thread."""
+    """A role's work. Both hooks run on the event loop; torch work belongs in a thread.
+
+    `on_phase` calls never overlap each other; `on_message` runs concurrently with them. A node
+    restarted mid-phase calls `on_phase` for that phase again, so duties check storage for what
+    they already did (a miner must not commit twice in a round).
+    """
 
     async def on_phase(self, round: int, phase: Phase) -> None:
         """Called once at the start of each phase (at once for the phase in progress at start)."""
@@ -78,13 +91,22 @@ DutiesFactory = Callable[[NodeContext], Duties]
 
 
 class HeartbeatDuties:
-    """The minimal duty: publish a Heartbeat with our role and head at every phase start."""
+    """The minimal duty: at each phase start, announce our role and head unless already announced.
+
+    A Heartbeat carries only round, role and head, and Ed25519 signatures are deterministic, so a
+    second identical heartbeat in a round would be the same envelope, which peers drop as a
+    duplicate; one goes out per round, and another when the head changes.
+    """
 
     def __init__(self, ctx: NodeContext) -> None:
         self.ctx = ctx
+        self._announced: tuple[int, str] | None = None
 
     async def on_phase(self, round: int, phase: Phase) -> None:
-        await self.ctx.publish(Heartbeat(round=round, role=self.ctx.config.node.role, head=await self.ctx.head()))
+        head = await self.ctx.head()
+        if self._announced != (round, head):
+            await self.ctx.publish(Heartbeat(round=round, role=self.ctx.config.node.role, head=head))
+            self._announced = (round, head)
 
     async def on_message(self, envelope: Envelope) -> None:
         return None
@@ -99,7 +121,8 @@ class Node:
         self.scheduler = Scheduler(ctx.schedule, ctx.clock, self._on_phase, self._on_run)
         self.http: HttpApi | None = None
         self._stop = asyncio.Event()
-        self._subscription: Subscription | None = None
+        # Subscribe now, not in run(): gossip that arrives in between waits in the queue.
+        self._subscription: Subscription = ctx.network.subscribe()
 
     @classmethod
     async def create(cls, config: NodeConfig, network: Network | None = None, clock: Clock | None = None,
@@ -129,7 +152,6 @@ class Node:
             if self.ctx.config.http.enabled:
                 self.http = await HttpApi.start(self, self.ctx.config.http.host, self.ctx.config.http.port)
                 log.info("http api on %s", self.http.url)
-            self._subscription = self.ctx.network.subscribe()
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(self._consume(self._subscription), name="gossip-consumer"),
                          tg.create_task(self.scheduler.run(), name="scheduler")]
@@ -153,7 +175,7 @@ class Node:
             envelope = delivery.envelope
             message = envelope.message()  # the network's check already decoded it once
             if not await self.ctx.storage.record_accepted(envelope, message, self.ctx.clock.now()):
-                continue  # accepted before a restart; the duties saw it then
+                continue  # stored before a restart (the duties saw it then), or an equivocation across one
             try:
                 await self.duties.on_message(envelope)
             except Exception:
@@ -164,6 +186,7 @@ class Node:
         log.info("round %d: %s", round, phase)
         if phase is Phase.TRAIN:
             await self.ctx.storage.record_round(round, self.ctx.schedule.round_start(round))
+            await self.ctx.storage.prune_messages(round - self.ctx.config.storage.message_retention_rounds)
             await self._prune_blobs()
         await self.duties.on_phase(round, phase)
 
@@ -174,7 +197,7 @@ class Node:
             await self.ctx.storage.export_rewards_jsonl(self.ctx.config.rewards_jsonl)
 
     async def _prune_blobs(self) -> None:
-        keep = {h for h in (await self.ctx.storage.head(), await self.ctx.storage.get_state("momentum")) if h}
+        keep = {h for h in (await self.ctx.storage.head(), await self.ctx.storage.get_state(MOMENTUM_KEY)) if h}
         max_age = self.ctx.config.storage.blob_retention_rounds * self.ctx.schedule.round_seconds
         deleted = await asyncio.to_thread(self.ctx.blobs.retain, keep, max_age)
         if deleted:
@@ -204,6 +227,19 @@ class Node:
     async def rewards(self) -> dict[str, Any]:
         return (await self.ctx.storage.rewards()).as_dict()
 
+    async def round_report(self, round: int) -> dict[str, Any] | None:
+        """A validator's report of one round (None when it has none)."""
+        text = await self.ctx.storage.get_state(ROUND_REPORT_KEY.format(round))
+        return None if text is None else json.loads(text)
+
+    async def rounds(self) -> list[dict[str, Any]]:
+        """The reports of the last rounds, oldest first (empty on a miner)."""
+        latest = await self.ctx.storage.latest_round()
+        if latest is None:
+            return []
+        reports = [await self.round_report(r) for r in range(max(0, latest - ROUNDS_LISTED + 1), latest + 1)]
+        return [report for report in reports if report is not None]
+
     def metrics_text(self) -> bytes:
         return self.ctx.metrics.render()
 
@@ -215,12 +251,11 @@ def _run_dict(run: PhaseRun) -> dict[str, Any]:
 
 async def _open_libp2p(config: NodeConfig, spec: NetworkSpec, identity: Identity, blobs: BlobStore,
                        clock: Clock) -> Network:
-    from node.p2p import LibP2PNetwork  # the one module that imports libp2p and trio
+    from node.p2p import P2PConfig, P2PNetwork  # the one module that imports libp2p and trio
 
-    return await LibP2PNetwork.create(
-        identity=identity, spec=spec, blobs=blobs, now=clock.now, host=config.p2p.host, port=config.p2p.port,
-        bootstrap=config.p2p.bootstrap, max_peers=config.p2p.max_peers,
-    )
+    p2p = P2PConfig(host=config.p2p.host, port=config.p2p.port, bootstrap=tuple(config.p2p.bootstrap),
+                    max_peers=config.p2p.max_peers)
+    return await P2PNetwork.create(identity, GossipJudge(spec, clock.now), blobs, p2p)
 
 
 def serve(config: NodeConfig, duties: DutiesFactory | None = None) -> int:
@@ -233,6 +268,7 @@ def serve(config: NodeConfig, duties: DutiesFactory | None = None) -> int:
             loop.add_signal_handler(sig, node.stop)
         log.info("%s %s on network %s", config.node.role, node.ctx.identity.node_id[:12], node.ctx.spec.name)
         await node.run()
+        log.info("stopped cleanly")
         return 0
 
     return asyncio.run(main())

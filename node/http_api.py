@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import html
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -16,6 +16,7 @@ from aiohttp import web
 from node.metrics import CONTENT_TYPE
 
 Handler = Callable[[web.Request], Awaitable[web.Response]]
+_TOP_STANDINGS = 20
 
 
 class StatusSource(Protocol):
@@ -24,6 +25,10 @@ class StatusSource(Protocol):
     async def status(self) -> dict[str, Any]: ...
 
     async def rewards(self) -> dict[str, Any]: ...
+
+    async def rounds(self) -> list[dict[str, Any]]: ...
+
+    async def round_report(self, round: int) -> dict[str, Any] | None: ...
 
     def metrics_text(self) -> bytes: ...
 
@@ -46,6 +51,8 @@ class HttpApi:
             web.get("/status", _json(source.status)),
             web.get("/rewards", _json(source.rewards)),
             web.get("/metrics", _metrics(source)),
+            web.get("/rounds", _json(lambda: source.rounds())),
+            web.get("/rounds/{round}", _round(source)),
         ])
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
@@ -70,9 +77,22 @@ async def _healthz(request: web.Request) -> web.Response:
     return web.json_response({"ok": True})
 
 
-def _json(fetch: Callable[[], Awaitable[dict[str, Any]]]) -> Handler:
+def _json(fetch: Callable[[], Awaitable[Any]]) -> Handler:
     async def handler(request: web.Request) -> web.Response:
         return web.json_response(await fetch(), dumps=_dumps)
+
+    return handler
+
+
+def _round(source: StatusSource) -> Handler:
+    async def handler(request: web.Request) -> web.Response:
+        text = request.match_info["round"]
+        if not (text.isascii() and text.isdigit()):
+            raise web.HTTPNotFound(text=f"round must be a non-negative integer, got {text[:20]!r}")
+        report = await source.round_report(int(text))
+        if report is None:
+            raise web.HTTPNotFound(text=f"no report for round {text}")
+        return web.json_response(report, dumps=_dumps)
 
     return handler
 
@@ -89,13 +109,17 @@ def _metrics(source: StatusSource) -> Handler:
 def _page(source: StatusSource) -> Handler:
     async def handler(request: web.Request) -> web.Response:
         status = await source.status()
-        rows = "\n".join(
-            f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(_cell(v))}</td></tr>" for k, v in status.items()
-        )
-        body = _PAGE.format(role=html.escape(str(status.get("role", "node"))), rows=rows)
+        standings = (await source.rewards()).get("standings", {})
+        rows = _rows(status.items())
+        top = _rows(list(standings.items())[:_TOP_STANDINGS]) or "<tr><td>no rewards yet</td></tr>"
+        body = _PAGE.format(role=html.escape(str(status.get("role", "node"))), rows=rows, standings=top)
         return web.Response(text=body, content_type="text/html")
 
     return handler
+
+
+def _rows(items: Iterable[tuple[object, object]]) -> str:
+    return "\n".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(_cell(v))}</td></tr>" for k, v in items)
 
 
 def _cell(value: object) -> str:
@@ -114,6 +138,10 @@ td{{font-family:monospace;word-break:break-all}}</style></head>
 <body><h1>tessera {role}</h1>
 <table>
 {rows}
+</table>
+<h2>Standings</h2>
+<table>
+{standings}
 </table>
 <p><a href="/status">/status</a> · <a href="/rewards">/rewards</a> · <a href="/metrics">/metrics</a></p>
 </body></html>

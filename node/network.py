@@ -6,8 +6,10 @@ received envelope goes through `GossipJudge` (protocol.check with this node's cl
 in-memory seen-set); only ACCEPTed envelopes reach subscribers or are relayed, and every REJECT
 is counted against the peer that sent it. A node's own published envelopes are not delivered
 back to its own subscribers. `MemoryHub` joins several `MemoryNetwork` twins that deliver to each
-other directly, applying the same judge; tests use it instead of libp2p (node.p2p). This module
-knows nothing about libp2p, storage beyond the blob store, or what the messages mean.
+other directly, applying the same judge; tests use it instead of libp2p (node.p2p). `P2PConfig`,
+the libp2p implementation's settings, lives here so a daemon can build it without importing
+libp2p. This module knows nothing about libp2p, storage beyond the blob store, or what the
+messages mean.
 
 Errors: `NetworkError(ValueError)` is the root; `PublishRefused` (our own envelope would be
 rejected), `BlobFetchError` (no provider delivered a blob with the right hash within the cap).
@@ -20,13 +22,13 @@ import contextlib
 import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
 from node.blobstore import BlobStore, BlobTooLarge, HashMismatch
 from protocol.check import CheckContext, CheckResult, SeenKey, Verdict, check, check_bytes
-from protocol.messages import Envelope
+from protocol.messages import MESSAGE_TYPES, Envelope
 from protocol.rounds import Schedule
 from protocol.spec import NetworkSpec
 
@@ -61,6 +63,50 @@ class NetworkStats:
     dropped_deliveries: int = 0
 
 
+@dataclass(frozen=True)
+class P2PConfig:
+    """Settings of the libp2p implementation (node.p2p): listening, finding peers, pacing gossip, moving blobs."""
+
+    host: str = "127.0.0.1"
+    """Listen IP; 0.0.0.0 accepts peers from other hosts."""
+    port: int = 0
+    """Listen TCP port; 0 picks a free one (see `listen_addrs`)."""
+    bootstrap: tuple[str, ...] = ()
+    """Bootstrap multiaddrs with /p2p/<peer id>; redialled for as long as the node runs."""
+    max_peers: int = 32
+    """Stop dialling discovered peers once this many are connected."""
+    publish_interval_s: float = 0.005
+    """Gap between two of our publishes; bursts wait in a queue instead of being dropped."""
+    supervise_interval_s: float = 1.0
+    """How often lost peers are redialled and the peer list refreshed."""
+    exchange_interval_s: float = 10.0
+    """How often each connected peer is asked for the peers it knows."""
+    max_redial_backoff_s: float = 5.0
+    """Longest wait between two dials of a lost peer (bootstrap peers are redialled forever)."""
+    dial_timeout_s: float = 5.0
+    """Give up one dial after this long."""
+    blob_idle_timeout_s: float = 30.0
+    """Abort a blob transfer when no byte arrives for this long."""
+    blob_chunk_bytes: int = 1 << 20
+    """Read and write size on blob streams."""
+    start_timeout_s: float = 30.0
+    """Give up starting the host after this long."""
+    forget_after_failures: int = 5
+    """Stop redialling a discovered (non-bootstrap) peer after this many failed dials in a row."""
+    serve_rate_bytes_s: float = 0.0
+    """Upload cap per blob stream in bytes/s; 0 serves as fast as the link allows."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"p2p port must be 0..65535, got {self.port}")
+        if self.max_peers < 1 or self.blob_chunk_bytes < 1 or self.forget_after_failures < 1:
+            raise ValueError("p2p max_peers, blob_chunk_bytes and forget_after_failures must be >= 1")
+        timings = (self.supervise_interval_s, self.exchange_interval_s, self.max_redial_backoff_s,
+                   self.dial_timeout_s, self.blob_idle_timeout_s, self.start_timeout_s)
+        if min(timings) <= 0 or self.publish_interval_s < 0 or self.serve_rate_bytes_s < 0:
+            raise ValueError("p2p intervals and timeouts must be positive (publish gap and serve rate >= 0)")
+
+
 class GossipJudge:
     """Applies protocol.check to incoming gossip with an in-memory seen-set; thread-safe.
 
@@ -77,6 +123,7 @@ class GossipJudge:
         self._lock = threading.Lock()
         self._seen: dict[str, int] = {}
         self._first_seen: dict[SeenKey, str] = {}
+        self._pruned_below = 0
         self.stats = NetworkStats()
 
     def _context(self) -> CheckContext:
@@ -122,13 +169,34 @@ class GossipJudge:
         self._seen[message_id] = envelope.round
         self._first_seen.setdefault((envelope.kind, envelope.sender, envelope.round), message_id)
         oldest = envelope.round - SEEN_ROUNDS_KEPT
-        if oldest > 0 and len(self._seen) % 256 == 0:
+        if oldest > self._pruned_below:
+            # protocol.check ignores rounds this old anyway, so their ids need not be remembered.
+            self._pruned_below = oldest
             self._seen = {m: r for m, r in self._seen.items() if r >= oldest}
             self._first_seen = {k: m for k, m in self._first_seen.items() if k[2] >= oldest}
+
+    @property
+    def remembered(self) -> int:
+        """How many accepted message ids are remembered for de-duplication."""
+        return len(self._seen)
 
     def reject_counts(self) -> Mapping[str, int]:
         with self._lock:
             return dict(self.stats.rejects_by_peer)
+
+    def count_blob(self, bytes_in: int = 0, bytes_out: int = 0, fetched: int = 0, failed: int = 0) -> None:
+        """Add blob-transfer counts (called from whichever thread moves the bytes)."""
+        with self._lock:
+            self.stats.blob_bytes_in += bytes_in
+            self.stats.blob_bytes_out += bytes_out
+            self.stats.blobs_fetched += fetched
+            self.stats.blob_fetch_failures += failed
+
+    def snapshot(self) -> NetworkStats:
+        """A copy of the counters that another thread may read while this one keeps counting."""
+        with self._lock:
+            s = self.stats
+            return replace(s, messages=Counter(s.messages), rejects_by_peer=Counter(s.rejects_by_peer))
 
 
 @dataclass(frozen=True)
@@ -223,7 +291,9 @@ class Network(Gossip, BlobTransfer, Protocol):
     def listen_addrs(self) -> list[str]: ...
 
     @property
-    def stats(self) -> NetworkStats: ...
+    def stats(self) -> NetworkStats:
+        """A snapshot of the counters, safe to read from any thread."""
+        ...
 
     def peers(self) -> list[str]:
         """Node ids of the peers connected right now."""
@@ -240,6 +310,8 @@ class Subscribers:
         self._stats = stats
 
     def add(self, kinds: Iterable[str] | None) -> Subscription:
+        if kinds is not None and (unknown := set(kinds) - set(MESSAGE_TYPES)):
+            raise NetworkError(f"cannot subscribe to unknown message kinds {sorted(unknown)}; known: {sorted(MESSAGE_TYPES)}")
         sub = Subscription(None if kinds is None else frozenset(kinds), self._subs.remove)
         self._subs.append(sub)
         return sub
@@ -297,7 +369,7 @@ class MemoryNetwork:
 
     @property
     def stats(self) -> NetworkStats:
-        return self._judge.stats
+        return self._judge.snapshot()
 
     def peers(self) -> list[str]:
         return sorted(n for n, net in self._hub.nodes.items() if n != self._node_id and not net.closed)
@@ -351,10 +423,9 @@ class MemoryNetwork:
             except (HashMismatch, BlobTooLarge) as exc:
                 failures.append(f"{provider[:12]}: {exc}")
                 continue
-            self.stats.blob_bytes_in += len(data)
-            self.stats.blobs_fetched += 1
+            self._judge.count_blob(bytes_in=len(data), fetched=1)
             return self._store.path(blob_hash)
-        self.stats.blob_fetch_failures += 1
+        self._judge.count_blob(failed=1)
         raise BlobFetchError(f"blob {blob_hash[:12]}: no provider delivered it ({'; '.join(failures) or 'no providers'})")
 
     async def close(self) -> None:

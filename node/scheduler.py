@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from node.clock import Clock
-from protocol.rounds import Phase, Schedule
+from protocol.rounds import PHASES, Phase, Schedule
 
 log = logging.getLogger(__name__)
 
@@ -71,27 +71,19 @@ class Scheduler:
                 await self.clock.sleep_until(self.schedule.genesis_ts)
                 continue
             due = self.schedule.phase_at(now)
-            if due == last:
-                _, _, start = self.schedule.next_phase_start(now)
-                await self.clock.sleep_until(start)
+            if last is not None and _index(due) <= _index(last):
+                if due != last:
+                    log.warning("the clock went back to round %d %s; waiting for round %d %s to end",
+                                due[0], due[1], last[0], last[1])
+                await self.clock.sleep_until(self.schedule.phase_window(*last)[1])
                 continue
-            if last is not None and due != self._following(last):
-                self._note_skip(last, due)
+            if last is not None and _index(due) > _index(last) + 1:
+                missed = _index(due) - _index(last) - 1
+                self.skipped += missed
+                log.warning("round %d %s overran: skipping %d phase(s), now at round %d %s",
+                            last[0], last[1], missed, due[0], due[1])
             last = due
             await self._fire(*due)
-
-    def _following(self, at: tuple[int, Phase]) -> tuple[int, Phase]:
-        r, phase, _ = self.schedule.next_phase_start(self.schedule.phase_window(*at)[0])
-        return r, phase
-
-    def _note_skip(self, last: tuple[int, Phase], due: tuple[int, Phase]) -> None:
-        step, n = self._following(last), 0
-        while step != due:
-            n += 1
-            step = self._following(step)
-        self.skipped += n
-        log.warning("handler for round %d %s overran: skipping %d phase(s), now at round %d %s",
-                    last[0], last[1], n, due[0], due[1])
 
     async def _fire(self, r: int, phase: Phase) -> None:
         self.current = (r, phase)
@@ -110,3 +102,8 @@ class Scheduler:
                 await self._on_run(run)
             except Exception:
                 log.exception("round %d %s: recording the phase run failed", r, phase)
+
+
+def _index(at: tuple[int, Phase]) -> int:
+    """Phases counted from genesis, so order and gaps are plain integer arithmetic."""
+    return at[0] * len(PHASES) + PHASES.index(at[1])

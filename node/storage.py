@@ -8,7 +8,9 @@ Durability: WAL with synchronous=FULL. NORMAL would survive a killed process but
 transactions on power loss; this file holds the rewards ledger and the commitments the node
 accepted, writes are a few dozen per round, so the extra fsync per commit costs nothing that
 matters. The schema version lives in `PRAGMA user_version`; a file from a newer version is refused.
-This module stores what it is given; it does not judge messages or compute rewards.
+This module stores what it is given and judges nothing, with one exception the network's in-memory
+check cannot make across a restart: it keeps only the first message per (kind, sender, round), heartbeats aside.
+It computes no rewards or rankings.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from protocol.messages import (
 
 SCHEMA_VERSION = 1
 HEAD_KEY = "head"
+MOMENTUM_KEY = "momentum"  # hash of the blob holding a validator's outer-optimizer momentum
 _EXPORTED_KEY = "rewards_exported_through"
 
 _SCHEMA = """
@@ -176,22 +179,20 @@ class RewardsLedger:
         return {"entries": [e.as_dict() for e in self.entries], "standings": self.standings}
 
 
-
 class StorageError(ValueError):
     """The state file cannot be used: unreadable, corrupt, or written by a newer schema."""
 
 
 def _read(fn: _Fn[P, T]) -> _Async[P, T]:
-    @functools.wraps(fn)
-    async def run(self: Storage, *args: P.args, **kwargs: P.kwargs) -> T:
+    async def run(self: Storage, /, *args: P.args, **kwargs: P.kwargs) -> T:
         return await self._submit(lambda conn: fn(self, conn, *args, **kwargs))
 
+    functools.update_wrapper(run, fn)
     return run
 
 
 def _write(fn: _Fn[P, T]) -> _Async[P, T]:
-    @functools.wraps(fn)
-    async def run(self: Storage, *args: P.args, **kwargs: P.kwargs) -> T:
+    async def run(self: Storage, /, *args: P.args, **kwargs: P.kwargs) -> T:
         def transaction(conn: sqlite3.Connection) -> T:
             conn.execute("BEGIN IMMEDIATE")
             try:
@@ -204,6 +205,7 @@ def _write(fn: _Fn[P, T]) -> _Async[P, T]:
 
         return await self._submit(transaction)
 
+    functools.update_wrapper(run, fn)
     return run
 
 
@@ -244,13 +246,20 @@ class Storage:
     @_write
     def record_accepted(self, conn: sqlite3.Connection, envelope: Envelope, message: Message,
                         received_at: float) -> bool:
-        """Store an accepted message and its payload in one transaction; False if already stored."""
-        record = MessageRecord(envelope.message_id, envelope.kind, envelope.sender, envelope.round,
-                               "accept", "ok", received_at)
-        if not _insert_message(conn, record):
+        """Store an accepted message and its payload in one transaction; True if it is new.
+
+        False when this message is already stored, or when its sender already has a different one
+        of this kind for this round: an equivocation that the network's in-memory check cannot see
+        across a restart. That one is kept as a REJECT and its payload is not stored.
+        """
+        message_id = envelope.message_id
+        if conn.execute("SELECT 1 FROM messages WHERE id = ?", (message_id,)).fetchone() is not None:
             return False
-        _store_payload(conn, envelope.sender, message, received_at)
-        return True
+        stored = _store_payload(conn, envelope.sender, message, received_at)
+        verdict, reason = ("accept", "ok") if stored else ("reject", "equivocation")
+        _insert_message(conn, MessageRecord(message_id, envelope.kind, envelope.sender, envelope.round,
+                                            verdict, reason, received_at))
+        return stored
 
     @_read
     def accepted_index(self, conn: sqlite3.Connection, min_round: int) -> tuple[set[str], dict[tuple[str, str, int], str]]:
@@ -262,6 +271,15 @@ class Storage:
         for mid, kind, sender, r in rows:
             first.setdefault((kind, sender, r), mid)
         return {row[0] for row in rows}, first
+
+    @_write
+    def prune_messages(self, conn: sqlite3.Connection, before_round: int) -> int:
+        """Forget the message log of rounds before `before_round`; returns how many rows went.
+
+        Safe once gossip for those rounds is IGNOREd as old: the payload tables keep the data and
+        the first-message-per-sender rule, which do not depend on this log.
+        """
+        return conn.execute("DELETE FROM messages WHERE round < ?", (before_round,)).rowcount
 
     @_read
     def messages(self, conn: sqlite3.Connection, round: int) -> list[MessageRecord]:
@@ -330,7 +348,8 @@ class Storage:
 
     @_read
     def latest_round(self, conn: sqlite3.Connection) -> int | None:
-        return conn.execute("SELECT MAX(round) FROM rounds").fetchone()[0]
+        latest: int | None = conn.execute("SELECT MAX(round) FROM rounds").fetchone()[0]
+        return latest
 
     @_write
     def record_phase_run(self, conn: sqlite3.Connection, run: PhaseRun) -> None:
@@ -434,31 +453,37 @@ def _insert_message(conn: sqlite3.Connection, r: MessageRecord) -> bool:
     return cur.rowcount == 1
 
 
-def _store_payload(conn: sqlite3.Connection, sender: str, m: Message, at: float) -> None:
+def _store_payload(conn: sqlite3.Connection, sender: str, m: Message, at: float) -> bool:
+    """Write a message's rows; False (writing nothing) when the sender already has one for the round."""
     if isinstance(m, Commit):
-        conn.execute("INSERT OR IGNORE INTO commits VALUES (?, ?, ?, ?)", (m.round, sender, m.commitment, at))
+        cur = conn.execute("INSERT OR IGNORE INTO commits VALUES (?, ?, ?, ?)", (m.round, sender, m.commitment, at))
     elif isinstance(m, Reveal):
-        conn.execute("INSERT OR IGNORE INTO reveals VALUES (?, ?, ?, ?, ?)",
-                     (m.round, sender, m.commitment, m.size, at))
+        cur = conn.execute("INSERT OR IGNORE INTO reveals VALUES (?, ?, ?, ?, ?)",
+                           (m.round, sender, m.commitment, m.size, at))
     elif isinstance(m, SeedCommit):
-        conn.execute("INSERT INTO seeds (round, validator, commitment) VALUES (?, ?, ?) ON CONFLICT "
-                     "(round, validator) DO UPDATE SET commitment = excluded.commitment", (m.round, sender, m.commitment))
+        cur = conn.execute("INSERT INTO seeds (round, validator, commitment) VALUES (?, ?, ?) ON CONFLICT "
+                           "(round, validator) DO UPDATE SET commitment = excluded.commitment "
+                           "WHERE seeds.commitment IS NULL", (m.round, sender, m.commitment))
     elif isinstance(m, SeedReveal):
-        conn.execute("INSERT INTO seeds (round, validator, seed) VALUES (?, ?, ?) ON CONFLICT "
-                     "(round, validator) DO UPDATE SET seed = excluded.seed", (m.round, sender, m.seed))
+        cur = conn.execute("INSERT INTO seeds (round, validator, seed) VALUES (?, ?, ?) ON CONFLICT "
+                           "(round, validator) DO UPDATE SET seed = excluded.seed WHERE seeds.seed IS NULL",
+                           (m.round, sender, m.seed))
     elif isinstance(m, ScoreReport):
-        conn.execute("INSERT OR IGNORE INTO score_reports VALUES (?, ?, ?, ?, ?)",
-                     (m.round, sender, m.base, m.base_loss, at))
-        conn.executemany("INSERT OR IGNORE INTO scores VALUES (?, ?, ?, ?, ?, ?, ?)",
-                         [(m.round, sender, e.miner, e.commitment, e.loss, e.verdict, e.reason) for e in m.entries])
+        cur = conn.execute("INSERT OR IGNORE INTO score_reports VALUES (?, ?, ?, ?, ?)",
+                           (m.round, sender, m.base, m.base_loss, at))
+        if cur.rowcount == 1:
+            conn.executemany("INSERT OR IGNORE INTO scores VALUES (?, ?, ?, ?, ?, ?, ?)",
+                             [(m.round, sender, e.miner, e.commitment, e.loss, e.verdict, e.reason) for e in m.entries])
     elif isinstance(m, GlobalState):
-        conn.execute("INSERT OR IGNORE INTO global_states (hash, parent, round, contributors) VALUES (?, ?, ?, ?)",
-                     (m.hash, m.parent, m.round, json.dumps(list(m.contributors))))
-        conn.execute("INSERT OR IGNORE INTO state_votes VALUES (?, ?, ?)", (m.round, sender, m.hash))
+        cur = conn.execute("INSERT OR IGNORE INTO state_votes VALUES (?, ?, ?)", (m.round, sender, m.hash))
+        if cur.rowcount == 1:
+            conn.execute("INSERT OR IGNORE INTO global_states (hash, parent, round, contributors) VALUES (?, ?, ?, ?)",
+                         (m.hash, m.parent, m.round, json.dumps(list(m.contributors))))
     elif isinstance(m, Heartbeat):
-        conn.execute("INSERT OR REPLACE INTO nodes VALUES (?, ?, ?, ?, ?)", (sender, m.role, m.head, m.round, at))
+        cur = conn.execute("INSERT OR REPLACE INTO nodes VALUES (?, ?, ?, ?, ?)", (sender, m.role, m.head, m.round, at))
     else:
         raise AssertionError(f"no table for message kind {m.kind!r}")
+    return cur.rowcount == 1
 
 
 def _state_record(conn: sqlite3.Connection, row: tuple[Any, ...]) -> GlobalStateRecord:

@@ -90,6 +90,7 @@ class GlobalState(_Message):
     hash: Hex32
     parent: Hex32
     contributors: tuple[Hex32, ...] = Field(max_length=1024)
+    momentum: Hex32 | None = Field(default=None, description="Hash of the outer momentum blob, for re-syncs.")
 
 
 class Heartbeat(_Message):

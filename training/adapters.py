@@ -105,7 +105,10 @@ class MoEAdapter:
         n_experts = int(config.num_local_experts)
         gate, up, down = self.hub_projections
         for prefix, by_proj in sorted(per_expert.items()):
-            stacked = {proj: _stack_experts(prefix, proj, by_proj.get(proj, {}), n_experts) for proj in (gate, up, down)}
+            stacked = {
+                proj: _stack_experts(prefix, proj, by_proj.get(proj, {}), n_experts)
+                for proj in (gate, up, down)
+            }
             out[f"{prefix}.gate_up_proj"] = torch.cat([stacked[gate], stacked[up]], dim=1)
             out[f"{prefix}.down_proj"] = stacked[down]
         return out
@@ -144,7 +147,9 @@ class MoEAdapter:
         if not 0 <= layer < len(layers):
             raise ValueError(f"layer {layer} does not exist; the model has {len(layers)} layers")
         if not hasattr(layers[layer].mlp, "experts"):
-            raise ValueError(f"layer {layer} is dense, not an MoE layer; MoE layers: {self.moe_layers(model)}")
+            raise ValueError(
+                f"layer {layer} is dense, not an MoE layer; MoE layers: {self.moe_layers(model)}"
+            )
         return layers[layer].mlp
 
 
@@ -152,8 +157,12 @@ ADAPTERS: dict[str, MoEAdapter] = {
     "qwen3_moe": MoEAdapter("qwen3_moe", Qwen3MoeConfig, Qwen3MoeForCausalLM, "softmax"),
     "olmoe": MoEAdapter("olmoe", OlmoeConfig, OlmoeForCausalLM, "softmax"),
     "mixtral": MoEAdapter(
-        "mixtral", MixtralConfig, MixtralForCausalLM, "softmax",
-        hub_projections=("w1", "w3", "w2"), hub_renames=((".block_sparse_moe.", ".mlp."),),
+        "mixtral",
+        MixtralConfig,
+        MixtralForCausalLM,
+        "softmax",
+        hub_projections=("w1", "w3", "w2"),
+        hub_renames=((".block_sparse_moe.", ".mlp."),),
     ),
     "deepseek_v3": MoEAdapter(
         "deepseek_v3", DeepseekV3Config, DeepseekV3ForCausalLM, "sigmoid", shared_attr="shared_experts"
@@ -177,7 +186,9 @@ def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return layers
 
 
-def _stack_experts(prefix: str, proj: str, tensors: Mapping[int, torch.Tensor], n_experts: int) -> torch.Tensor:
+def _stack_experts(
+    prefix: str, proj: str, tensors: Mapping[int, torch.Tensor], n_experts: int
+) -> torch.Tensor:
     missing = sorted(set(range(n_experts)) - set(tensors))
     extra = sorted(set(tensors) - set(range(n_experts)))
     if missing or extra:

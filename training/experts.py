@@ -40,7 +40,9 @@ def parse_name(name: str) -> tuple[int, int, str]:
 
 def expert_names(group: ExpertGroup) -> list[str]:
     """Every tensor name of `group`, sorted."""
-    return sorted(tensor_name(layer, e, p) for layer, experts in group.items() for e in experts for p in PARAMS)
+    return sorted(
+        tensor_name(layer, e, p) for layer, experts in group.items() for e in experts for p in PARAMS
+    )
 
 
 def group_from_spec(spec: NetworkSpec) -> dict[int, list[int]]:
@@ -56,7 +58,9 @@ def check_group(model: torch.nn.Module, adapter: MoEAdapter, group: ExpertGroup)
     n_experts = adapter.num_experts(model)
     for layer, experts in group.items():
         if layer not in moe_layers:
-            raise ValueError(f"group layer {layer} is not an MoE layer of the model; MoE layers: {moe_layers}")
+            raise ValueError(
+                f"group layer {layer} is not an MoE layer of the model; MoE layers: {moe_layers}"
+            )
         if not experts or len(set(experts)) != len(experts):
             raise ValueError(f"group layer {layer}: expert ids must be distinct and at least one")
         bad = [e for e in experts if not 0 <= e < n_experts]
@@ -64,7 +68,9 @@ def check_group(model: torch.nn.Module, adapter: MoEAdapter, group: ExpertGroup)
             raise ValueError(f"group layer {layer}: experts {bad} do not exist (the model has {n_experts})")
 
 
-def expected_shapes(model: torch.nn.Module, adapter: MoEAdapter, group: ExpertGroup) -> dict[str, tuple[int, ...]]:
+def expected_shapes(
+    model: torch.nn.Module, adapter: MoEAdapter, group: ExpertGroup
+) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor of `group` in this model."""
     check_group(model, adapter, group)
     shapes: dict[str, tuple[int, ...]] = {}
@@ -92,7 +98,7 @@ def extract(
 
 @torch.no_grad()
 def insert(model: torch.nn.Module, adapter: MoEAdapter, tensors: Tensors) -> None:
-    """Write named expert tensors into the model's fused rows, in place; all are checked before any is written.
+    """Write named expert tensors into the model's fused rows in place; all are checked before any is.
 
     Values are cast to the model's dtype, so fp32 tensors into an fp32 model round-trip bit-exactly.
     """
@@ -102,12 +108,16 @@ def insert(model: torch.nn.Module, adapter: MoEAdapter, tensors: Tensors) -> Non
     for name, tensor in sorted(tensors.items()):
         layer, expert, param = parse_name(name)
         if layer not in moe_layers:
-            raise ValueError(f"{name}: layer {layer} is not an MoE layer of the model; MoE layers: {moe_layers}")
+            raise ValueError(
+                f"{name}: layer {layer} is not an MoE layer of the model; MoE layers: {moe_layers}"
+            )
         if expert >= n_experts:
             raise ValueError(f"{name}: expert {expert} does not exist (the model has {n_experts})")
         fused = getattr(adapter.experts(model, layer), param)
         if tuple(tensor.shape) != tuple(fused.shape[1:]):
-            raise ValueError(f"{name}: shape {tuple(tensor.shape)}, the model expects {tuple(fused.shape[1:])}")
+            raise ValueError(
+                f"{name}: shape {tuple(tensor.shape)}, the model expects {tuple(fused.shape[1:])}"
+            )
         if not tensor.is_floating_point():
             raise ValueError(f"{name}: dtype {tensor.dtype} is not a floating-point type")
         targets.append((fused, expert, tensor))
@@ -117,7 +127,7 @@ def insert(model: torch.nn.Module, adapter: MoEAdapter, tensors: Tensors) -> Non
 
 def pseudo_gradient(global_tensors: Tensors, miner_tensors: Tensors) -> dict[str, torch.Tensor]:
     """G = Φ_global − Φ_miner per name, in fp32 on the CPU; both sides must name the same tensors."""
-    _same_names(global_tensors, miner_tensors, "miner")
+    check_same_names(global_tensors, miner_tensors, "miner")
     out: dict[str, torch.Tensor] = {}
     for name in sorted(global_tensors):
         g, m = global_tensors[name], miner_tensors[name]
@@ -131,11 +141,16 @@ def flatten(tensors: Tensors) -> torch.Tensor:
     """All tensors as one 1-D fp32 CPU vector, concatenated in sorted-name order."""
     if not tensors:
         return torch.zeros(0, dtype=torch.float32)
-    return torch.cat([tensors[name].detach().to("cpu", torch.float32).reshape(-1) for name in sorted(tensors)])
+    return torch.cat(
+        [tensors[name].detach().to("cpu", torch.float32).reshape(-1) for name in sorted(tensors)]
+    )
 
 
-def _same_names(reference: Tensors, other: Tensors, what: str) -> None:
+def check_same_names(reference: Tensors, other: Tensors, what: str) -> None:
+    """Refuse `other` unless it names exactly the tensors of `reference`."""
     missing = sorted(reference.keys() - other.keys())
     extra = sorted(other.keys() - reference.keys())
     if missing or extra:
-        raise ValueError(f"{what} tensors do not match the global set (missing {missing[:3]}, extra {extra[:3]})")
+        raise ValueError(
+            f"{what} tensors do not match the global set (missing {missing[:3]}, extra {extra[:3]})"
+        )

@@ -36,26 +36,51 @@ from training.experts import check_group
 _STATE_TAG = b"tessera-state/1\n"
 _SPECIAL_TOKENS = {"pad_token_id": 256, "bos_token_id": 257, "eos_token_id": 258}
 _COMMON = {
-    "vocab_size": 260, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 128, "tie_word_embeddings": False, "num_experts_per_tok": 2, **_SPECIAL_TOKENS,
+    "vocab_size": 260,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
+    "num_experts_per_tok": 2,
+    **_SPECIAL_TOKENS,
 }
 _TINY: dict[str, dict[str, Any]] = {
     "qwen3_moe": {
-        **_COMMON, "num_hidden_layers": 2, "head_dim": 16, "intermediate_size": 128,
-        "moe_intermediate_size": 32, "num_experts": 8, "norm_topk_prob": True,
+        **_COMMON,
+        "num_hidden_layers": 2,
+        "head_dim": 16,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_experts": 8,
+        "norm_topk_prob": True,
     },
     "olmoe": {**_COMMON, "num_hidden_layers": 2, "intermediate_size": 32, "num_experts": 8},
     "mixtral": {**_COMMON, "num_hidden_layers": 2, "intermediate_size": 32, "num_local_experts": 8},
     "deepseek_v3": {
-        **_COMMON, "num_hidden_layers": 3, "first_k_dense_replace": 1, "intermediate_size": 64,
-        "moe_intermediate_size": 32, "n_routed_experts": 8, "n_shared_experts": 1, "n_group": 1,
-        "topk_group": 1, "num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 16,
-        "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "routed_scaling_factor": 1.0,
+        **_COMMON,
+        "num_hidden_layers": 3,
+        "first_k_dense_replace": 1,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "num_key_value_heads": 4,
+        "q_lora_rank": None,
+        "kv_lora_rank": 16,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 16,
+        "routed_scaling_factor": 1.0,
         "num_nextn_predict_layers": 0,
     },
 }
 
-assert sys.byteorder == "little", "state_hash writes tensor bytes as stored; big-endian hosts are not supported"
+assert sys.byteorder == "little", (
+    "state_hash writes tensor bytes as stored; big-endian hosts are not supported"
+)
 
 
 class BaseMismatchError(ValueError):
@@ -114,7 +139,9 @@ def load_base(spec: NetworkSpec, spec_path: str | Path) -> tuple[PreTrainedModel
         try:
             config = json.loads(config_path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{config_path}: cannot read the model config named by model.config: {exc}") from exc
+            raise ValueError(
+                f"{config_path}: cannot read the model config named by model.config: {exc}"
+            ) from exc
         if not isinstance(config, dict):
             raise ValueError(f"{config_path}: the model config must be a JSON object")
         model = build_tiny_model(spec.model.family, config, spec.model.init_seed)
@@ -148,7 +175,9 @@ def state_hash(model: torch.nn.Module) -> str:
 def _make_config(adapter: MoEAdapter, config: dict[str, Any]) -> Any:
     model_type = config.get("model_type", adapter.family)
     if model_type != adapter.family:
-        raise ValueError(f"the model config is for {model_type!r}, but the spec's family is {adapter.family!r}")
+        raise ValueError(
+            f"the model config is for {model_type!r}, but the spec's family is {adapter.family!r}"
+        )
     try:
         return adapter.config_class.from_dict({k: v for k, v in config.items() if k != "model_type"})
     except (TypeError, ValueError) as exc:
@@ -196,11 +225,13 @@ def _load_state(model: PreTrainedModel, state: dict[str, torch.Tensor], director
     unexpected = sorted(state.keys() - expected.keys())
     if missing or unexpected:
         raise ValueError(
-            f"{directory}: weights do not match the config (missing {missing[:5]}, unexpected {unexpected[:5]})"
+            f"{directory}: weights do not match the config "
+            f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
         )
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise ValueError(
-                f"{directory}: {name} has shape {tuple(tensor.shape)}, the config implies {tuple(expected[name].shape)}"
+                f"{directory}: {name} has shape {tuple(tensor.shape)}, "
+                f"the config implies {tuple(expected[name].shape)}"
             )
     model.load_state_dict(state, strict=False)

@@ -66,8 +66,9 @@ class MergeResult:
 def outer_config(spec: NetworkSpec) -> OuterConfig:
     """The outer optimizer settings a spec fixes."""
     agg = spec.aggregation
-    return OuterConfig(lr=agg.outer_lr, momentum=agg.momentum, clip_to_median=agg.clip_to_median,
-                       weighting=agg.weighting)
+    return OuterConfig(
+        lr=agg.outer_lr, momentum=agg.momentum, clip_to_median=agg.clip_to_median, weighting=agg.weighting
+    )
 
 
 def counted_reports(reports: Mapping[str, ScoreReport], head: str) -> dict[str, ScoreReport]:
@@ -113,7 +114,7 @@ def merge_round(
         raise MissingBlobError(missing)
 
     grads = {miner: pseudo_gradient(global_tensors, blobs[miner]) for miner in needed}
-    duplicates = set(near_duplicates(grads, spec.rewards.duplicate_cosine)) if len(grads) > 1 else set()
+    duplicates = near_duplicates(grads, spec.rewards.duplicate_cosine)
     ranking = rank_round(scores, assignment, base_loss, commitments, duplicates, top_k)
     contributors = list(ranking.ranked()[: spec.aggregation.top_g])
     if not contributors:
@@ -131,6 +132,10 @@ def _scores(
 ) -> tuple[dict[str, dict[str, Score]], float]:
     counted = counted_reports(reports, head)
     if not counted:
-        raise MergeInputError(f"no score report was made against the current head {head[:12]}; keep the state")
+        raise MergeInputError(
+            f"no score report was made against the current head {head[:12]}; keep the state"
+        )
     base_loss = median(report.base_loss for report in counted.values())
-    return {validator: scores_from_report(report, commitments) for validator, report in counted.items()}, base_loss
+    return {
+        validator: scores_from_report(report, commitments) for validator, report in counted.items()
+    }, base_loss

@@ -13,15 +13,16 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from protocol.messages import ScoreEntry, ScoreReport
 from protocol.spec import NetworkSpec
+from training.adapters import MoEAdapter
 from training.data import heldout_subset
 from training.evaluate import heldout_loss, loss_with_experts
 from training.experts import expected_shapes, insert
+from training.tokenizer import BYTE_PAD
 from validator.checks import Expectation, SubmissionVerdict, check_submission
 
 REASON_CHARS = 200
@@ -43,7 +44,7 @@ class ScoreResult:
         return ScoreReport(round=round, base=base, base_loss=self.base_loss, entries=tuple(self.entries))
 
 
-def apply_global(model: torch.nn.Module, adapter: Any, tensors: Mapping[str, torch.Tensor]) -> None:
+def apply_global(model: torch.nn.Module, adapter: MoEAdapter, tensors: Mapping[str, torch.Tensor]) -> None:
     """Put the global expert tensors into the model in place."""
     insert(model, adapter, tensors)
 
@@ -51,23 +52,40 @@ def apply_global(model: torch.nn.Module, adapter: Any, tensors: Mapping[str, tor
 class Scorer:
     """Scores submissions against one network's held-out data with a resident base model."""
 
-    def __init__(self, model: torch.nn.Module, adapter: Any, spec: NetworkSpec, heldout: torch.Tensor) -> None:
-        """`heldout`: the validators' held-out sequences, [N, seq_len] token ids."""
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        adapter: MoEAdapter,
+        spec: NetworkSpec,
+        heldout: torch.Tensor,
+        pad_id: int = BYTE_PAD,
+    ) -> None:
+        """`heldout`: the validators' held-out sequences, [N, seq_len] token ids; `pad_id` is not scored."""
         if heldout.shape[0] < spec.data.heldout_sequences:
             raise ValueError(
-                f"held-out data has {heldout.shape[0]} sequences; the spec scores {spec.data.heldout_sequences} per round"
+                f"held-out data has {heldout.shape[0]} sequences; the spec scores "
+                f"{spec.data.heldout_sequences} per round"
             )
         self.model = model.eval()
         self.adapter = adapter
         self.spec = spec
         self.heldout = heldout
+        self.pad_id = pad_id
         self.shapes = expected_shapes(model, adapter, spec.group)
 
-    def check(self, round: int, miner: str, commitment: str, data: bytes, global_hash: str) -> SubmissionVerdict:
+    def check(
+        self, round: int, miner: str, commitment: str, data: bytes, global_hash: str
+    ) -> SubmissionVerdict:
         """Run the submission checks on one blob (also for miners this validator does not score)."""
         expect = Expectation(
-            network=self.spec.network_id, round=round, miner=miner, base=global_hash, group=self.spec.group,
-            shapes=self.shapes, dtype=self.spec.model.dtype, commitment=commitment,
+            network=self.spec.network_id,
+            round=round,
+            miner=miner,
+            base=global_hash,
+            group=self.spec.group,
+            shapes=self.shapes,
+            dtype=self.spec.model.dtype,
+            commitment=commitment,
             max_header_bytes=self.spec.limits.max_header_bytes,
         )
         return check_submission(data, expect)
@@ -83,7 +101,7 @@ class Scorer:
         """Score every submission against the global state `global_hash` (held in `global_tensors`)."""
         sequences = heldout_subset(self.heldout, round_seed, self.spec.data.heldout_sequences)
         apply_global(self.model, self.adapter, global_tensors)
-        base_loss = heldout_loss(self.model, sequences).loss
+        base_loss = heldout_loss(self.model, sequences, pad_id=self.pad_id).loss
         if not math.isfinite(base_loss):
             raise ValueError(f"the global state {global_hash[:12]} has a non-finite held-out loss")
         entries: list[ScoreEntry] = []
@@ -91,28 +109,25 @@ class Scorer:
         for miner in sorted(submissions):
             commitment, data = submissions[miner]
             if data is None:
-                entries.append(ScoreEntry(miner=miner, commitment=commitment, verdict="missing", reason="missing"))
+                entries.append(
+                    ScoreEntry(miner=miner, commitment=commitment, verdict="missing", reason="missing")
+                )
                 continue
             verdict = self.check(round, miner, commitment, data, global_hash)
             if not verdict.ok:
                 entries.append(_reject(miner, commitment, verdict.reason))
                 continue
             assert verdict.tensors is not None
-            loss = self._loss(verdict.tensors, global_tensors, sequences)
+            # loss_with_experts restores the rows it replaced, so the model keeps the global state.
+            loss = loss_with_experts(
+                self.model, self.adapter, verdict.tensors, sequences, pad_id=self.pad_id
+            ).loss
             if not math.isfinite(loss):
                 entries.append(_reject(miner, commitment, "non-finite loss"))
                 continue
             entries.append(ScoreEntry(miner=miner, commitment=commitment, loss=loss, verdict="accept"))
             accepted[miner] = verdict.tensors
         return ScoreResult(base_loss=base_loss, entries=entries, accepted=accepted)
-
-    def _loss(
-        self, tensors: Mapping[str, torch.Tensor], global_tensors: Mapping[str, torch.Tensor], sequences: torch.Tensor
-    ) -> float:
-        try:
-            return loss_with_experts(self.model, self.adapter, tensors, sequences).loss
-        finally:
-            apply_global(self.model, self.adapter, global_tensors)
 
 
 def _reject(miner: str, commitment: str, reason: str) -> ScoreEntry:

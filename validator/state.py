@@ -81,8 +81,9 @@ class GlobalExperts:
             raise ValueError(f"a child state must come after round {self.round}, got round {round}")
         if set(tensors) != set(self.tensors):
             raise ValueError("a child state must hold exactly the parent's tensor names")
-        return GlobalExperts(spec=self.spec, round=round, parent=self.hash, tensors=dict(tensors),
-                             momentum=dict(momentum))
+        return GlobalExperts(
+            spec=self.spec, round=round, parent=self.hash, tensors=dict(tensors), momentum=dict(momentum)
+        )
 
     def to_blob(self) -> bytes:
         """The canonical state blob; its SHA-256 is `hash`."""
@@ -103,16 +104,28 @@ class GlobalExperts:
         if momentum_meta.base != blob_hash(state):
             raise StateError("momentum blob belongs to another state: its base is not the state's hash")
         if momentum_meta.round != state_meta.round:
-            raise StateError(f"momentum is for round {momentum_meta.round}, the state for round {state_meta.round}")
+            raise StateError(
+                f"momentum is for round {momentum_meta.round}, the state for round {state_meta.round}"
+            )
         if any(t.dtype != torch.float32 for t in moments.values()):
             raise StateError("momentum tensors must be float32")
-        return cls(spec=spec, round=state_meta.round, parent=state_meta.base, tensors=tensors, momentum=moments)
+        return cls(
+            spec=spec, round=state_meta.round, parent=state_meta.base, tensors=tensors, momentum=moments
+        )
 
     def _meta(self, base: str, fmt: str) -> BlobMeta:
         if self.is_genesis:
-            raise ValueError("the genesis state is the base model itself and has no blob; build it from the base")
-        return BlobMeta(network=self.spec.network_id, round=self.round, miner=STATE_MINER, base=base,
-                        group={layer: list(ids) for layer, ids in self.spec.group.items()}, format=fmt)
+            raise ValueError(
+                "the genesis state is the base model itself and has no blob; build it from the base"
+            )
+        return BlobMeta(
+            network=self.spec.network_id,
+            round=self.round,
+            miner=STATE_MINER,
+            base=base,
+            group={layer: list(ids) for layer, ids in self.spec.group.items()},
+            format=fmt,
+        )
 
 
 def adopt(votes: Mapping[str, str], weights: Mapping[str, float]) -> str | None:
@@ -150,7 +163,9 @@ def _decode(
         raise StateError(f"{fmt} blob names a miner; it is a submission, not a global state")
     if meta.group != {layer: sorted(ids) for layer, ids in spec.group.items()}:
         raise StateError(f"{fmt} blob is for another expert group")
-    if {name: tuple(t.shape) for name, t in tensors.items()} != {name: tuple(s) for name, s in shapes.items()}:
+    if {name: tuple(t.shape) for name, t in tensors.items()} != {
+        name: tuple(s) for name, s in shapes.items()
+    }:
         raise StateError(f"{fmt} blob tensors do not match the expert group's names and shapes")
     if not all(bool(torch.isfinite(t).all()) for t in tensors.values()):
         raise StateError(f"{fmt} blob holds non-finite values")

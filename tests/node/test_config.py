@@ -45,6 +45,7 @@ def test_absolute_paths_stay_absolute(tmp_path: Path) -> None:
         ('[node]\nrole = "miner"\n', "node.spec: Field required"),
         ('[node]\nrole = "validator"\nspec = "s.toml"\n', "validator.heldout: a validator needs"),
         ("[unknown]\nx = 1\n" + MINIMAL, "unknown: Extra inputs are not permitted"),
+        ('_env_file = "x.env"\n' + MINIMAL, "_env_file: Extra inputs are not permitted"),
     ],
 )
 def test_errors_name_the_file_and_field(tmp_path: Path, text: str, expected: str) -> None:

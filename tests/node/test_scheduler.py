@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from node.clock import ManualClock
+from node.clock import ManualClock, SystemClock
 from node.scheduler import PhaseRun, Scheduler
 from protocol.rounds import Phase, Schedule
 
@@ -140,3 +140,39 @@ async def test_manual_clock_wakes_sleepers_in_deadline_order() -> None:
     assert woke == [1.0, 3.0, 5.0]
     with pytest.raises(ValueError, match="only moves forward"):
         clock.advance(-1.0)
+
+
+class SteppingClock(ManualClock):
+    """A clock that NTP can step backwards."""
+
+    def step_back_to(self, t: float) -> None:
+        assert t < self._now
+        self._now = t
+
+
+async def test_a_clock_stepping_back_never_refires_a_phase() -> None:
+    clock = SteppingClock(GENESIS + 60)  # round 1 TRAIN
+    calls: list[tuple[int, Phase]] = []
+
+    async def handler(r: int, phase: Phase) -> None:
+        calls.append((r, phase))
+        if len(calls) == 1:
+            clock.step_back_to(GENESIS + 40)  # round 0 REVEAL, while the TRAIN duty runs
+
+    scheduler = Scheduler(SCHEDULE, clock, handler)
+    task = asyncio.create_task(scheduler.run())
+    await until(lambda: clock.sleepers == 1)
+    await step_to(clock, GENESIS + 89)
+    await step_to(clock, GENESIS + 90)  # round 1 COMMIT
+    await stop(task)
+    assert calls == [(1, Phase.TRAIN), (1, Phase.COMMIT)]
+
+
+async def test_system_clock_sleeps_until_a_wall_time() -> None:
+    clock = SystemClock(max_slice_s=0.01)
+    target = clock.now() + 0.05
+    await clock.sleep_until(target)
+    assert clock.now() >= target
+    before = clock.now()
+    await clock.sleep_until(before - 10)  # a time already past returns at once
+    assert clock.now() - before < 0.05

@@ -117,6 +117,33 @@ async def test_duplicates_are_stored_once_and_indexed(tmp_path: Path) -> None:
         assert ids == {envelope.message_id}
         assert first_seen == {("commit", M0.node_id, 3): envelope.message_id}
         assert [m.verdict for m in await store.messages(3)] == ["accept"]
+        assert await store.prune_messages(before_round=3) == 1  # round 1's log entry
+        assert await store.messages(1) == [] and len(await store.commits_for(1)) == 1
+    finally:
+        await store.close()
+
+
+async def test_a_second_message_per_sender_kind_and_round_is_refused(tmp_path: Path) -> None:
+    """What the network's in-memory check catches until a restart, storage catches after it."""
+    store = await Storage.open(tmp_path / "node.db")
+    try:
+        await fill(store)
+        assert not await accept(store, Commit(round=3, commitment=h(11)), M0)
+        assert not await accept(store, Reveal(round=3, commitment=h(11), size=9), M0)
+        assert not await accept(store, SeedCommit(round=3, commitment=h(12)), V0)
+        assert not await accept(store, SeedReveal(round=3, seed=h(13)), V0)
+        assert not await accept(store, ScoreReport(round=3, base=h(0), base_loss=1.0, entries=()), V0)
+        assert not await accept(store, GlobalState(round=3, hash=h(14), parent=h(0), contributors=()), V1)
+        assert await accept(store, Heartbeat(round=3, role="miner", head=h(15)), M1, at=6.0)
+        assert [c.commitment for c in await store.commits_for(3) if c.miner == M0.node_id] == [h(1)]
+        [seed] = await store.seeds_for(3)
+        assert (seed.commitment, seed.seed) == (h(7), h(8))
+        assert [s.base_loss for s in await store.scores_for(3)] == [3.0, 3.0]
+        assert [s.hash for s in await store.global_states()] == [h(9)]
+        refused = [m for m in await store.messages(3) if m.verdict == "reject"]
+        assert len(refused) == 6 and {m.reason for m in refused} == {"equivocation"}
+        ids, _ = await store.accepted_index(min_round=3)
+        assert not ids & {m.id for m in refused}
     finally:
         await store.close()
 

@@ -86,6 +86,22 @@ def test_load_tokenizer_byte_and_missing_directory(tmp_path: Path) -> None:
         load_tokenizer("no-such-tokenizer", tmp_path)
 
 
+def test_load_tokenizer_reads_a_local_hf_tokenizer_directory(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "<eos>": 1, "hello": 2, "world": 3}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", unk_token="[UNK]").save_pretrained(
+        tmp_path / "tok"
+    )
+    tok = load_tokenizer("tok", tmp_path)
+    assert tok.encode("hello world foo") == [2, 3, 0]
+    assert (tok.eos_id, tok.pad_id, tok.vocab_size) == (1, 1, 4)
+    assert pack(["hello", "world hello"], tok, 3).tolist() == [[2, 1, 3], [2, 1, 1]]
+
+
 def _rows(n: int, seq_len: int = 4) -> torch.Tensor:
     return torch.arange(n * seq_len).view(n, seq_len)
 

@@ -74,7 +74,7 @@ def test_differential_drops_the_expert_popular_everywhere(qwen: tuple[torch.nn.M
     domain, general = _data("arithmetic"), _data("prose")
     top1 = select_experts(model, adapter, domain, "differential", top_d=1, general=general)
     assert all(ids == [A] for ids in top1["group"].values())
-    by_mass = select_experts(model, adapter, domain, "differential", mass=0.9, general=general)
+    by_mass = select_experts(model, adapter, domain, "differential", mass=0.8, general=general)
     assert all(ids == [A] for ids in by_mass["group"].values())
     with pytest.raises(ValueError, match="needs general data"):
         select_experts(model, adapter, domain, "differential", top_d=1)
@@ -96,8 +96,9 @@ def test_statistics_are_normalised_and_exclude_padding(qwen: tuple[torch.nn.Modu
         assert torch.allclose(stats.token_freq[layer], trimmed.token_freq[layer], atol=1e-6)
 
 
-def test_deepseek_sigmoid_router_is_normalised_and_finds_the_planted_experts() -> None:
-    model, adapter = _planted("deepseek_v3")
+@pytest.mark.parametrize("family", ["olmoe", "mixtral", "deepseek_v3"])
+def test_other_families_normalise_and_find_the_planted_experts(family: str) -> None:
+    model, adapter = _planted(family)
     stats = routing_stats(model, adapter, _data("arithmetic"))
     for layer in adapter.moe_layers(model):
         assert float(stats.gate_mass[layer].sum()) == pytest.approx(1.0, abs=1e-5)

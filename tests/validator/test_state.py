@@ -53,8 +53,12 @@ def test_state_and_momentum_blobs_round_trip(spec: NetworkSpec) -> None:
     assert (meta.format, meta.base) == ("tessera-momentum/1", child.hash)
 
     again = GlobalExperts.from_blobs(state, momentum, spec, _shapes(spec))
-    assert (again.round, again.parent, again.hash, again.momentum_hash) == (3, child.parent, child.hash,
-                                                                            child.momentum_hash)
+    assert (again.round, again.parent, again.hash, again.momentum_hash) == (
+        3,
+        child.parent,
+        child.hash,
+        child.momentum_hash,
+    )
     for name in child.tensors:
         assert torch.equal(again.tensors[name], child.tensors[name])
         assert torch.equal(again.momentum[name], child.momentum[name])
@@ -83,8 +87,10 @@ def test_from_blobs_refuses_mismatched_pairs_and_submissions(spec: NetworkSpec) 
     smaller = {k: v for k, v in _shapes(spec).items() if "layers.1." not in k}
     with pytest.raises(StateError, match="names and shapes"):
         GlobalExperts.from_blobs(child.to_blob(), child.momentum_blob(), spec, smaller)
-    submission = encode_blob(child.tensors, BlobMeta(network=spec.network_id, round=3, miner="ee" * 32,
-                                                     base=genesis.hash, group=spec.group))
+    submission = encode_blob(
+        child.tensors,
+        BlobMeta(network=spec.network_id, round=3, miner="ee" * 32, base=genesis.hash, group=spec.group),
+    )
     with pytest.raises(StateError, match="expected a tessera-global/1"):
         GlobalExperts.from_blobs(submission, child.momentum_blob(), spec, _shapes(spec))
 
@@ -92,9 +98,17 @@ def test_from_blobs_refuses_mismatched_pairs_and_submissions(spec: NetworkSpec) 
 def test_a_state_blob_never_passes_as_a_submission(spec: NetworkSpec) -> None:
     genesis, child = _chain(spec)
     data = child.to_blob()
-    expect = Expectation(network=spec.network_id, round=3, miner="", base=genesis.hash, group=spec.group,
-                         shapes=_shapes(spec), dtype="float32", commitment=blob_hash(data),
-                         max_header_bytes=spec.limits.max_header_bytes)
+    expect = Expectation(
+        network=spec.network_id,
+        round=3,
+        miner="",
+        base=genesis.hash,
+        group=spec.group,
+        shapes=_shapes(spec),
+        dtype="float32",
+        commitment=blob_hash(data),
+        max_header_bytes=spec.limits.max_header_bytes,
+    )
     assert check_submission(data, expect).reason == "wrong format"
 
 

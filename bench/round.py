@@ -1,0 +1,85 @@
+"""Round benchmark: where the wall time of a simulated round goes, and how much of it miners train.
+
+Runs `node.simulate.Simulation` (default: 2 validators, 4 honest miners, 60 s rounds with TRAIN
+70 % of them) as real processes on loopback for --rounds rounds, then reads
+- each miner's training wall time per round from its log ("round R: trained N steps in S s"),
+- every node's recorded phase-handler runs (start and end wall time, from its state file).
+Reported:
+- `train_share`: mean over miners and rounds of training wall time / round length; target >= 0.8;
+- `train_window_share`: the same over the TRAIN window only;
+- `phase_seconds`: per phase, the mean over rounds of the longest handler run of any node;
+- `rounds`: the per-round report the simulation wrote (losses, verdicts, hashes).
+Usage: python bench/round.py [--rounds N] [--round-seconds S] [--train-share F] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from node.simulate import SimSettings, Simulation  # noqa: E402
+from protocol.rounds import PHASES  # noqa: E402
+
+TRAINED = re.compile(r"round (?P<round>\d+): trained (?P<steps>\d+) steps in (?P<seconds>[\d.]+) s")
+
+
+def measure(rounds: int, settings: SimSettings) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="tessera-bench-round-") as tmp, \
+            Simulation(Path(tmp) / "sim", settings) as sim:
+        sim.start()
+        entries = []
+        for r in range(rounds):
+            entries.append(sim.round_entry(r, sim.wait_round(r)))
+            print(f"round {r}: {entries[-1]['phase_seconds']}", file=sys.stderr, flush=True)
+        assert sim.schedule is not None
+        round_s, train_s = sim.schedule.round_seconds, sim.schedule.train_s
+        logs = [n.log_path.read_text(errors="replace") for n in sim.nodes.values() if n.role == "miner"]
+    training = [float(m["seconds"]) for log in logs for m in TRAINED.finditer(log) if int(m["round"]) < rounds]
+    steps = [int(m["steps"]) for log in logs for m in TRAINED.finditer(log) if int(m["round"]) < rounds]
+    if not training:
+        raise SystemExit("no miner logged a training run; see the node logs")
+    phase_seconds = {str(p): round(statistics.mean(e["phase_seconds"].get(str(p), 0.0) for e in entries), 3)
+                     for p in PHASES}
+    mean_train = statistics.mean(training)
+    return {
+        "round_seconds": round_s,
+        "timing": settings.timing(),
+        "miners": settings.miners,
+        "validators": settings.validators,
+        "rounds_measured": rounds,
+        "miner_train_seconds": {"mean": round(mean_train, 3), "min": round(min(training), 3),
+                                "max": round(max(training), 3), "runs": len(training)},
+        "miner_inner_steps": {"mean": round(statistics.mean(steps), 1), "min": min(steps), "max": max(steps)},
+        "train_share": round(mean_train / round_s, 3),
+        "train_window_share": round(mean_train / train_s, 3),
+        "phase_seconds": phase_seconds,
+        "rounds": entries,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2, help="rounds to measure (default 2)")
+    parser.add_argument("--round-seconds", type=float, default=60.0, help="round length (default 60)")
+    parser.add_argument("--train-share", type=float, default=0.7, help="TRAIN's share of a round (default 0.7)")
+    parser.add_argument("--out", type=Path, help="write the JSON here (default: stdout only)")
+    args = parser.parse_args()
+    result = measure(args.rounds, SimSettings(round_seconds=args.round_seconds, train_share=args.train_share))
+    text = json.dumps(result, indent=2)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n", encoding="utf-8")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

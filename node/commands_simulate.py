@@ -1,0 +1,185 @@
+"""`tessera simulate` (a whole network on this machine) and `tessera bootstrap` (a relay-only peer).
+
+`simulate` drives node.simulate.Simulation: start every process, print a progress line at each
+phase, wait for N rounds, write DIR/report.json, print a results table, stop everything. It exits
+1 if a node died or fewer rounds completed than asked, 0 otherwise. `bootstrap` runs node.peer
+without a control channel. This module only parses arguments and formats output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any, TextIO
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    sim = subparsers.add_parser("simulate", help="run bootstrap, validators and miners as local processes")
+    sim.add_argument("--validators", type=int, default=2, metavar="V", help="validator processes (default 2)")
+    sim.add_argument("--miners", type=int, default=4, metavar="M", help="miner processes (default 4)")
+    sim.add_argument("--rounds", type=int, default=3, metavar="N", help="rounds to run (default 3)")
+    sim.add_argument("--dir", required=True, type=Path, metavar="DIR", help="simulation directory (created)")
+    sim.add_argument("--force", action="store_true", help="replace DIR if it holds an earlier simulation")
+    sim.add_argument("--adversaries", default="", metavar="KIND,...",
+                     help="make that many of the M miners adversaries: lazy, noise, copier, late, garbage")
+    sim.add_argument("--base-port", type=int, default=0, metavar="P",
+                     help="first TCP port; each node takes two (default: free ports)")
+    sim.add_argument("--round-seconds", type=float, default=60.0, metavar="S", help="round length (default 60)")
+    sim.add_argument("--train-share", type=float, default=0.7, metavar="F",
+                     help="TRAIN's share of the round (default 0.7)")
+    sim.add_argument("--start-delay", type=float, default=None, metavar="S",
+                     help="seconds until genesis (default: 20 + 4 per node)")
+    sim.add_argument("--seed", type=int, default=0, help="seed of model, data and keys (default 0)")
+    sim.set_defaults(run=run_simulate)
+
+    boot = subparsers.add_parser("bootstrap", help="run a relay-only bootstrap peer until SIGINT/SIGTERM")
+    boot.add_argument("--spec", required=True, metavar="SPEC", help="the network spec TOML")
+    key = boot.add_mutually_exclusive_group(required=True)
+    key.add_argument("--key", metavar="FILE", help="Ed25519 key file (created on first start)")
+    key.add_argument("--sim-key", type=int, metavar="SEED",
+                     help="use the simulation network's well-known bootstrap key for SEED (local networks only)")
+    boot.add_argument("--data-dir", required=True, metavar="DIR", help="where the peer keeps its files")
+    boot.add_argument("--host", default="127.0.0.1", help="listen IP (0.0.0.0 for other hosts)")
+    boot.add_argument("--port", type=int, default=4001, help="listen TCP port (default 4001)")
+    boot.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR", help="another bootstrap peer")
+    boot.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    boot.set_defaults(run=run_bootstrap)
+
+
+def run_bootstrap(args: argparse.Namespace) -> int:
+    from node.peer import main as peer_main
+
+    key = args.key
+    if args.sim_key is not None:
+        from node.simnet import sim_identity
+        from protocol.identity import save_identity
+
+        key = str(Path(args.data_dir) / "node.key")
+        if not Path(key).exists():
+            save_identity(sim_identity(args.sim_key, "bootstrap", 0), key)
+    argv = ["--key", key, "--network-spec", args.spec, "--data-dir", args.data_dir, "--host", args.host,
+            "--port", str(args.port), "--control", "none", "--log-level", args.log_level]
+    for addr in args.bootstrap:
+        argv += ["--bootstrap", addr]
+    peer_main(argv)
+    return 0
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from node.simulate import SimSettings, Simulation, SimulationError
+
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
+    adversaries = tuple(k.strip() for k in args.adversaries.split(",") if k.strip())
+    settings = SimSettings(validators=args.validators, miners=args.miners, adversaries=adversaries,
+                           round_seconds=args.round_seconds, train_share=args.train_share,
+                           start_delay_s=args.start_delay, base_port=args.base_port, seed=args.seed)
+    if args.force and args.dir.exists():
+        if any(args.dir.iterdir()) and not (args.dir / "network" / "spec.toml").exists():
+            raise ValueError(f"{args.dir}: --force only replaces an earlier simulation directory, and this "
+                             "is not one; remove it yourself or choose another --dir")
+        shutil.rmtree(args.dir)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    sim = Simulation(args.dir, settings)
+    rounds: list[dict[str, Any]] = []
+    failure = ""
+    try:
+        sim.prepare()
+        print(f"simulation in {sim.directory}: {len(sim.nodes)} processes, genesis in "
+              f"{sim.schedule.genesis_ts - time.time():.0f} s, rounds of {sim.schedule.round_seconds:.0f} s")
+        sim.start()
+        progress = Progress(sim, sys.stdout)
+        for r in range(args.rounds):
+            reports = sim.wait_round(r, on_poll=progress)
+            rounds.append(sim.round_entry(r, reports))
+            sim.write_report(rounds)
+            print(f"round {r} done: {_loss_line(rounds[-1])}", flush=True)
+    except SimulationError as exc:
+        failure = str(exc)
+    except KeyboardInterrupt:
+        failure = "interrupted"
+    finally:
+        sim.close()
+        signal.signal(signal.SIGTERM, previous)
+    if sim.network is not None:
+        print(f"report: {sim.write_report(rounds)}")
+    print_table(rounds, sys.stdout)
+    if failure:
+        print(f"tessera simulate: {failure}", file=sys.stderr)
+    return 1 if failure or len(rounds) < args.rounds else 0
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+class Progress:
+    """The `on_poll` hook: one line per phase change, with what the nodes report over HTTP."""
+
+    def __init__(self, sim: Any, out: TextIO) -> None:
+        self.sim = sim
+        self.out = out
+        self.shown: tuple[int, str] | None = None
+        self.answering = -1
+        self.started = time.monotonic()
+
+    def _elapsed(self) -> str:
+        return f"{time.monotonic() - self.started:6.0f} s"
+
+    def __call__(self) -> None:
+        at = self.sim.now_round_phase()
+        if at is not None and at == self.shown:
+            return
+        statuses = [self.sim.get(n.name, "/status") for n in self.sim.nodes.values() if n.http_port is not None]
+        up = [s for s in statuses if s]
+        if at is None:  # before genesis: report nodes as they come up
+            if self.answering != len(up):
+                self.answering = len(up)
+                wait = self.sim.schedule.genesis_ts - time.time()
+                print(f"[{self._elapsed()}] genesis in {wait:3.0f} s  answering {len(up)}/{len(statuses)}",
+                      file=self.out, flush=True)
+            return
+        self.shown = at
+        peers = [s.get("peers", 0) for s in up]
+        heads: dict[str, int] = {}
+        for s in up:
+            head = (s.get("head") or "base")[:8]
+            heads[head] = heads.get(head, 0) + 1
+        alive = sum(n.alive for n in self.sim.nodes.values())
+        print(f"[{self._elapsed()}] round {at[0]} {at[1]:<8} processes {alive}/"
+              f"{len(self.sim.nodes)}  answering {len(up)}/{len(statuses)}  peers {min(peers, default=0)}-"
+              f"{max(peers, default=0)}  heads {', '.join(f'{h}x{n}' for h, n in sorted(heads.items()))}",
+              file=self.out, flush=True)
+
+
+def _loss_line(entry: dict[str, Any]) -> str:
+    hashes = {v["global_hash"] for v in entry["validators"] if v["global_hash"]}
+    return (f"base loss {_num(entry['base_loss'])} -> global loss {_num(entry['global_loss'])}, "
+            f"{len(hashes)} distinct global hash(es)")
+
+
+def print_table(rounds: list[dict[str, Any]], out: TextIO) -> None:
+    """The results: one block per round, one row per miner."""
+    if not rounds:
+        print("no round completed", file=out)
+        return
+    header = f"{'round':>5}  {'miner':<10} {'kind':<8} {'verdict':<10} {'loss':>8} {'rank':>4} {'reward':>8}  reason"
+    print(header, file=out)
+    print("-" * len(header), file=out)
+    for entry in rounds:
+        print(f"{entry['round']:>5}  {'(global)':<10} {'':<8} {'':<10} {_num(entry['global_loss']):>8} "
+              f"{'':>4} {'':>8}  base {_num(entry['base_loss'])}", file=out)
+        for m in sorted(entry["miners"], key=lambda m: (m["rank"] is None, m["rank"] or 0, m["id"])):
+            print(f"{'':>5}  {m['id'][:10]:<10} {m['kind']:<8} {str(m['verdict']):<10} {_num(m['loss']):>8} "
+                  f"{'-' if m['rank'] is None else m['rank']:>4} {_num(m['reward']):>8}  {m['reason'] or ''}",
+                  file=out)
+    print(file=out)
+
+
+def _num(value: Any) -> str:
+    return "-" if value is None else f"{value:.4f}"

@@ -1,0 +1,258 @@
+"""Global-state consensus, shared by miners and validators: which state each round ended on.
+
+At the start of TRAIN of round r (the end of round r-1's MERGE) a node tallies round r-1's
+GlobalState votes from storage and adopts the hash endorsed by a strict majority of validator
+weight (`validator.state.adopt`); with no majority the head stays. Adopting means holding the
+state blob (fetched from validators that voted for it when missing) after checking it: its hash
+(the fetch verifies it), that it is a global state of this network and expert group with finite
+values, and that it names the announced parent and round. Validators also need the outer
+momentum: its hash rides in GlobalState (`momentum`), is remembered per (state, voter), and a
+validator fetches and checks the momentum blob of the adopted state, so a validator that computed
+something else re-syncs. A node with no head past round 0 (a late joiner) learns it from the heads
+that validators' heartbeats announce, by the same weight rule.
+This module knows nothing about training, scoring or merging; it tallies, moves and checks blobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from node.clock import Clock
+from node.daemon import NodeContext
+from node.network import NetworkError
+from node.storage import MOMENTUM_KEY, GlobalStateRecord
+from protocol.messages import Envelope, GlobalState
+from protocol.rounds import Phase
+from protocol.spec import NetworkSpec
+from training.blob import BlobError, BlobMeta, decode_blob, max_blob_bytes
+from validator.state import GLOBAL_FORMAT, STATE_MINER, GlobalExperts, StateError, adopt
+
+log = logging.getLogger(__name__)
+
+MOMENTUM_OF_KEY = "momentum_of:{}:{}"  # (state hash, voter) -> hash of the momentum blob it announced
+# Building a model and training seed and restore torch's process-wide RNG; nodes sharing a process
+# (tests, simulations in one process) hold this lock around both so their draws never interleave.
+GLOBAL_RNG_LOCK = threading.Lock()
+VOTE_GRACE_SHARE = 0.1  # of TRAIN: how long to wait for missing votes when the first ones disagree
+Shapes = Mapping[str, tuple[int, ...]]
+
+
+class SyncError(ValueError):
+    """A global state could not be fetched from its voters, or its blob is not what was announced."""
+
+
+@dataclass(frozen=True)
+class LoadedState:
+    """The state a node builds on, and whether its momentum is the network's (validators only)."""
+
+    state: GlobalExperts
+    synced: bool
+
+
+def decode_state(data: bytes, spec: NetworkSpec, shapes: Shapes) -> tuple[BlobMeta, dict[str, torch.Tensor]]:
+    """Check a global state blob of this network and group; SyncError names what does not fit."""
+    try:
+        meta, tensors = decode_blob(data, spec.limits.max_header_bytes)
+    except BlobError as exc:
+        raise SyncError(f"state blob: {exc.reason}") from exc
+    if meta.format != GLOBAL_FORMAT or meta.miner != STATE_MINER:
+        raise SyncError(f"state blob has format {meta.format!r} and miner {meta.miner[:12]!r}; "
+                        "not a global state")
+    if meta.network != spec.network_id:
+        raise SyncError("state blob is for another network")
+    if meta.group != {layer: sorted(ids) for layer, ids in spec.group.items()}:
+        raise SyncError("state blob is for another expert group")
+    if {name: tuple(t.shape) for name, t in tensors.items()} != {n: tuple(s) for n, s in shapes.items()}:
+        raise SyncError("state blob tensors do not match the expert group's names and shapes")
+    if not all(bool(torch.isfinite(t).all()) for t in tensors.values()):
+        raise SyncError("state blob holds non-finite values")
+    return meta, tensors
+
+
+async def wait_until(clock: Clock, arrivals: asyncio.Event, ready: Callable[[], Awaitable[bool]],
+                     deadline: float) -> bool:
+    """Re-check `ready` whenever `arrivals` is set, until it holds (True) or the clock passes `deadline`."""
+    while True:
+        arrivals.clear()
+        if await ready():
+            return True
+        if clock.now() >= deadline:
+            return False
+        waiters = [asyncio.ensure_future(arrivals.wait()), asyncio.ensure_future(clock.sleep_until(deadline))]
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+            await asyncio.gather(*waiters, return_exceptions=True)
+
+
+class Consensus:
+    """One node's view of the chain of global states; `need_momentum` for validators."""
+
+    def __init__(self, ctx: NodeContext, need_momentum: bool) -> None:
+        self.ctx = ctx
+        self.need_momentum = need_momentum
+        self.votes_arrived = asyncio.Event()
+
+    def state_cap(self, shapes: Shapes) -> int:
+        """The largest a state or momentum blob can be (both are fp32)."""
+        return max_blob_bytes(shapes, "float32", self.ctx.spec.limits.max_header_bytes)
+
+    async def on_message(self, envelope: Envelope) -> None:
+        """Remember the momentum hash a GlobalState announces; wake a tally waiting for votes."""
+        if envelope.kind != "global_state":
+            return
+        message = envelope.message()
+        assert isinstance(message, GlobalState)
+        if message.momentum is not None:
+            key = MOMENTUM_OF_KEY.format(message.hash, envelope.sender)
+            await self.ctx.storage.set_state(key, message.momentum)
+        self.votes_arrived.set()
+
+    async def settle(self, round: int, shapes: Shapes) -> str:
+        """At TRAIN of `round`: adopt round-1's majority state (a late joiner learns the head); the head."""
+        if round > 0:
+            await self._adopt(round - 1, shapes)
+        await self.ensure_head(round, shapes)
+        return await self.ctx.head()
+
+    async def ensure_head(self, round: int, shapes: Shapes) -> bool:
+        """Make sure the head is known: the base in round 0, else learnt from heartbeats; False if not yet."""
+        if await self.ctx.storage.head() is not None:
+            return True
+        if round == 0:
+            await self.ctx.storage.set_head(self.ctx.spec.model.base_hash)
+            return True
+        return await self.learn_head(round, shapes)
+
+    async def head_known(self) -> bool:
+        """False for a late joiner that has not learnt the head yet."""
+        return await self.ctx.storage.head() is not None
+
+    async def learn_head(self, round: int, shapes: Shapes) -> bool:
+        """Take the head that validators holding a weight majority announced in recent heartbeats."""
+        weights = self.ctx.spec.validator_weights
+        votes = {n.node_id: n.head for n in await self.ctx.storage.nodes()
+                 if n.node_id in weights and n.round >= round - 1}
+        head = adopt(votes, weights)
+        if head is None:
+            log.info("round %d: head unknown; waiting for validators' heartbeats or global states", round)
+            return False
+        if head != self.ctx.spec.model.base_hash:
+            try:
+                await self._fetch_checked(head, [v for v, h in sorted(votes.items()) if h == head], shapes)
+            except SyncError as exc:
+                log.warning("round %d: cannot take the announced head %s: %s", round, head[:12], exc)
+                return False
+        await self.ctx.storage.set_head(head)
+        log.info("round %d: learnt head %s from validators' heartbeats", round, head[:12])
+        return True
+
+    async def load(self, head: str, genesis: GlobalExperts, shapes: Shapes) -> LoadedState:
+        """The state `head` names, from the blob store (and its momentum, when this node holds it)."""
+        if head == genesis.hash:
+            return LoadedState(genesis, True)
+        data = await asyncio.to_thread(self.ctx.blobs.path(head).read_bytes)
+        if self.need_momentum and (momentum := await self.ctx.storage.get_state(MOMENTUM_KEY)):
+            try:
+                moments = await asyncio.to_thread(self.ctx.blobs.path(momentum).read_bytes)
+                state = await asyncio.to_thread(GlobalExperts.from_blobs, data, moments, self.ctx.spec,
+                                                shapes)
+                return LoadedState(state, True)
+            except (OSError, StateError) as exc:
+                log.warning("momentum %s does not belong to head %s (%s); not in sync", momentum[:12],
+                            head[:12], exc)
+        meta, tensors = await asyncio.to_thread(decode_state, data, self.ctx.spec, shapes)
+        zeros = {name: torch.zeros(t.shape, dtype=torch.float32) for name, t in tensors.items()}
+        state = GlobalExperts(spec=self.ctx.spec, round=meta.round, parent=meta.base, tensors=tensors,
+                              momentum=zeros)
+        return LoadedState(state, not self.need_momentum)
+
+    async def _adopt(self, round: int, shapes: Shapes) -> None:
+        winner = await self._winner(round)
+        if winner is None:
+            train_s = self.ctx.schedule.train_s
+            deadline = self.ctx.schedule.phase_window(round + 1, Phase.TRAIN)[0] + VOTE_GRACE_SHARE * train_s
+
+            async def decided() -> bool:
+                return await self._winner(round) is not None or not await self._pending(round)
+
+            await wait_until(self.ctx.clock, self.votes_arrived, decided, deadline)
+            winner = await self._winner(round)
+        if winner is None:
+            if await self.ctx.storage.global_states(round):
+                log.warning("round %d: no global state has a majority of validator weight; the head stays",
+                            round)
+            return
+        try:
+            data = await self._fetch_checked(winner.hash, list(winner.voters), shapes, winner)
+        except SyncError as exc:
+            log.error("round %d: cannot adopt %s: %s; the head stays", round, winner.hash[:12], exc)
+            return
+        if await self.ctx.storage.head() != winner.hash:
+            await self.ctx.storage.mark_adopted(winner.hash)
+            log.info("round %d: adopted global state %s (voters %s)", round, winner.hash[:12],
+                     ", ".join(v[:8] for v in winner.voters))
+        if self.need_momentum:
+            try:
+                await self._sync_momentum(winner, data, shapes)
+            except SyncError as exc:
+                log.error("round %d: %s; this validator is out of sync and abstains from merging", round, exc)
+
+    async def _winner(self, round: int) -> GlobalStateRecord | None:
+        states = await self.ctx.storage.global_states(round)
+        votes = {voter: s.hash for s in states for voter in s.voters}
+        chosen = adopt(votes, self.ctx.spec.validator_weights)
+        return next((s for s in states if s.hash == chosen), None)
+
+    async def _pending(self, round: int) -> bool:
+        """Some validators voted and others, who could still tip the tally, have not (yet)."""
+        states = await self.ctx.storage.global_states(round)
+        voted = {voter for s in states for voter in s.voters}
+        return bool(voted) and bool(set(self.ctx.spec.validator_weights) - voted)
+
+    async def _fetch_checked(self, state_hash: str, providers: list[str], shapes: Shapes,
+                             announced: GlobalStateRecord | None = None) -> bytes:
+        try:
+            path = await self.ctx.network.fetch(state_hash, providers, self.state_cap(shapes))
+            data = await asyncio.to_thread(path.read_bytes)
+        except (NetworkError, OSError) as exc:
+            raise SyncError(f"state {state_hash[:12]}: {exc}") from exc
+        meta, _ = await asyncio.to_thread(decode_state, data, self.ctx.spec, shapes)
+        if announced is not None and (meta.base, meta.round) != (announced.parent, announced.round):
+            raise SyncError(f"state {state_hash[:12]} names parent {meta.base[:12]} of round {meta.round}, "
+                            f"not the announced {announced.parent[:12]} of round {announced.round}")
+        return data
+
+    async def _sync_momentum(self, winner: GlobalStateRecord, state: bytes, shapes: Shapes) -> None:
+        announced = {}
+        for voter in winner.voters:
+            momentum = await self.ctx.storage.get_state(MOMENTUM_OF_KEY.format(winner.hash, voter))
+            if momentum is not None:
+                announced[voter] = momentum
+        if await self.ctx.storage.get_state(MOMENTUM_KEY) in announced.values():
+            return
+        me = self.ctx.identity.node_id
+        for voter, momentum in sorted(announced.items(), key=lambda item: item[0] != me):
+            try:
+                path = await self.ctx.network.fetch(momentum, [voter, *winner.voters], self.state_cap(shapes))
+                data = await asyncio.to_thread(path.read_bytes)
+                await asyncio.to_thread(GlobalExperts.from_blobs, state, data, self.ctx.spec, shapes)
+            except (NetworkError, OSError, StateError) as exc:
+                log.warning("momentum %s from %s: %s", momentum[:12], voter[:12], exc)
+                continue
+            await self.ctx.storage.set_state(MOMENTUM_KEY, momentum)
+            if voter != self.ctx.identity.node_id:
+                log.info("re-synced outer momentum %s of state %s from %s", momentum[:12], winner.hash[:12],
+                         voter[:12])
+            return
+        raise SyncError(f"no voter of state {winner.hash[:12]} served a momentum blob that belongs to it")
+
+

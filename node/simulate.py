@@ -1,0 +1,461 @@
+"""Run a whole Tessera network on 127.0.0.1 as separate processes: a bootstrap, validators, miners.
+
+`Simulation(directory, SimSettings(...))` writes a simulation network (node.simnet) under
+DIR/network with genesis a little in the future, one config TOML per node under
+DIR/nodes/<name>/config.toml, and starts each node as its own `tessera` process logging to
+DIR/nodes/<name>/log.txt. It watches the nodes only through their HTTP APIs (/status,
+/rounds/{r}) and state files, can kill, restart and add nodes (fault tests), and assembles the
+per-round report written to DIR/report.json. `close()` (also on errors and Ctrl-C, as a context
+manager) stops every child: SIGTERM, then SIGKILL after a timeout. This module knows nothing about
+training, scoring or merging; it starts processes and reads what they report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, get_args
+
+from node.config import MinerSection
+from node.scheduler import PhaseRun
+from node.simnet import SimNetwork, make_sim_network, sim_identity, to_toml
+from node.storage import Storage
+from protocol.identity import save_identity
+from protocol.rounds import PHASES, Phase, Schedule
+from protocol.spec import load_spec
+
+# The simulation adversaries are every `miner.behaviour` but "honest".
+ADVERSARY_KINDS: tuple[str, ...] = tuple(
+    k for k in get_args(MinerSection.model_fields["behaviour"].annotation) if k != "honest")
+# How the time after TRAIN is split between the other phases.
+AFTER_TRAIN_SHARES = {"commit_s": 0.2, "reveal_s": 0.33, "evaluate_s": 0.3, "merge_s": 0.17}
+MIN_AFTER_TRAIN_S = 6.0
+ROOT = Path(__file__).resolve().parents[1]
+POLL_S = 1.0
+
+
+class SimulationError(RuntimeError):
+    """A simulated node died, or the network did not reach a round in time; the message says which."""
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    """The shape and timing of a local simulation."""
+
+    validators: int = 2
+    """Validator processes (equal weight)."""
+    miners: int = 4
+    """Miner processes, adversaries included."""
+    adversaries: tuple[str, ...] = ()
+    """Kinds of the adversarial miners (the last ones), from ADVERSARY_KINDS."""
+    round_seconds: float = 60.0
+    """Length of a round."""
+    train_share: float = 0.7
+    """TRAIN's share of the round; the rest goes to COMMIT, REVEAL, EVALUATE, MERGE."""
+    inner_steps: int = 100_000
+    """H written into the spec; larger than fits, so miners train until TRAIN is about to end."""
+    start_delay_s: float | None = None
+    """Seconds from writing the spec to genesis; None = 20 s + 4 s per node (torch loads slowly)."""
+    base_port: int = 0
+    """First TCP port (each node takes two: p2p, http); 0 picks free ports."""
+    seed: int = 0
+    """Seed of the model, data and keys."""
+    family: str = "qwen3_moe"
+    """Tiny model family."""
+    stop_timeout_s: float = 20.0
+    """How long a node may take to stop after SIGTERM before it gets SIGKILL."""
+
+    def __post_init__(self) -> None:
+        if self.validators < 1:
+            raise ValueError(f"a simulation needs at least one validator, got {self.validators}")
+        if self.miners < 0:
+            raise ValueError(f"miners must be >= 0, got {self.miners}")
+        unknown = sorted(set(self.adversaries) - set(ADVERSARY_KINDS))
+        if unknown:
+            raise ValueError(f"unknown adversary kind(s) {', '.join(unknown)}; "
+                             f"choose from {', '.join(ADVERSARY_KINDS)}")
+        if len(self.adversaries) > self.miners:
+            raise ValueError(f"{len(self.adversaries)} adversaries but only {self.miners} miners")
+        if not 0 < self.train_share < 1:
+            raise ValueError(f"train_share must be between 0 and 1, got {self.train_share}")
+        if (1 - self.train_share) * self.round_seconds < MIN_AFTER_TRAIN_S - 1e-9:
+            raise ValueError(f"only {(1 - self.train_share) * self.round_seconds:.1f} s of a round left after "
+                             f"TRAIN; give commit, reveal, evaluate and merge {MIN_AFTER_TRAIN_S:.0f} s or more")
+        if self.inner_steps < 1:
+            raise ValueError(f"inner_steps must be at least 1, got {self.inner_steps}")
+
+    def timing(self) -> dict[str, float]:
+        rest = (1 - self.train_share) * self.round_seconds
+        timing = {"train_s": round(self.train_share * self.round_seconds, 3)}
+        return timing | {name: round(share * rest, 3) for name, share in AFTER_TRAIN_SHARES.items()}
+
+    def miner_kinds(self) -> list[str]:
+        return ["honest"] * (self.miners - len(self.adversaries)) + list(self.adversaries)
+
+    def delay_s(self) -> float:
+        nodes = 1 + self.validators + self.miners
+        return self.start_delay_s if self.start_delay_s is not None else 20.0 + 4.0 * nodes
+
+
+@dataclass
+class SimNode:
+    """One node process: how to start it, where it logs, and the process while it runs."""
+
+    name: str
+    role: str
+    kind: str
+    node_id: str
+    directory: Path
+    command: list[str]
+    http_port: int | None
+    proc: subprocess.Popen[bytes] | None = None
+    stopped_on_purpose: bool = False
+    starts: int = 0
+
+    @property
+    def log_path(self) -> Path:
+        return self.directory / "log.txt"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def died(self) -> bool:
+        """Exited without being told to."""
+        return self.proc is not None and self.proc.poll() is not None and not self.stopped_on_purpose
+
+    def start(self) -> None:
+        assert not self.alive, f"{self.name} is already running"
+        env = {k: v for k, v in os.environ.items() if not k.upper().startswith("TESSERA_")}
+        # Many torch processes share few cores: one thread each avoids oversubscription.
+        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        with self.log_path.open("ab") as log:
+            log.write(f"--- start {self.starts} at {datetime.now(UTC).isoformat()} ---\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(self.command, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+        self.starts += 1
+        self.stopped_on_purpose = False
+
+    def stop(self, timeout: float) -> None:
+        """SIGTERM, then SIGKILL if it has not exited after `timeout` seconds."""
+        self.stopped_on_purpose = True
+        if not self.alive:
+            return
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        self.stopped_on_purpose = True
+        if self.alive:
+            assert self.proc is not None
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+def _die_with_parent() -> None:
+    """In the child: ask Linux to SIGTERM it if the simulator dies, so no node outlives it."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class Simulation:
+    """A local network of node processes. Use as a context manager, or call close() in a finally."""
+
+    def __init__(self, directory: str | Path, settings: SimSettings | None = None) -> None:
+        self.directory = Path(directory).resolve()
+        self.settings = settings or SimSettings()
+        self.nodes: dict[str, SimNode] = {}
+        self.network: SimNetwork | None = None
+        self.schedule: Schedule | None = None
+        self._next_port = self.settings.base_port
+        self._bootstrap: list[str] = []
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Write the network and every node's config (starts nothing)."""
+        if self.directory.exists() and any(self.directory.iterdir()):
+            raise ValueError(f"{self.directory}: directory is not empty; remove it or choose another --dir")
+        s = self.settings
+        genesis = (datetime.now(UTC) + timedelta(seconds=s.delay_s())).replace(microsecond=0)
+        self.network = make_sim_network(self.directory / "network", validators=s.validators, family=s.family,
+                                        genesis=genesis, timing=s.timing(), seed=s.seed)
+        _set_inner_steps(self.network.spec_path, s.inner_steps)
+        spec = load_spec(self.network.spec_path)
+        self.schedule = Schedule.from_spec(spec)
+        self._add_bootstrap()
+        for i in range(s.validators):
+            self._add_daemon("validator", i, "honest")
+        for j, kind in enumerate(s.miner_kinds()):
+            self._add_daemon("miner", j, kind)
+
+    def start(self) -> None:
+        """Prepare (if not done) and start every node."""
+        if self.network is None:
+            self.prepare()
+        for node in self.nodes.values():
+            if node.proc is None:
+                node.start()
+
+    def add_node(self, kind: str = "honest", start: bool = True) -> SimNode:
+        """Add a miner of `kind` to the simulation, started at once unless told not to.
+
+        Only miners can join late: the spec fixes the validator set.
+        """
+        if kind != "honest" and kind not in ADVERSARY_KINDS:
+            raise ValueError(f"unknown miner kind {kind!r}")
+        index = sum(1 for n in self.nodes.values() if n.role == "miner")
+        node = self._add_daemon("miner", index, kind)
+        if start:
+            node.start()
+        return node
+
+    def _add_bootstrap(self) -> None:
+        from node.p2p import peer_id_for  # imports libp2p; only needed to name the bootstrap peer
+
+        assert self.network is not None
+        identity = sim_identity(self.settings.seed, "bootstrap", 0)
+        directory = self._node_dir("bootstrap")
+        p2p_port, _ = self._ports()
+        command = [sys.executable, "-m", "node.cli", "bootstrap", "--spec", str(self.network.spec_path),
+                   "--sim-key", str(self.settings.seed), "--data-dir", str(directory / "data"),
+                   "--port", str(p2p_port)]
+        self.nodes["bootstrap"] = SimNode("bootstrap", "bootstrap", "-", identity.node_id, directory, command, None)
+        self._bootstrap = [f"/ip4/127.0.0.1/tcp/{p2p_port}/p2p/{peer_id_for(identity.node_id)}"]
+
+    def _add_daemon(self, role: str, index: int, kind: str) -> SimNode:
+        from node.p2p import peer_id_for
+
+        assert self.network is not None
+        name = f"{role}-{index}"
+        directory = self._node_dir(name)
+        p2p_port, http_port = self._ports()
+        network = self.network.directory
+        if role == "validator":
+            identity = sim_identity(self.settings.seed, "validator", index)
+            key = network / "keys" / f"validator-{index}.key"
+        else:
+            identity = sim_identity(self.settings.seed, "miner", index)
+            key = directory / "node.key"
+            save_identity(identity, key)
+        config: dict[str, Any] = {
+            "node": {"role": role, "spec": _rel(self.network.spec_path, directory), "key": _rel(key, directory),
+                     "data_dir": "data"},
+            "p2p": {"host": "127.0.0.1", "port": p2p_port, "bootstrap": list(self._bootstrap)},
+            "http": {"host": "127.0.0.1", "port": http_port},
+        }
+        if role == "validator":
+            config["validator"] = {"heldout": _rel(network / "data" / "heldout.jsonl", directory)}
+        if kind != "honest":
+            config["miner"] = {"behaviour": kind}
+        (directory / "config.toml").write_text(to_toml(config), encoding="utf-8")
+        if role == "validator" and index == 0:
+            # A second way into the network, for nodes that start while the bootstrap is down.
+            self._bootstrap.append(f"/ip4/127.0.0.1/tcp/{p2p_port}/p2p/{peer_id_for(identity.node_id)}")
+        command = [sys.executable, "-m", "node.cli", role, "--config", str(directory / "config.toml")]
+        node = SimNode(name, role, kind, identity.node_id, directory, command, http_port)
+        self.nodes[name] = node
+        return node
+
+    def _node_dir(self, name: str) -> Path:
+        directory = self.directory / "nodes" / name
+        directory.mkdir(parents=True, exist_ok=True)
+        return directory
+
+    def _ports(self) -> tuple[int, int]:
+        if self.settings.base_port == 0:
+            return _free_port(), _free_port()
+        self._next_port += 2
+        return self._next_port - 2, self._next_port - 1
+
+    # -- control --------------------------------------------------------------------------------
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one node (a crash)."""
+        self.nodes[name].kill()
+
+    def restart(self, name: str) -> None:
+        """Start a stopped or killed node again with the same key, config and state."""
+        node = self.nodes[name]
+        if node.alive:
+            node.stop(self.settings.stop_timeout_s)
+        node.start()
+
+    def close(self) -> None:
+        """Stop every node: SIGTERM to all at once, then SIGKILL to any still running after the timeout."""
+        running = [n for n in self.nodes.values() if n.alive]
+        for node in running:
+            node.stopped_on_purpose = True
+            assert node.proc is not None
+            node.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.settings.stop_timeout_s
+        for node in running:
+            assert node.proc is not None
+            try:
+                node.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                node.kill()
+
+    def __enter__(self) -> Simulation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- observation ----------------------------------------------------------------------------
+
+    def get(self, name: str, path: str) -> Any:
+        """GET a JSON document from a node's HTTP API; None if it does not answer (yet)."""
+        node = self.nodes[name]
+        if node.http_port is None or not node.alive:
+            return None
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{node.http_port}{path}", timeout=2) as response:
+                return json.load(response)
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+
+    def validators(self) -> list[SimNode]:
+        return [n for n in self.nodes.values() if n.role == "validator"]
+
+    def check_alive(self) -> None:
+        """Raise SimulationError naming any node that exited without being told to."""
+        dead = [n for n in self.nodes.values() if n.died]
+        if dead:
+            names = ", ".join(f"{n.name} (exit {n.proc.returncode if n.proc else '?'}, log {n.log_path})"
+                              for n in dead)
+            raise SimulationError(f"node(s) died: {names}")
+
+    def now_round_phase(self) -> tuple[int, Phase] | None:
+        """The round and phase by the spec's clock; None before genesis."""
+        assert self.schedule is not None, "call prepare() or start() first"
+        now = time.time()
+        return None if now < self.schedule.genesis_ts else self.schedule.phase_at(now)
+
+    def wait_until(self, predicate: Callable[[], Any], timeout: float, what: str,
+                   on_poll: Callable[[], None] | None = None) -> Any:
+        """Poll `predicate` (checking that no node died) until truthy; SimulationError after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.check_alive()
+            if on_poll is not None:
+                on_poll()
+            value = predicate()
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise SimulationError(f"timed out after {timeout:.0f} s waiting for {what}")
+            time.sleep(POLL_S)
+
+    def wait_phase(self, round: int, phase: Phase, on_poll: Callable[[], None] | None = None) -> None:
+        """Return once `phase` of `round` has begun by the clock."""
+        assert self.schedule is not None, "call prepare() or start() first"
+        start = self.schedule.phase_window(round, phase)[0]
+        self.wait_until(lambda: time.time() >= start, start - time.time() + 30, f"round {round} {phase}", on_poll)
+
+    def wait_round(self, round: int, on_poll: Callable[[], None] | None = None) -> dict[str, dict[str, Any]]:
+        """Wait until every running validator's report of `round` is final; returns the reports by name.
+
+        Final means a global hash and the loss of the adopted state (known once the next round begins).
+        From the round's end plus half a round on, whatever running validators have reported will do.
+        """
+        assert self.schedule is not None, "call prepare() or start() first"
+        end = self.schedule.round_start(round + 1)
+        grace = self.schedule.round_seconds / 2
+
+        def done() -> dict[str, dict[str, Any]] | None:
+            running = [v for v in self.validators() if v.alive]
+            reports = {v.name: r for v in running
+                       if isinstance(r := self.get(v.name, f"/rounds/{round}"), dict) and r.get("global_hash")}
+            final = all(r.get("global_loss") is not None for r in reports.values())
+            if running and len(reports) == len(running) and final:
+                return reports
+            return reports if reports and time.time() > end + grace else None
+
+        timeout = end + grace + self.schedule.round_seconds - time.time()
+        return self.wait_until(done, timeout, f"validators to finish round {round}", on_poll)
+
+    def phase_seconds(self, r: int) -> dict[str, float]:
+        """Per phase, the longest time any node's handler ran in round `r` (from the nodes' state files)."""
+        longest: dict[str, float] = {}
+        for name in self.nodes:
+            for run in self.phase_runs(name, r):
+                longest[run.phase] = max(longest.get(run.phase, 0.0), run.duration_s)
+        return {str(p): round(longest[str(p)], 3) for p in PHASES if str(p) in longest}
+
+    def phase_runs(self, name: str, r: int) -> list[PhaseRun]:
+        """The phase handler runs node `name` recorded for round `r` (none for the bootstrap)."""
+        db = self.nodes[name].directory / "data" / "node.db"
+        if not db.exists():
+            return []
+
+        async def read() -> list[PhaseRun]:
+            storage = await Storage.open(db)
+            try:
+                return await storage.phase_runs(r)
+            finally:
+                await storage.close()
+
+        return asyncio.run(read())
+
+    def round_entry(self, round: int, reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """One element of report.json's "rounds", from the validators' reports of `round`."""
+        kinds = {n.node_id: n.kind for n in self.nodes.values() if n.role == "miner"}
+        first = reports[min(reports)]
+        miners = [{"id": m["id"], "kind": kinds.get(m["id"], "unknown"), "verdict": m.get("verdict"),
+                   "loss": m.get("loss"), "rank": m.get("rank"), "reward": m.get("reward", 0.0),
+                   "reason": m.get("reason")} for m in first.get("miners", [])]
+        return {
+            "round": round,
+            "base_loss": first.get("base_loss"),
+            "global_loss": first.get("global_loss"),
+            "miners": miners,
+            "validators": [{"id": v.node_id, "global_hash": reports.get(v.name, {}).get("global_hash")}
+                           for v in self.validators()],
+            "phase_seconds": self.phase_seconds(round),
+        }
+
+    def write_report(self, rounds: list[dict[str, Any]]) -> Path:
+        path = self.directory / "report.json"
+        tmp = path.with_name(".report.json.tmp")
+        tmp.write_text(json.dumps({"rounds": rounds}, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+        return path
+
+
+def _set_inner_steps(spec_path: Path, steps: int) -> None:
+    spec = tomllib.loads(spec_path.read_text(encoding="utf-8"))
+    spec.setdefault("training", {})["inner_steps"] = steps
+    spec_path.write_text(to_toml(spec), encoding="utf-8")
+
+
+def _rel(path: Path, directory: Path) -> str:
+    return os.path.relpath(path, directory)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+

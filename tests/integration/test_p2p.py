@@ -1,0 +1,180 @@
+"""Real py-libp2p between real processes on 127.0.0.1: mesh gossip, blobs, rejects, failures, restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import socket
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from protocol.identity import Identity
+
+if TYPE_CHECKING:
+    from conftest import Cluster, PeerProcess
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+BOOTSTRAP_DOWNTIME_S = 35
+
+
+def received_ids(peer: PeerProcess) -> set[str]:
+    return {m["message_id"] for m in peer.call("received")["received"]}
+
+
+def connected(peer: PeerProcess, other: PeerProcess) -> bool:
+    return other.node_id in peer.call("peers")["peers"]
+
+
+def test_five_processes_form_a_mesh_and_gossip_reaches_all(cluster: Cluster) -> None:
+    boot = cluster.start("boot", 1)
+    others = [cluster.start(f"n{i}", 10 + i, [boot.addr]) for i in range(4)]
+    everyone = [boot, *others]
+    # Peer exchange through the bootstrap node connects everybody to everybody.
+    for peer in everyone:
+        cluster.wait_for(lambda p=peer: len(p.call("peers")["peers"]) == 4, 30, f"{peer.port} to see 4 peers")
+    sent = others[2].call("publish")["message_id"]
+    for peer in everyone:
+        if peer is not others[2]:
+            cluster.wait_for(lambda p=peer: sent in received_ids(p), 20, f"the message to reach {peer.port}")
+    assert sent not in received_ids(others[2]), "a node's own message is not delivered back to it"
+    for peer in everyone:
+        assert peer.call("rejects")["rejects"] == {}
+
+
+def test_a_50_mb_blob_transfers_and_is_verified(cluster: Cluster) -> None:
+    provider = cluster.start("provider", 1)
+    fetcher = cluster.start("fetcher", 2, [provider.addr])
+    cluster.wait_for(lambda: connected(fetcher, provider), 20, "the fetcher to connect")
+    blob = provider.call("put_blob", size=50_000_000, seed=5, timeout=60)
+    got = fetcher.call("fetch", hash=blob["hash"], providers=[provider.node_id], max_bytes=50_000_000, timeout=120)
+    with open(got["path"], "rb") as f:
+        assert hashlib.file_digest(f, "sha256").hexdigest() == blob["hash"]
+    assert fetcher.call("tmp_files")["files"] == []
+    # A hash the provider does not serve is refused; a cap below the size is enforced before any byte is kept.
+    unserved = provider.call("put_blob", size=1000, seed=6, serve=False)
+    answer = fetcher.answer(fetcher.send("fetch", hash=unserved["hash"], providers=[provider.node_id], max_bytes=10**6))
+    assert not answer["ok"] and "not served" in answer["error"]
+    small = provider.call("put_blob", size=10_000, seed=7)
+    answer = fetcher.answer(fetcher.send("fetch", hash=small["hash"], providers=[provider.node_id], max_bytes=9_999))
+    assert not answer["ok"] and "cap" in answer["error"]
+    assert not fetcher.call("has_blob", hash=small["hash"])["has"]
+
+
+def test_forged_and_wrong_network_messages_are_rejected_by_every_receiver(cluster: Cluster) -> None:
+    forger = cluster.start("forger", 1)
+    receivers = [cluster.start(f"r{i}", 20 + i, [forger.addr]) for i in range(2)]
+    for r in receivers:
+        cluster.wait_for(lambda r=r: len(r.call("peers")["peers"]) == 2, 30, "receivers to see both peers")
+    time.sleep(2)  # let GossipSub graft its mesh (heartbeat 1 s) so the forger sends to both directly
+    forged = forger.call("publish", forge="bad_signature")["message_id"]
+    wrong = forger.call("publish", forge="wrong_network")["message_id"]
+    good = forger.call("publish")["message_id"]
+    for r in receivers:
+        cluster.wait_for(lambda r=r: good in received_ids(r), 20, "the good message")
+        cluster.wait_for(lambda r=r: r.call("rejects")["rejects"].get(forger.node_id) == 2, 10, "two rejects counted")
+        ids = received_ids(r)
+        assert forged not in ids and wrong not in ids
+        assert r.call("rejects")["rejects"] == {forger.node_id: 2}
+        stats = r.call("stats")["messages"]
+        assert stats.get("heartbeat/reject") == 2 and stats.get("heartbeat/accept") == 1
+
+
+def test_killing_a_provider_mid_transfer_leaves_no_partial_blob(cluster: Cluster) -> None:
+    slow = cluster.start("slow", 1, (), 0, "--serve-rate", "4000000")
+    fast = cluster.start("fast", 2)
+    fetcher = cluster.start("fetcher", 3, [slow.addr, fast.addr])
+    cluster.wait_for(lambda: connected(fetcher, slow) and connected(fetcher, fast), 20, "the fetcher to connect")
+    blob = slow.call("put_blob", size=20_000_000, seed=9, timeout=60)
+    assert fast.call("put_blob", size=20_000_000, seed=9, timeout=60)["hash"] == blob["hash"]
+
+    request = fetcher.send("fetch", hash=blob["hash"], providers=[slow.node_id], max_bytes=20_000_000)
+    cluster.wait_for(lambda: fetcher.call("tmp_files")["files"], 20, "the transfer to start", interval=0.05)
+    slow.kill()
+    answer = fetcher.answer(request, timeout=60)
+    assert not answer["ok"], "a transfer from a killed provider cannot succeed"
+    assert fetcher.alive
+    assert fetcher.call("tmp_files")["files"] == []
+    assert not fetcher.call("has_blob", hash=blob["hash"])["has"]
+
+    # The dead provider is tried first and skipped; the live one delivers.
+    got = fetcher.call(
+        "fetch", hash=blob["hash"], providers=[slow.node_id, fast.node_id], max_bytes=20_000_000, timeout=60
+    )
+    with open(got["path"], "rb") as f:
+        assert hashlib.file_digest(f, "sha256").hexdigest() == blob["hash"]
+
+
+def test_a_restarted_bootstrap_node_is_reconnected_within_30_s(cluster: Cluster) -> None:
+    port = cluster.free_port()
+    boot = cluster.start("boot", 1, (), port)
+    nodes = [cluster.start(f"n{i}", 30 + i, [boot.addr]) for i in range(2)]
+    for n in nodes:
+        cluster.wait_for(lambda n=n: connected(n, boot), 20, "nodes to reach the bootstrap node")
+    boot.kill()
+    for n in nodes:
+        cluster.wait_for(lambda n=n: not connected(n, boot), 20, "nodes to notice the bootstrap node died")
+    # Stay down past the ~30 s after which py-libp2p on its own gives a lost peer up for good.
+    time.sleep(BOOTSTRAP_DOWNTIME_S)
+    started = time.monotonic()
+    boot = cluster.start("boot", 1, (), port)
+    for n in nodes:
+        cluster.wait_for(lambda n=n: connected(n, boot), 30, "the restarted bootstrap node to be redialled")
+    assert time.monotonic() - started < 30
+    time.sleep(2)  # let GossipSub graft the returning peer
+    sent = boot.call("publish")["message_id"]
+    for n in nodes:
+        cluster.wait_for(lambda n=n: sent in received_ids(n), 20, "gossip from the restarted node")
+
+
+async def test_the_asyncio_bridge_cancels_fetches_and_fails_calls_after_close(cluster: Cluster, tmp_path: Path) -> None:
+    """Two P2PNetworks in this process (each with its own trio thread), driven from one asyncio loop."""
+    from node.blobstore import BlobStore
+    from node.network import GossipJudge, NetworkError
+    from node.p2p import P2PConfig, P2PNetwork
+    from protocol.spec import load_spec
+
+    spec = load_spec(cluster.spec)
+    ids = [Identity.from_seed(bytes([i]) * 32) for i in (1, 2)]
+    stores = [BlobStore(tmp_path / f"blobs{i}") for i in (1, 2)]
+    slow = P2PConfig(serve_rate_bytes_s=1_000_000)
+    provider = await P2PNetwork.create(ids[0], GossipJudge(spec, time.time), stores[0], slow)
+    fetcher = await P2PNetwork.create(ids[1], GossipJudge(spec, time.time), stores[1])
+    try:
+        await fetcher.connect(provider.listen_addrs[0])
+        blob_hash = stores[0].put_bytes(bytes(5_000_000))
+        provider.serve(blob_hash)
+        task = asyncio.create_task(fetcher.fetch(blob_hash, [provider.node_id], 5_000_000))
+        while not list((stores[1].root / "tmp").iterdir()):
+            await asyncio.sleep(0.02)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):  # the trio side unwinds and deletes its temp file soon after
+            if not list((stores[1].root / "tmp").iterdir()):
+                break
+            await asyncio.sleep(0.05)
+        assert list((stores[1].root / "tmp").iterdir()) == []
+        assert not stores[1].has(blob_hash)
+    finally:
+        await provider.close()
+        await fetcher.close()
+    with pytest.raises(NetworkError):
+        await fetcher.fetch("ab" * 32, [provider.node_id], 10)
+
+
+async def test_a_taken_port_is_a_clear_error(cluster: Cluster, tmp_path: Path) -> None:
+    from node.blobstore import BlobStore
+    from node.network import GossipJudge, NetworkError
+    from node.p2p import P2PConfig, P2PNetwork
+    from protocol.spec import load_spec
+
+    spec = load_spec(cluster.spec)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(NetworkError, match=f"cannot listen on /ip4/127.0.0.1/tcp/{port}"):
+            await P2PNetwork.create(Identity.generate(), GossipJudge(spec, time.time), BlobStore(tmp_path), P2PConfig(port=port))

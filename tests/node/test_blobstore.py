@@ -1,0 +1,104 @@
+"""The content-addressed blob store: layout, verified atomic writes, cleanup and retention."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from node.blobstore import BlobError, BlobStore, BlobTooLarge, HashMismatch
+
+
+def tmp_files(store: BlobStore) -> list[Path]:
+    return list((store.root / "tmp").iterdir())
+
+
+def test_put_bytes_stores_by_sha256_in_a_two_level_layout(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path)
+    data = b"tessera" * 100
+    blob_hash = store.put_bytes(data)
+    assert blob_hash == hashlib.sha256(data).hexdigest()
+    assert store.path(blob_hash) == tmp_path / blob_hash[:2] / blob_hash
+    assert store.has(blob_hash) and store.size(blob_hash) == len(data)
+    assert store.path(blob_hash).read_bytes() == data
+    assert store.put_bytes(data) == blob_hash
+    assert store.hashes() == [blob_hash]
+    assert tmp_files(store) == []
+
+
+def test_put_file_copies_a_file_in(tmp_path: Path) -> None:
+    source = tmp_path / "source.bin"
+    source.write_bytes(os.urandom(3 << 20))
+    store = BlobStore(tmp_path / "store")
+    blob_hash = store.put_file(source)
+    assert store.path(blob_hash).read_bytes() == source.read_bytes()
+
+
+def test_a_writer_commits_only_bytes_that_hash_to_the_address(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path)
+    data = b"x" * 1000
+    good = hashlib.sha256(data).hexdigest()
+    writer = store.open_writer(good, 1000)
+    writer.write(data[:400])
+    assert not store.has(good)  # nothing visible until commit
+    writer.write(data[400:])
+    assert writer.commit() == store.path(good)
+
+    wrong = "00" * 32
+    with pytest.raises(HashMismatch, match="hash to"), store.open_writer(wrong, 1000) as w:
+        w.write(data)
+    assert not store.has(wrong)
+    assert tmp_files(store) == []
+
+
+def test_a_writer_refuses_more_than_its_cap_and_leaves_nothing(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path)
+    data = b"y" * 101
+    blob_hash = hashlib.sha256(data).hexdigest()
+    writer = store.open_writer(blob_hash, 100)
+    writer.write(data[:100])
+    with pytest.raises(BlobTooLarge):
+        writer.write(data[100:])
+    assert not store.has(blob_hash)
+    assert tmp_files(store) == []
+
+
+def test_an_exception_inside_the_writer_context_aborts(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path)
+    blob_hash = hashlib.sha256(b"z").hexdigest()
+    with pytest.raises(RuntimeError), store.open_writer(blob_hash, 10) as w:
+        w.write(b"z")
+        raise RuntimeError("peer went away")
+    assert not store.has(blob_hash)
+    assert tmp_files(store) == []
+
+
+def test_stale_temp_files_are_removed_when_the_store_opens(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path)
+    writer = store.open_writer("ab" * 32, 100)
+    writer.write(b"partial")
+    assert len(tmp_files(store)) == 1  # a crash here would leave this behind
+    reopened = BlobStore(tmp_path)
+    assert tmp_files(reopened) == []
+
+
+def test_addresses_are_checked(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path)
+    for bad in ("../etc/passwd", "AB" * 32, "ab" * 31):
+        with pytest.raises(BlobError, match="not a blob address"):
+            store.path(bad)
+
+
+def test_retain_deletes_old_blobs_outside_the_keep_set(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path)
+    old_kept, old_dropped, fresh = (store.put_bytes(bytes([i]) * 10) for i in range(3))
+    now = 1_000_000.0
+    for blob_hash, age in ((old_kept, 7200), (old_dropped, 7200), (fresh, 10)):
+        os.utime(store.path(blob_hash), (now - age, now - age))
+    deleted = store.retain({old_kept}, max_age_s=3600, now=now)
+    assert deleted == [old_dropped]
+    assert store.has(old_kept) and store.has(fresh) and not store.has(old_dropped)
+    store.delete(fresh)
+    assert store.hashes() == [old_kept]

@@ -1,0 +1,221 @@
+"""The daemon on the in-memory network and a ManualClock: it records accepted gossip before its duties
+see it, runs the phase duties, serves HTTP, and shuts everything down cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from node.blobstore import BlobStore
+from node.clock import ManualClock
+from node.config import NodeConfig, load_config
+from node.daemon import HeartbeatDuties, Node, NodeContext
+from node.network import GossipJudge, MemoryHub, MemoryNetwork
+from node.storage import Storage
+from protocol.identity import load_identity, save_identity
+from protocol.messages import Commit, Envelope, GlobalState, Heartbeat, Reveal, seal
+from protocol.rounds import Phase
+from protocol.spec import NetworkSpec, load_spec
+from tests.conftest import make_identity, make_spec_dict, to_toml
+
+VALIDATOR = make_identity(0)
+MINER = make_identity(100)
+STRANGER = make_identity(101)
+WAIT_S = 10.0
+
+
+class Probe(HeartbeatDuties):
+    """Heartbeats like the built-in duty, and notes what storage held when each message arrived."""
+
+    def __init__(self, ctx: NodeContext) -> None:
+        super().__init__(ctx)
+        self.phases: list[tuple[int, Phase]] = []
+        self.messages: asyncio.Queue[tuple[Envelope, list[str]]] = asyncio.Queue()
+        self.phase_seen = asyncio.Event()
+
+    async def on_phase(self, round: int, phase: Phase) -> None:
+        self.phases.append((round, phase))
+        self.phase_seen.set()
+        await super().on_phase(round, phase)
+
+    async def on_message(self, envelope: Envelope) -> None:
+        stored = [c.commitment for c in await self.ctx.storage.commits_for(envelope.round)]
+        await self.messages.put((envelope, stored))
+        if envelope.kind == "reveal":
+            raise RuntimeError("a broken duty must not stop the gossip consumer")
+
+
+def write_node(tmp_path: Path) -> tuple[NodeConfig, NetworkSpec]:
+    spec_path = tmp_path / "spec.toml"
+    spec_path.write_text(to_toml(make_spec_dict()), encoding="utf-8")
+    save_identity(VALIDATOR, tmp_path / "node.key")
+    (tmp_path / "node.toml").write_text(
+        '[node]\nrole = "validator"\nspec = "spec.toml"\n[http]\nport = 0\n[validator]\nheldout = "h.jsonl"\n',
+        encoding="utf-8")
+    return load_config(tmp_path / "node.toml"), load_spec(spec_path)
+
+
+def join(hub: MemoryHub, spec: NetworkSpec, clock: ManualClock, node_id: str, root: Path) -> MemoryNetwork:
+    return hub.join(node_id, GossipJudge(spec, clock.now), BlobStore(root))
+
+
+@pytest.fixture
+async def setup(tmp_path: Path):
+    config, spec = write_node(tmp_path)
+    clock = ManualClock(spec.genesis_ts + 31)  # round 0, COMMIT
+    hub = MemoryHub()
+    net = join(hub, spec, clock, VALIDATOR.node_id, tmp_path / "blobs")
+    peer = join(hub, spec, clock, MINER.node_id, tmp_path / "peer-blobs")
+    node = await Node.create(config, network=net, clock=clock, duties=Probe)
+    task = asyncio.create_task(node.run())
+    probe: Probe = node.duties  # type: ignore[assignment]
+    await asyncio.wait_for(probe.phase_seen.wait(), WAIT_S)
+    yield node, probe, peer, hub, clock, spec, task
+    node.stop()
+    await asyncio.wait_for(task, WAIT_S)
+
+
+async def test_accepted_messages_are_stored_before_duties_see_them(setup) -> None:
+    node, probe, peer, hub, clock, spec, task = setup
+    commit = Commit(round=0, commitment="11" * 32)
+    await peer.publish(seal(commit, spec.network_id, MINER))
+    envelope, stored_then = await asyncio.wait_for(probe.messages.get(), WAIT_S)
+    assert envelope.kind == "commit" and envelope.sender == MINER.node_id
+    assert stored_then == ["11" * 32]  # already in storage when the duty ran
+
+
+async def test_rejected_gossip_never_reaches_storage_or_duties(setup) -> None:
+    node, probe, peer, hub, clock, spec, task = setup
+    forged = seal(GlobalState(round=0, hash="22" * 32, parent="33" * 32, contributors=()), spec.network_id, STRANGER)
+    hub.inject(forged.to_bytes(), STRANGER.node_id, to=[VALIDATOR.node_id])  # not a validator: REJECT
+    hub.inject(b"{not json", STRANGER.node_id, to=[VALIDATOR.node_id])
+    late = seal(Commit(round=0, commitment="44" * 32), spec.network_id, STRANGER)
+    clock.advance(6)  # REVEAL: the COMMIT window (plus 1 s skew) is over
+    hub.inject(late.to_bytes(), STRANGER.node_id, to=[VALIDATOR.node_id])
+    good = seal(Reveal(round=0, commitment="55" * 32, size=10), spec.network_id, MINER)
+    hub.inject(good.to_bytes(), MINER.node_id, to=[VALIDATOR.node_id])
+    envelope, _ = await asyncio.wait_for(probe.messages.get(), WAIT_S)
+    assert envelope.kind == "reveal" and probe.messages.empty()
+    assert await node.ctx.storage.global_states() == [] and await node.ctx.storage.commits_for(0) == []
+    assert node.ctx.network.reject_counts() == {STRANGER.node_id: 3}
+    metrics = node.metrics_text().decode()
+    assert 'tessera_messages_total{kind="global_state",verdict="reject"} 1.0' in metrics
+    assert f'tessera_peer_rejects_total{{peer="{STRANGER.node_id[:16]}"}} 3.0' in metrics
+    # the duty raised on the reveal; the consumer keeps going
+    await peer.publish(seal(Heartbeat(round=0, role="miner", head="66" * 32), spec.network_id, MINER))
+    envelope, _ = await asyncio.wait_for(probe.messages.get(), WAIT_S)
+    assert envelope.kind == "heartbeat"
+
+
+async def test_phase_duties_publish_heartbeats_and_http_reports(setup) -> None:
+    node, probe, peer, hub, clock, spec, task = setup
+    received = peer.subscribe(["heartbeat"])
+    clock.set(spec.genesis_ts + 35)  # REVEAL: same round, same head, so no second heartbeat
+    await asyncio.wait_for(_until(lambda: len(probe.phases) == 2), WAIT_S)
+    clock.set(spec.genesis_ts + 60)  # round 1 TRAIN
+    beats = [(await received.get(WAIT_S)).envelope.message()]
+    if beats[0].round == 0:  # the COMMIT heartbeat may still have been on its way when we subscribed
+        beats.append((await received.get(WAIT_S)).envelope.message())
+    beat = beats[-1]
+    assert isinstance(beat, Heartbeat) and beat.round == 1
+    assert beat.role == "validator" and beat.head == spec.model.base_hash
+    assert probe.phases == [(0, Phase.COMMIT), (0, Phase.REVEAL), (1, Phase.TRAIN)]
+    assert node.http is not None
+    async with aiohttp.ClientSession() as session, session.get(f"{node.http.url}/status") as response:
+        status = await response.json()
+    assert status["role"] == "validator" and status["node_id"] == VALIDATOR.node_id
+    assert status["network_id"] == spec.network_id
+    assert (status["round"], status["phase"], status["peers"]) == (1, "train", 1)
+    assert status["head"] is None
+    await asyncio.wait_for(_until(lambda: len(node.scheduler.runs) == 3), WAIT_S)
+    assert [(r.phase, r.ok) for r in node.scheduler.runs] == [("commit", True), ("reveal", True), ("train", True)]
+
+
+async def _until(condition) -> None:
+    while not condition():
+        await asyncio.sleep(0.001)
+
+
+async def test_clean_shutdown_closes_everything_and_state_survives(tmp_path: Path) -> None:
+    config, spec = write_node(tmp_path)
+    clock = ManualClock(spec.genesis_ts + 31)
+    hub = MemoryHub()
+    net = join(hub, spec, clock, VALIDATOR.node_id, tmp_path / "blobs")
+    peer = join(hub, spec, clock, MINER.node_id, tmp_path / "peer-blobs")
+    node = await Node.create(config, network=net, clock=clock, duties=Probe)
+    task = asyncio.create_task(node.run())
+    probe: Probe = node.duties  # type: ignore[assignment]
+    await peer.publish(seal(Commit(round=0, commitment="77" * 32), spec.network_id, MINER))
+    await asyncio.wait_for(probe.messages.get(), WAIT_S)
+    while not await node.ctx.storage.phase_runs(0):
+        await asyncio.sleep(0.001)
+    assert node.http is not None
+    url = node.http.url
+    node.stop()
+    await asyncio.wait_for(task, WAIT_S)
+    assert net.closed
+    with pytest.raises(aiohttp.ClientConnectionError):
+        async with aiohttp.ClientSession() as session, session.get(f"{url}/healthz"):
+            pass
+    store = await Storage.open(config.db_path)
+    try:
+        assert [c.commitment for c in await store.commits_for(0)] == ["77" * 32]
+        assert [r.phase for r in await store.phase_runs(0)] == ["commit"]
+    finally:
+        await store.close()
+
+
+async def test_network_with_another_identity_is_refused(tmp_path: Path) -> None:
+    config, spec = write_node(tmp_path)
+    clock = ManualClock(spec.genesis_ts)
+    net = join(MemoryHub(), spec, clock, MINER.node_id, tmp_path / "blobs")
+    with pytest.raises(ValueError, match="but the key is"):
+        await Node.create(config, network=net, clock=clock)
+
+
+def test_init_writes_a_config_that_loads_and_a_private_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from node.cli import main
+
+    spec_path = tmp_path / "net" / "spec.toml"
+    spec_path.parent.mkdir()
+    spec_path.write_text(to_toml(make_spec_dict()), encoding="utf-8")
+    node_dir = tmp_path / "miner-1"
+    assert main(["init", "--role", "miner", "--spec", str(spec_path), "--dir", str(node_dir), "--http-port", "0"]) == 0
+    config = load_config(node_dir / "node.toml")
+    assert config.node.role == "miner" and config.node.spec == spec_path.resolve()
+    assert config.node.key.stat().st_mode & 0o777 == 0o600
+    assert "../net/spec.toml" in (node_dir / "node.toml").read_text()  # the directory can move with its spec
+    path, node_id = capsys.readouterr().out.split()
+    assert Path(path) == node_dir / "node.toml" and node_id == load_identity(config.node.key).node_id
+    assert main(["init", "--role", "miner", "--spec", str(spec_path), "--dir", str(node_dir)]) == 2
+    assert "refusing to overwrite" in capsys.readouterr().err
+    assert main(["init", "--role", "validator", "--spec", str(spec_path), "--dir", str(tmp_path / "v")]) == 2
+    assert "--heldout" in capsys.readouterr().err
+
+
+def test_daemon_command_refuses_the_wrong_role(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from node.cli import main
+
+    write_node(tmp_path)
+    assert main(["miner", "--config", str(tmp_path / "node.toml")]) == 2
+    assert "node.role is 'validator'; run `tessera validator`" in capsys.readouterr().err
+
+
+async def test_status_command_prints_the_nodes_status(setup, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from node.cli import main
+
+    node = setup[0]
+    assert await asyncio.to_thread(main, ["status", "--url", node.http.url]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["node_id"] == VALIDATOR.node_id and printed["phase"] == "commit"
+    other = tmp_path / "other.toml"  # another config naming this node's port, bound to all interfaces
+    other.write_text(f'[node]\nrole = "miner"\nspec = "spec.toml"\n[http]\nhost = "0.0.0.0"\nport = {node.http.port}\n')
+    assert await asyncio.to_thread(main, ["status", "--config", str(other)]) == 0
+    assert json.loads(capsys.readouterr().out)["node_id"] == VALIDATOR.node_id
+    assert await asyncio.to_thread(main, ["status", "--url", "http://127.0.0.1:1", "--timeout", "2"]) == 2
+    assert "no answer from the node" in capsys.readouterr().err

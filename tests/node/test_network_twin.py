@@ -1,0 +1,179 @@
+"""The in-memory network twin: the gossip judge, delivery, reject counting and blob transfer."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from node.blobstore import BlobStore
+from node.clock import ManualClock
+from node.network import (
+    BlobFetchError,
+    GossipJudge,
+    MemoryHub,
+    MemoryNetwork,
+    NetworkError,
+    P2PConfig,
+    PublishRefused,
+)
+from protocol.identity import Identity
+from protocol.messages import Commit, Envelope, Heartbeat, ScoreReport, seal
+from protocol.rounds import Phase, Schedule
+from protocol.spec import NetworkSpec
+
+
+@pytest.fixture
+def clock(spec: NetworkSpec) -> ManualClock:
+    return ManualClock(spec.genesis_ts + 1.0)
+
+
+@pytest.fixture
+def nodes(
+    spec: NetworkSpec, clock: ManualClock, validator_ids: list[Identity], miner_ids: list[Identity], tmp_path: Path
+) -> dict[str, MemoryNetwork]:
+    hub = MemoryHub()
+    members = {"v0": validator_ids[0], "m0": miner_ids[0], "m1": miner_ids[1]}
+    return {
+        name: hub.join(ident.node_id, GossipJudge(spec, clock.now), BlobStore(tmp_path / name))
+        for name, ident in members.items()
+    }
+
+
+def heartbeat(spec: NetworkSpec, who: Identity, r: int = 0, network: str | None = None) -> Envelope:
+    return seal(Heartbeat(round=r, role="miner", head="ab" * 32), network or spec.network_id, who)
+
+
+async def test_published_envelopes_reach_every_other_node_but_not_the_sender(
+    spec: NetworkSpec, nodes: dict[str, MemoryNetwork], miner_ids: list[Identity]
+) -> None:
+    subs = {name: net.subscribe() for name, net in nodes.items()}
+    envelope = heartbeat(spec, miner_ids[0])
+    await nodes["m0"].publish(envelope)
+    for name in ("v0", "m1"):
+        delivery = await subs[name].get(timeout=1)
+        assert delivery.envelope == envelope
+        assert delivery.peer == miner_ids[0].node_id
+        assert delivery.result.accepted
+    with pytest.raises(asyncio.TimeoutError):
+        await subs["m0"].get(timeout=0.05)
+    assert nodes["v0"].stats.messages[("heartbeat", "accept")] == 1
+    assert nodes["m0"].stats.messages[("heartbeat", "published")] == 1
+
+
+async def test_duplicates_are_ignored_and_bad_messages_rejected_and_counted(
+    spec: NetworkSpec, nodes: dict[str, MemoryNetwork], miner_ids: list[Identity]
+) -> None:
+    hub_sender = miner_ids[1].node_id
+    sub = nodes["v0"].subscribe()
+    good = heartbeat(spec, miner_ids[1])
+    await nodes["m1"].publish(good)
+    hub = nodes["m1"]._hub  # the twin's hub lets a test play a misbehaving peer
+    hub.inject(good.to_bytes(), hub_sender, to=[nodes["v0"].node_id])  # replay: IGNORE, no penalty
+    forged = good.model_copy(update={"signature": "0" * 128})
+    hub.inject(forged.to_bytes(), hub_sender, to=[nodes["v0"].node_id])
+    hub.inject(heartbeat(spec, miner_ids[1], network="ee" * 32).to_bytes(), hub_sender, to=[nodes["v0"].node_id])
+    hub.inject(b"{not json", hub_sender, to=[nodes["v0"].node_id])
+
+    assert (await sub.get(timeout=1)).envelope == good
+    with pytest.raises(asyncio.TimeoutError):
+        await sub.get(timeout=0.05)
+    assert nodes["v0"].reject_counts() == {hub_sender: 3}
+    stats = nodes["v0"].stats.messages
+    assert stats[("heartbeat", "ignore")] == 1
+    assert stats[("heartbeat", "reject")] == 2
+    assert stats[("unknown", "reject")] == 1
+
+
+async def test_subscriptions_filter_by_kind_and_close(
+    spec: NetworkSpec, clock: ManualClock, nodes: dict[str, MemoryNetwork], miner_ids: list[Identity]
+) -> None:
+    commits = nodes["v0"].subscribe(["commit"])
+    everything = nodes["v0"].subscribe()
+    await nodes["m0"].publish(heartbeat(spec, miner_ids[0]))
+    clock.set(Schedule.from_spec(spec).phase_window(0, Phase.COMMIT)[0])
+    commit = seal(Commit(round=0, commitment="11" * 32), spec.network_id, miner_ids[0])
+    await nodes["m0"].publish(commit)
+    assert (await commits.get(timeout=1)).envelope == commit
+    assert (await everything.get(timeout=1)).envelope.kind == "heartbeat"
+    assert (await everything.get(timeout=1)).envelope == commit
+    commits.close()
+    assert [d async for d in commits] == []
+    with pytest.raises(NetworkError, match="unknown message kinds"):
+        nodes["v0"].subscribe(["comit"])
+
+
+async def test_publishing_what_peers_would_reject_is_refused(
+    spec: NetworkSpec, nodes: dict[str, MemoryNetwork], miner_ids: list[Identity]
+) -> None:
+    report = seal(ScoreReport(round=0, base="ab" * 32, base_loss=1.0, entries=()), spec.network_id, miner_ids[0])
+    with pytest.raises(PublishRefused, match="not a validator"):
+        await nodes["m0"].publish(report)
+    commit_in_train = seal(Commit(round=0, commitment="11" * 32), spec.network_id, miner_ids[0])
+    with pytest.raises(PublishRefused, match="outside commit window"):
+        await nodes["m0"].publish(commit_in_train)
+
+
+async def test_equivocation_is_rejected(
+    spec: NetworkSpec, clock: ManualClock, nodes: dict[str, MemoryNetwork], miner_ids: list[Identity]
+) -> None:
+    clock.set(Schedule.from_spec(spec).phase_window(0, Phase.COMMIT)[0])
+    first = seal(Commit(round=0, commitment="11" * 32), spec.network_id, miner_ids[0])
+    second = seal(Commit(round=0, commitment="22" * 32), spec.network_id, miner_ids[0])
+    nodes["v0"].receive(first.to_bytes(), miner_ids[0].node_id)
+    nodes["v0"].receive(second.to_bytes(), miner_ids[0].node_id)
+    assert nodes["v0"].reject_counts() == {miner_ids[0].node_id: 1}
+
+
+def test_the_judge_forgets_ids_from_rounds_no_check_would_accept(
+    spec: NetworkSpec, clock: ManualClock, miner_ids: list[Identity]
+) -> None:
+    judge = GossipJudge(spec, clock.now)
+    round_s = Schedule.from_spec(spec).round_seconds
+    for r in range(8):
+        clock.set(spec.genesis_ts + r * round_s + 1.0)
+        for who in miner_ids:
+            result, _ = judge.judge(heartbeat(spec, who, r).to_bytes(), who.node_id)
+            assert result.accepted
+    assert judge.remembered == 4 * len(miner_ids)  # rounds 4..7
+
+
+async def test_blobs_are_fetched_from_a_serving_provider_and_verified(
+    nodes: dict[str, MemoryNetwork], tmp_path: Path
+) -> None:
+    data = bytes(range(256)) * 1000
+    store_m0 = BlobStore(tmp_path / "m0")
+    blob_hash = store_m0.put_bytes(data)
+    with pytest.raises(BlobFetchError, match="not served"):
+        await nodes["v0"].fetch(blob_hash, [nodes["m0"].node_id], len(data))
+    nodes["m0"].serve(blob_hash)
+    with pytest.raises(BlobFetchError, match="more than"):
+        await nodes["v0"].fetch(blob_hash, [nodes["m0"].node_id], len(data) - 1)
+    path = await nodes["v0"].fetch(blob_hash, [nodes["m1"].node_id, nodes["m0"].node_id], len(data))
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == blob_hash
+    assert list((tmp_path / "v0" / "tmp").iterdir()) == []
+    nodes["m0"].unserve(blob_hash)
+    assert await nodes["v0"].fetch(blob_hash, [], len(data)) == path  # already stored: no transfer
+
+
+async def test_a_closed_node_neither_serves_nor_receives(
+    spec: NetworkSpec, nodes: dict[str, MemoryNetwork], miner_ids: list[Identity], tmp_path: Path
+) -> None:
+    blob_hash = BlobStore(tmp_path / "m1").put_bytes(b"payload")
+    nodes["m1"].serve(blob_hash)
+    await nodes["m1"].close()
+    assert nodes["m1"].node_id not in nodes["v0"].peers()
+    with pytest.raises(BlobFetchError):
+        await nodes["v0"].fetch(blob_hash, [nodes["m1"].node_id], 100)
+    await nodes["m0"].publish(heartbeat(spec, miner_ids[0]))
+    assert nodes["m1"].stats.messages == {}
+
+
+def test_p2p_settings_are_validated_where_declared() -> None:
+    assert P2PConfig().port == 0
+    with pytest.raises(ValueError, match="port"):
+        P2PConfig(port=70000)
+    with pytest.raises(ValueError, match="positive"):
+        P2PConfig(dial_timeout_s=0)

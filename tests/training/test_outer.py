@@ -1,0 +1,126 @@
+"""The outer optimizer against hand-computed Nesterov updates, its determinism, and duplicate detection."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from training.outer import OuterConfig, cosine, near_duplicates, norm, outer_step
+
+ROOT = Path(__file__).resolve().parents[2]
+GLOBAL = {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([0.5])}
+# Pseudo-gradients G_i = global - miner: G1 = (a [1, 0], b [0]) norm 1; G2 = (a [0, 2], b [0]) norm 2;
+# G3 = (a [0, 0], b [4]) norm 4. The median norm is 2, so only G3 is clipped, to b [2].
+MINERS = [
+    {"a": torch.tensor([0.0, 2.0]), "b": torch.tensor([0.5])},
+    {"a": torch.tensor([1.0, 0.0]), "b": torch.tensor([0.5])},
+    {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([-3.5])},
+]
+
+
+def close(tensors: dict[str, torch.Tensor], expected: dict[str, list[float]]) -> None:
+    assert sorted(tensors) == sorted(expected)
+    for name, values in expected.items():
+        assert tensors[name].dtype == torch.float32
+        torch.testing.assert_close(tensors[name], torch.tensor(values), rtol=0, atol=1e-6)
+
+
+def test_first_step_uniform_with_median_clipping() -> None:
+    new, momentum = outer_step(GLOBAL, MINERS, [1.0, 1.0, 1.0], None, OuterConfig())
+    # G = (a [1/3, 2/3], b [2/3]); m = G; Φ' = Φ - 0.7 (G + 0.9 G) = Φ - 1.33 G.
+    close(momentum, {"a": [1 / 3, 2 / 3], "b": [2 / 3]})
+    close(new, {"a": [1 - 1.33 / 3, 2 - 2.66 / 3], "b": [0.5 - 2.66 / 3]})
+
+
+def test_step_with_momentum_and_utility_weights() -> None:
+    previous = {"a": torch.tensor([1.0, 1.0]), "b": torch.tensor([0.0])}
+    new, momentum = outer_step(GLOBAL, MINERS, [1.0, 1.0, 2.0], previous, OuterConfig(weighting="utility"))
+    # a = (.25, .25, .5): G = (a [0.25, 0.5], b [1.0]); m = 0.9 (1, 1, 0) + G = (a [1.15, 1.4], b [1.0]).
+    close(momentum, {"a": [1.15, 1.4], "b": [1.0]})
+    # Φ' = Φ - 0.7 (G + 0.9 m): a0 = 1 - 0.7 * 1.285, a1 = 2 - 0.7 * 1.76, b = 0.5 - 0.7 * 1.9.
+    close(new, {"a": [0.1005, 0.768], "b": [-0.83]})
+
+
+def test_no_clipping_keeps_large_updates() -> None:
+    cfg = OuterConfig(lr=1.0, momentum=0.0, clip_to_median=False)
+    new, _ = outer_step(GLOBAL, MINERS, [1.0, 1.0, 1.0], None, cfg)
+    # G = (a [1/3, 2/3], b [4/3]); with μ = 0 and lr 1, Φ' = Φ - G.
+    close(new, {"a": [2 / 3, 4 / 3], "b": [0.5 - 4 / 3]})
+
+
+def test_even_count_clips_to_mean_of_middle_norms() -> None:
+    cfg = OuterConfig(lr=1.0, momentum=0.0)
+    new, _ = outer_step(GLOBAL, [MINERS[0], MINERS[2]], [1.0, 1.0], None, cfg)
+    # Norms 1 and 4, median 2.5: G3 -> b [2.5]; G = (a [0.5, 0], b [1.25]).
+    close(new, {"a": [0.5, 2.0], "b": [-0.75]})
+
+
+def test_rejects_mismatched_inputs() -> None:
+    with pytest.raises(ValueError, match="missing"):
+        outer_step(GLOBAL, [{"a": torch.zeros(2)}], [1.0], None, OuterConfig())
+    with pytest.raises(ValueError, match="utilities"):
+        outer_step(GLOBAL, MINERS, [1.0], None, OuterConfig())
+    with pytest.raises(ValueError, match="positive utility"):
+        outer_step(GLOBAL, MINERS[:1], [0.0], None, OuterConfig(weighting="utility"))
+    with pytest.raises(ValueError, match="momentum"):
+        outer_step(GLOBAL, MINERS, [1.0] * 3, {"a": torch.zeros(3), "b": torch.zeros(1)}, OuterConfig())
+    with pytest.raises(ValueError, match="momentum"):
+        OuterConfig(momentum=1.0)
+
+
+def _random_state(seed: int) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {"layers.0.experts.1.gate_up_proj": (64, 32), "layers.0.experts.1.down_proj": (32, 32)}
+    base = {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+    miners = [
+        {n: t + 0.01 * (i + 1) * torch.randn(t.shape, generator=gen) for n, t in base.items()}
+        for i in range(4)
+    ]
+    return base, miners
+
+
+def _digest(seed: int) -> str:
+    base, miners = _random_state(seed)
+    new, momentum = outer_step(base, miners, [0.3, 0.1, 0.2, 0.4], None, OuterConfig(weighting="utility"))
+    digest = hashlib.sha256()
+    for tensors in (new, momentum):
+        for name in sorted(tensors):
+            digest.update(name.encode() + tensors[name].numpy().tobytes())
+    return digest.hexdigest()
+
+
+def test_byte_deterministic_across_runs_and_thread_counts() -> None:
+    first = _digest(5)
+    assert _digest(5) == first
+    script = (
+        "import sys, torch; torch.set_num_threads(1); sys.path[:0] = ['.', 'tests/training']\n"
+        "from test_outer import _digest\n"
+        "print(_digest(5))"
+    )
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == first
+
+
+def test_norm_and_cosine() -> None:
+    g = {"a": torch.tensor([3.0, 0.0]), "b": torch.tensor([4.0])}
+    assert norm(g) == 5.0
+    assert cosine(g, g) == pytest.approx(1.0)
+    assert cosine(g, {"a": torch.tensor([0.0, 1.0]), "b": torch.tensor([0.0])}) == 0.0
+    assert cosine(g, {"a": torch.zeros(2), "b": torch.zeros(1)}) == 0.0
+
+
+def test_near_duplicates_flags_both_members_of_a_pair() -> None:
+    gen = torch.Generator().manual_seed(3)
+    original = {"x": torch.randn(100, generator=gen)}
+    copy = {"x": original["x"] * 1.5 + 1e-4 * torch.randn(100, generator=gen)}
+    honest = {"x": torch.randn(100, generator=gen)}
+    zero_1, zero_2 = {"x": torch.zeros(100)}, {"x": torch.zeros(100)}
+    grads = {"m1": original, "m2": honest, "m3": copy, "lazy1": zero_1, "lazy2": zero_2}
+    assert near_duplicates(grads, 0.99) == {"m1", "m3"}
+    assert near_duplicates({"m1": original, "m2": honest}, 0.99) == set()
+    assert near_duplicates({"m1": original, "m2": {"x": -original["x"]}}, 0.99) == set()

@@ -1,0 +1,171 @@
+"""Merging a round: identical inputs give identical bytes, copiers are caught, and a round nobody
+improves leaves the global state untouched. Uses synthetic expert tensors; no model is needed."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from collections.abc import Mapping
+
+import pytest
+import torch
+
+from protocol.assignment import assign
+from protocol.messages import ScoreEntry, ScoreReport
+from protocol.spec import NetworkSpec
+from tests.conftest import MINER_OFFSET, make_identity
+from validator.merge import MergeInputError, MissingBlobError, candidates, merge_round
+from validator.state import GlobalExperts
+
+ROUND = 4
+SEED = hashlib.sha256(b"round-seed").hexdigest()
+BASE_LOSS = 3.0
+SHAPES = {"gate_up_proj": (8, 8), "down_proj": (8, 4)}
+
+Tensors = dict[str, torch.Tensor]
+
+
+def _miners(n: int) -> list[str]:
+    return [make_identity(MINER_OFFSET + i).node_id for i in range(n)]
+
+
+def _global(spec: NetworkSpec) -> Tensors:
+    g = torch.Generator().manual_seed(0)
+    return {
+        f"layers.{layer}.experts.{e}.{p}": torch.randn(shape, generator=g)
+        for layer, experts in spec.group.items()
+        for e in experts
+        for p, shape in SHAPES.items()
+    }
+
+
+def _moved(tensors: Tensors, seed: int, scale: float = 0.05) -> Tensors:
+    g = torch.Generator().manual_seed(seed)
+    return {name: t - scale * torch.randn(t.shape, generator=g) for name, t in sorted(tensors.items())}
+
+
+class Round:
+    """One round's inputs: every validator reports `losses[miner]` for the miners assigned to it."""
+
+    def __init__(self, spec: NetworkSpec, blobs: Mapping[str, Tensors], losses: Mapping[str, float]) -> None:
+        self.spec = spec
+        self.head = GlobalExperts.genesis(spec, _global(spec))
+        self.blobs = dict(blobs)
+        self.commitments = {m: hashlib.sha256(m.encode()).hexdigest() for m in blobs}
+        validators = [v.key for v in spec.validators]
+        self.assignment = assign(SEED, list(blobs), validators, spec.rewards.replication)
+        self.reports = {
+            v: ScoreReport(
+                round=ROUND,
+                base=self.head.hash,
+                base_loss=BASE_LOSS,
+                entries=tuple(
+                    ScoreEntry(miner=m, commitment=self.commitments[m], loss=losses[m], verdict="accept")
+                    for m in sorted(blobs)
+                    if v in self.assignment[m]
+                ),
+            )
+            for v in validators
+        }
+
+    def merge(
+        self, reports: Mapping[str, ScoreReport] | None = None, blobs: Mapping[str, Tensors] | None = None
+    ):
+        return merge_round(
+            reports if reports is not None else self.reports,
+            self.assignment,
+            self.commitments,
+            self.blobs if blobs is None else blobs,
+            dict(self.head.tensors),
+            dict(self.head.momentum),
+            self.spec,
+            self.head.hash,
+        )
+
+
+def test_identical_inputs_give_byte_identical_state(spec: NetworkSpec) -> None:
+    a, b, c = _miners(3)
+    glob = _global(spec)
+    rnd = Round(spec, {a: _moved(glob, 1), b: _moved(glob, 2), c: _moved(glob, 3)}, {a: 2.5, b: 2.0, c: 2.8})
+    first = rnd.merge()
+    twin = copy.deepcopy(rnd)
+    second = twin.merge(reports=dict(reversed(list(twin.reports.items()))))
+
+    assert first.contributors == [b, a, c] and first.ranking.ranked() == (b, a, c)
+    assert first.points == {b: 1.0, a: 2 / 3, c: 1 / 3}
+    states = [
+        r.head.child(ROUND, res.new_global, res.new_momentum) for r, res in ((rnd, first), (twin, second))
+    ]
+    assert (
+        states[0].to_blob() == states[1].to_blob() and states[0].momentum_blob() == states[1].momentum_blob()
+    )
+    assert states[0].hash != rnd.head.hash
+    assert not all(torch.equal(first.new_global[n], glob[n]) for n in glob)
+
+
+def test_top_g_limits_the_contributors(spec: NetworkSpec) -> None:
+    narrow = spec.model_copy(update={"aggregation": spec.aggregation.model_copy(update={"top_g": 1})})
+    a, b = _miners(2)
+    glob = _global(spec)
+    result = Round(narrow, {a: _moved(glob, 1), b: _moved(glob, 2)}, {a: 2.5, b: 2.0}).merge()
+    assert result.contributors == [b] and set(result.points) == {a, b}
+
+
+def test_near_duplicate_copier_is_neither_rewarded_nor_merged(spec: NetworkSpec) -> None:
+    honest, copier, other = _miners(3)
+    glob = _global(spec)
+    trained = _moved(glob, 1)
+    copied = {name: t + 1e-4 * torch.ones_like(t) for name, t in trained.items()}
+    rnd = Round(
+        spec,
+        {honest: trained, copier: copied, other: _moved(glob, 2)},
+        {honest: 2.0, copier: 2.0, other: 2.9},
+    )
+    result = rnd.merge()
+    assert result.duplicates == {honest, copier}
+    assert result.contributors == [other] and result.points == {other: 1.0}
+    assert result.ranking.result(copier).reason == "near-duplicate"
+    assert result.ranking.result(honest).reason == "near-duplicate"
+
+
+def test_no_qualifying_miner_leaves_state_and_momentum_untouched(spec: NetworkSpec) -> None:
+    worse, lazy, lazy_too = _miners(3)
+    glob = _global(spec)
+    rnd = Round(
+        spec,
+        {worse: _moved(glob, 1, scale=1.0), lazy: dict(glob), lazy_too: dict(glob)},
+        {worse: 4.0, lazy: BASE_LOSS, lazy_too: BASE_LOSS},
+    )
+    global_tensors, momentum = dict(rnd.head.tensors), dict(rnd.head.momentum)
+    result = merge_round(
+        rnd.reports, rnd.assignment, rnd.commitments, rnd.blobs, global_tensors, momentum, spec, rnd.head.hash
+    )
+    assert not result.changed and result.contributors == [] and result.points == {}
+    assert result.new_global is global_tensors and result.new_momentum is momentum
+    assert result.duplicates == set()
+    assert {r.reason for r in result.ranking.results} == {"no utility"}
+    assert result.ranking.result(lazy).utility == 0.0
+
+
+def test_reports_against_another_head_do_not_count(spec: NetworkSpec) -> None:
+    a, b = _miners(2)
+    glob = _global(spec)
+    rnd = Round(spec, {a: _moved(glob, 1), b: _moved(glob, 2)}, {a: 2.5, b: 2.0})
+    stale = {v: r.model_copy(update={"base": "ee" * 32}) for v, r in rnd.reports.items()}
+    with pytest.raises(MergeInputError, match="no score report"):
+        rnd.merge(reports=stale)
+    one_fresh = {**stale, spec.validators[0].key: rnd.reports[spec.validators[0].key]}
+    result = rnd.merge(reports=one_fresh)
+    counted = {m for m, vs in rnd.assignment.items() if spec.validators[0].key in vs}
+    assert set(result.contributors) == counted
+
+
+def test_missing_candidate_blob_is_named(spec: NetworkSpec) -> None:
+    a, b, c = _miners(3)
+    glob = _global(spec)
+    rnd = Round(spec, {a: _moved(glob, 1), b: _moved(glob, 2), c: _moved(glob, 3)}, {a: 2.5, b: 2.0, c: 3.5})
+    assert candidates(rnd.reports, rnd.assignment, rnd.commitments, rnd.head.hash, spec) == sorted([a, b])
+    with pytest.raises(MissingBlobError) as info:
+        rnd.merge(blobs={a: rnd.blobs[a], c: rnd.blobs[c]})
+    assert info.value.miners == [b]
+    assert rnd.merge(blobs={a: rnd.blobs[a], b: rnd.blobs[b]}).contributors == [b, a]

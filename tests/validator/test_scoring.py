@@ -1,0 +1,168 @@
+"""Proof-of-Loss on tiny CPU models: a miner trained on the held-out domain beats noise and laziness,
+hostile blobs are refused with the checks' reason, and the model keeps the global state."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+
+import pytest
+import torch
+
+from protocol.ranking import rank_round, scores_from_report
+from protocol.spec import NetworkSpec, parse_spec
+from tests.conftest import MINER_OFFSET, make_identity, make_spec_dict
+from training.adapters import adapter_for
+from training.blob import BlobMeta, blob_hash, encode_blob
+from training.corpus import generate
+from training.data import batches, pack
+from training.experts import extract
+from training.model import build_tiny_model, state_hash, tiny_config
+from training.tokenizer import ByteTokenizer
+from training.trainer import TrainConfig, train_experts
+from validator.scoring import Scorer, ScoreResult
+
+ROUND = 1
+SEED = hashlib.sha256(b"scoring-round").hexdigest()
+GOOD, NOISE, LAZY, GARBAGE, STALE, ABSENT = (make_identity(MINER_OFFSET + i).node_id for i in range(6))
+
+
+class Setup:
+    """A tiny base model, its spec, a validator's Scorer and one round's submissions."""
+
+    def __init__(self, family: str, base_spec: NetworkSpec) -> None:
+        self.model = _warmed(build_tiny_model(family, tiny_config(family), seed=0))
+        self.adapter = adapter_for(family)
+        group = {layer: [0, 1, 2, 3] for layer in self.adapter.moe_layers(self.model)}
+        model_spec = base_spec.model.model_copy(
+            update={"family": family, "base_hash": state_hash(self.model)}
+        )
+        data_spec = base_spec.data.model_copy(update={"seq_len": 64, "heldout_sequences": 6})
+        self.spec = base_spec.model_copy(update={"model": model_spec, "group": group, "data": data_spec})
+        heldout = pack(generate("arithmetic", 80, seed=1), ByteTokenizer(), 64)
+        self.scorer = Scorer(self.model, self.adapter, self.spec, heldout)
+        self.global_tensors = extract(self.model, self.adapter, group)
+        self.head = self.spec.model.base_hash
+
+    def blob(self, miner: str, tensors: dict[str, torch.Tensor], base: str | None = None) -> bytes:
+        meta = BlobMeta(
+            network=self.spec.network_id,
+            round=ROUND,
+            miner=miner,
+            base=base or self.head,
+            group=self.spec.group,
+        )
+        return encode_blob(tensors, meta)
+
+    def trained(self, steps: int) -> dict[str, torch.Tensor]:
+        """A miner that trains the group on arithmetic (the held-out domain; different documents)."""
+        model = copy.deepcopy(self.model)
+        train = pack(generate("arithmetic", 80, seed=2), ByteTokenizer(), 64)
+        cfg = TrainConfig(steps=steps, lr=1e-2, batch_size=8)
+        return train_experts(model, self.adapter, self.spec.group, batches(train, 8, seed=0), cfg).tensors
+
+    def score(self, submissions: dict[str, tuple[str, bytes | None]]) -> ScoreResult:
+        return self.scorer.score_round(ROUND, SEED, self.global_tensors, self.head, submissions)
+
+
+def _warmed(model: torch.nn.Module, steps: int = 40) -> torch.nn.Module:
+    """Give the random base some language (prose and code), so that noisy experts can hurt it."""
+    docs = generate("prose", 40, seed=4) + generate("code", 40, seed=4)
+    data = batches(pack(docs, ByteTokenizer(), 64), 8, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    model.train()
+    for _, ids_BL in zip(range(steps), data, strict=False):
+        optimizer.zero_grad()
+        model(input_ids=ids_BL, labels=ids_BL).loss.backward()
+        optimizer.step()
+    return model.eval()
+
+
+def _submit(data: bytes) -> tuple[str, bytes]:
+    return blob_hash(data), data
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run ~50x slower when torch's threads fight other processes for two cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def qwen() -> tuple[Setup, dict[str, tuple[str, bytes | None]], ScoreResult]:
+    setup = Setup("qwen3_moe", parse_spec(make_spec_dict()))
+    g = torch.Generator().manual_seed(3)
+    noisy = {n: t + 0.5 * torch.randn(t.shape, generator=g) for n, t in setup.global_tensors.items()}
+    garbage = torch.randint(0, 256, (512,), generator=g, dtype=torch.uint8).numpy().tobytes()
+    submissions: dict[str, tuple[str, bytes | None]] = {
+        GOOD: _submit(setup.blob(GOOD, setup.trained(steps=12))),
+        NOISE: _submit(setup.blob(NOISE, noisy)),
+        LAZY: _submit(setup.blob(LAZY, setup.global_tensors)),
+        GARBAGE: _submit(garbage),
+        STALE: _submit(setup.blob(STALE, setup.global_tensors, base="ee" * 32)),
+        ABSENT: ("ab" * 32, None),
+    }
+    return setup, submissions, setup.score(submissions)
+
+
+def test_trained_miner_ranks_above_noise_and_lazy(qwen) -> None:
+    setup, submissions, result = qwen
+    report = result.report(ROUND, setup.head)
+    validator = setup.spec.validators[0].key
+    commitments = {m: c for m, (c, _) in submissions.items()}
+    ranking = rank_round(
+        {validator: scores_from_report(report, commitments)},
+        {m: [validator] for m in submissions},
+        report.base_loss,
+        commitments,
+        (),
+        setup.spec.rewards.top_k,
+    )
+    assert ranking.ranked() == (GOOD,) and ranking.points() == {GOOD: 1.0}
+    assert ranking.result(GOOD).utility > 0.05
+    assert ranking.result(NOISE).loss > result.base_loss and ranking.result(NOISE).reason == "no utility"
+    lazy = ranking.result(LAZY)
+    assert lazy.loss == result.base_loss and lazy.utility == 0.0 and lazy.reason == "no utility"
+    assert set(result.accepted) == {GOOD, NOISE, LAZY}
+
+
+def test_refusals_carry_the_checks_reason(qwen) -> None:
+    setup, submissions, result = qwen
+    entries = {e.miner: e for e in result.entries}
+    assert [e.miner for e in result.entries] == sorted(submissions)
+    garbage = entries[GARBAGE]
+    commitment, data = submissions[GARBAGE]
+    assert data is not None
+    assert garbage.verdict == "reject" and garbage.loss is None
+    assert garbage.reason == setup.scorer.check(ROUND, GARBAGE, commitment, data, setup.head).reason
+    assert garbage.reason.startswith(("malformed header", "header too large", "truncated"))
+    assert (entries[STALE].verdict, entries[STALE].reason) == ("reject", "stale base")
+    assert (entries[ABSENT].verdict, entries[ABSENT].loss) == ("missing", None)
+    forged = setup.blob(GOOD, setup.global_tensors)
+    assert setup.scorer.check(ROUND, GOOD, submissions[GOOD][0], forged, setup.head).reason == "hash mismatch"
+
+
+def test_scoring_is_deterministic_and_leaves_the_global_state(qwen) -> None:
+    setup, submissions, result = qwen
+    after = extract(setup.model, setup.adapter, setup.spec.group)
+    assert all(torch.equal(after[n], setup.global_tensors[n]) for n in after)
+    again = setup.score(submissions)
+    assert (again.base_loss, again.entries) == (result.base_loss, result.entries)
+
+
+def test_deepseek_v3_scores_a_trained_miner(spec: NetworkSpec) -> None:
+    setup = Setup("deepseek_v3", spec)
+    submissions = {
+        GOOD: _submit(setup.blob(GOOD, setup.trained(steps=8))),
+        LAZY: _submit(setup.blob(LAZY, setup.global_tensors)),
+    }
+    result = setup.score(submissions)
+    losses = {e.miner: e.loss for e in result.entries}
+    assert losses[LAZY] == result.base_loss
+    assert losses[GOOD] is not None and losses[GOOD] < result.base_loss
+    after = extract(setup.model, setup.adapter, setup.spec.group)
+    assert all(torch.equal(after[n], setup.global_tensors[n]) for n in after)

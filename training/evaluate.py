@@ -1,0 +1,99 @@
+"""Held-out loss: the number Proof-of-Loss compares.
+
+The loss is the mean next-token cross-entropy over every target that is not padding: summed token
+losses divided by the token count. Each batch's sum is taken in fp32 from fp32 logits; batch sums
+are added in a fixed order in float64, so the same model, data and batch size give the same
+number. Evaluation runs under no_grad with the model in eval mode. This module knows nothing about
+where sequences come from or what a validator does with the loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from training.adapters import MoEAdapter
+from training.experts import Tensors, extract, insert, parse_name
+
+
+@dataclass(frozen=True)
+class LossResult:
+    """Mean token loss and how many tokens it averages."""
+
+    loss: float
+    tokens: int
+
+
+def token_loss_sum(model: torch.nn.Module, ids_BL: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """Summed next-token cross-entropy (fp32 scalar) over targets that are not `pad_id`."""
+    mask_BL = ids_BL != pad_id
+    logits_BLV = model(input_ids=ids_BL, attention_mask=mask_BL.long(), use_cache=False).logits
+    targets_BL = ids_BL[:, 1:].masked_fill(~mask_BL[:, 1:], -100)
+    return F.cross_entropy(
+        logits_BLV[:, :-1].float().reshape(-1, logits_BLV.shape[-1]),
+        targets_BL.reshape(-1),
+        ignore_index=-100,
+        reduction="sum",
+    )
+
+
+@torch.no_grad()
+def heldout_loss(
+    model: torch.nn.Module,
+    sequences: torch.Tensor,
+    batch_size: int = 16,
+    device: str = "cpu",
+    pad_id: int = 256,
+) -> LossResult:
+    """Mean token loss of `model` on `sequences` [N, L]; the model is moved to `device`."""
+    if sequences.ndim != 2 or sequences.shape[0] == 0 or sequences.dtype != torch.long:
+        raise ValueError(
+            f"expected a non-empty LongTensor [N, L] of token ids, got {sequences.dtype} "
+            f"{tuple(sequences.shape)}"
+        )
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    model.to(device)
+    was_training = model.training
+    model.eval()
+    total, tokens = 0.0, 0
+    try:
+        for start in range(0, sequences.shape[0], batch_size):
+            ids_BL = sequences[start : start + batch_size].to(device)
+            total += float(token_loss_sum(model, ids_BL, pad_id))
+            tokens += int((ids_BL[:, 1:] != pad_id).sum())
+    finally:
+        model.train(was_training)
+    if tokens == 0:
+        raise ValueError("the held-out sequences hold only padding; there is nothing to score")
+    return LossResult(loss=total / tokens, tokens=tokens)
+
+
+def loss_with_experts(
+    model: torch.nn.Module,
+    adapter: MoEAdapter,
+    tensors: Tensors,
+    sequences: torch.Tensor,
+    batch_size: int = 16,
+    device: str = "cpu",
+    pad_id: int = 256,
+) -> LossResult:
+    """Loss of Θ0[Φ_S ← Φ]: the model with `tensors` in its expert rows; the rows are restored after."""
+    group: dict[int, set[int]] = {}
+    for name in tensors:
+        layer, expert, _ = parse_name(name)
+        group.setdefault(layer, set()).add(expert)
+    original = extract(
+        model, adapter, {layer: sorted(e) for layer, e in group.items()}, dtype=_expert_dtype(model, adapter)
+    )
+    insert(model, adapter, tensors)
+    try:
+        return heldout_loss(model, sequences, batch_size=batch_size, device=device, pad_id=pad_id)
+    finally:
+        insert(model, adapter, original)
+
+
+def _expert_dtype(model: torch.nn.Module, adapter: MoEAdapter) -> torch.dtype:
+    return adapter.experts(model, adapter.moe_layers(model)[0]).gate_up_proj.dtype

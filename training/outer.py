@@ -1,0 +1,148 @@
+"""The outer optimizer (DESIGN §7): merge miners' expert updates with Nesterov SGD, byte-deterministically.
+
+Given the global expert tensors Φ_t and miners' tensors Φ_i:
+    G_i = Φ_t − Φ_i (fp32);  n_i = ‖G_i‖ over all its tensors;
+    with clip_to_median, G_i ← G_i · min(1, median(n) / n_i);
+    a_i = 1/n (uniform) or u_i / Σu (utility);  G = Σ_i a_i G_i, summed in the given miner order;
+    m ← μ·m + G;  Φ_{t+1} = Φ_t − lr·(G + μ·m).
+Determinism: everything runs on the CPU in fp32 with one rounded operation at a time (no fused
+multiply-add); the only reductions, norms and dot products, square or multiply fp32 values exactly
+in float64 and sum them with numpy's fixed pairwise order, tensor by tensor in sorted-name order,
+so thread count and SIMD width cannot change a bit. The same inputs give the same bytes.
+
+Near-duplicates: every pair of pseudo-gradients with cosine >= threshold flags BOTH miners, since
+neither can prove it did not copy the other. The cosine with a zero vector is defined as 0, so
+lazy (unchanged) submissions are never flagged as each other's copies here.
+This module knows nothing about ranking, rewards or where tensors come from.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from itertools import combinations
+from typing import Literal, TypeVar
+
+import numpy as np
+import torch
+
+from training.experts import Tensors, check_same_names, pseudo_gradient
+
+Miner = TypeVar("Miner", bound=Hashable)
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """Outer Nesterov SGD over merged pseudo-gradients."""
+
+    lr: float = 0.7
+    """Outer learning rate."""
+    momentum: float = 0.9
+    """Nesterov momentum μ."""
+    clip_to_median: bool = True
+    """Scale each pseudo-gradient down to the median norm of the set."""
+    weighting: Literal["uniform", "utility"] = "uniform"
+    """Merge weights: equal, or proportional to each miner's utility."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"outer lr must be positive, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"outer momentum must be in [0, 1), got {self.momentum}")
+        if self.weighting not in ("uniform", "utility"):
+            raise ValueError(f"weighting must be 'uniform' or 'utility', got {self.weighting!r}")
+
+
+def outer_step(
+    global_tensors: Tensors,
+    miner_tensors: Sequence[Tensors],
+    utilities: Sequence[float],
+    momentum: Tensors | None,
+    cfg: OuterConfig,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One outer step; returns (new global tensors, new momentum), both fp32 CPU, sorted by name."""
+    if not miner_tensors:
+        raise ValueError("an outer step needs at least one miner's tensors")
+    if len(utilities) != len(miner_tensors):
+        raise ValueError(f"{len(utilities)} utilities for {len(miner_tensors)} miners")
+    grads = [pseudo_gradient(global_tensors, tensors) for tensors in miner_tensors]
+    scales = _clip_scales(grads) if cfg.clip_to_median else [1.0] * len(grads)
+    coefficients = [a * s for a, s in zip(_weights(utilities, cfg), scales, strict=True)]
+    names = sorted(global_tensors)
+    if momentum is not None:
+        check_same_names(global_tensors, momentum, "momentum")
+    new_global: dict[str, torch.Tensor] = {}
+    new_momentum: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name in names:
+            phi = global_tensors[name].detach().to("cpu", torch.float32)
+            g = torch.zeros_like(phi)
+            for grad, coefficient in zip(grads, coefficients, strict=True):
+                g = g + grad[name] * coefficient
+            m_prev = torch.zeros_like(phi) if momentum is None else _fp32(momentum[name], phi.shape, name)
+            m = m_prev * cfg.momentum + g
+            new_momentum[name] = m
+            new_global[name] = phi - (g + m * cfg.momentum) * cfg.lr
+    return new_global, new_momentum
+
+
+def norm(tensors: Tensors) -> float:
+    """Euclidean norm over all tensors, computed deterministically (see module docstring)."""
+    return math.sqrt(sum(_dot(t, t) for _, t in sorted(tensors.items())))
+
+
+def cosine(a: Tensors, b: Tensors) -> float:
+    """Cosine similarity of two same-named tensor sets seen as one vector; 0 if either is zero."""
+    check_same_names(a, b, "compared")
+    dot = sum(_dot(a[name], b[name]) for name in sorted(a))
+    norms = norm(a) * norm(b)
+    return 0.0 if norms == 0.0 else dot / norms
+
+
+def near_duplicates(pseudo_grads: Mapping[Miner, Tensors], threshold: float) -> set[Miner]:
+    """Every miner whose pseudo-gradient has cosine >= `threshold` with another miner's (both flagged)."""
+    if not 0 < threshold <= 1:
+        raise ValueError(f"the duplicate threshold must be in (0, 1], got {threshold}")
+    miners = list(pseudo_grads)
+    norms = {miner: norm(pseudo_grads[miner]) for miner in miners}
+    flagged: set[Miner] = set()
+    for x, y in combinations(miners, 2):
+        if norms[x] == 0.0 or norms[y] == 0.0:
+            continue
+        check_same_names(pseudo_grads[x], pseudo_grads[y], "compared")
+        dot = sum(_dot(pseudo_grads[x][n], pseudo_grads[y][n]) for n in sorted(pseudo_grads[x]))
+        if dot / (norms[x] * norms[y]) >= threshold:
+            flagged.update((x, y))
+    return flagged
+
+
+def _weights(utilities: Sequence[float], cfg: OuterConfig) -> list[float]:
+    if any(not math.isfinite(u) or u < 0 for u in utilities):
+        raise ValueError(f"utilities must be finite and non-negative, got {list(utilities)}")
+    if cfg.weighting == "uniform":
+        return [1.0 / len(utilities)] * len(utilities)
+    total = math.fsum(utilities)
+    if total == 0.0:
+        raise ValueError("utility weighting needs at least one miner with positive utility")
+    return [u / total for u in utilities]
+
+
+def _clip_scales(grads: list[dict[str, torch.Tensor]]) -> list[float]:
+    norms = [norm(g) for g in grads]
+    median = statistics.median(norms)
+    return [1.0 if n <= median else median / n for n in norms]
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
+    # fp32 × fp32 is exact in float64; numpy's pairwise sum has a fixed order on every machine.
+    x = a.detach().to("cpu", torch.float32).numpy().astype(np.float64).reshape(-1)
+    y = b.detach().to("cpu", torch.float32).numpy().astype(np.float64).reshape(-1)
+    return float(np.multiply(x, y).sum())
+
+
+def _fp32(tensor: torch.Tensor, shape: torch.Size, name: str) -> torch.Tensor:
+    if tensor.shape != shape:
+        raise ValueError(f"momentum {name}: shape {tuple(tensor.shape)} differs from global {tuple(shape)}")
+    return tensor.detach().to("cpu", torch.float32)
