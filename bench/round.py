@@ -1,7 +1,7 @@
 """Round benchmark: where the wall time of a simulated round goes, and how much of it miners train.
 
-Runs `node.simulate.Simulation` (default: 2 validators, 4 honest miners, 60 s rounds with TRAIN
-70 % of them) as real processes on loopback for --rounds rounds, then reads
+Runs `node.simulate.Simulation` (default: 2 validators, 4 honest miners, and the default
+simulation timing: 80 s rounds with TRAIN 90 % of them) as real processes on loopback for --rounds rounds, then reads
 - each miner's training wall time per round from its log ("round R: trained N steps in S s"),
 - every node's recorded phase-handler runs (start and end wall time, from its state file).
 Reported:
@@ -68,8 +68,8 @@ def measure(rounds: int, settings: SimSettings) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2, help="rounds to measure (default 2)")
-    parser.add_argument("--round-seconds", type=float, default=60.0, help="round length (default 60)")
-    parser.add_argument("--train-share", type=float, default=0.7, help="TRAIN's share of a round (default 0.7)")
+    parser.add_argument("--round-seconds", type=float, default=80.0, help="round length (default 80)")
+    parser.add_argument("--train-share", type=float, default=0.9, help="TRAIN's share of a round (default 0.9)")
     parser.add_argument("--out", type=Path, help="write the JSON here (default: stdout only)")
     args = parser.parse_args()
     result = measure(args.rounds, SimSettings(round_seconds=args.round_seconds, train_share=args.train_share))

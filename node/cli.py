@@ -15,8 +15,13 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-COMMAND_MODULES: tuple[str, ...] = ("node.commands_keys", "node.commands_offline", "node.commands_inspect", "node.commands_daemon", "node.commands_simulate",
-                                   "node.commands_pending")
+COMMAND_MODULES: tuple[str, ...] = (
+    "node.commands_keys",
+    "node.commands_offline",
+    "node.commands_inspect",
+    "node.commands_daemon",
+    "node.commands_simulate",
+)
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130

@@ -29,9 +29,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="make that many of the M miners adversaries: lazy, noise, copier, late, garbage")
     sim.add_argument("--base-port", type=int, default=0, metavar="P",
                      help="first TCP port; each node takes two (default: free ports)")
-    sim.add_argument("--round-seconds", type=float, default=60.0, metavar="S", help="round length (default 60)")
-    sim.add_argument("--train-share", type=float, default=0.7, metavar="F",
-                     help="TRAIN's share of the round (default 0.7)")
+    sim.add_argument("--round-seconds", type=float, default=80.0, metavar="S", help="round length (default 80)")
+    sim.add_argument("--train-share", type=float, default=0.9, metavar="F",
+                     help="TRAIN's share of the round (default 0.9)")
     sim.add_argument("--start-delay", type=float, default=None, metavar="S",
                      help="seconds until genesis (default: 20 + 4 per node)")
     sim.add_argument("--seed", type=int, default=0, help="seed of model, data and keys (default 0)")

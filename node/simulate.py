@@ -61,9 +61,9 @@ class SimSettings:
     """Miner processes, adversaries included."""
     adversaries: tuple[str, ...] = ()
     """Kinds of the adversarial miners (the last ones), from ADVERSARY_KINDS."""
-    round_seconds: float = 60.0
+    round_seconds: float = 80.0
     """Length of a round."""
-    train_share: float = 0.7
+    train_share: float = 0.9
     """TRAIN's share of the round; the rest goes to COMMIT, REVEAL, EVALUATE, MERGE."""
     inner_steps: int = 100_000
     """H written into the spec; larger than fits, so miners train until TRAIN is about to end."""

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(480)]
 
 
 def test_a_killed_validator_rejoins_and_a_late_miner_catches_up(tmp_path: Path) -> None:
-    with Simulation(tmp_path / "sim", SimSettings(validators=2, miners=2)) as sim:
+    with Simulation(tmp_path / "sim", SimSettings(validators=2, miners=2, round_seconds=60, train_share=0.7)) as sim:
         sim.start()
 
         sim.wait_phase(0, Phase.EVALUATE)

@@ -1,5 +1,8 @@
 """A real `tessera validator` process over loopback libp2p is sent gossip, SIGKILLed, restarted, and
-still holds every commit, score and global state it had accepted (read from its SQLite file)."""
+still holds every commit, score and global state it had accepted (read from its SQLite file).
+
+The validator runs its real duties on a simulation network whose TRAIN outlasts the test, so the
+only score reports and global states it stores are the ones the test sends."""
 
 from __future__ import annotations
 
@@ -21,17 +24,16 @@ import pytest
 from node.blobstore import BlobStore
 from node.network import GossipJudge
 from node.p2p import P2PConfig, P2PNetwork, peer_id_for
-from protocol.identity import save_identity
+from node.simnet import make_sim_network, sim_identity
 from protocol.messages import Commit, Envelope, GlobalState, ScoreEntry, ScoreReport, seal
 from protocol.spec import NetworkSpec, load_spec
-from tests.conftest import make_identity, make_spec_dict, to_toml
+from tests.conftest import make_identity
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 ROOT = Path(__file__).resolve().parents[2]
-NODE = make_identity(2)  # the validator under test
+V0, V1, NODE = (sim_identity(0, "validator", i) for i in range(3))  # NODE is the validator under test
 SENDER = make_identity(50)  # the test's own libp2p host
-V0, V1 = make_identity(0), make_identity(1)
 MINERS = [make_identity(100 + i) for i in range(3)]
 START_S = 60.0
 
@@ -43,18 +45,17 @@ def free_port() -> int:
 
 
 def write_network(tmp: Path) -> tuple[Path, NetworkSpec, int, int]:
-    data = make_spec_dict()
-    data["genesis"] = datetime.now(UTC) - timedelta(seconds=2)
-    # Skew wider than a round: every message below is on time during the test's first 90 seconds.
-    data["timing"] = {"train_s": 20, "commit_s": 20, "reveal_s": 20, "evaluate_s": 20, "merge_s": 20,
-                      "clock_skew_s": 100.0}
-    (tmp / "spec.toml").write_text(to_toml(data), encoding="utf-8")
-    save_identity(NODE, tmp / "node.key")
+    # TRAIN outlasts the test and the skew is wider than the rest of the round, so every message
+    # below is on time while the node itself never reaches EVALUATE or MERGE.
+    timing = {"train_s": 300, "commit_s": 20, "reveal_s": 20, "evaluate_s": 20, "merge_s": 20, "clock_skew_s": 400}
+    sim = make_sim_network(tmp / "net", validators=3, genesis=datetime.now(UTC) - timedelta(seconds=2),
+                           timing=timing)
     p2p_port, http_port = free_port(), free_port()
     (tmp / "node.toml").write_text(
-        f'[node]\nrole = "validator"\nspec = "spec.toml"\n[p2p]\nport = {p2p_port}\n'
-        f'[http]\nport = {http_port}\n[validator]\nheldout = "heldout.jsonl"\n', encoding="utf-8")
-    return tmp / "node.toml", load_spec(tmp / "spec.toml"), p2p_port, http_port
+        f'[node]\nrole = "validator"\nspec = "net/spec.toml"\nkey = "net/keys/validator-2.key"\n'
+        f'[p2p]\nport = {p2p_port}\n[http]\nport = {http_port}\n'
+        f'[validator]\nheldout = "net/data/heldout.jsonl"\n', encoding="utf-8")
+    return tmp / "node.toml", load_spec(sim.spec_path), p2p_port, http_port
 
 
 def start(config: Path, log: Path) -> subprocess.Popen[bytes]:

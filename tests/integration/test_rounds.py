@@ -26,7 +26,9 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     directory = tmp_path_factory.mktemp("simulate") / "sim"
     command = [sys.executable, "-m", "node.cli", "simulate", "--validators", "2",
                "--miners", str(HONEST + len(ADVERSARY_KINDS)), "--adversaries", ",".join(ADVERSARY_KINDS),
-               "--rounds", str(ROUNDS), "--dir", str(directory)]
+               "--rounds", str(ROUNDS), "--dir", str(directory),
+               # More slack after TRAIN than the default gives: this runs 11 processes on 2 cores.
+               "--round-seconds", "60", "--train-share", "0.7"]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=500)
     logs = "\n".join(f"--- {p.parent.name}\n{p.read_text(errors='replace')[-3000:]}"
                      for p in sorted(directory.glob("nodes/*/log.txt")))

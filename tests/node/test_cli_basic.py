@@ -80,14 +80,6 @@ def test_spec_check_bad_toml_is_one_line(tmp_path: Path) -> None:
     assert result.stderr.count("\n") == 1
 
 
-def test_placeholder_says_not_yet_available(capsys: pytest.CaptureFixture[str]) -> None:
-    pending = pytest.importorskip("node.commands_pending").PENDING
-    if not pending:
-        pytest.skip("every command is implemented")
-    assert main([pending[0], "--anything"]) == 2
-    assert capsys.readouterr().err == f"tessera {pending[0]}: not yet available\n"
-
-
 def test_usage_error_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["keygen"])
