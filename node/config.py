@@ -215,5 +215,5 @@ def render_config(role: Role, spec: Path, key: Path, data_dir: Path, p2p_port: i
 
 
 def _q(text: str) -> str:
-    """A TOML basic string: JSON's escapes (quote, backslash, control, \\uXXXX) are all valid TOML."""
+    """A TOML basic string: JSON's escapes (quote, backslash, control, \\u-escapes) are all valid TOML."""
     return json.dumps(text)

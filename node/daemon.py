@@ -138,13 +138,17 @@ class Node:
                 network = await _open_libp2p(config, spec, identity, blobs, clock)
             elif network.node_id != identity.node_id:
                 raise ValueError(f"network joined as {network.node_id[:12]} but the key is {identity.node_id[:12]}")
+            metrics = NodeMetrics()
+            metrics.bind_network(lambda: network.stats, lambda: len(network.peers()))
+            ctx = NodeContext(config, spec, Schedule.from_spec(spec), identity, clock, storage, blobs, network,
+                              metrics)
+            node_duties = (duties or HeartbeatDuties)(ctx)  # may refuse, e.g. a held-out file with the wrong hash
         except BaseException:
+            if network is not None:
+                await network.close()
             await storage.close()
             raise
-        metrics = NodeMetrics()
-        metrics.bind_network(lambda: network.stats, lambda: len(network.peers()))
-        ctx = NodeContext(config, spec, Schedule.from_spec(spec), identity, clock, storage, blobs, network, metrics)
-        return cls(ctx, (duties or HeartbeatDuties)(ctx))
+        return cls(ctx, node_duties)
 
     async def run(self) -> None:
         """Serve until `stop()`; always closes HTTP, network and storage on the way out."""
