@@ -34,7 +34,7 @@ EVAL_BATCH = 16
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--sequences", type=int, default=32)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
