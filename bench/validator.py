@@ -21,14 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-FAMILY = "qwen3_moe"
-OVERRIDES = {
-    "hidden_size": 256, "num_hidden_layers": 4, "num_experts": 32, "moe_intermediate_size": 256,
-    "num_experts_per_tok": 4, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 64, "max_position_embeddings": 256,
-}
-SELECTED_PER_LAYER = 4
-SEQ_LEN = 128
+from bench.miner import FAMILY, OVERRIDES, SELECTED_PER_LAYER, SEQ_LEN  # noqa: E402  (the same model)
+
 EVAL_BATCH = 16
 
 
