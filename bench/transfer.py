@@ -4,8 +4,9 @@
 
 Blob throughput: one `node.peer` process serves a blob, another fetches it over /tessera/blob/1
 (Noise + yamux, sha256 verified, written to a temp file, fsynced, renamed); the same bytes are
-then copied over a plain TCP socket between two processes with the same receive path (sha256,
-write, fsync), and once more with the receiver only counting bytes. Each is run `--repeats` times
+then copied over a plain TCP socket between two processes into a blob store through the same
+`BlobWriter` a fetch uses (sha256, write, fsync, rename), and once more with the receiver only
+counting bytes. Each is run `--repeats` times
 and the best run counts (the box is shared and noisy). `throughput_ratio` is the libp2p fetch over
 the raw copy with the same receive path. Gossip latency: five processes
 (a bootstrap node and four peers) in a full mesh; each message's latency is the time from the
@@ -17,7 +18,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import socket
 import statistics
 import subprocess
@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from node.blobstore import BlobStore  # noqa: E402
 from node.peer import PeerProcess  # noqa: E402
 from protocol.identity import Identity  # noqa: E402
 
@@ -69,26 +70,26 @@ def wait_until(predicate: object, timeout: float) -> None:
         time.sleep(0.1)
 
 
-def raw_tcp_copy(path: Path, out_dir: Path, verify: bool) -> float:
-    """Seconds to copy `path` to another process's socket; with `verify`, hash + write + fsync like a blob."""
+def raw_tcp_copy(path: Path, blob_hash: str, store: BlobStore | None) -> float:
+    """Seconds to copy `path` to another process's socket, into `store` the way a fetch stores a blob
+    (hashed, written, fsynced, renamed), or with no store only counting the bytes."""
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]
         sender = subprocess.Popen([sys.executable, "-c", SENDER, str(path), str(port)])
         conn, _ = server.accept()
         started = time.perf_counter()
-        hasher = hashlib.sha256()
-        target = out_dir / "raw.tmp"
-        with conn, open(target, "wb") as f:
-            while chunk := conn.recv(1 << 20):
-                if verify:
-                    hasher.update(chunk)
-                    f.write(chunk)
-            if verify:
-                f.flush()
-                os.fsync(f.fileno())
+        with conn:
+            if store is None:
+                while conn.recv(1 << 20):
+                    pass
+            else:
+                with store.open_writer(blob_hash, path.stat().st_size) as writer:  # commits on exit
+                    while chunk := conn.recv(1 << 20):
+                        writer.write(chunk)
         seconds = time.perf_counter() - started
         sender.wait(30)
-        target.unlink()
+    if store is not None:
+        store.delete(blob_hash)
     return seconds
 
 
@@ -96,6 +97,7 @@ def blob_throughput(root: Path, spec: Path, size: int, repeats: int) -> dict[str
     """Best of `repeats` for each path (a fresh blob per libp2p fetch, so nothing is already stored)."""
     provider = start_peer(root, spec, "provider", 1, [])
     fetcher = start_peer(root, spec, "fetcher", 2, [provider.addr])
+    raw_store = BlobStore(root / "raw")
     p2p_runs, raw_runs, bare_runs = [], [], []
     try:
         wait_until(lambda: provider.node_id in fetcher.call("peers")["peers"], 30)
@@ -103,8 +105,8 @@ def blob_throughput(root: Path, spec: Path, size: int, repeats: int) -> dict[str
             blob = provider.call("put_blob", size=size, seed=seed, timeout=120)
             got = fetcher.call("fetch", hash=blob["hash"], providers=[provider.node_id], max_bytes=size, timeout=300)
             p2p_runs.append(got["seconds"])
-            raw_runs.append(raw_tcp_copy(Path(blob["path"]), root, verify=True))
-            bare_runs.append(raw_tcp_copy(Path(blob["path"]), root, verify=False))
+            raw_runs.append(raw_tcp_copy(Path(blob["path"]), blob["hash"], raw_store))
+            bare_runs.append(raw_tcp_copy(Path(blob["path"]), blob["hash"], None))
     finally:
         provider.stop()
         fetcher.stop()

@@ -255,7 +255,7 @@ def _run_dict(run: PhaseRun) -> dict[str, Any]:
 
 async def _open_libp2p(config: NodeConfig, spec: NetworkSpec, identity: Identity, blobs: BlobStore,
                        clock: Clock) -> Network:
-    from node.p2p import P2PConfig, P2PNetwork  # the one module that imports libp2p and trio
+    from node.p2p import P2PConfig, P2PNetwork  # the one package that imports libp2p and trio
 
     p2p = P2PConfig(host=config.p2p.host, port=config.p2p.port, bootstrap=tuple(config.p2p.bootstrap),
                     max_peers=config.p2p.max_peers)

@@ -1,4 +1,4 @@
-"""The libp2p implementation of `node.network.Network`: the only module that imports libp2p or trio.
+"""The libp2p implementation of `node.network.Network`.
 
 py-libp2p is trio-only, so the host runs in its own thread under `trio.run`; asyncio calls in with
 `trio_token.run_sync_soon` and results come back with `loop.call_soon_threadsafe`, and neither
@@ -6,8 +6,9 @@ loop ever blocks on the other. One GossipSub topic per network carries every mes
 topic validator is `GossipJudge`, so only ACCEPTed envelopes are delivered and relayed. Publishes
 are queued and paced. Blobs travel over the `/tessera/blob/1` stream protocol; peers learn about
 each other over `/tessera/peers/1` (each side sends its listen addresses and gets back those of
-the peers it knows), and a supervisor redials bootstrap and known peers that went away. This
-module knows nothing about rounds, duties or storage beyond the blob store.
+the peers it knows), and a supervisor redials bootstrap and known peers that went away. Noise
+sessions and yamux are the tuned ones of `node.p2p.wire`. This module knows nothing about rounds,
+duties or storage beyond the blob store.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import libp2p.stream_muxer.yamux.yamux as yamux_module
 import multiaddr
 import trio
 from libp2p import new_host
@@ -39,7 +39,6 @@ from libp2p.pubsub.gossipsub import GossipSub
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
-from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.tools.anyio_service import background_trio_service
 
 from node.blobstore import BlobStore, BlobWriter
@@ -53,6 +52,7 @@ from node.network import (  # P2PConfig is re-exported: it is this module's sett
     Subscribers,
     Subscription,
 )
+from node.p2p.wire import FRAME_PAYLOAD_BYTES, TunedNoise, muxer_options
 from protocol.identity import Identity
 from protocol.messages import Envelope
 
@@ -66,12 +66,6 @@ BLOB_OK, BLOB_NOT_SERVED = 0, 1
 MAX_PEX_FRAME = 64 * 1024
 MAX_PEX_PEERS = 64
 MAX_KNOWN_PEERS = 256
-# py-libp2p caps a yamux DATA frame at a module constant of 64 KiB, and per-frame Python overhead
-# then bounds a stream near 270 MB/s on loopback. Frames are also capped by the receive window the
-# peer granted (go-yamux semantics: 256 KiB at first, growing to 16 MiB), so a larger constant stays
-# wire-compatible with every yamux peer; on loopback a bare stream went from 270 to 540 MB/s.
-YAMUX_MAX_FRAME = 1024 * 1024
-yamux_module.MAX_MESSAGE_SIZE = max(yamux_module.MAX_MESSAGE_SIZE, YAMUX_MAX_FRAME)
 
 
 def keypair_for(identity: Identity) -> KeyPair:
@@ -305,9 +299,9 @@ class P2PNetwork:
     async def _main(self, ready: asyncio.Future[None]) -> None:
         self._token = trio.lowlevel.current_trio_token()
         self._stop = trio.Event()
-        noise = NoiseTransport(self._key_pair, noise_privkey=new_noise_key_pair().private_key)
+        noise = TunedNoise(self._key_pair, noise_privkey=new_noise_key_pair().private_key)
         connections = ConnectionConfig(max_connections_per_peer=1, dial_timeout=self.config.dial_timeout_s)
-        host = new_host(key_pair=self._key_pair, sec_opt={NOISE_PROTOCOL_ID: noise}, muxer_preference="YAMUX",
+        host = new_host(key_pair=self._key_pair, sec_opt={NOISE_PROTOCOL_ID: noise}, muxer_opt=muxer_options(),
                         connection_config=connections)
         # The default 10 msgs/s per topic would drop bursts; IP-diversity grafting means nothing when
         # every peer shares one address (loopback, one docker host).
@@ -477,7 +471,8 @@ class P2PNetwork:
             with open(path, "rb") as f:
                 size = path.stat().st_size
                 await stream.write(bytes([BLOB_OK]) + size.to_bytes(8, "big"))
-                rate, chunk_bytes = self.config.serve_rate_bytes_s, self.config.blob_chunk_bytes
+                rate = self.config.serve_rate_bytes_s
+                chunk_bytes = min(self.config.blob_chunk_bytes, FRAME_PAYLOAD_BYTES)  # one frame each, unsliced
                 chunk_bytes = max(1, min(chunk_bytes, int(rate / 10))) if rate > 0 else chunk_bytes
                 while chunk := f.read(chunk_bytes):
                     with trio.fail_after(self.config.blob_idle_timeout_s):
@@ -544,7 +539,7 @@ class P2PNetwork:
                 remaining, pending, pending_bytes = size, [], 0
                 while remaining:
                     with trio.fail_after(idle):
-                        data = await stream.read(min(chunk_bytes, remaining))
+                        data = await stream.read(remaining)
                     if not data:
                         raise EOFError(f"stream ended {remaining} bytes short")
                     pending.append(data)

@@ -1,0 +1,160 @@
+"""Bulk bytes through py-libp2p's Noise sessions and yamux with fewer copies and system calls.
+
+Stock py-libp2p 0.8.1 reads a Noise packet with two socket reads (length, then body), copies each
+packet about twice on its way up, re-copies a yamux frame body after the session already gathered
+it, and writes a large message as one send per 64 KiB packet; with yamux frames capped at 64 KiB a
+blob stream ran near 270 MB/s on loopback. Each class here subclasses the stock one and changes
+only how bytes move through the process, never what goes on the wire, so a tuned node speaks to
+any libp2p peer:
+
+- yamux DATA frames may carry up to 1 MiB. A frame is still capped by the receive window the peer
+  granted (256 KiB at first, growing to 16 MiB under go-yamux semantics), as every yamux expects.
+- A Noise session reads its socket in 256 KiB pieces and cuts packets out of them, writes all the
+  packets of one message with one send, and joins the packets of a read once.
+- yamux takes a frame body straight from the session instead of copying it again.
+
+These rely on private details of libp2p==0.8.1 (pinned in pyproject.toml); tests/node/test_wire.py
+holds them to the stock classes' behaviour. This module knows nothing about Tessera.
+"""
+
+from __future__ import annotations
+
+import libp2p.stream_muxer.yamux.yamux as yamux_module
+import trio
+from libp2p.abc import IRawConnection, ISecureConn
+from libp2p.custom_types import TMuxerOptions, TProtocol
+from libp2p.io.abc import ReadWriteCloser
+from libp2p.io.exceptions import ConnectionClosedError, IncompleteReadError
+from libp2p.io.utils import read_exactly
+from libp2p.peer.id import ID
+from libp2p.security.noise.io import (
+    MAX_PLAINTEXT_LENGTH,
+    SIZE_NOISE_MESSAGE_LEN,
+    NoisePacketReadWriter,
+    NoiseTransportReadWriter,
+)
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.security.secure_session import SecureSession
+from libp2p.stream_muxer.mplex.mplex import MPLEX_PROTOCOL_ID, Mplex
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from libp2p.stream_muxer.yamux.yamux import Yamux
+
+FRAME_BYTES = 1 << 20
+"""Largest yamux frame this node sends, header included."""
+FRAME_PAYLOAD_BYTES = FRAME_BYTES - yamux_module.HEADER_SIZE
+"""Writes of exactly this many bytes go out as one frame without being sliced."""
+SOCKET_READ_BYTES = 256 * 1024
+
+# The stock module reads this constant at every write to size DATA frames (64 KiB there).
+yamux_module.MAX_MESSAGE_SIZE = max(yamux_module.MAX_MESSAGE_SIZE, FRAME_BYTES)
+
+
+def muxer_options() -> TMuxerOptions:
+    """yamux first, as stock, with frame bodies read without a copy; mplex for peers without yamux."""
+    return {TProtocol(YAMUX_PROTOCOL_ID): TunedYamux, TProtocol(MPLEX_PROTOCOL_ID): Mplex}
+
+
+class TunedNoise(NoiseTransport):
+    """The stock Noise XX handshake, then a session that moves bytes with fewer copies."""
+
+    async def secure_inbound(self, conn: IRawConnection) -> ISecureConn:
+        return _tuned(await super().secure_inbound(conn))
+
+    async def secure_outbound(self, conn: IRawConnection, peer_id: ID) -> ISecureConn:
+        return _tuned(await super().secure_outbound(conn, peer_id))
+
+
+def _tuned(session: ISecureConn) -> TunedSession:
+    """The same session over the same socket and cipher states; nothing has been read past the handshake."""
+    assert isinstance(session, SecureSession) and isinstance(session.conn, NoiseTransportReadWriter)
+    stock = session.conn
+    return TunedSession(
+        local_peer=session.local_peer,
+        local_private_key=session.local_private_key,
+        remote_peer=session.remote_peer,
+        remote_permanent_pubkey=session.remote_permanent_pubkey,
+        is_initiator=session.is_initiator,
+        conn=NoisePackets(stock.read_writer.read_write_closer, stock.noise_state),
+    )
+
+
+class PacketReader(NoisePacketReadWriter):
+    """Noise packets (2-byte big-endian length, then the body) cut out of large socket reads."""
+
+    def __init__(self, conn: ReadWriteCloser) -> None:
+        super().__init__(conn)
+        self._chunk = b""
+        self._pos = 0
+
+    async def read_msg(self) -> bytes:
+        length = int.from_bytes(await self._take(SIZE_NOISE_MESSAGE_LEN), "big")
+        return await self._take(length)
+
+    async def _take(self, n: int) -> bytes:
+        """Exactly `n` bytes; IncompleteReadError, as the stock reader raises, if the socket ends first."""
+        parts, got = [], 0
+        while True:
+            piece = self._chunk[self._pos : self._pos + n - got]  # the whole chunk is not copied
+            self._pos += len(piece)
+            parts.append(piece)
+            got += len(piece)
+            if got == n:
+                return b"".join(parts)  # one part is returned as it is
+            self._chunk, self._pos = await self.read_write_closer.read(SOCKET_READ_BYTES), 0
+            if not self._chunk:
+                raise IncompleteReadError(
+                    f"Connection closed during read operation: expected {n} bytes but received {got} bytes",
+                    expected_bytes=n,
+                    received_bytes=got,
+                )
+
+
+class NoisePackets(NoiseTransportReadWriter):
+    """Noise transport messages over one socket: buffered reads, one send per message."""
+
+    def __init__(self, conn: IRawConnection, noise_state: object) -> None:
+        super().__init__(conn, noise_state)  # type: ignore[arg-type]
+        self._socket = conn
+        self.read_writer = PacketReader(conn)
+
+    async def write_msg(self, msg: bytes, prefix_encoded: bool = False) -> None:
+        assert not prefix_encoded, "the handshake prefix belongs to the handshake, not to a session"
+        pieces = [msg[i : i + MAX_PLAINTEXT_LENGTH] for i in range(0, len(msg), MAX_PLAINTEXT_LENGTH)] or [msg]
+        packets = []
+        for piece in pieces:
+            sealed = self.encrypt(piece)
+            packets += (len(sealed).to_bytes(SIZE_NOISE_MESSAGE_LEN, "big"), sealed)
+        await self._socket.write(b"".join(packets))
+
+
+class TunedSession(SecureSession):
+    """A read of n bytes gathers whole packets and joins them once."""
+
+    async def read(self, n: int | None = None) -> bytes:
+        if n is None or n <= 0:
+            return await super().read(n)
+        parts = [self._drain(n)]
+        got = len(parts[0])
+        while got < n:
+            msg = await self.conn.read_msg()
+            if not msg:  # as stock: the bytes so far, or an error when there are none
+                if got:
+                    break
+                raise ConnectionClosedError("Connection closed")
+            if len(msg) > n - got:
+                self._fill(msg[n - got :])
+                msg = msg[: n - got]
+            parts.append(msg)
+            got += len(msg)
+        return b"".join(parts)
+
+
+class TunedYamux(Yamux):
+    """yamux whose DATA frame bodies come straight from the session, which returns exactly what was asked."""
+
+    async def _read_data_body(self, length: int) -> bytes:
+        with trio.fail_after(yamux_module._yamux_data_read_timeout()):
+            body = await self.secured_conn.read(length)
+            if len(body) < length:  # the session ended early: let the stock reader raise as it would
+                body += await read_exactly(self.secured_conn, length - len(body))
+            return body
