@@ -52,7 +52,7 @@ from node.network import (  # P2PConfig is re-exported: it is this module's sett
     Subscribers,
     Subscription,
 )
-from node.p2p.wire import FRAME_PAYLOAD_BYTES, TunedNoise, muxer_options
+from node.p2p.wire import FRAME_PAYLOAD_BYTES, TunedNoise
 from protocol.identity import Identity
 from protocol.messages import Envelope
 
@@ -301,7 +301,7 @@ class P2PNetwork:
         self._stop = trio.Event()
         noise = TunedNoise(self._key_pair, noise_privkey=new_noise_key_pair().private_key)
         connections = ConnectionConfig(max_connections_per_peer=1, dial_timeout=self.config.dial_timeout_s)
-        host = new_host(key_pair=self._key_pair, sec_opt={NOISE_PROTOCOL_ID: noise}, muxer_opt=muxer_options(),
+        host = new_host(key_pair=self._key_pair, sec_opt={NOISE_PROTOCOL_ID: noise}, muxer_preference="YAMUX",
                         connection_config=connections)
         # The default 10 msgs/s per topic would drop bursts; IP-diversity grafting means nothing when
         # every peer shares one address (loopback, one docker host).

@@ -22,7 +22,6 @@ from __future__ import annotations
 import libp2p.stream_muxer.yamux.yamux as yamux_module
 import trio
 from libp2p.abc import IRawConnection, ISecureConn
-from libp2p.custom_types import TMuxerOptions, TProtocol
 from libp2p.io.abc import ReadWriteCloser
 from libp2p.io.exceptions import ConnectionClosedError, IncompleteReadError
 from libp2p.io.utils import read_exactly
@@ -35,8 +34,7 @@ from libp2p.security.noise.io import (
 )
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.security.secure_session import SecureSession
-from libp2p.stream_muxer.mplex.mplex import MPLEX_PROTOCOL_ID, Mplex
-from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from libp2p.stream_muxer import muxer_multistream
 from libp2p.stream_muxer.yamux.yamux import Yamux
 
 FRAME_BYTES = 1 << 20
@@ -47,11 +45,6 @@ SOCKET_READ_BYTES = 256 * 1024
 
 # The stock module reads this constant at every write to size DATA frames (64 KiB there).
 yamux_module.MAX_MESSAGE_SIZE = max(yamux_module.MAX_MESSAGE_SIZE, FRAME_BYTES)
-
-
-def muxer_options() -> TMuxerOptions:
-    """yamux first, as stock, with frame bodies read without a copy; mplex for peers without yamux."""
-    return {TProtocol(YAMUX_PROTOCOL_ID): TunedYamux, TProtocol(MPLEX_PROTOCOL_ID): Mplex}
 
 
 class TunedNoise(NoiseTransport):
@@ -158,3 +151,8 @@ class TunedYamux(Yamux):
             if len(body) < length:  # the session ended early: let the stock reader raise as it would
                 body += await read_exactly(self.secured_conn, length - len(body))
             return body
+
+
+# The stock upgrader builds `Yamux` by name for /yamux/1.0.0 whatever class the host's muxer options
+# name, so the tuned class takes that name there.
+muxer_multistream.Yamux = TunedYamux

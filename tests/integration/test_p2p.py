@@ -165,6 +165,34 @@ async def test_the_asyncio_bridge_cancels_fetches_and_fails_calls_after_close(cl
         await fetcher.fetch("ab" * 32, [provider.node_id], 10)
 
 
+async def test_connections_run_the_tuned_noise_session_and_yamux(cluster: Cluster, tmp_path: Path) -> None:
+    """Both ends of a real connection use node.p2p.wire's classes, and a blob crosses it intact."""
+    from node.blobstore import BlobStore
+    from node.network import GossipJudge
+    from node.p2p import P2PNetwork
+    from node.p2p.wire import TunedSession, TunedYamux
+    from protocol.spec import load_spec
+
+    spec = load_spec(cluster.spec)
+    stores = [BlobStore(tmp_path / f"blobs{i}") for i in (1, 2)]
+    nets = [await P2PNetwork.create(Identity.from_seed(bytes([i]) * 32), GossipJudge(spec, time.time), store)
+            for i, store in zip((3, 4), stores, strict=True)]
+    try:
+        await nets[1].connect(nets[0].listen_addrs[0])
+        payload = hashlib.sha256(b"tuned").digest() * 100_000  # 3.2 MB: many frames, many packets
+        blob_hash = stores[0].put_bytes(payload)
+        nets[0].serve(blob_hash)
+        path = await nets[1].fetch(blob_hash, [nets[0].node_id], len(payload))
+        assert path.read_bytes() == payload
+        for net in nets:
+            conns = [c for cs in net._host.get_network().connections.values() for c in cs]  # the host is private
+            assert conns and all(isinstance(c.muxed_conn, TunedYamux) for c in conns)
+            assert all(isinstance(c.muxed_conn.secured_conn, TunedSession) for c in conns)
+    finally:
+        for net in nets:
+            await net.close()
+
+
 async def test_a_taken_port_is_a_clear_error(cluster: Cluster, tmp_path: Path) -> None:
     from node.blobstore import BlobStore
     from node.network import GossipJudge, NetworkError
