@@ -173,7 +173,7 @@ def main() -> None:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--size-mb", type=int, default=64)
     parser.add_argument("--messages", type=int, default=40)
-    parser.add_argument("--repeats", type=int, default=3, help="blob transfers per path; the best counts")
+    parser.add_argument("--repeats", type=int, default=5, help="blob transfers per path; the best counts")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

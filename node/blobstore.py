@@ -47,23 +47,43 @@ class BlobWriter:
         self.expected_hash = expected_hash
         self.max_bytes = max_bytes
         self.size = 0
+        self._stored = 0
         self._hasher = hashlib.sha256()
         self.tmp_path = store.root / TMP_DIR / f"{expected_hash}.{os.getpid()}.{time.monotonic_ns()}"
         self._file = open(self.tmp_path, "xb")  # noqa: SIM115 - closed by commit/abort
         self._done = False
 
     def write(self, data: bytes | memoryview) -> None:
-        assert not self._done, "write after commit/abort"
-        self.size += len(data)
-        if self.size > self.max_bytes:
+        """Hash and store `data`; BlobTooLarge (and the temp file deleted) past the cap."""
+        try:
+            self.accept(data)
+        except BlobTooLarge:
             self.abort()
+            raise
+        self.store(data)
+
+    def accept(self, data: bytes | memoryview) -> None:
+        """Count and hash `data`; BlobTooLarge past the cap. `store` must follow with the same bytes.
+
+        Hashing is fastest on bytes still in this CPU's cache, so a receiver accepts a chunk where it
+        arrived and may store it from another thread.
+        """
+        assert not self._done, "write after commit/abort"
+        if self.size + len(data) > self.max_bytes:
             raise BlobTooLarge(f"blob {self.expected_hash[:12]}: more than {self.max_bytes} bytes")
+        self.size += len(data)
         self._hasher.update(data)
+
+    def store(self, data: bytes | memoryview) -> None:
+        """Append accepted bytes to the temp file, in the order they were accepted."""
+        assert not self._done, "write after commit/abort"
+        self._stored += len(data)
         self._file.write(data)
 
     def commit(self) -> Path:
         """Verify the hash, fsync and rename into place; raises HashMismatch (and deletes) otherwise."""
         assert not self._done, "commit after commit/abort"
+        assert self._stored == self.size, f"{self._stored} bytes stored but {self.size} accepted"
         actual = self._hasher.hexdigest()
         if actual != self.expected_hash:
             self.abort()

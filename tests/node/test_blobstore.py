@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,22 @@ def test_a_writer_refuses_more_than_its_cap_and_leaves_nothing(tmp_path: Path) -
     with pytest.raises(BlobTooLarge):
         writer.write(data[100:])
     assert not store.has(blob_hash)
+    assert tmp_files(store) == []
+
+
+def test_bytes_accepted_in_one_thread_and_stored_in_another_commit_as_one_blob(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path)
+    chunks = [os.urandom(1000) for _ in range(5)]
+    blob_hash = hashlib.sha256(b"".join(chunks)).hexdigest()
+    with store.open_writer(blob_hash, 5000) as writer:
+        for chunk in chunks:
+            writer.accept(chunk)
+        worker = threading.Thread(target=lambda: [writer.store(chunk) for chunk in chunks])
+        worker.start()
+        worker.join()
+    assert store.path(blob_hash).read_bytes() == b"".join(chunks)
+    with pytest.raises(BlobTooLarge), store.open_writer(blob_hash, 999) as writer:
+        writer.accept(chunks[0])
     assert tmp_files(store) == []
 
 
