@@ -88,7 +88,7 @@ class P2PConfig:
     blob_idle_timeout_s: float = 30.0
     """Abort a blob transfer when no byte arrives for this long."""
     blob_chunk_bytes: int = 1 << 20
-    """Read and write size on blob streams."""
+    """Bytes per write when serving a blob (at most one yamux frame) and per disk write when fetching."""
     start_timeout_s: float = 30.0
     """Give up starting the host after this long."""
     forget_after_failures: int = 5

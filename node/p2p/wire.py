@@ -13,8 +13,11 @@ any libp2p peer:
   packets of one message with one send, and joins the packets of a read once.
 - yamux takes a frame body straight from the session instead of copying it again.
 
+Two module-level names of py-libp2p are set on import: yamux's frame-size constant, and the class
+its upgrader builds for yamux, which it takes by name rather than from the host's muxer options.
 These rely on private details of libp2p==0.8.1 (pinned in pyproject.toml); tests/node/test_wire.py
-holds them to the stock classes' behaviour. This module knows nothing about Tessera.
+and an integration test hold them to the stock classes' behaviour. This module knows nothing about
+Tessera.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.security.secure_session import SecureSession
 from libp2p.stream_muxer import muxer_multistream
 from libp2p.stream_muxer.yamux.yamux import Yamux
+from noise.connection import NoiseConnection
 
 FRAME_BYTES = 1 << 20
 """Largest yamux frame this node sends, header included."""
@@ -58,7 +62,8 @@ class TunedNoise(NoiseTransport):
 
 
 def _tuned(session: ISecureConn) -> TunedSession:
-    """The same session over the same socket and cipher states; nothing has been read past the handshake."""
+    """The same session over the same socket and cipher states. The stock handshake reads exact lengths,
+    so no byte past it is buffered anywhere yet."""
     assert isinstance(session, SecureSession) and isinstance(session.conn, NoiseTransportReadWriter)
     stock = session.conn
     return TunedSession(
@@ -105,8 +110,8 @@ class PacketReader(NoisePacketReadWriter):
 class NoisePackets(NoiseTransportReadWriter):
     """Noise transport messages over one socket: buffered reads, one send per message."""
 
-    def __init__(self, conn: IRawConnection, noise_state: object) -> None:
-        super().__init__(conn, noise_state)  # type: ignore[arg-type]
+    def __init__(self, conn: IRawConnection, noise_state: NoiseConnection) -> None:
+        super().__init__(conn, noise_state)
         self._socket = conn
         self.read_writer = PacketReader(conn)
 
@@ -153,6 +158,5 @@ class TunedYamux(Yamux):
             return body
 
 
-# The stock upgrader builds `Yamux` by name for /yamux/1.0.0 whatever class the host's muxer options
-# name, so the tuned class takes that name there.
+# The stock upgrader builds `Yamux` by name for /yamux/1.0.0, whatever class the muxer options give.
 muxer_multistream.Yamux = TunedYamux
