@@ -9,7 +9,7 @@ any libp2p peer:
 
 - yamux DATA frames may carry up to 1 MiB. A frame is still capped by the receive window the peer
   granted (256 KiB at first, growing to 16 MiB under go-yamux semantics), as every yamux expects.
-- A Noise session reads its socket in 256 KiB pieces and cuts packets out of them, writes all the
+- A Noise session reads its socket in 512 KiB pieces and cuts packets out of them, writes all the
   packets of one message with one send, and joins the packets of a read once.
 - yamux takes a frame body straight from the session instead of copying it again.
 
@@ -45,7 +45,7 @@ FRAME_BYTES = 1 << 20
 """Largest yamux frame this node sends, header included."""
 FRAME_PAYLOAD_BYTES = FRAME_BYTES - yamux_module.HEADER_SIZE
 """Writes of exactly this many bytes go out as one frame without being sliced."""
-SOCKET_READ_BYTES = 256 * 1024
+SOCKET_READ_BYTES = 512 * 1024
 
 # The stock module reads this constant at every write to size DATA frames (64 KiB there).
 yamux_module.MAX_MESSAGE_SIZE = max(yamux_module.MAX_MESSAGE_SIZE, FRAME_BYTES)
