@@ -52,7 +52,7 @@ from node.network import (  # P2PConfig is re-exported: it is this module's sett
     Subscribers,
     Subscription,
 )
-from node.p2p.wire import FRAME_PAYLOAD_BYTES, TunedNoise
+from node.p2p.wire import FRAME_PAYLOAD_BYTES, TunedNoise, keep_buffer_pages
 from protocol.identity import Identity
 from protocol.messages import Envelope
 
@@ -145,6 +145,7 @@ class P2PNetwork:
     ) -> P2PNetwork:
         """Start the host thread and return once it listens; NetworkError if it cannot start."""
         net = cls(identity, judge, store, config or P2PConfig())
+        keep_buffer_pages()
         net._loop = asyncio.get_running_loop()
         ready: asyncio.Future[None] = net._loop.create_future()
         net._thread = threading.Thread(target=net._thread_main, args=(ready,), name="tessera-p2p", daemon=True)

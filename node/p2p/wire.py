@@ -22,6 +22,9 @@ Tessera.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
 import libp2p.stream_muxer.yamux.yamux as yamux_module
 import trio
 from libp2p.abc import IRawConnection, ISecureConn
@@ -46,6 +49,29 @@ FRAME_BYTES = 1 << 20
 FRAME_PAYLOAD_BYTES = FRAME_BYTES - yamux_module.HEADER_SIZE
 """Writes of exactly this many bytes go out as one frame without being sliced."""
 SOCKET_READ_BYTES = 512 * 1024
+
+HEAP_BELOW_BYTES = 32 << 20
+"""Allocations below this come from the allocator's heap rather than a fresh mmap each."""
+HEAP_SLACK_BYTES = 64 << 20
+"""Free heap an allocator arena keeps before handing memory back to the kernel."""
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+
+
+def keep_buffer_pages() -> bool:
+    """Fix glibc's mmap and trim thresholds where glibc's adaptive ones settle in a torch process.
+
+    glibc starts both low (128 KiB, 256 KiB) and raises them only when it frees a large mmapped
+    block. A process that moves blobs, but frees nothing larger than a few MiB, keeps them low and
+    gives the pages of its MiB-sized frame buffers back to the kernel frame after frame, to fault
+    them in again: up to 12,000 page faults per 64 MB blob. Fixed at the adaptive ceiling (32 MiB,
+    64 MiB) from the start, a process keeps those pages, and one that also runs torch keeps no more
+    than it would have anyway. False where the C library is not glibc.
+    """
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    if not hasattr(libc, "gnu_get_libc_version"):
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, HEAP_BELOW_BYTES) and libc.mallopt(_M_TRIM_THRESHOLD, HEAP_SLACK_BYTES))
+
 
 # The stock module reads this constant at every write to size DATA frames (64 KiB there).
 yamux_module.MAX_MESSAGE_SIZE = max(yamux_module.MAX_MESSAGE_SIZE, FRAME_BYTES)
