@@ -1,4 +1,4 @@
-"""The tuned Noise session of node.p2p.wire against py-libp2p's stock classes, over in-memory sockets.
+"""node.p2p.wire's Noise session against py-libp2p's stock classes, over in-memory sockets.
 
 A tuned node must put the same bytes on the wire and hand the same bytes up as a stock one, however
 the socket splits them, and fail the same way when the socket ends early.
@@ -50,7 +50,10 @@ def noise_pair() -> tuple[NoiseConnection, NoiseConnection]:
     ends = []
     for initiator in (True, False):
         end = NoiseConnection.from_name(b"Noise_XX_25519_ChaChaPoly_SHA256")
-        end.set_as_initiator() if initiator else end.set_as_responder()
+        if initiator:
+            end.set_as_initiator()
+        else:
+            end.set_as_responder()
         end.set_keypair_from_private_bytes(Keypair.STATIC, random.Random(initiator).randbytes(32))
         end.start_handshake()
         ends.append(end)
