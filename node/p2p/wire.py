@@ -58,14 +58,15 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 
 
 def keep_buffer_pages() -> bool:
-    """Fix glibc's mmap and trim thresholds where glibc's adaptive ones settle in a torch process.
+    """Fix glibc's mmap and trim thresholds at the highest values its adaptive ones can reach.
 
-    glibc starts both low (128 KiB, 256 KiB) and raises them only when it frees a large mmapped
-    block. A process that moves blobs, but frees nothing larger than a few MiB, keeps them low and
-    gives the pages of its MiB-sized frame buffers back to the kernel frame after frame, to fault
-    them in again: up to 12,000 page faults per 64 MB blob. Fixed at the adaptive ceiling (32 MiB,
-    64 MiB) from the start, a process keeps those pages, and one that also runs torch keeps no more
-    than it would have anyway. False where the C library is not glibc.
+    glibc starts both low (128 KiB, 256 KiB) and raises them to the size of each larger mmapped
+    block it frees, up to 32 MiB (and twice that for trimming). A process that moves blobs but frees
+    nothing larger than a few MiB keeps them low, and gives the pages of its MiB-sized frame buffers
+    back to the kernel frame after frame, to fault them in again: up to 12,000 page faults per 64 MB
+    blob. Fixed at 32 and 64 MiB from the start, it keeps those pages; a process also running torch
+    keeps no more free memory than glibc lets it after freeing one 32 MiB tensor. False where the C
+    library is not glibc.
     """
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     if not hasattr(libc, "gnu_get_libc_version"):
