@@ -116,6 +116,13 @@ class Consensus:
             await self.ctx.storage.set_state(key, message.momentum)
         self.votes_arrived.set()
 
+    async def on_phase(self, round: int, phase: Phase, shapes: Shapes) -> None:
+        """At each phase start: settle the previous round at TRAIN, else just make sure the head is known."""
+        if phase is Phase.TRAIN:
+            await self.settle(round, shapes)
+        else:
+            await self.ensure_head(round, shapes)
+
     async def settle(self, round: int, shapes: Shapes) -> str:
         """At TRAIN of `round`: adopt round-1's majority state (a late joiner learns the head); the head."""
         if round > 0:

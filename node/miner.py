@@ -64,10 +64,7 @@ class MinerDuties:
 
     async def on_phase(self, round: int, phase: Phase) -> None:
         loaded = await self._load()
-        if phase is Phase.TRAIN:
-            await self.consensus.settle(round, loaded.shapes)
-        else:
-            await self.consensus.ensure_head(round, loaded.shapes)
+        await self.consensus.on_phase(round, phase, loaded.shapes)
         await self.heartbeat.on_phase(round, phase)
         if phase is Phase.TRAIN:
             await self._train(round, loaded)

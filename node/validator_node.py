@@ -80,10 +80,7 @@ class ValidatorDuties:
 
     async def on_phase(self, round: int, phase: Phase) -> None:
         loaded = await self._load()
-        if phase is Phase.TRAIN:
-            await self.consensus.settle(round, loaded.scorer.shapes)
-        else:
-            await self.consensus.ensure_head(round, loaded.scorer.shapes)
+        await self.consensus.on_phase(round, phase, loaded.scorer.shapes)
         await self._load_head(loaded)
         await self.heartbeat.on_phase(round, phase)
         if phase is Phase.TRAIN:
