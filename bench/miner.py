@@ -34,6 +34,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.report import emit  # noqa: E402
+
 FAMILY = "qwen3_moe"
 OVERRIDES = {
     "hidden_size": 256, "num_hidden_layers": 4, "num_experts": 32, "moe_intermediate_size": 256,
@@ -179,10 +181,7 @@ def main() -> int:
         "payload_is_experts_plus_header": 0 < header <= 8 + (1 << 20),
         "sparse": sparse, "full": full,
     }
-    print(json.dumps(report, indent=2))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    emit(report, args.out)
     return 0
 
 

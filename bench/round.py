@@ -15,7 +15,6 @@ Usage: python bench/round.py [--rounds N] [--round-seconds S] [--train-share F] 
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import sys
@@ -25,6 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.report import emit  # noqa: E402
 from node.simulate import SimSettings, Simulation  # noqa: E402
 from protocol.rounds import PHASES  # noqa: E402
 
@@ -73,11 +73,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="write the JSON here (default: stdout only)")
     args = parser.parse_args()
     result = measure(args.rounds, SimSettings(round_seconds=args.round_seconds, train_share=args.train_share))
-    text = json.dumps(result, indent=2)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n", encoding="utf-8")
-    print(text)
+    emit(result, args.out)
     return 0
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import socket
 import statistics
 import subprocess
@@ -29,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.report import emit  # noqa: E402
 from node.blobstore import BlobStore  # noqa: E402
 from node.peer import PeerProcess  # noqa: E402
 from protocol.identity import Identity  # noqa: E402
@@ -179,9 +179,7 @@ def main() -> None:
         root = Path(tmp)
         spec = write_spec(root)
         result = {**blob_throughput(root, spec, args.size_mb * 1_000_000, args.repeats), **gossip_latency(root, spec, args.messages)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

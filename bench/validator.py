@@ -11,7 +11,6 @@ Usage: python bench/validator.py [--repeats N] [--sequences N] [--out FILE.json]
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -22,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.miner import FAMILY, OVERRIDES, SELECTED_PER_LAYER, SEQ_LEN  # noqa: E402  (the same model)
+from bench.report import emit  # noqa: E402
 
 EVAL_BATCH = 16
 
@@ -92,10 +92,7 @@ def main() -> int:
         "verify_s": statistics.median(verify_s),
         "base_loss": base_loss, "submission_loss": sub_loss,
     }
-    print(json.dumps(report, indent=2))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    emit(report, args.out)
     return 0
 
 
