@@ -19,7 +19,7 @@ import logging
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from node.blobstore import BlobStore
 from node.clock import Clock, SystemClock
@@ -35,6 +35,7 @@ from protocol.rounds import Phase, Schedule
 from protocol.spec import NetworkSpec, load_spec
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 ROUND_REPORT_KEY = "round_report:{}"  # storage key of a validator's JSON report of one round
 ROUNDS_LISTED = 32
@@ -88,6 +89,19 @@ class Duties(Protocol):
 
 
 DutiesFactory = Callable[[NodeContext], Duties]
+
+
+class BuiltOnce(Generic[T]):
+    """What a role's duties load at their first phase (model, data), built once in a worker thread."""
+
+    def __init__(self, build: Callable[[], T]) -> None:
+        self._build = build
+        self._value: T | None = None
+
+    async def get(self) -> T:
+        if self._value is None:
+            self._value = await asyncio.to_thread(self._build)
+        return self._value
 
 
 class HeartbeatDuties:

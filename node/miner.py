@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from node.consensus import GLOBAL_RNG_LOCK, Consensus, wait_until
-from node.daemon import HeartbeatDuties, NodeContext
+from node.daemon import BuiltOnce, HeartbeatDuties, NodeContext
 from node.network import NetworkError, PublishRefused
 from protocol.messages import Commit, Envelope, Reveal
 from protocol.rounds import Phase
@@ -59,11 +59,11 @@ class MinerDuties:
         self.consensus = Consensus(ctx, need_momentum=False)
         self.heartbeat = HeartbeatDuties(ctx)
         self.arrivals = asyncio.Event()
-        self._loaded: _Loaded | None = None
+        self._loaded = BuiltOnce(lambda: _Loaded.create(ctx))
         self._served: str | None = None
 
     async def on_phase(self, round: int, phase: Phase) -> None:
-        loaded = await self._load()
+        loaded = await self._loaded.get()
         await self.consensus.on_phase(round, phase, loaded.shapes)
         await self.heartbeat.on_phase(round, phase)
         if phase is Phase.TRAIN:
@@ -76,11 +76,6 @@ class MinerDuties:
     async def on_message(self, envelope: Envelope) -> None:
         await self.consensus.on_message(envelope)
         self.arrivals.set()
-
-    async def _load(self) -> _Loaded:
-        if self._loaded is None:
-            self._loaded = await asyncio.to_thread(_Loaded.create, self.ctx)
-        return self._loaded
 
     # -- TRAIN --------------------------------------------------------------------------------
 
@@ -202,7 +197,7 @@ class MinerDuties:
             return any(r.miner == victim for r in await self.ctx.storage.reveals_for(round))
 
         await wait_until(self.ctx.clock, self.arrivals, revealed, end)
-        loaded = await self._load()
+        loaded = await self._loaded.get()
         cap = max_blob_bytes(loaded.shapes, self.ctx.spec.model.dtype, self.ctx.spec.limits.max_header_bytes)
         try:
             await self.ctx.network.fetch(commitment, [victim], cap)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from node.consensus import GLOBAL_RNG_LOCK, MOMENTUM_OF_KEY, Consensus, wait_until
-from node.daemon import ROUND_REPORT_KEY, HeartbeatDuties, NodeContext
+from node.daemon import ROUND_REPORT_KEY, BuiltOnce, HeartbeatDuties, NodeContext
 from node.network import NetworkError, PublishRefused
 from node.storage import RewardRecord
 from protocol.assignment import assign
@@ -75,11 +75,11 @@ class ValidatorDuties:
         self.arrivals = asyncio.Event()
         self.state: GlobalExperts | None = None
         self.synced = False
-        self._loaded: _Loaded | None = None
+        self._loaded = BuiltOnce(lambda: _Loaded.create(ctx))
         self._accepted: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
 
     async def on_phase(self, round: int, phase: Phase) -> None:
-        loaded = await self._load()
+        loaded = await self._loaded.get()
         await self.consensus.on_phase(round, phase, loaded.scorer.shapes)
         await self._load_head(loaded)
         await self.heartbeat.on_phase(round, phase)
@@ -96,11 +96,6 @@ class ValidatorDuties:
     async def on_message(self, envelope: Envelope) -> None:
         await self.consensus.on_message(envelope)
         self.arrivals.set()
-
-    async def _load(self) -> _Loaded:
-        if self._loaded is None:
-            self._loaded = await asyncio.to_thread(_Loaded.create, self.ctx)
-        return self._loaded
 
     async def _load_head(self, loaded: _Loaded) -> None:
         head = await self.ctx.head()
