@@ -1,6 +1,6 @@
 """Round benchmark: where the wall time of a simulated round goes, and how much of it miners train.
 
-Runs `node.simulate.Simulation` (default: 2 validators, 4 honest miners, and the default
+Runs `node.sim.run.Simulation` (default: 2 validators, 4 honest miners, and the default
 simulation timing: 80 s rounds with TRAIN 90 % of them) as real processes on loopback for --rounds rounds, then reads
 - each miner's training wall time per round from its log ("round R: trained N steps in S s"),
 - every node's recorded phase-handler runs (start and end wall time, from its state file).
@@ -25,7 +25,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report import emit  # noqa: E402
-from node.simulate import SimSettings, Simulation  # noqa: E402
+from node.sim.run import SimSettings, Simulation  # noqa: E402
 from protocol.rounds import PHASES  # noqa: E402
 
 TRAINED = re.compile(r"round (?P<round>\d+): trained (?P<steps>\d+) steps in (?P<seconds>[\d.]+) s")

@@ -2,7 +2,7 @@
 
     python bench/transfer.py --out FILE [--size-mb 64] [--messages 40]
 
-Blob throughput: one `node.peer` process serves a blob, another fetches it over /tessera/blob/1
+Blob throughput: one `node.sim.peer` process serves a blob, another fetches it over /tessera/blob/1
 (Noise + yamux, sha256 verified, written to a temp file, fsynced, renamed); the same bytes are
 then copied over a plain TCP socket between two processes into a blob store through the same
 `BlobWriter` a fetch uses (sha256, write, fsync, rename), and once more with the receiver only
@@ -29,8 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report import emit  # noqa: E402
-from node.blobstore import BlobStore  # noqa: E402
-from node.peer import PeerProcess  # noqa: E402
+from node.sim.peer import PeerProcess  # noqa: E402
+from node.store.blobs import BlobStore  # noqa: E402
 from protocol.identity import Identity  # noqa: E402
 
 SENDER = """

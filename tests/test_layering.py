@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("protocol", "training", "validator", "node")
 P2P_LIBS = {"libp2p", "trio"}
-P2P_PACKAGE = "node/p2p/"
+P2P_PACKAGE = "node/net/p2p/"
 
 FORBIDDEN = {
     "protocol": {

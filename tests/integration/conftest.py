@@ -1,6 +1,6 @@
-"""Fixtures for loopback integration tests: a test network spec and `node.peer` processes to drive.
+"""Fixtures for loopback integration tests: a test network spec and `node.sim.peer` processes to drive.
 
-`Cluster` starts `node.peer.PeerProcess`es that share one spec and stops them all at the end.
+`Cluster` starts `node.sim.peer.PeerProcess`es that share one spec and stops them all at the end.
 Tests poll with generous timeouts instead of sleeping for fixed times.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from node.peer import PeerProcess
+from node.sim.peer import PeerProcess
 from protocol.identity import Identity
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from node.simulate import SimSettings, Simulation
+from node.sim.run import SimSettings, Simulation
 from protocol.rounds import Phase
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(480)]

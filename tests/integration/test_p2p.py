@@ -131,9 +131,9 @@ def test_a_restarted_bootstrap_node_is_reconnected_within_30_s(cluster: Cluster)
 
 async def test_the_asyncio_bridge_cancels_fetches_and_fails_calls_after_close(cluster: Cluster, tmp_path: Path) -> None:
     """Two P2PNetworks in this process (each with its own trio thread), driven from one asyncio loop."""
-    from node.blobstore import BlobStore
-    from node.network import GossipJudge, NetworkError
-    from node.p2p import P2PConfig, P2PNetwork
+    from node.net.network import GossipJudge, NetworkError
+    from node.net.p2p import P2PConfig, P2PNetwork
+    from node.store.blobs import BlobStore
     from protocol.spec import load_spec
 
     spec = load_spec(cluster.spec)
@@ -166,11 +166,11 @@ async def test_the_asyncio_bridge_cancels_fetches_and_fails_calls_after_close(cl
 
 
 async def test_connections_run_the_tuned_noise_session_and_yamux(cluster: Cluster, tmp_path: Path) -> None:
-    """Both ends of a real connection use node.p2p.wire's classes, and a blob crosses it intact."""
-    from node.blobstore import BlobStore
-    from node.network import GossipJudge
-    from node.p2p import P2PNetwork
-    from node.p2p.wire import TunedSession, TunedYamux
+    """Both ends of a real connection use node.net.p2p.wire's classes, and a blob crosses it intact."""
+    from node.net.network import GossipJudge
+    from node.net.p2p import P2PNetwork
+    from node.net.p2p.wire import TunedSession, TunedYamux
+    from node.store.blobs import BlobStore
     from protocol.spec import load_spec
 
     spec = load_spec(cluster.spec)
@@ -194,9 +194,9 @@ async def test_connections_run_the_tuned_noise_session_and_yamux(cluster: Cluste
 
 
 async def test_a_taken_port_is_a_clear_error(cluster: Cluster, tmp_path: Path) -> None:
-    from node.blobstore import BlobStore
-    from node.network import GossipJudge, NetworkError
-    from node.p2p import P2PConfig, P2PNetwork
+    from node.net.network import GossipJudge, NetworkError
+    from node.net.p2p import P2PConfig, P2PNetwork
+    from node.store.blobs import BlobStore
     from protocol.spec import load_spec
 
     spec = load_spec(cluster.spec)

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from node.blobstore import BlobStore
-from node.network import GossipJudge
-from node.p2p import P2PConfig, P2PNetwork, peer_id_for
-from node.simnet import make_sim_network, sim_identity
+from node.net.network import GossipJudge
+from node.net.p2p import P2PConfig, P2PNetwork, peer_id_for
+from node.sim.layout import make_sim_network, sim_identity
+from node.store.blobs import BlobStore
 from protocol.messages import Commit, Envelope, GlobalState, ScoreEntry, ScoreReport, seal
 from protocol.spec import NetworkSpec, load_spec
 from tests.conftest import make_identity

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from node.simulate import ADVERSARY_KINDS
+from node.sim.run import ADVERSARY_KINDS
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(540)]
 

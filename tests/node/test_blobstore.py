@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from node.blobstore import BlobError, BlobStore, BlobTooLarge, HashMismatch
+from node.store.blobs import BlobError, BlobStore, BlobTooLarge, HashMismatch
 
 
 def tmp_files(store: BlobStore) -> list[Path]:

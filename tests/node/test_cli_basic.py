@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from node.cli import main
+from node.cli.main import main
 from protocol.spec import parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +27,7 @@ def test_help_lists_commands_without_importing_torch() -> None:
     assert result.returncode == 0
     for command in ("keygen", "spec", "miner", "validator", "simulate", "status"):
         assert command in result.stdout
-    code = "import sys; from node.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    code = "import sys; from node.cli.main import build_parser; build_parser(); print('torch' in sys.modules)"
     probe = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert probe.stdout.strip() == "False", probe.stderr
 

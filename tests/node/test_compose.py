@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from node.cli import build_parser
-from node.config import load_config
-from node.simnet import sim_identity
+from node.cli.main import build_parser
+from node.runtime.config import load_config
+from node.sim.layout import sim_identity
 
 yaml = pytest.importorskip("yaml")
 
@@ -70,7 +70,7 @@ def test_every_config_file_exists_in_deploy_and_loads() -> None:
 
 
 def test_configs_name_the_bootstrap_peer_the_bootstrap_service_runs() -> None:
-    from node.p2p import peer_id_for
+    from node.net.p2p import peer_id_for
 
     bootstrap = services()["bootstrap"]
     argv = tessera_argv(bootstrap)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from node.config import ConfigError, load_config, render_config
+from node.runtime.config import ConfigError, load_config, render_config
 
 MINIMAL = '[node]\nrole = "miner"\nspec = "net/spec.toml"\n'
 

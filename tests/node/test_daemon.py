@@ -10,12 +10,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from node.blobstore import BlobStore
-from node.clock import ManualClock
-from node.config import NodeConfig, load_config
-from node.daemon import HeartbeatDuties, Node, NodeContext
-from node.network import GossipJudge, MemoryHub, MemoryNetwork
-from node.storage import Storage
+from node.net.network import GossipJudge, MemoryHub, MemoryNetwork
+from node.runtime.clock import ManualClock
+from node.runtime.config import NodeConfig, load_config
+from node.runtime.daemon import HeartbeatDuties, Node, NodeContext
+from node.store.blobs import BlobStore
+from node.store.db import Storage
 from protocol.identity import load_identity, save_identity
 from protocol.messages import Commit, Envelope, GlobalState, Heartbeat, Reveal, seal
 from protocol.rounds import Phase
@@ -172,7 +172,7 @@ async def test_network_with_another_identity_is_refused(tmp_path: Path) -> None:
 
 
 def test_init_writes_a_config_that_loads_and_a_private_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from node.cli import main
+    from node.cli.main import main
 
     spec_path = tmp_path / "net" / "spec.toml"
     spec_path.parent.mkdir()
@@ -192,7 +192,7 @@ def test_init_writes_a_config_that_loads_and_a_private_key(tmp_path: Path, capsy
 
 
 def test_daemon_command_refuses_the_wrong_role(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from node.cli import main
+    from node.cli.main import main
 
     write_node(tmp_path)
     assert main(["miner", "--config", str(tmp_path / "node.toml")]) == 2
@@ -201,7 +201,7 @@ def test_daemon_command_refuses_the_wrong_role(tmp_path: Path, capsys: pytest.Ca
 
 async def test_status_command_prints_the_nodes_status(setup, tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    from node.cli import main
+    from node.cli.main import main
 
     node = setup[0]
     assert await asyncio.to_thread(main, ["status", "--url", node.http.url]) == 0

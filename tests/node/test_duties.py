@@ -18,16 +18,16 @@ import aiohttp
 import pytest
 import torch
 
-from node.blobstore import BlobStore
-from node.clock import ManualClock
-from node.config import NodeConfig
-from node.daemon import ROUND_REPORT_KEY, Node
-from node.http_api import HttpApi
-from node.miner import SUBMISSION_KEY, MinerDuties
-from node.network import GossipJudge, MemoryHub
-from node.simnet import SimNetwork, make_sim_network, sim_identity
-from node.storage import MOMENTUM_KEY
-from node.validator_node import ValidatorDuties
+from node.duties.miner import SUBMISSION_KEY, MinerDuties
+from node.duties.validator import ValidatorDuties
+from node.net.network import GossipJudge, MemoryHub
+from node.runtime.clock import ManualClock
+from node.runtime.config import NodeConfig
+from node.runtime.daemon import ROUND_REPORT_KEY, Node
+from node.runtime.http import HttpApi
+from node.sim.layout import SimNetwork, make_sim_network, sim_identity
+from node.store.blobs import BlobStore
+from node.store.db import MOMENTUM_KEY
 from protocol.identity import save_identity
 from protocol.rounds import PHASES, Phase, Schedule
 from protocol.spec import load_spec

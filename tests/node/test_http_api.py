@@ -9,9 +9,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from node.http_api import HttpApi
-from node.metrics import NodeMetrics, peer_label
-from node.network import NetworkStats
+from node.net.network import NetworkStats
+from node.runtime.http import HttpApi
+from node.runtime.metrics import NodeMetrics, peer_label
 
 
 class FakeNode:

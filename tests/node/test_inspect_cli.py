@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from node.cli import main
+from node.cli.main import main
 from protocol.spec import load_spec
 from tests.conftest import make_identity, make_spec_dict, to_toml
 from training.blob import BlobMeta, blob_hash, encode_blob

@@ -8,9 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from node.blobstore import BlobStore
-from node.clock import ManualClock
-from node.network import (
+from node.net.network import (
     BlobFetchError,
     GossipJudge,
     MemoryHub,
@@ -19,6 +17,8 @@ from node.network import (
     P2PConfig,
     PublishRefused,
 )
+from node.runtime.clock import ManualClock
+from node.store.blobs import BlobStore
 from protocol.identity import Identity
 from protocol.messages import Commit, Envelope, Heartbeat, ScoreReport, seal
 from protocol.rounds import Phase, Schedule

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from node.simnet import make_sim_network, sim_identity
+from node.sim.layout import make_sim_network, sim_identity
 from protocol.identity import save_identity
 from protocol.spec import load_spec
 

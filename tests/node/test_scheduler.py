@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import pytest
 
-from node.clock import ManualClock, SystemClock
-from node.scheduler import PhaseRun, Scheduler
+from node.runtime.clock import ManualClock, SystemClock
+from node.runtime.scheduler import PhaseRun, Scheduler
 from protocol.rounds import Phase, Schedule
 
 GENESIS = 1000.0

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from node.scheduler import PhaseRun
-from node.storage import SCHEMA_VERSION, RewardRecord, Storage, StorageError
+from node.runtime.scheduler import PhaseRun
+from node.store.db import SCHEMA_VERSION, RewardRecord, Storage, StorageError
 from protocol.messages import (
     Commit,
     GlobalState,

@@ -1,4 +1,4 @@
-"""node.p2p.wire's Noise session against py-libp2p's stock classes, over in-memory sockets.
+"""node.net.p2p.wire's Noise session against py-libp2p's stock classes, over in-memory sockets.
 
 A tuned node must put the same bytes on the wire and hand the same bytes up as a stock one, however
 the socket splits them, and fail the same way when the socket ends early.
@@ -18,7 +18,7 @@ from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH, NoisePacketReadWriter
 from libp2p.security.secure_session import SecureSession
 from noise.connection import Keypair, NoiseConnection
 
-from node.p2p.wire import NoisePackets, PacketReader, TunedSession, keep_buffer_pages
+from node.net.p2p.wire import NoisePackets, PacketReader, TunedSession, keep_buffer_pages
 
 SIZES = [0, 1, 12, MAX_PLAINTEXT_LENGTH - 1, MAX_PLAINTEXT_LENGTH, MAX_PLAINTEXT_LENGTH + 1, 300_000, (1 << 20) + 12]
 

@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 COMMAND_MODULES: tuple[str, ...] = (
-    "node.commands_keys",
-    "node.commands_offline",
-    "node.commands_inspect",
-    "node.commands_daemon",
-    "node.commands_simulate",
+    "node.cli.keys",
+    "node.cli.offline",
+    "node.cli.inspect",
+    "node.cli.daemon",
+    "node.cli.simulate",
 )
 
 EXIT_USAGE = 2

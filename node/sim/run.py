@@ -1,6 +1,6 @@
 """Run a whole Tessera network on 127.0.0.1 as separate processes: a bootstrap, validators, miners.
 
-`Simulation(directory, SimSettings(...))` writes a simulation network (node.simnet) under
+`Simulation(directory, SimSettings(...))` writes a simulation network (node.sim.layout) under
 DIR/network with genesis a little in the future, one config TOML per node under
 DIR/nodes/<name>/config.toml, and starts each node as its own `tessera` process logging to
 DIR/nodes/<name>/log.txt. It watches the nodes only through their HTTP APIs (/status,
@@ -29,10 +29,10 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, get_args
 
-from node.config import MinerSection
-from node.scheduler import PhaseRun
-from node.simnet import SimNetwork, make_sim_network, sim_identity, to_toml
-from node.storage import Storage
+from node.runtime.config import MinerSection
+from node.runtime.scheduler import PhaseRun
+from node.sim.layout import SimNetwork, make_sim_network, sim_identity, to_toml
+from node.store.db import Storage
 from protocol.identity import save_identity
 from protocol.rounds import PHASES, Phase, Schedule
 from protocol.spec import load_spec
@@ -232,7 +232,7 @@ class Simulation:
         return node
 
     def _add_bootstrap(self) -> None:
-        from node.p2p import peer_id_for  # imports libp2p; only needed to name the bootstrap peer
+        from node.net.p2p import peer_id_for  # imports libp2p; only needed to name the bootstrap peer
 
         assert self.network is not None
         identity = sim_identity(self.settings.seed, "bootstrap", 0)
@@ -245,7 +245,7 @@ class Simulation:
         self._bootstrap = [f"/ip4/127.0.0.1/tcp/{p2p_port}/p2p/{peer_id_for(identity.node_id)}"]
 
     def _add_daemon(self, role: str, index: int, kind: str) -> SimNode:
-        from node.p2p import peer_id_for
+        from node.net.p2p import peer_id_for
 
         assert self.network is not None
         name = f"{role}-{index}"

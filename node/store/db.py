@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from node.scheduler import PhaseRun
+from node.runtime.scheduler import PhaseRun
 from protocol.messages import (
     Commit,
     Envelope,

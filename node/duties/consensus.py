@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from node.clock import Clock
-from node.daemon import NodeContext
-from node.network import NetworkError
-from node.storage import MOMENTUM_KEY, GlobalStateRecord
+from node.net.network import NetworkError
+from node.runtime.clock import Clock
+from node.runtime.daemon import NodeContext
+from node.store.db import MOMENTUM_KEY, GlobalStateRecord
 from protocol.messages import Envelope, GlobalState
 from protocol.rounds import Phase
 from protocol.spec import NetworkSpec

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from node.metrics import CONTENT_TYPE
+from node.runtime.metrics import CONTENT_TYPE
 
 Handler = Callable[[web.Request], Awaitable[web.Response]]
 _TOP_STANDINGS = 20

@@ -6,7 +6,7 @@ received envelope goes through `GossipJudge` (protocol.check with this node's cl
 in-memory seen-set); only ACCEPTed envelopes reach subscribers or are relayed, and every REJECT
 is counted against the peer that sent it. A node's own published envelopes are not delivered
 back to its own subscribers. `MemoryHub` joins several `MemoryNetwork` twins that deliver to each
-other directly, applying the same judge; tests use it instead of libp2p (node.p2p). `P2PConfig`,
+other directly, applying the same judge; tests use it instead of libp2p (node.net.p2p). `P2PConfig`,
 the libp2p implementation's settings, lives here so a daemon can build it without importing
 libp2p. This module knows nothing about libp2p, storage beyond the blob store, or what the
 messages mean.
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
-from node.blobstore import BlobStore, BlobTooLarge, HashMismatch
+from node.store.blobs import BlobStore, BlobTooLarge, HashMismatch
 from protocol.check import CheckContext, CheckResult, SeenKey, Verdict, check, check_bytes
 from protocol.messages import MESSAGE_TYPES, Envelope
 from protocol.rounds import Schedule
@@ -65,7 +65,7 @@ class NetworkStats:
 
 @dataclass(frozen=True)
 class P2PConfig:
-    """Settings of the libp2p implementation (node.p2p): listening, finding peers, pacing gossip, moving blobs."""
+    """Settings of the libp2p implementation (node.net.p2p): listening, finding peers, pacing gossip, moving blobs."""
 
     host: str = "127.0.0.1"
     """Listen IP; 0.0.0.0 accepts peers from other hosts."""

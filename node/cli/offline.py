@@ -1,6 +1,6 @@
 """Offline operator commands: create a simulation network, select experts, train once, evaluate.
 
-    tessera spec init --sim DIR       write a simulation network directory (node.simnet)
+    tessera spec init --sim DIR       write a simulation network directory (node.sim.layout)
     tessera select-experts ...        Phase 1: routing statistics -> expert group JSON
     tessera train ...                 one miner's local run -> the canonical blob it would submit
     tessera eval ...                  held-out loss of the base (or base + a blob's experts)
@@ -18,7 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from node.cli import command_group
+from node.cli.main import command_group
 
 RULES = ("gate-mass", "token-freq", "differential", "activation-norm")
 DEFAULT_SEED = "0" * 64
@@ -93,7 +93,7 @@ def _print_json(value: dict[str, Any]) -> None:
 
 
 def run_spec_init(args: argparse.Namespace) -> int:
-    from node.simnet import make_sim_network
+    from node.sim.layout import make_sim_network
 
     sim = make_sim_network(args.sim, validators=args.validators, family=args.family, genesis=args.genesis,
                            seed=args.seed)

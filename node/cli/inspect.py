@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from node.cli import command_group
+from node.cli.main import command_group
 from protocol.encoding import is_hex_digest
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from node.cli import command_group
+from node.cli.main import command_group
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from node.clock import Clock
+from node.runtime.clock import Clock
 from protocol.rounds import PHASES, Phase, Schedule
 
 log = logging.getLogger(__name__)

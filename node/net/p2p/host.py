@@ -1,4 +1,4 @@
-"""The libp2p implementation of `node.network.Network`.
+"""The libp2p implementation of `node.net.network.Network`.
 
 py-libp2p is trio-only, so the host runs in its own thread under `trio.run`; asyncio calls in with
 `trio_token.run_sync_soon` and results come back with `loop.call_soon_threadsafe`, and neither
@@ -7,7 +7,7 @@ topic validator is `GossipJudge`, so only ACCEPTed envelopes are delivered and r
 are queued and paced. Blobs travel over the `/tessera/blob/1` stream protocol; peers learn about
 each other over `/tessera/peers/1` (each side sends its listen addresses and gets back those of
 the peers it knows), and a supervisor redials bootstrap and known peers that went away. Noise
-sessions and yamux are the tuned ones of `node.p2p.wire`. This module knows nothing about rounds,
+sessions and yamux are the tuned ones of `node.net.p2p.wire`. This module knows nothing about rounds,
 duties or storage beyond the blob store.
 """
 
@@ -41,8 +41,7 @@ from libp2p.pubsub.pubsub import Pubsub
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.tools.anyio_service import background_trio_service
 
-from node.blobstore import BlobStore, BlobWriter
-from node.network import (  # P2PConfig is re-exported: it is this module's settings
+from node.net.network import (  # P2PConfig is re-exported: it is this module's settings
     BlobFetchError,
     Delivery,
     GossipJudge,
@@ -52,7 +51,8 @@ from node.network import (  # P2PConfig is re-exported: it is this module's sett
     Subscribers,
     Subscription,
 )
-from node.p2p.wire import FRAME_PAYLOAD_BYTES, TunedNoise, keep_buffer_pages
+from node.net.p2p.wire import FRAME_PAYLOAD_BYTES, TunedNoise, keep_buffer_pages
+from node.store.blobs import BlobStore, BlobWriter
 from protocol.identity import Identity
 from protocol.messages import Envelope
 

@@ -1,8 +1,8 @@
 """`tessera simulate` (a whole network on this machine) and `tessera bootstrap` (a relay-only peer).
 
-`simulate` drives node.simulate.Simulation: start every process, print a progress line at each
+`simulate` drives node.sim.run.Simulation: start every process, print a progress line at each
 phase, wait for N rounds, write DIR/report.json, print a results table, stop everything. It exits
-1 if a node died or fewer rounds completed than asked, 0 otherwise. `bootstrap` runs node.peer
+1 if a node died or fewer rounds completed than asked, 0 otherwise. `bootstrap` runs node.sim.peer
 without a control channel. This module only parses arguments and formats output.
 """
 
@@ -52,11 +52,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_bootstrap(args: argparse.Namespace) -> int:
-    from node.peer import main as peer_main
+    from node.sim.peer import main as peer_main
 
     key = args.key
     if args.sim_key is not None:
-        from node.simnet import sim_identity
+        from node.sim.layout import sim_identity
         from protocol.identity import save_identity
 
         key = str(Path(args.data_dir) / "node.key")
@@ -71,7 +71,7 @@ def run_bootstrap(args: argparse.Namespace) -> int:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from node.simulate import SimSettings, Simulation, SimulationError
+    from node.sim.run import SimSettings, Simulation, SimulationError
 
     if args.rounds < 1:
         raise ValueError(f"--rounds must be at least 1, got {args.rounds}")

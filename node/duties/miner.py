@@ -1,6 +1,6 @@
 """Miner duties: train the target experts from the adopted global state, then commit and reveal the blob.
 
-TRAIN of round r: settle the global state (node.consensus), put it into the model and train H
+TRAIN of round r: settle the global state (node.duties.consensus), put it into the model and train H
 inner steps on this miner's shard, off the event loop, stopping early when TRAIN is about to end;
 the canonical blob (metadata: network, round, this miner, base = head, group) goes into the blob
 store and its hash c is remembered in storage. COMMIT: publish Commit(r, c). REVEAL: serve the blob
@@ -24,9 +24,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from node.consensus import GLOBAL_RNG_LOCK, Consensus, wait_until
-from node.daemon import BuiltOnce, HeartbeatDuties, NodeContext
-from node.network import NetworkError, PublishRefused
+from node.duties.consensus import GLOBAL_RNG_LOCK, Consensus, wait_until
+from node.net.network import NetworkError, PublishRefused
+from node.runtime.daemon import BuiltOnce, HeartbeatDuties, NodeContext
 from protocol.messages import Commit, Envelope, Reveal
 from protocol.rounds import Phase
 from protocol.spec import spec_dir_path

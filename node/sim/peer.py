@@ -1,6 +1,6 @@
 """A minimal standalone peer: a libp2p host with a line-based JSON control channel on stdin/stdout.
 
-    python -m node.peer --key K --network-spec SPEC --data-dir DIR [--host IP] [--port P]
+    python -m node.sim.peer --key K --network-spec SPEC --data-dir DIR [--host IP] [--port P]
                         [--bootstrap ADDR ...] [--control stdio|none] [--serve-rate B/S]
 
 With `--control none` it is the `tessera bootstrap` node: it prints its listen addresses, relays
@@ -12,7 +12,7 @@ run concurrently, so a slow fetch does not hold up the others:
     put_blob {size, seed, serve}    store (and serve) deterministic random bytes
     fetch {hash, providers, max_bytes} | has_blob {hash} | tmp_files | quit
 `PeerProcess` starts such a process and drives it (integration tests and bench/transfer.py).
-This module knows nothing about rounds or duties; it only exercises node.p2p.
+This module knows nothing about rounds or duties; it only exercises node.net.p2p.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from node.blobstore import TMP_DIR, BlobStore
-from node.clock import SystemClock
-from node.network import Delivery, GossipJudge, NetworkError
-from node.p2p import P2PConfig, P2PNetwork
+from node.net.network import Delivery, GossipJudge, NetworkError
+from node.net.p2p import P2PConfig, P2PNetwork
+from node.runtime.clock import SystemClock
+from node.store.blobs import TMP_DIR, BlobStore
 from protocol.check import CheckContext
 from protocol.identity import Identity, load_or_create_identity, save_identity
 from protocol.messages import Envelope, Heartbeat, seal
@@ -181,7 +181,7 @@ async def run_peer(args: argparse.Namespace) -> None:
 
 
 class PeerProcess:
-    """A `python -m node.peer --control stdio` child process and its control channel.
+    """A `python -m node.sim.peer --control stdio` child process and its control channel.
 
     A reader thread files each answer under its request id, so callers wait with a timeout.
     """
@@ -194,7 +194,7 @@ class PeerProcess:
         if not key.exists():
             save_identity(identity, key)
         command = [
-            sys.executable, "-m", "node.peer", "--key", str(key), "--network-spec", str(spec),
+            sys.executable, "-m", "node.sim.peer", "--key", str(key), "--network-spec", str(spec),
             "--data-dir", str(directory), "--port", str(port), "--control", "stdio", *args,
         ]
         self._stderr = open(directory / "stderr.log", "ab")  # noqa: SIM115 - closed in stop()
@@ -262,7 +262,7 @@ class PeerProcess:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m node.peer", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m node.sim.peer", description=__doc__.splitlines()[0])
     parser.add_argument("--key", required=True, help="Ed25519 key file (created on first start)")
     parser.add_argument("--network-spec", required=True, help="the network spec TOML")
     parser.add_argument("--data-dir", required=True, help="where blobs are stored")

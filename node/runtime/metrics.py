@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from node.network import NetworkStats
+from node.net.network import NetworkStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 15, 30, 60, 300, 900, 3600)

@@ -1,6 +1,6 @@
 """Validator duties: seeds, Proof-of-Loss scoring, and the merge that proposes the next global state.
 
-TRAIN of round r: settle round r-1's global state (node.consensus; a validator in the minority
+TRAIN of round r: settle round r-1's global state (node.duties.consensus; a validator in the minority
 re-syncs state and momentum), then commit to a fresh seed, persisted BEFORE it is published so a
 restart reuses it. REVEAL: reveal the seed. EVALUATE: the round seed s_r comes from the validators
 that committed and revealed; the miners are those with a Commit and a matching Reveal; the blobs
@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from node.consensus import GLOBAL_RNG_LOCK, MOMENTUM_OF_KEY, Consensus, wait_until
-from node.daemon import ROUND_REPORT_KEY, BuiltOnce, HeartbeatDuties, NodeContext
-from node.network import NetworkError, PublishRefused
-from node.storage import RewardRecord
+from node.duties.consensus import GLOBAL_RNG_LOCK, MOMENTUM_OF_KEY, Consensus, wait_until
+from node.net.network import NetworkError, PublishRefused
+from node.runtime.daemon import ROUND_REPORT_KEY, BuiltOnce, HeartbeatDuties, NodeContext
+from node.store.db import RewardRecord
 from protocol.assignment import assign
 from protocol.messages import Envelope, GlobalState, Message, ScoreEntry, ScoreReport, SeedCommit, SeedReveal
 from protocol.ranking import RoundRanking, update_standing

@@ -1,7 +1,7 @@
 """`tessera init | miner | validator | status`: write a node config, run the daemon, ask a node its status.
 
 Heavy imports (the daemon, aiohttp, libp2p) happen inside the run functions so `tessera --help`
-stays fast. This module only turns arguments into calls on node.config and node.daemon.
+stays fast. This module only turns arguments into calls on node.runtime.config and node.runtime.daemon.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_init(args: argparse.Namespace) -> int:
-    from node.config import load_config, render_config
+    from node.runtime.config import load_config, render_config
     from protocol.identity import load_or_create_identity
     from protocol.spec import load_spec
 
@@ -73,8 +73,8 @@ def run_init(args: argparse.Namespace) -> int:
 
 
 def run_daemon(args: argparse.Namespace) -> int:
-    from node.config import load_config
-    from node.daemon import serve
+    from node.runtime.config import load_config
+    from node.runtime.daemon import serve
 
     config = load_config(args.config)
     if config.node.role != args.role:
@@ -83,9 +83,9 @@ def run_daemon(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if config.node.role == "miner":
-        from node.miner import MinerDuties as duties
+        from node.duties.miner import MinerDuties as duties
     else:
-        from node.validator_node import ValidatorDuties as duties
+        from node.duties.validator import ValidatorDuties as duties
     return serve(config, duties)
 
 
@@ -93,7 +93,7 @@ def run_status(args: argparse.Namespace) -> int:
     if args.url is not None:
         url = args.url.rstrip("/")
     else:
-        from node.config import load_config
+        from node.runtime.config import load_config
 
         http = load_config(args.config).http
         if not http.enabled:

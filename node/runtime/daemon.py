@@ -8,7 +8,7 @@ killed at any point restarts knowing every message its duties acted on.
 
 Miner and validator work plugs in through `Duties` (`on_phase`, `on_message`), built from a
 `NodeContext`; the built-in `HeartbeatDuties` only announces liveness and head, once a round.
-This module knows nothing about training, scoring or merging, nor about libp2p (node.p2p).
+This module knows nothing about training, scoring or merging, nor about libp2p (node.net.p2p).
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
-from node.blobstore import BlobStore
-from node.clock import Clock, SystemClock
-from node.config import NodeConfig
-from node.http_api import HttpApi
-from node.metrics import NodeMetrics
-from node.network import GossipJudge, Network, Subscription
-from node.scheduler import PhaseRun, Scheduler
-from node.storage import MOMENTUM_KEY, Storage
+from node.net.network import GossipJudge, Network, Subscription
+from node.runtime.clock import Clock, SystemClock
+from node.runtime.config import NodeConfig
+from node.runtime.http import HttpApi
+from node.runtime.metrics import NodeMetrics
+from node.runtime.scheduler import PhaseRun, Scheduler
+from node.store.blobs import BlobStore
+from node.store.db import MOMENTUM_KEY, Storage
 from protocol.identity import Identity, load_or_create_identity
 from protocol.messages import Envelope, Heartbeat, Message, seal
 from protocol.rounds import Phase, Schedule
@@ -269,7 +269,7 @@ def _run_dict(run: PhaseRun) -> dict[str, Any]:
 
 async def _open_libp2p(config: NodeConfig, spec: NetworkSpec, identity: Identity, blobs: BlobStore,
                        clock: Clock) -> Network:
-    from node.p2p import P2PConfig, P2PNetwork  # the one package that imports libp2p and trio
+    from node.net.p2p import P2PConfig, P2PNetwork  # the one package that imports libp2p and trio
 
     p2p = P2PConfig(host=config.p2p.host, port=config.p2p.port, bootstrap=tuple(config.p2p.bootstrap),
                     max_peers=config.p2p.max_peers)

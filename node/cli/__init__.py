@@ -1,0 +1,1 @@
+"""The `tessera` command line: `main` builds the parser from the command modules here and runs one."""

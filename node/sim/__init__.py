@@ -1,0 +1,1 @@
+"""Simulation: a whole network on one machine (layout, processes, adversary strategies, a control-channel peer)."""
