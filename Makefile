@@ -3,7 +3,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test check lint bench clean test-tools
 
 $(STAMP): pyproject.toml constraints.txt
 	@# py-libp2p builds fastecdsa from source, which needs the GMP headers.
@@ -17,9 +17,21 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(VENV)/bin/tessera simulate --validators 2 --miners 4 --rounds 3 --dir .demo --force
 
-test: $(STAMP)
+# The browser test drives Debian's chromium; the compose test runs `docker-compose config`.
+test-tools:
+	@if ! { command -v chromium && command -v docker-compose; } >/dev/null && command -v apt-get >/dev/null; then \
+		apt-get update -q && apt-get install -y -q chromium docker-compose; fi
+
+test: $(STAMP) test-tools
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
+
+# The quick loop (at most 90 s): lint, types, unit and in-memory twin tests; no real node processes.
+check: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	$(PY) -m pytest -q -m "not integration"
 
 bench: $(STAMP)
 	mkdir -p .bench
@@ -27,6 +39,7 @@ bench: $(STAMP)
 	$(PY) bench/validator.py --out .bench/validator.json
 	$(PY) bench/transfer.py --out .bench/transfer.json
 	$(PY) bench/round.py --out .bench/round.json
+	$(PY) bench/selection.py --out .bench/selection.json
 
 clean:
 	rm -rf $(VENV) .demo .bench

@@ -35,10 +35,11 @@ def assign(
     if not validator_ids:
         raise ValueError("cannot assign miners: the validator set is empty")
     r = min(replication, len(validator_ids))
-    return {
-        miner: tuple(sorted(validator_ids, key=lambda v, m=miner: (distance(round_seed, m, v), v))[:r])
-        for miner in miner_ids
-    }
+
+    def closest(miner: str) -> tuple[str, ...]:
+        return tuple(sorted(validator_ids, key=lambda v: (distance(round_seed, miner, v), v))[:r])
+
+    return {miner: closest(miner) for miner in miner_ids}
 
 
 def assigned_to(

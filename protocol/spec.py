@@ -18,8 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from protocol.encoding import canonical_json, sha256_hex
 
-FAMILIES = ("qwen3_moe", "olmoe", "mixtral", "deepseek_v3")
-Family = Literal["qwen3_moe", "olmoe", "mixtral", "deepseek_v3"]
+FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v2", "deepseek_v3")
+Family = Literal["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v2", "deepseek_v3"]
 Hex32 = Annotated[str, Field(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")]
 
 
@@ -116,6 +116,25 @@ class LimitSpec(_Strict):
     max_header_bytes: int = Field(default=1 << 20, ge=1024, description="Largest safetensors header in a blob.")
 
 
+class SubmissionSpec(_Strict):
+    """What miners submit: full experts, or a compressed pseudo-gradient (top-k per chunk, quantised).
+
+    `pgrad` blobs hold, per expert tensor, `.idx` (I16 in-chunk indices), `.q` (I8, or U8 with four
+    2-bit codes per byte) and `.scale` (F32, one per chunk); training.pgrad defines the layout.
+    """
+
+    format: Literal["experts", "pgrad"] = Field(default="experts", description="Submission format.")
+    chunk: int = Field(default=1024, ge=1, le=32768, description="pgrad: entries per chunk.")
+    topk: int = Field(default=32, ge=4, description="pgrad: entries kept per chunk, a multiple of 4.")
+    quant: Literal["int8", "2bit"] = Field(default="2bit", description="pgrad: how kept values are quantised.")
+
+    @model_validator(mode="after")
+    def _topk_fits(self) -> SubmissionSpec:
+        if self.topk % 4 or self.topk > self.chunk:
+            raise ValueError(f"topk must be a multiple of 4 and at most chunk, got {self.topk}")
+        return self
+
+
 class NetworkSpec(_Strict):
     """Everything one network agrees on. `network_id` hashes its canonical encoding."""
 
@@ -130,6 +149,7 @@ class NetworkSpec(_Strict):
     rewards: RewardSpec = RewardSpec()
     aggregation: AggregationSpec = AggregationSpec()
     limits: LimitSpec = LimitSpec()
+    submission: SubmissionSpec = SubmissionSpec()
 
     @field_validator("genesis")
     @classmethod
@@ -178,6 +198,8 @@ class NetworkSpec(_Strict):
         """The canonical encoding that `network_id` hashes."""
         data = self.model_dump(mode="json")
         data["group"] = {str(k): v for k, v in self.group.items()}
+        if self.submission == SubmissionSpec():
+            del data["submission"]  # a spec that keeps full-expert submissions has the id it had before
         return canonical_json(data)
 
     @property
@@ -191,7 +213,7 @@ def parse_spec(data: dict[str, object]) -> NetworkSpec:
     fixed = dict(data)
     if isinstance(fixed.get("group"), dict):
         try:
-            fixed["group"] = {int(k): v for k, v in fixed["group"].items()}  # type: ignore[union-attr]
+            fixed["group"] = {int(k): v for k, v in fixed["group"].items()}  # type: ignore[attr-defined]
         except ValueError as exc:
             raise SpecError("group: layer keys must be integers, e.g. 0 = [1, 5]") from exc
     if isinstance(fixed.get("genesis"), str):

@@ -1,59 +1,48 @@
-"""Model adapters: where each transformers MoE family keeps its experts, router and shared experts.
+"""Model adapters: one reader of transformers 5's standard MoE layout, with each family a table entry.
 
-In transformers 5 all supported families share one layout: a decoder layer whose `mlp` is an MoE
-block has `mlp.experts.gate_up_proj` [E, 2I, H] (rows [gate; up]), `mlp.experts.down_proj`
-[E, H, I] and a router `mlp.gate` with `.weight` [E, H]. Dense layers (DeepSeek's
-`first_k_dense_replace`, Qwen3's `mlp_only_layers` / `decoder_sparse_step`) have no `experts`
-and are never listed. Hub checkpoints keep one key per expert; `convert_hub_state_dict` fuses them
-the way transformers' own conversion mapping does (stack experts on dim 0, concat gate then up).
-An adapter also knows how its family routes, so the trainer's `compressed` forward can mask the
-router to the selected experts. This module knows nothing about training, blobs or the network.
+In transformers 5 every supported family keeps its MoE block at `model.layers[i].mlp`, with fused
+routed experts `mlp.experts.gate_up_proj` [E, 2I, H] (rows [gate; up]) and `mlp.experts.down_proj`
+[E, H, I], a router `mlp.gate` with `.weight` [E, H], and optionally always-on shared experts.
+Dense layers (DeepSeek's `first_k_dense_replace`, Qwen's `mlp_only_layers` / `decoder_sparse_step`)
+have no `experts` and are never listed. What differs between families is only how they route and
+where their shared experts live; that is the `MoEAdapter` table entry. Hub checkpoints keep one key
+per expert; transformers' own conversion mapping fuses them on load (see `training.model`), so this
+module never renames weights. It knows nothing about files, training, blobs or the network.
 
 Legend: T tokens, H hidden size, E routed experts, K experts per token, I expert intermediate size.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from transformers import (
-    DeepseekV3Config,
-    DeepseekV3ForCausalLM,
-    MixtralConfig,
-    MixtralForCausalLM,
-    OlmoeConfig,
-    OlmoeForCausalLM,
-    PretrainedConfig,
-    PreTrainedModel,
-    Qwen3MoeConfig,
-    Qwen3MoeForCausalLM,
-)
 
 Routing = Literal["softmax", "sigmoid"]
-# One routed expert in a hub checkpoint: <prefix>.experts.<e>.<projection>.weight
-_HUB_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+# Config keys that count routed experts in the families transformers knows.
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+# MoE families whose experts do not fit the fused [E, 2I, H] / [E, H, I] layout, and why.
+_UNFIT: dict[str, str] = {
+    "gpt_oss": "its experts are stored transposed ([E, H, 2I]), with gate/up interleaved and biases, "
+    "and hub checkpoints are MXFP4-quantized",
+}
 
 
 @dataclass(frozen=True)
 class MoEAdapter:
-    """Everything family-specific about one transformers MoE family."""
+    """Everything family-specific about one transformers MoE family: how it routes, where shared experts are."""
 
     family: str
-    config_class: type[PretrainedConfig]
-    model_class: type[PreTrainedModel]
+    """The transformers `model_type`, as written in a spec's `model.family`."""
     routing: Routing
     """`softmax`: softmax over router logits, top-k; `sigmoid`: DeepSeek-V3 sigmoid scores + bias."""
-    hub_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
-    """Per-expert hub key names of the gate, up and down projections."""
-    hub_renames: tuple[tuple[str, str], ...] = ()
-    """Substring renames applied to hub keys before fusing (Mixtral's `block_sparse_moe` -> `mlp`)."""
-    shared_attr: str | None = None
-    """Attribute of the MoE block holding always-on shared experts, if the family has them."""
+    renormalise: bool | None = None
+    """Whether top-k weights are renormalised; None reads the router's own `norm_topk_prob` flag."""
+    shared: tuple[str, ...] = ()
+    """Attributes of the MoE block holding always-on shared experts (and their gate), if any."""
 
     def moe_layers(self, model: torch.nn.Module) -> list[int]:
         """Indices of the decoder layers that hold routed experts, ascending."""
@@ -75,43 +64,37 @@ class MoEAdapter:
         return int(self.experts(model, layers[0]).gate_up_proj.shape[0])
 
     def shared_expert_params(self, model: torch.nn.Module, layer: int) -> dict[str, torch.nn.Parameter]:
-        """Parameters of `layer`'s shared experts by their name in the model; empty if none."""
+        """Parameters of `layer`'s shared experts (and shared-expert gate) by their name in the model."""
         block = self._moe_block(model, layer)
-        if self.shared_attr is None:
-            return {}
-        prefix = f"model.layers.{layer}.mlp.{self.shared_attr}."
-        return {prefix + name: p for name, p in getattr(block, self.shared_attr).named_parameters()}
-
-    def convert_hub_state_dict(
-        self, state_dict: Mapping[str, torch.Tensor], config: PretrainedConfig
-    ) -> dict[str, torch.Tensor]:
-        """Turn per-expert hub keys into the fused layout; already-fused keys pass through unchanged."""
-        renamed: dict[str, torch.Tensor] = {}
-        for key, tensor in state_dict.items():
-            for old, new in self.hub_renames:
-                key = key.replace(old, new)
-            renamed[key] = tensor
-        per_expert: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
-        out: dict[str, torch.Tensor] = {}
-        for key, tensor in renamed.items():
-            match = _HUB_EXPERT.match(key)
-            if match is None:
-                out[key] = tensor
-                continue
-            if match["proj"] not in self.hub_projections:
-                raise ValueError(f"{key}: unknown expert projection {match['proj']!r} for {self.family}")
-            by_proj = per_expert.setdefault(match["prefix"], {})
-            by_proj.setdefault(match["proj"], {})[int(match["expert"])] = tensor
-        n_experts = int(config.num_local_experts)
-        gate, up, down = self.hub_projections
-        for prefix, by_proj in sorted(per_expert.items()):
-            stacked = {
-                proj: _stack_experts(prefix, proj, by_proj.get(proj, {}), n_experts)
-                for proj in (gate, up, down)
-            }
-            out[f"{prefix}.gate_up_proj"] = torch.cat([stacked[gate], stacked[up]], dim=1)
-            out[f"{prefix}.down_proj"] = stacked[down]
+        out: dict[str, torch.nn.Parameter] = {}
+        for attr in self.shared:
+            prefix = f"model.layers.{layer}.mlp.{attr}."
+            out |= {prefix + name: p for name, p in getattr(block, attr).named_parameters()}
         return out
+
+    def check_layout(self, model: torch.nn.Module) -> None:
+        """Refuse a model whose MoE layers do not have the fused layout this adapter reads."""
+        layers = self.moe_layers(model)
+        if not layers:
+            raise ValueError(f"the {self.family} model has no MoE layers (every layer is dense)")
+        for layer in layers:
+            experts, router = self.experts(model, layer), self.router(model, layer)
+            gate_up = getattr(experts, "gate_up_proj", None)
+            down = getattr(experts, "down_proj", None)
+            found = {name: tuple(t.shape) for name, t in experts.named_parameters()}
+            if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor) or set(found) != {
+                "gate_up_proj",
+                "down_proj",
+            }:
+                raise ValueError(
+                    f"layer {layer}: experts hold {found}, not the fused gate_up_proj/down_proj layout"
+                )
+            n, two_i, hidden = gate_up.shape
+            if tuple(down.shape) != (n, hidden, two_i // 2) or tuple(router.weight.shape) != (n, hidden):
+                raise ValueError(
+                    f"layer {layer}: gate_up_proj {tuple(gate_up.shape)}, down_proj {tuple(down.shape)} and "
+                    f"router {tuple(router.weight.shape)} are not [E, 2I, H], [E, H, I] and [E, H]"
+                )
 
     def route(
         self, router: torch.nn.Module, hidden_TH: torch.Tensor, allowed_E: torch.Tensor
@@ -119,28 +102,32 @@ class MoEAdapter:
         """Route tokens to `allowed_E` experts only, as a model holding just those experts would.
 
         Returns (router logits [T, E], weights [T, K'], expert ids [T, K']) with K' = min(K, allowed).
-        Softmax families take the softmax over the allowed experts' logits only; DeepSeek-V3 keeps its
-        sigmoid scores and correction bias but drops group-limited routing (the groups of a partial
-        expert set are not meaningful).
+        Softmax families take the softmax over the allowed experts' logits only; DeepSeek keeps its
+        scaling factor, and V3 its sigmoid scores and correction bias, but group-limited routing is
+        dropped (the groups of a partial expert set are not meaningful).
         """
         hidden_TH = hidden_TH.reshape(-1, router.weight.shape[1])
         k = min(int(router.top_k), int(allowed_E.sum()))
         blocked_E = ~allowed_E.to(hidden_TH.device)
+        scale = float(getattr(router, "routed_scaling_factor", 1.0))
+        renormalise = self.renormalise
+        if renormalise is None:
+            renormalise = bool(getattr(router, "norm_topk_prob", True))  # Mixtral always renormalises
         if self.routing == "softmax":
             logits_TE = F.linear(hidden_TH, router.weight)
             probs_TE = logits_TE.float().masked_fill(blocked_E, float("-inf")).softmax(dim=-1)
             weights_TK, index_TK = torch.topk(probs_TE, k, dim=-1)
-            if getattr(router, "norm_topk_prob", True):  # Mixtral always renormalises and has no flag
+            if renormalise:
                 weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
-            return logits_TE, weights_TK.to(logits_TE.dtype), index_TK
+            return logits_TE, (weights_TK * scale).to(logits_TE.dtype), index_TK
         logits_TE = F.linear(hidden_TH.float(), router.weight.float())
         scores_TE = logits_TE.sigmoid()
         choice_TE = (scores_TE + router.e_score_correction_bias).masked_fill(blocked_E, float("-inf"))
         index_TK = torch.topk(choice_TE, k, dim=-1, sorted=False)[1]
         weights_TK = scores_TE.gather(1, index_TK)
-        if router.norm_topk_prob:
+        if renormalise:
             weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
-        return logits_TE, weights_TK * router.routed_scaling_factor, index_TK
+        return logits_TE, weights_TK * scale, index_TK
 
     def _moe_block(self, model: torch.nn.Module, layer: int) -> torch.nn.Module:
         layers = _decoder_layers(model)
@@ -154,28 +141,46 @@ class MoEAdapter:
 
 
 ADAPTERS: dict[str, MoEAdapter] = {
-    "qwen3_moe": MoEAdapter("qwen3_moe", Qwen3MoeConfig, Qwen3MoeForCausalLM, "softmax"),
-    "olmoe": MoEAdapter("olmoe", OlmoeConfig, OlmoeForCausalLM, "softmax"),
-    "mixtral": MoEAdapter(
-        "mixtral",
-        MixtralConfig,
-        MixtralForCausalLM,
-        "softmax",
-        hub_projections=("w1", "w3", "w2"),
-        hub_renames=((".block_sparse_moe.", ".mlp."),),
-    ),
-    "deepseek_v3": MoEAdapter(
-        "deepseek_v3", DeepseekV3Config, DeepseekV3ForCausalLM, "sigmoid", shared_attr="shared_experts"
-    ),
+    entry.family: entry
+    for entry in (
+        MoEAdapter("qwen3_moe", "softmax"),
+        MoEAdapter("qwen2_moe", "softmax", shared=("shared_expert", "shared_expert_gate")),
+        MoEAdapter("olmoe", "softmax"),
+        MoEAdapter("mixtral", "softmax"),
+        MoEAdapter("deepseek_v2", "softmax", renormalise=False, shared=("shared_experts",)),
+        MoEAdapter("deepseek_v3", "sigmoid", shared=("shared_experts",)),
+    )
 }
 
 
 def adapter_for(family: str) -> MoEAdapter:
-    """The adapter of a family name as written in a spec ("qwen3_moe", "olmoe", "mixtral", "deepseek_v3")."""
+    """The adapter of a family name as written in a spec (a transformers `model_type`)."""
     try:
         return ADAPTERS[family]
     except KeyError:
         raise ValueError(f"unknown model family {family!r}; supported: {', '.join(ADAPTERS)}") from None
+
+
+def family_of(config: Mapping[str, Any]) -> str:
+    """The supported family a checkpoint's config.json describes; one line saying what was found if none."""
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise ValueError("config.json names no model_type, so the model family is unknown")
+    if model_type in ADAPTERS:
+        return model_type
+    supported = ", ".join(ADAPTERS)
+    if model_type in _UNFIT:
+        raise ValueError(f"{model_type} is an MoE, but not of the supported layout: {_UNFIT[model_type]}")
+    experts = [config[k] for k in _EXPERT_COUNT_KEYS if isinstance(config.get(k), int)]
+    if any(n > 1 for n in experts):
+        raise ValueError(
+            f"{model_type} is an MoE family Tessera has no table entry for; supported: {supported}"
+        )
+    architectures = config.get("architectures") or [model_type]
+    raise ValueError(
+        f"{model_type} ({', '.join(map(str, architectures))}) is a dense model with no routed experts; "
+        f"Tessera trains MoE models: {supported}"
+    )
 
 
 def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -184,19 +189,3 @@ def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     if not isinstance(layers, torch.nn.ModuleList):
         raise ValueError(f"{type(model).__name__} has no decoder layers at `model.layers`")
     return layers
-
-
-def _stack_experts(
-    prefix: str, proj: str, tensors: Mapping[int, torch.Tensor], n_experts: int
-) -> torch.Tensor:
-    missing = sorted(set(range(n_experts)) - set(tensors))
-    extra = sorted(set(tensors) - set(range(n_experts)))
-    if missing or extra:
-        raise ValueError(
-            f"{prefix}: the checkpoint's {proj} experts do not match the config's {n_experts} experts "
-            f"(missing {missing[:5]}, unexpected {extra[:5]})"
-        )
-    shapes = {tuple(t.shape) for t in tensors.values()}
-    if len(shapes) != 1:
-        raise ValueError(f"{prefix}: {proj} experts have different shapes {sorted(shapes)}")
-    return torch.stack([tensors[e] for e in range(n_experts)], dim=0)

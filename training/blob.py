@@ -25,13 +25,17 @@ import torch
 from protocol.encoding import canonical_json, sha256_hex
 
 BLOB_FORMAT = "tessera-experts/1"
+PGRAD_FORMAT = "tessera-pgrad/1"
+"""A compressed pseudo-gradient submission (training.pgrad): integer indices and codes, fp32 scales."""
 # Validators' global state and outer momentum (validator.state) use the same layout.
-FORMATS = (BLOB_FORMAT, "tessera-global/1", "tessera-momentum/1")
+FORMATS = (BLOB_FORMAT, PGRAD_FORMAT, "tessera-global/1", "tessera-momentum/1")
 META_KEY = "tessera"
-DTYPES: dict[str, torch.dtype] = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+DTYPES: dict[str, torch.dtype] = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                                  "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8}
+_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+          torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8"}
 _SPEC_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
-_ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2}
+_ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2, "I16": 2, "I8": 1, "U8": 1}
 _PICKLE_PROTOCOLS = range(2, 6)
 _ZIP_MAGIC = b"PK\x03\x04"
 _META_FIELDS = ("base", "format", "group", "miner", "network", "round")

@@ -1,8 +1,9 @@
 """Synthetic domain corpora for simulations and tests, deterministic from a seed.
 
-Three domains a byte-level model can tell apart: "arithmetic" (lines such as `12+7=19` and
-`(3*4)-5=7`, always correct), "code" (small Python-like function definitions) and "prose"
-(plain sentences from a fixed vocabulary). The same (domain, n_docs, seed) always gives the
+Four domains a byte-level model can tell apart: "arithmetic" (lines such as `12+7=19` and
+`(3*4)-5=7`, always correct), "code" (small Python-like function definitions), "prose"
+(plain sentences from a fixed vocabulary) and "records" (key=value log lines whose fields
+agree with each other, e.g. `qty=3 price=12 total=36`). The same (domain, n_docs, seed) always gives the
 same documents. This module knows nothing about tokenizers, models or the network.
 """
 
@@ -13,7 +14,7 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-DOMAINS = ("arithmetic", "code", "prose")
+DOMAINS = ("arithmetic", "code", "prose", "records")
 FORMATS = ("jsonl", "txt", "parquet")
 
 _NAMES = ("total", "count", "value", "item", "index", "size", "left", "right", "acc", "step")
@@ -22,6 +23,8 @@ _SUBJECTS = ("the miner", "a validator", "the old river", "my neighbour", "the s
 _VERBS = ("walked to", "looked at", "wrote about", "carried", "remembered", "painted")
 _OBJECTS = ("the market", "a green door", "the quiet hills", "an empty boat", "the last letter", "a warm loaf")
 _TAILS = ("before noon", "in the rain", "without a word", "with great care", "after supper", "once again")
+_USERS = ("ada", "bo", "cyd", "dee", "eli", "fay", "gus", "hal")
+_ITEMS = ("bolt", "gear", "lamp", "rope", "tile", "wire")
 
 
 def _arithmetic_line(rng: random.Random) -> str:
@@ -62,10 +65,20 @@ def _prose_doc(rng: random.Random) -> str:
     return " ".join(sentences)
 
 
+def _records_doc(rng: random.Random) -> str:
+    lines = []
+    for _ in range(rng.randint(3, 6)):
+        qty, price = rng.randint(1, 9), rng.randint(2, 40)
+        user, item = rng.choice(_USERS), rng.choice(_ITEMS)
+        lines.append(f"id={rng.randint(100, 999)} user={user} item={item} qty={qty} price={price} total={qty * price}")
+    return "\n".join(lines)
+
+
 _GENERATORS: dict[str, Callable[[random.Random], str]] = {
     "arithmetic": _arithmetic_doc,
     "code": _code_doc,
     "prose": _prose_doc,
+    "records": _records_doc,
 }
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from training.adapters import MoEAdapter
-from training.experts import Tensors, extract, insert, parse_name
+from training.experts import ExpertGroup, Tensors, check_group, expert_names, insert, parse_name
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ def heldout_loss(
     device: str = "cpu",
     pad_id: int = 256,
 ) -> LossResult:
-    """Mean token loss of `model` on `sequences` [N, L]; the model is moved to `device`."""
+    """Mean token loss of `model` on `sequences` [N, L]; the model is moved to `device` (see `place`)."""
     if sequences.ndim != 2 or sequences.shape[0] == 0 or sequences.dtype != torch.long:
         raise ValueError(
             f"expected a non-empty LongTensor [N, L] of token ids, got {sequences.dtype} "
@@ -55,13 +55,13 @@ def heldout_loss(
         )
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-    model.to(device)
+    input_device = place(model, device)
     was_training = model.training
     model.eval()
     total, tokens = 0.0, 0
     try:
         for start in range(0, sequences.shape[0], batch_size):
-            ids_BL = sequences[start : start + batch_size].to(device)
+            ids_BL = sequences[start : start + batch_size].to(input_device)
             total += float(token_loss_sum(model, ids_BL, pad_id))
             tokens += int((ids_BL[:, 1:] != pad_id).sum())
     finally:
@@ -69,6 +69,14 @@ def heldout_loss(
     if tokens == 0:
         raise ValueError("the held-out sequences hold only padding; there is nothing to score")
     return LossResult(loss=total / tokens, tokens=tokens)
+
+
+def place(model: torch.nn.Module, device: str | torch.device) -> torch.device:
+    """Move `model` to `device` and return where its inputs go; a model spread by a device_map stays put."""
+    if getattr(model, "hf_device_map", None):
+        return model.get_input_embeddings().weight.device
+    model.to(device)
+    return torch.device(device)
 
 
 def loss_with_experts(
@@ -85,9 +93,7 @@ def loss_with_experts(
     for name in tensors:
         layer, expert, _ = parse_name(name)
         group.setdefault(layer, set()).add(expert)
-    original = extract(
-        model, adapter, {layer: sorted(e) for layer, e in group.items()}, dtype=_expert_dtype(model, adapter)
-    )
+    original = _rows(model, adapter, {layer: sorted(e) for layer, e in group.items()})
     insert(model, adapter, tensors)
     try:
         return heldout_loss(model, sequences, batch_size=batch_size, device=device, pad_id=pad_id)
@@ -95,5 +101,12 @@ def loss_with_experts(
         insert(model, adapter, original)
 
 
-def _expert_dtype(model: torch.nn.Module, adapter: MoEAdapter) -> torch.dtype:
-    return adapter.experts(model, adapter.moe_layers(model)[0]).gate_up_proj.dtype
+@torch.no_grad()
+def _rows(model: torch.nn.Module, adapter: MoEAdapter, group: ExpertGroup) -> dict[str, torch.Tensor]:
+    """Clones of `group`'s expert rows where they live (no trip through host memory), by name."""
+    check_group(model, adapter, group)
+    out: dict[str, torch.Tensor] = {}
+    for name in expert_names(group):
+        layer, expert, param = parse_name(name)
+        out[name] = getattr(adapter.experts(model, layer), param)[expert].detach().clone()
+    return out

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from protocol.spec import NetworkSpec
 from training.adapters import MoEAdapter
+
+if TYPE_CHECKING:  # only a type here; keeps training/ importable where pydantic is absent (bench/gpu.py)
+    from protocol.spec import NetworkSpec
 
 ExpertGroup = Mapping[int, Sequence[int]]
 Tensors = Mapping[str, torch.Tensor]

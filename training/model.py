@@ -1,39 +1,50 @@
 """Building, loading and fingerprinting the base model.
 
 A network's base model is either a tiny model built from a config dict and an init seed (simulation)
-or a local Hugging Face checkpoint directory (config.json + safetensors, sharded or not; per-expert
-hub keys are fused on load; pickle is never read). `state_hash` is the base's fingerprint that the
-spec pins as `base_hash`. Models come back in eval mode with eager attention and eager experts, so
-every node computes the same numbers the same way. This module knows nothing about training or the
-network; it reads only the files a spec names.
-
-state_hash framing (all integers little-endian): the ASCII tag `tessera-state/1\\n`, then for every
-parameter and persistent buffer of `model.state_dict()` sorted by name:
-    u32 len(name) | name (UTF-8) | u32 len(dtype) | dtype (e.g. "float32") | u32 ndim |
-    u64 dim for each dim | u64 nbytes | the tensor's bytes (C order, little-endian)
-and the hash is SHA-256 of that stream, as lower-case hex.
+or a local Hugging Face checkpoint directory, loaded by transformers' own `from_pretrained` (its
+conversion mapping fuses per-expert hub keys; safetensors only, pickle is never read). Tiny models
+use eager attention and eager experts so every node computes the same numbers the same way;
+checkpoints default to sdpa. `state_hash` is a loaded model's fingerprint and
+`training.checkpoint.checkpoint_hash` the same fingerprint streamed from a checkpoint's files; the
+spec pins it as `base_hash` (framing: training/checkpoint.py). Tiny models are initialised from a
+local `torch.Generator`, never torch's global RNG: on import this module wraps the random init
+functions of `torch.nn.init` and `transformers.initialization` so that, inside `_drawing_from`,
+they draw from this thread's generator (outside it they behave exactly as before). The draws
+happen in the same order as with a seeded global RNG, so a seed gives the same bytes as it always
+did. This module knows nothing about training or the network; it reads only the files a spec names.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
-import struct
-import sys
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
-from transformers import PreTrainedModel
-from transformers.initialization import no_init_weights
+import transformers.initialization as hf_init
+from safetensors import SafetensorError, safe_open
+from transformers import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    AutoConfig,
+    AutoModelForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+)
+from transformers.utils import logging as hf_logging
 
 from protocol.spec import NetworkSpec, spec_dir_path
-from training.adapters import MoEAdapter, adapter_for
+from training.adapters import MoEAdapter, adapter_for, family_of
+from training.checkpoint import STATE_TAG, checkpoint_hash, read_config, tensor_frame, weight_files
 from training.experts import check_group
 
-_STATE_TAG = b"tessera-state/1\n"
+DeviceMap = str | dict[str, Any] | None
+
 _SPECIAL_TOKENS = {"pad_token_id": 256, "bos_token_id": 257, "eos_token_id": 258}
 _COMMON = {
     "vocab_size": 260,
@@ -57,6 +68,30 @@ _TINY: dict[str, dict[str, Any]] = {
     },
     "olmoe": {**_COMMON, "num_hidden_layers": 2, "intermediate_size": 32, "num_experts": 8},
     "mixtral": {**_COMMON, "num_hidden_layers": 2, "intermediate_size": 32, "num_local_experts": 8},
+    "qwen2_moe": {
+        **_COMMON,
+        "num_hidden_layers": 2,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+        "num_experts": 8,
+    },
+    "deepseek_v2": {
+        **_COMMON,
+        "num_hidden_layers": 3,
+        "first_k_dense_replace": 1,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_key_value_heads": 4,
+        "q_lora_rank": None,
+        "kv_lora_rank": 16,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 16,
+        "routed_scaling_factor": 1.0,
+    },
     "deepseek_v3": {
         **_COMMON,
         "num_hidden_layers": 3,
@@ -78,9 +113,12 @@ _TINY: dict[str, dict[str, Any]] = {
     },
 }
 
-assert sys.byteorder == "little", (
-    "state_hash writes tensor bytes as stored; big-endian hosts are not supported"
-)
+
+# The init functions that draw random numbers, in torch and in transformers' guarded copies.
+_RANDOM_INITS = ("uniform_", "normal_", "trunc_normal_", "xavier_uniform_", "xavier_normal_",
+                 "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_")
+_init_generator = threading.local()
+_SYNC_LOAD_ENV = "HF_DEACTIVATE_ASYNC_LOAD"
 
 
 class BaseMismatchError(ValueError):
@@ -91,48 +129,96 @@ def tiny_config(family: str, **overrides: Any) -> dict[str, Any]:
     """A small JSON-able config for `family`: hidden 64, 2 MoE layers of 8 experts, top-2, vocab 260.
 
     The vocabulary fits the byte tokenizer: ids 0-255 are bytes, 256 pad, 257 bos, 258 eos, 259 spare.
-    DeepSeek-V3 gets one extra dense first layer, as its real configs have.
+    The DeepSeek families get one extra dense first layer, as their real configs have.
     """
     adapter_for(family)
     return {**_TINY[family], **overrides}
 
 
-def build_tiny_model(family: str, config: dict[str, Any], seed: int) -> PreTrainedModel:
-    """A freshly initialised fp32 model of `family` from a config dict; the same seed gives the same bytes."""
+def build_tiny_model(
+    family: str, config: dict[str, Any], seed: int | None = None, *, generator: torch.Generator | None = None
+) -> PreTrainedModel:
+    """A freshly initialised fp32 model of `family` from a config dict, drawn from `generator`.
+
+    Give either a generator or a seed (which seeds a local generator): the same seed gives the same
+    bytes as seeding torch's global RNG with it did, and torch's global RNG is left untouched.
+    """
+    assert (seed is None) != (generator is None), "give exactly one of seed or generator"
     adapter = adapter_for(family)
     hf_config = _make_config(adapter, config)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = adapter.model_class._from_config(
+    with _drawing_from(generator if generator is not None else torch.Generator().manual_seed(seed)):
+        model = AutoModelForCausalLM.from_config(
             hf_config, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
         )
+    adapter.check_layout(model)
     return model.eval()
 
 
-def load_checkpoint(family: str, directory: str | Path) -> PreTrainedModel:
-    """Load a local HF checkpoint directory: config.json plus safetensors weights (sharded or single)."""
-    adapter = adapter_for(family)
+def meta_model(directory: str | Path) -> PreTrainedModel:
+    """The checkpoint's model with no weights (on the meta device): names, shapes, layout; reads config.json only."""
     directory = Path(directory)
-    config_path = directory / "config.json"
+    config = _checkpoint_config(directory)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    adapter_for(config.model_type).check_layout(model)
+    return model
+
+
+def load_checkpoint(
+    directory: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    device_map: DeviceMap = None,
+    attn_implementation: str = "sdpa",
+) -> PreTrainedModel:
+    """Load a local HF checkpoint directory with transformers' `from_pretrained`, in eval mode.
+
+    The safetensors files are opened with pread and handed to `from_pretrained` as lazy slices, and
+    transformers' asynchronous read-ahead is switched off for the call, so the peak memory is the
+    model plus about one fused tensor in flight (bench/load.py measures it).
+
+    `dtype` None keeps the checkpoint's dtype; `device_map` is passed to transformers (e.g. "auto",
+    "cpu", {"": 0}); `attn_implementation` "sdpa" by default, "eager" where bit-exactness matters.
+    """
+    directory = Path(directory)
+    config = _checkpoint_config(directory)
+    files = weight_files(directory)
+    hf_logging.disable_progress_bar()
     try:
-        config_dict = json.loads(config_path.read_text(encoding="utf-8"))
-    except FileNotFoundError as exc:
-        raise ValueError(f"{config_path}: no config.json in the checkpoint directory") from exc
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{config_path}: cannot read the model config: {exc}") from exc
-    hf_config = _make_config(adapter, config_dict)
-    dtype = _config_dtype(hf_config)
-    state = adapter.convert_hub_state_dict(_read_weights(directory), hf_config)
-    with no_init_weights():
-        model = adapter.model_class._from_config(
-            hf_config, dtype=dtype, attn_implementation="eager", experts_implementation="eager"
-        )
-    _load_state(model, state, directory)
+        with ExitStack() as stack, _synchronous_loading():
+            # pread, not mmap: mapped file pages would count against the process twice over.
+            slices: dict[str, Any] = {}
+            for path in files:
+                handle = stack.enter_context(safe_open(str(path), framework="pt", device="cpu", backend="pread"))
+                slices.update({key: handle.get_slice(key) for key in handle.keys()})
+            model, info = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(
+                None, config=config, state_dict=slices, dtype=dtype or _stored_dtype(config),
+                device_map=device_map, attn_implementation=attn_implementation,
+                experts_implementation="eager", output_loading_info=True,
+            )
+    except (OSError, RuntimeError, SafetensorError) as exc:
+        raise ValueError(f"{directory}: transformers cannot load this checkpoint: {exc}") from exc
+    problems = sorted(info["missing_keys"]) + sorted(str(m) for m in info["mismatched_keys"])
+    if problems:
+        raise ValueError(f"{directory}: weights do not match the config (missing or mismatched: {problems[:3]})")
+    adapter_for(config.model_type).check_layout(model)
     return model.eval()
 
 
-def load_base(spec: NetworkSpec, spec_path: str | Path) -> tuple[PreTrainedModel, MoEAdapter]:
-    """The spec's base model and its adapter; refuses a model that does not hash to `base_hash`."""
+def load_base(
+    spec: NetworkSpec,
+    spec_path: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    device_map: DeviceMap = None,
+    attn_implementation: str | None = None,
+) -> tuple[PreTrainedModel, MoEAdapter]:
+    """The spec's base model and its adapter; refuses a base that does not hash to `base_hash`.
+
+    A tiny model (`model.config`) is built in fp32 with eager attention on the CPU. A checkpoint is
+    hashed from its files first, then loaded with `load_checkpoint(dtype, device_map,
+    attn_implementation or "sdpa")`.
+    """
     adapter = adapter_for(spec.model.family)
     if spec.model.config is not None:
         config_path = spec_dir_path(spec_path, spec.model.config)
@@ -145,93 +231,103 @@ def load_base(spec: NetworkSpec, spec_path: str | Path) -> tuple[PreTrainedModel
         if not isinstance(config, dict):
             raise ValueError(f"{config_path}: the model config must be a JSON object")
         model = build_tiny_model(spec.model.family, config, spec.model.init_seed)
+        _check_hash(state_hash(model), spec.model.base_hash)
     else:
         assert spec.model.checkpoint is not None, "the spec validator requires config or checkpoint"
-        model = load_checkpoint(spec.model.family, spec_dir_path(spec_path, spec.model.checkpoint))
-    actual = state_hash(model)
-    if actual != spec.model.base_hash:
-        raise BaseMismatchError(
-            f"the base model hashes to {actual} but the spec's model.base_hash is {spec.model.base_hash}; "
-            "this node has a different base model than the network"
-        )
+        directory = spec_dir_path(spec_path, spec.model.checkpoint)
+        family = family_of(read_config(directory))
+        if family != spec.model.family:
+            raise ValueError(f"{directory}: the checkpoint is {family!r}, but the spec's family is {spec.model.family!r}")
+        _check_hash(checkpoint_hash(directory), spec.model.base_hash)
+        model = load_checkpoint(directory, dtype=dtype, device_map=device_map,
+                                attn_implementation=attn_implementation or "sdpa")
     check_group(model, adapter, spec.group)
     return model, adapter
 
 
 def state_hash(model: torch.nn.Module) -> str:
-    """SHA-256 over every parameter and persistent buffer in canonical form (framing: module docstring)."""
-    digest = hashlib.sha256(_STATE_TAG)
+    """SHA-256 over every parameter and persistent buffer in canonical form (training/checkpoint.py)."""
+    digest = hashlib.sha256(STATE_TAG)
     for name, tensor in sorted(model.state_dict().items()):
         data = tensor.detach().to("cpu").contiguous()
-        dtype = str(data.dtype).removeprefix("torch.").encode("ascii")
-        encoded = name.encode("utf-8")
-        digest.update(struct.pack("<I", len(encoded)) + encoded + struct.pack("<I", len(dtype)) + dtype)
-        digest.update(struct.pack("<I", data.dim()) + b"".join(struct.pack("<Q", d) for d in data.shape))
-        raw = data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b""
-        digest.update(struct.pack("<Q", len(raw)) + raw)
+        dtype = str(data.dtype).removeprefix("torch.")
+        flat = data.reshape(-1).view(torch.uint8) if data.numel() else torch.zeros(0, dtype=torch.uint8)
+        digest.update(tensor_frame(name, dtype, tuple(data.shape), flat.numel()))
+        digest.update(flat.numpy())
     return digest.hexdigest()
 
 
-def _make_config(adapter: MoEAdapter, config: dict[str, Any]) -> Any:
+def _stored_dtype(config: PretrainedConfig) -> torch.dtype:
+    dtype = getattr(config, "dtype", None) or torch.float32
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+@contextmanager
+def _synchronous_loading() -> Iterator[None]:
+    """Inside, transformers reads each tensor when it converts it, not all of them ahead on threads.
+
+    transformers offers this only as an environment variable, read when a load starts; a load that
+    starts on another thread meanwhile also runs synchronously, which is slower but not wrong.
+    """
+    previous = os.environ.get(_SYNC_LOAD_ENV)
+    os.environ[_SYNC_LOAD_ENV] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(_SYNC_LOAD_ENV, None)
+        else:
+            os.environ[_SYNC_LOAD_ENV] = previous
+
+
+def _check_hash(actual: str, expected: str) -> None:
+    if actual != expected:
+        raise BaseMismatchError(
+            f"the base model hashes to {actual} but the spec's model.base_hash is {expected}; "
+            "this node has a different base model than the network"
+        )
+
+
+def _checkpoint_config(directory: Path) -> PretrainedConfig:
+    raw = read_config(directory)
+    family = family_of(raw)
+    if raw.get("quantization_config") is not None:
+        raise ValueError(f"{directory}: quantized checkpoints ({raw['quantization_config'].get('quant_method', '?')}) "
+                         "are not supported; use a bf16/fp16/fp32 checkpoint")
+    return _make_config(adapter_for(family), raw)
+
+
+def _make_config(adapter: MoEAdapter, config: dict[str, Any]) -> PretrainedConfig:
     model_type = config.get("model_type", adapter.family)
     if model_type != adapter.family:
         raise ValueError(
             f"the model config is for {model_type!r}, but the spec's family is {adapter.family!r}"
         )
     try:
-        return adapter.config_class.from_dict({k: v for k, v in config.items() if k != "model_type"})
+        return AutoConfig.for_model(adapter.family, **{k: v for k, v in config.items() if k != "model_type"})
     except (TypeError, ValueError) as exc:
         raise ValueError(f"invalid {adapter.family} model config: {exc}") from exc
 
 
-def _config_dtype(config: Any) -> torch.dtype:
-    dtype = getattr(config, "dtype", None) or "float32"
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"unsupported checkpoint dtype {dtype!r}; use float32, bfloat16 or float16")
-    return getattr(torch, dtype)
+def _with_local_generator(init: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    @functools.wraps(init)
+    def draw(*args: Any, generator: torch.Generator | None = None, **kwargs: Any) -> torch.Tensor:
+        local = getattr(_init_generator, "value", None)
+        return init(*args, generator=local if generator is None else generator, **kwargs)
+
+    return draw
 
 
-def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
-    index_path = directory / "model.safetensors.index.json"
-    if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ValueError(f"{index_path}: not a valid safetensors index: {exc}") from exc
-        files = sorted({directory / name for name in weight_map.values()})
-    else:
-        files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{directory}: no *.safetensors weights (pickled .bin checkpoints are not loaded)")
-    state: dict[str, torch.Tensor] = {}
-    for path in files:
-        try:
-            shard = load_file(path)
-        except (OSError, SafetensorError) as exc:
-            raise ValueError(f"{path}: cannot read safetensors weights: {exc}") from exc
-        duplicate = state.keys() & shard.keys()
-        if duplicate:
-            raise ValueError(f"{path}: tensor {sorted(duplicate)[0]} also appears in another shard")
-        state.update(shard)
-    return state
+for _module in (torch.nn.init, hf_init):
+    for _name in _RANDOM_INITS:
+        setattr(_module, _name, _with_local_generator(getattr(_module, _name)))
 
 
-def _load_state(model: PreTrainedModel, state: dict[str, torch.Tensor], directory: Path) -> None:
-    expected = model.state_dict()
-    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
-    missing = sorted(expected.keys() - state.keys() - tied)
-    unexpected = sorted(state.keys() - expected.keys())
-    if missing or unexpected:
-        raise ValueError(
-            f"{directory}: weights do not match the config "
-            f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
-        )
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise ValueError(
-                f"{directory}: {name} has shape {tuple(tensor.shape)}, "
-                f"the config implies {tuple(expected[name].shape)}"
-            )
-    model.load_state_dict(state, strict=False)
+@contextmanager
+def _drawing_from(generator: torch.Generator) -> Iterator[None]:
+    """Inside, this thread's weight inits draw from `generator`; other threads are unaffected."""
+    _init_generator.value = generator
+    try:
+        yield
+    finally:
+        _init_generator.value = None

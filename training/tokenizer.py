@@ -64,6 +64,15 @@ class HFTokenizer:
         return list(self._tok.encode(text, add_special_tokens=False))
 
 
+def check_vocab(tokenizer: Tokenizer, model_vocab: int, where: str | Path) -> None:
+    """Refuse a tokenizer that can produce ids the model's embedding has no row for."""
+    if tokenizer.vocab_size > model_vocab:
+        raise ValueError(
+            f"{where}: the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary is "
+            f"{model_vocab}; this tokenizer does not belong to this model"
+        )
+
+
 def load_tokenizer(spec_value: str, spec_dir: str | Path) -> Tokenizer:
     """`"byte"` gives the byte tokenizer; anything else is a tokenizer directory relative to `spec_dir`."""
     if spec_value == "byte":

@@ -1,22 +1,24 @@
 """Local training of an expert group: inner AdamW over fp32 copies of just the selected expert rows.
 
-Each selected MoE layer gets two trainable copies, `w_gu_SIH` [S, 2I, H] and `w_down_SHI`
-[S, H, I] (S = selected experts). While training, that layer's experts module runs a functional
-forward (the same maths as transformers' eager experts loop) that reads selected experts from the
-copies and every other expert from the frozen fused tensors, so gradients reach the copies only.
-After each optimizer step the copies are written back into the fused rows. Router, attention,
-embeddings, norms, shared experts and unselected experts are never touched; weight decay and optimizer
-state exist for the copies alone. The model stays in eval mode (no dropout, no router jitter).
+Each selected MoE layer gets two trainable fp32 copies of its selected rows; while training, that
+layer's experts run `training.sparse_experts`' forward (plugged in through transformers' experts
+interface), which reads selected experts from the copies and every other expert from the frozen
+fused tensors, so gradients reach the copies only. After each optimizer step the copies are
+written back into the fused rows. Router, attention, embeddings, norms, shared experts
+and unselected experts are never touched; weight decay and AdamW state exist for the copies alone.
+The model stays in eval mode (no dropout, no router jitter), so training draws no random numbers
+and touches no global RNG.
 
 Forward modes:
-- `full`: every expert runs (frozen ones included) with the model's own routing.
-- `compressed`: in the group's layers the router is masked to the selected experts, as if the model
-  held only them: top-k is taken among the selected experts (k shrinks to their count if smaller),
-  softmax routers normalise over the selected experts' logits, and only those experts are computed.
-  MoE layers outside the group run in full.
+- `full`: the model as given; every expert runs (frozen ones included) with the model's own routing.
+- `compressed`: the model is first cut by `training.compressed.compress` to the group's experts
+  (unselected expert rows are never copied to the device); routing is renormalised among the kept
+  experts, top-k capped at their number. Trained rows are written back into the model passed in.
 
+Memory: frozen weights keep their dtype (bf16 for checkpoints); bf16 autocast on CUDA; activation
+checkpointing of decoder layers and micro-batches with gradient accumulation are options.
 This module knows nothing about data files, blobs or the network; it consumes token batches.
-Legend: B batch, L sequence length, T tokens, S selected experts, I expert intermediate, H hidden.
+Legend: B batch, L sequence length.
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from training.adapters import MoEAdapter
+from training.compressed import CompressedModel, compress
 from training.evaluate import token_loss_sum
-from training.experts import ExpertGroup, check_group, tensor_name
+from training.experts import ExpertGroup, check_group, insert, tensor_name
+from training.sparse_experts import LayerCopies, layer_copies, trainable_experts
 
 
 @dataclass
@@ -54,11 +57,15 @@ class TrainConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm of the selected experts to this value."""
     forward: Literal["full", "compressed"] = "full"
-    """`full` runs every expert; `compressed` runs only the selected ones (see module docstring)."""
+    """`full` runs every expert; `compressed` holds and runs only the selected ones (module docstring)."""
     device: str = "cpu"
-    """Where to train; the model is moved there. bf16 autocast is used on CUDA only."""
-    seed: int = 0
-    """Seeds torch's RNGs for the run; the CPU generator's state is restored afterwards."""
+    """Where to train; in `full` mode the model is moved there, in `compressed` mode only the cut model."""
+    autocast: bool = True
+    """Run forward and backward under bf16 autocast on CUDA (no effect on other devices)."""
+    checkpointing: bool = False
+    """Recompute each decoder layer's activations during backward: less memory, about a third more compute."""
+    experts_implementation: Literal["auto", "eager", "grouped_mm"] = "auto"
+    """Selected-expert maths: `eager` per-expert loop, `grouped_mm` grouped GEMMs; `auto` = grouped on CUDA in bf16."""
     pad_id: int = 256
     """Token id excluded from the loss."""
     progress: bool = False
@@ -77,6 +84,10 @@ class TrainConfig:
             )
         if self.forward not in ("full", "compressed"):
             raise ValueError(f"forward must be 'full' or 'compressed', got {self.forward!r}")
+        if self.experts_implementation not in ("auto", "eager", "grouped_mm"):
+            raise ValueError(
+                f"experts_implementation must be auto, eager or grouped_mm, got {self.experts_implementation!r}"
+            )
 
 
 @dataclass
@@ -91,35 +102,19 @@ class TrainResult:
     seconds: float = 0.0
 
 
-@dataclass
-class _LayerCopies:
-    """Trainable fp32 copies of one layer's selected experts."""
-
-    layer: int
-    experts: torch.nn.Module
-    rows: list[int]
-    w_gu_SIH: torch.nn.Parameter
-    w_down_SHI: torch.nn.Parameter
-
-    @torch.no_grad()
-    def write_back(self) -> None:
-        rows = torch.tensor(self.rows, device=self.experts.gate_up_proj.device)
-        self.experts.gate_up_proj[rows] = self.w_gu_SIH.to(self.experts.gate_up_proj.dtype)
-        self.experts.down_proj[rows] = self.w_down_SHI.to(self.experts.down_proj.dtype)
-
-
 def train_experts(
-    model: torch.nn.Module,
+    model: torch.nn.Module | CompressedModel,
     adapter: MoEAdapter,
     group: ExpertGroup,
     batches: Iterator[torch.Tensor],
     cfg: TrainConfig,
 ) -> TrainResult:
-    """Train `group`'s experts in place for up to `cfg.steps` batches of token ids [B, L]."""
-    check_group(model, adapter, group)
+    """Train `group`'s experts in place for up to `cfg.steps` batches of token ids [B, L].
+
+    `model` is the full model, or (in `compressed` mode) an already compressed one for `group`.
+    """
     device = torch.device(cfg.device)
-    model.to(device)
-    copies = [_copies(adapter, model, layer, experts, device) for layer, experts in sorted(group.items())]
+    net, copies = _prepare(model, adapter, group, cfg, device)
     params = [p for c in copies for p in (c.w_gu_SIH, c.w_down_SHI)]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     result = TrainResult(tensors={})
@@ -128,15 +123,13 @@ def train_experts(
         bar = stack.enter_context(
             tqdm(total=cfg.steps, desc="train", disable=not (cfg.progress and sys.stderr.isatty()))
         )
-        stack.enter_context(torch.random.fork_rng(devices=[]))
-        torch.manual_seed(cfg.seed)
-        stack.enter_context(_frozen(model))
+        stack.enter_context(_frozen(net))
+        if cfg.checkpointing:
+            stack.enter_context(_checkpointed(net, adapter))
         for c in copies:
-            stack.enter_context(_functional_experts(c))
-            if cfg.forward == "compressed":
-                stack.enter_context(_masked_router(adapter, model, c))
+            stack.enter_context(trainable_experts(c))
         for _, ids_BL in zip(range(cfg.steps), batches, strict=False):
-            loss, tokens = _step(model, ids_BL, cfg, device, optimizer, params)
+            loss, tokens = _step(net, ids_BL, cfg, device, optimizer, params)
             for c in copies:
                 c.write_back()
             result.losses.append(loss)
@@ -147,7 +140,39 @@ def train_experts(
         raise ValueError("the batch iterator gave no batches; there is nothing to train on")
     result.seconds = time.perf_counter() - started
     result.tensors = _named_tensors(copies)
+    if cfg.forward == "compressed" and not isinstance(model, CompressedModel):
+        insert(model, adapter, result.tensors)
     return result
+
+
+def _prepare(
+    model: torch.nn.Module | CompressedModel,
+    adapter: MoEAdapter,
+    group: ExpertGroup,
+    cfg: TrainConfig,
+    device: torch.device,
+) -> tuple[torch.nn.Module, list[LayerCopies]]:
+    """The module to run and the copies of its selected rows, on `device`."""
+    if cfg.forward == "compressed":
+        cut = model if isinstance(model, CompressedModel) else compress(model, adapter, group, device)
+        if {layer: tuple(sorted(e)) for layer, e in group.items()} != cut.group:
+            raise ValueError(f"the compressed model holds group {cut.group}, not the group to train")
+        net = cut.model.to(device)
+        slots = {layer: (list(range(len(ids))), list(ids)) for layer, ids in cut.group.items()}
+    elif isinstance(model, CompressedModel):
+        raise ValueError("a compressed model can only be trained with forward = 'compressed'")
+    else:
+        check_group(model, adapter, group)
+        net = model.to(device)
+        slots = {layer: (sorted(e), sorted(e)) for layer, e in group.items()}
+    grouped = cfg.experts_implementation == "grouped_mm" or (
+        cfg.experts_implementation == "auto" and device.type == "cuda" and cfg.autocast
+    )
+    copies = [
+        layer_copies(adapter.experts(net, layer), layer, rows, ids, grouped)
+        for layer, (rows, ids) in sorted(slots.items())
+    ]
+    return net, copies
 
 
 def _step(
@@ -171,7 +196,7 @@ def _step(
     total = 0.0
     micro = cfg.micro_batch_size or cfg.batch_size
     for start in range(0, ids_BL.shape[0], micro):
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and cfg.autocast):
             loss_sum = token_loss_sum(model, ids_BL[start : start + micro], cfg.pad_id)
         (loss_sum / tokens).backward()
         total += float(loss_sum.detach())
@@ -180,25 +205,10 @@ def _step(
     return total / tokens, tokens
 
 
-def _copies(
-    adapter: MoEAdapter,
-    model: torch.nn.Module,
-    layer: int,
-    experts: list[int] | tuple[int, ...],
-    device: torch.device,
-) -> _LayerCopies:
-    module = adapter.experts(model, layer)
-    rows = sorted(experts)
-    index = torch.tensor(rows, device=device)
-    w_gu = torch.nn.Parameter(module.gate_up_proj.detach()[index].to(torch.float32).clone())
-    w_down = torch.nn.Parameter(module.down_proj.detach()[index].to(torch.float32).clone())
-    return _LayerCopies(layer, module, rows, w_gu, w_down)
-
-
-def _named_tensors(copies: list[_LayerCopies]) -> dict[str, torch.Tensor]:
+def _named_tensors(copies: list[LayerCopies]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for c in copies:
-        for slot, expert in enumerate(c.rows):
+        for slot, expert in enumerate(c.ids):
             out[tensor_name(c.layer, expert, "gate_up_proj")] = c.w_gu_SIH[slot].detach().cpu().clone()
             out[tensor_name(c.layer, expert, "down_proj")] = c.w_down_SHI[slot].detach().cpu().clone()
     return dict(sorted(out.items()))
@@ -221,47 +231,19 @@ def _frozen(model: torch.nn.Module) -> Iterator[None]:
 
 
 @contextmanager
-def _functional_experts(copies: _LayerCopies) -> Iterator[None]:
-    """Run the layer's experts from the copies (selected) and the frozen fused rows (the rest)."""
-    module = copies.experts
-    slot_of = {expert: slot for slot, expert in enumerate(copies.rows)}
-
-    def forward(
-        hidden_TH: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-    ) -> torch.Tensor:
-        out_TH = torch.zeros_like(hidden_TH)
-        for expert in torch.unique(top_k_index).tolist():
-            token, slot = torch.where(top_k_index == expert)
-            if expert in slot_of:
-                w_gu = copies.w_gu_SIH[slot_of[expert]].to(module.gate_up_proj.dtype)
-                w_down = copies.w_down_SHI[slot_of[expert]].to(module.down_proj.dtype)
-            else:
-                w_gu, w_down = module.gate_up_proj[expert], module.down_proj[expert]
-            gate, up = F.linear(hidden_TH[token], w_gu).chunk(2, dim=-1)
-            y_TH = F.linear(module.act_fn(gate) * up, w_down) * top_k_weights[token, slot, None]
-            out_TH = out_TH.index_add(0, token, y_TH.to(out_TH.dtype))
-        return out_TH
-
-    assert "forward" not in vars(module), "the experts module already has an instance forward"
-    module.forward = forward
+def _checkpointed(model: torch.nn.Module, adapter: MoEAdapter) -> Iterator[None]:
+    """Activation checkpointing of every decoder layer, with the rest of the model left in eval mode."""
+    model.activation_checkpointing_enable(
+        activation_checkpointing_kwargs={"use_reentrant": False, "preserve_rng_state": False}
+    )
+    layers = getattr(model, "model", model).layers
+    # transformers checkpoints a layer only while that layer is in training mode; flag the layers
+    # alone so attention, routers and experts keep eval behaviour (no dropout, no jitter).
+    for layer in layers:
+        layer.training = True
     try:
         yield
     finally:
-        del module.forward
-
-
-@contextmanager
-def _masked_router(adapter: MoEAdapter, model: torch.nn.Module, copies: _LayerCopies) -> Iterator[None]:
-    """Replace the layer's routing by routing among the selected experts only."""
-    router = adapter.router(model, copies.layer)
-    allowed_E = torch.zeros(copies.experts.gate_up_proj.shape[0], dtype=torch.bool)
-    allowed_E[copies.rows] = True
-
-    def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...], output: object) -> object:
-        return adapter.route(module, args[0], allowed_E)
-
-    handle = router.register_forward_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
+        for layer in layers:
+            layer.training = False
+        model.activation_checkpointing_disable()

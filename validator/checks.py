@@ -1,7 +1,10 @@
 """Submission checks: does a revealed blob match what its miner committed to for this round?
 
 `check_submission` runs DESIGN §5's checks in order over the blob's bytes and stops at the first
-failure with a short, distinct reason a validator logs and reports. It is pure: no I/O, no clock,
+failure with a short, distinct reason a validator logs and reports. A network whose spec asks for
+compressed pseudo-gradients (`[submission] format = "pgrad"`) gets the same checks over that
+format's tensors (training.pgrad: names, dtypes and shapes follow from the expert shapes), then
+`check_compressed` on their values instead of the finiteness check. It is pure: no I/O, no clock,
 and it never unpickles; any bytes a peer sends give a verdict, never an exception. It does not
 know where the blob came from or how its loss will be measured.
 """
@@ -13,8 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from protocol.spec import NetworkSpec
 from training.blob import (
     BLOB_FORMAT,
+    PGRAD_FORMAT,
     BlobError,
     BlobMeta,
     Header,
@@ -24,6 +29,7 @@ from training.blob import (
     max_blob_bytes,
     read_tensor,
 )
+from training.pgrad import PgradConfig, check_compressed, compressed_bytes, compressed_shapes
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,21 @@ class Expectation:
     dtype: str
     commitment: str
     max_header_bytes: int
+    pgrad: PgradConfig | None = None
+    """The compressed format's parameters when the network submits pseudo-gradients; None: full experts."""
+
+    def tensor_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """Blob tensor name -> (dtype code, shape) a valid submission holds."""
+        if self.pgrad is not None:
+            return compressed_shapes(self.shapes, self.pgrad)
+        code = blob_dtype(self.dtype)
+        return {name: (code, tuple(shape)) for name, shape in self.shapes.items()}
+
+    def max_bytes(self) -> int:
+        """The size cap: length prefix, header cap and the format's tensor data."""
+        if self.pgrad is not None:
+            return 8 + self.max_header_bytes + compressed_bytes(self.shapes, self.pgrad)
+        return max_blob_bytes(self.shapes, self.dtype, self.max_header_bytes)
 
 
 @dataclass(frozen=True)
@@ -55,7 +76,7 @@ def check_submission(data: bytes, expect: Expectation) -> SubmissionVerdict:
     """Check `data` against `expect` in protocol order; the verdict names the first failure."""
     if blob_hash(data) != expect.commitment:
         return _reject("hash mismatch")
-    if len(data) > max_blob_bytes(expect.shapes, expect.dtype, expect.max_header_bytes):
+    if len(data) > expect.max_bytes():
         return _reject("blob too large")
     try:
         header = decode_header(data, expect.max_header_bytes)
@@ -65,6 +86,11 @@ def check_submission(data: bytes, expect: Expectation) -> SubmissionVerdict:
     if reason:
         return _reject(reason, header.meta)
     tensors = {name: read_tensor(data, header, name) for name in header.tensors}
+    if expect.pgrad is not None:
+        reason = check_compressed(tensors, expect.shapes, expect.pgrad)
+        if reason:
+            return _reject(reason, header.meta)
+        return SubmissionVerdict(ok=True, reason="", meta=header.meta, tensors=tensors)
     for name, tensor in tensors.items():
         if not bool(torch.isfinite(tensor).all()):
             nan, inf = int(tensor.isnan().sum()), int(tensor.isinf().sum())
@@ -72,12 +98,18 @@ def check_submission(data: bytes, expect: Expectation) -> SubmissionVerdict:
     return SubmissionVerdict(ok=True, reason="", meta=header.meta, tensors=tensors)
 
 
+def pgrad_config(spec: NetworkSpec) -> PgradConfig | None:
+    """The compressed format's parameters if the spec's miners submit pseudo-gradients, else None."""
+    sub = spec.submission
+    return PgradConfig(chunk=sub.chunk, topk=sub.topk, quant=sub.quant) if sub.format == "pgrad" else None
+
+
 def _reject(reason: str, meta: BlobMeta | None = None) -> SubmissionVerdict:
     return SubmissionVerdict(ok=False, reason=reason, meta=meta)
 
 
 def _meta_mismatch(meta: BlobMeta, expect: Expectation) -> str:
-    if meta.format != BLOB_FORMAT:
+    if meta.format != (BLOB_FORMAT if expect.pgrad is None else PGRAD_FORMAT):
         return "wrong format"
     if meta.network != expect.network:
         return "wrong network"
@@ -93,18 +125,19 @@ def _meta_mismatch(meta: BlobMeta, expect: Expectation) -> str:
 
 
 def _tensor_mismatch(header: Header, expect: Expectation) -> str:
-    missing = sorted(set(expect.shapes) - set(header.tensors))
+    specs = expect.tensor_specs()
+    missing = sorted(set(specs) - set(header.tensors))
     if missing:
         return f"missing tensor {missing[0]}"
-    unexpected = sorted(set(header.tensors) - set(expect.shapes))
+    unexpected = sorted(set(header.tensors) - set(specs))
     if unexpected:
         return f"unexpected tensor {unexpected[0][:80]}"
-    dtype = blob_dtype(expect.dtype)
     for name, info in header.tensors.items():
+        dtype, shape = specs[name]
         if info.dtype != dtype:
             return f"wrong dtype for {name}: {info.dtype}, expected {dtype}"
-        if info.shape != tuple(expect.shapes[name]):
-            return f"wrong shape for {name}: {list(info.shape)}, expected {list(expect.shapes[name])}"
+        if info.shape != shape:
+            return f"wrong shape for {name}: {list(info.shape)}, expected {list(shape)}"
     return ""
 
 

@@ -1,8 +1,11 @@
 """The MERGE phase's computation: combine score reports, rank and reward, then aggregate the best.
 
-`merge_round` is a pure function of this round's reports, assignment, commitments and checked
-blobs plus the current global state and momentum, computed in a fixed order in CPU fp32, so every
-validator given the same inputs returns byte-identical tensors. The steps:
+`merge_round` is THE one function MERGE calls: a pure function of this round's reports, assignment,
+commitments and checked blobs plus the current global state and momentum, computed in a fixed order
+in CPU fp32, so every validator given the same inputs returns byte-identical tensors. It returns
+the ranking, the rewards and the merge; when blobs of candidates are not at hand it raises
+`MissingBlobError` naming exactly those candidates, so the caller fetches them and calls it again.
+The steps:
 1. Count only reports scored against the current head (`report.base == head`); the round's
    `base_loss` is the median of their base losses.
 2. Rank once without near-duplicate flags to find the candidates (a combined loss and u_i > 0);
@@ -19,7 +22,7 @@ This module knows nothing about networking, storage or how losses were measured.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -76,17 +79,18 @@ def counted_reports(reports: Mapping[str, ScoreReport], head: str) -> dict[str, 
     return {validator: reports[validator] for validator in sorted(reports) if reports[validator].base == head}
 
 
-def candidates(
+def rank_reports(
     reports: Mapping[str, ScoreReport],
     assignment: Mapping[str, Iterable[str]],
     commitments: Mapping[str, str],
     head: str,
     spec: NetworkSpec,
-) -> list[str]:
-    """Miners whose blobs `merge_round` needs: a combined loss with positive utility, sorted by id."""
+    duplicates: Container[str] = (),
+) -> RoundRanking:
+    """The round's ranking from the reports scored against `head` (every node can compute it; only
+    validators holding the blobs know the near-duplicate flags, `duplicates`)."""
     scores, base_loss = _scores(reports, commitments, head)
-    ranking = rank_round(scores, assignment, base_loss, commitments, (), spec.rewards.top_k)
-    return sorted(ranking.ranked())
+    return rank_round(scores, assignment, base_loss, commitments, duplicates, spec.rewards.top_k)
 
 
 def merge_round(
@@ -103,11 +107,9 @@ def merge_round(
 
     `reports`: validator -> its ScoreReport for this round; `assignment`: miner -> its assigned
     validators; `commitments`: miner -> commitment; `blobs`: miner -> tensors of its checked blob
-    (at least every miner `candidates` names); `head`: hash of the state `global_tensors` is.
+    (at least every candidate; see MissingBlobError); `head`: hash of the state `global_tensors` is.
     """
-    scores, base_loss = _scores(reports, commitments, head)
-    top_k = spec.rewards.top_k
-    preliminary = rank_round(scores, assignment, base_loss, commitments, (), top_k)
+    preliminary = rank_reports(reports, assignment, commitments, head, spec)
     needed = sorted(preliminary.ranked())
     missing = [miner for miner in needed if miner not in blobs]
     if missing:
@@ -115,7 +117,7 @@ def merge_round(
 
     grads = {miner: pseudo_gradient(global_tensors, blobs[miner]) for miner in needed}
     duplicates = near_duplicates(grads, spec.rewards.duplicate_cosine)
-    ranking = rank_round(scores, assignment, base_loss, commitments, duplicates, top_k)
+    ranking = rank_reports(reports, assignment, commitments, head, spec, duplicates)
     contributors = list(ranking.ranked()[: spec.aggregation.top_g])
     if not contributors:
         return MergeResult(ranking, ranking.points(), [], global_tensors, momentum, duplicates)

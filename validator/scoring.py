@@ -3,9 +3,13 @@
 A `Scorer` holds the base model in memory for the validator's lifetime. Each round it picks the
 held-out subset from the round seed, puts the current global experts into the model and measures
 L_base, then for each submission in miner-id order: checks the blob (`validator.checks`), swaps the
-miner's experts in, measures L_i and restores the global experts. Everything is deterministic on
-CPU fp32, and the model always holds the global experts when a call returns. This module knows
-nothing about assignment, gossip or how the results are combined across validators.
+miner's experts in, measures L_i and restores the global experts. The model, the swapped rows and
+every batch live on the validator's device (`validator.device`; `auto` spreads a model too large
+for one GPU over all GPUs with accelerate's device map); batches hold `validator.batch_size`
+sequences. On CPU fp32 the losses are bit-for-bit reproducible; on a GPU they may differ from
+another validator's in the last bits, which the median over assigned validators absorbs. The
+model always holds the global experts when a call returns. This module knows nothing about
+assignment, gossip or how the results are combined across validators.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -24,6 +29,7 @@ from training.evaluate import heldout_loss, loss_with_experts
 from training.experts import expected_shapes, insert
 from training.tokenizer import BYTE_PAD
 from validator.checks import Expectation, SubmissionVerdict, check_submission
+from validator.device import spread
 
 REASON_CHARS = 200
 
@@ -59,14 +65,30 @@ class Scorer:
         spec: NetworkSpec,
         heldout: torch.Tensor,
         pad_id: int = BYTE_PAD,
+        device: str = "cpu",
+        batch_size: int = 16,
     ) -> None:
-        """`heldout`: the validators' held-out sequences, [N, seq_len] token ids; `pad_id` is not scored."""
+        """`heldout`: the validators' held-out sequences, [N, seq_len] token ids; `pad_id` is not scored.
+
+        The model is moved to `device` (or spread over the GPUs for `auto`) once, here.
+        """
+        if batch_size < 1:
+            raise ValueError(f"validator.batch_size must be at least 1, got {batch_size}")
         if heldout.shape[0] < spec.data.heldout_sequences:
             raise ValueError(
                 f"held-out data has {heldout.shape[0]} sequences; the spec scores "
                 f"{spec.data.heldout_sequences} per round"
             )
         self.model = model.eval()
+        if device == "auto":
+            if not getattr(model, "hf_device_map", None):
+                spread(model)
+            spread_model: Any = model  # a transformers model: its inputs go where its embeddings are
+            self.device = spread_model.get_input_embeddings().weight.device
+        else:
+            self.device = torch.device(device)
+            model.to(self.device)
+        self.batch_size = batch_size
         self.adapter = adapter
         self.spec = spec
         self.heldout = heldout
@@ -101,7 +123,7 @@ class Scorer:
         """Score every submission against the global state `global_hash` (held in `global_tensors`)."""
         sequences = heldout_subset(self.heldout, round_seed, self.spec.data.heldout_sequences)
         apply_global(self.model, self.adapter, global_tensors)
-        base_loss = heldout_loss(self.model, sequences, pad_id=self.pad_id).loss
+        base_loss = self.loss(sequences)
         if not math.isfinite(base_loss):
             raise ValueError(f"the global state {global_hash[:12]} has a non-finite held-out loss")
         entries: list[ScoreEntry] = []
@@ -120,7 +142,7 @@ class Scorer:
             assert verdict.tensors is not None
             # loss_with_experts restores the rows it replaced, so the model keeps the global state.
             loss = loss_with_experts(
-                self.model, self.adapter, verdict.tensors, sequences, pad_id=self.pad_id
+                self.model, self.adapter, verdict.tensors, sequences, self.batch_size, self.device, self.pad_id
             ).loss
             if not math.isfinite(loss):
                 entries.append(_reject(miner, commitment, "non-finite loss"))
@@ -128,6 +150,10 @@ class Scorer:
             entries.append(ScoreEntry(miner=miner, commitment=commitment, loss=loss, verdict="accept"))
             accepted[miner] = verdict.tensors
         return ScoreResult(base_loss=base_loss, entries=entries, accepted=accepted)
+
+    def loss(self, sequences: torch.Tensor) -> float:
+        """Held-out loss of the model as it stands, on the scoring device in scoring-sized batches."""
+        return heldout_loss(self.model, sequences, self.batch_size, self.device, self.pad_id).loss
 
 
 def _reject(miner: str, commitment: str, reason: str) -> ScoreEntry:

@@ -100,8 +100,22 @@ class GlobalExperts:
     ) -> GlobalExperts:
         """Rebuild a state fetched from a peer; StateError names what does not fit."""
         state_meta, tensors = _decode(state, spec, GLOBAL_FORMAT, shapes)
+        return cls.with_momentum(blob_hash(state), state_meta, tensors, momentum, spec, shapes)
+
+    @classmethod
+    def with_momentum(
+        cls,
+        state_hash: str,
+        state_meta: BlobMeta,
+        tensors: dict[str, torch.Tensor],
+        momentum: bytes,
+        spec: NetworkSpec,
+        shapes: Mapping[str, tuple[int, ...]],
+    ) -> GlobalExperts:
+        """An already decoded state (`state_hash`: its blob's hash) with its momentum blob; StateError
+        names what does not fit."""
         momentum_meta, moments = _decode(momentum, spec, MOMENTUM_FORMAT, shapes)
-        if momentum_meta.base != blob_hash(state):
+        if momentum_meta.base != state_hash:
             raise StateError("momentum blob belongs to another state: its base is not the state's hash")
         if momentum_meta.round != state_meta.round:
             raise StateError(

@@ -83,10 +83,17 @@ def run_daemon(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if config.node.role == "miner":
-        from node.duties.miner import MinerDuties as duties
-    else:
-        from node.duties.validator import ValidatorDuties as duties
-    return serve(config, duties)
+        from node.duties.miner import MinerDuties
+
+        duties = MinerDuties.factory()
+        if config.miner.behaviour != "honest":  # a simulation adversary
+            from node.sim.adversaries import miner_factory
+
+            duties = miner_factory(config.miner.behaviour)
+        return serve(config, duties)
+    from node.duties.validator import ValidatorDuties
+
+    return serve(config, ValidatorDuties)
 
 
 def run_status(args: argparse.Namespace) -> int:

@@ -3,8 +3,10 @@
 The verdict is one JSON line on stdout; the exit code is 0 on ACCEPT, 1 on REJECT and 2 for usage
 errors (raised as ValueError for the CLI to print). Values the operator leaves out (commitment,
 round, miner, base) are taken from the blob itself, so the file is then checked for consistency with
-the spec alone. This module only wires arguments to `validator.checks`; it knows nothing about the
-checks themselves, and imports torch only when the command runs so `tessera --help` stays fast.
+the spec alone. The expected shapes come from the base model built on the meta device (config only,
+no weights are read and the base hash is not checked). This module only wires arguments to
+`validator.checks`; it knows nothing about the checks themselves, and imports torch only when the
+command runs so `tessera --help` stays fast.
 """
 
 from __future__ import annotations
@@ -12,10 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from node.cli.main import command_group
 from protocol.encoding import is_hex_digest
+
+if TYPE_CHECKING:
+    import torch
+
+    from protocol.spec import NetworkSpec
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -39,9 +46,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_inspect_blob(args: argparse.Namespace) -> int:
     """Check `args.file` against the spec and the expected values; print the verdict line."""
     from protocol.spec import load_spec
+    from training.adapters import adapter_for
     from training.blob import BlobError, blob_hash, decode_header
     from training.experts import expected_shapes
-    from training.model import load_base
     from validator.checks import Expectation, check_submission
 
     _validate_args(args)
@@ -55,7 +62,8 @@ def run_inspect_blob(args: argparse.Namespace) -> int:
         own = decode_header(data, spec.limits.max_header_bytes).meta
     except BlobError:
         own = None
-    model, adapter = load_base(spec, args.spec)
+    model = _meta_base(spec, args.spec)
+    adapter = adapter_for(spec.model.family)
     expect = Expectation(
         network=spec.network_id,
         round=args.round if args.round is not None else (own.round if own else 0),
@@ -79,6 +87,32 @@ def run_inspect_blob(args: argparse.Namespace) -> int:
         line |= json.loads(meta.to_json())
     print(json.dumps(line, sort_keys=True))
     return 0 if verdict.ok else 1
+
+
+def _meta_base(spec: NetworkSpec, spec_path: Path) -> torch.nn.Module:
+    """The spec's base model on the meta device: the checkpoint's config.json or the tiny config."""
+    import torch
+
+    from protocol.spec import spec_dir_path
+    from training.model import build_tiny_model, meta_model
+
+    if spec.model.checkpoint is not None:
+        directory = spec_dir_path(spec_path, spec.model.checkpoint)
+        model = meta_model(directory)
+        if model.config.model_type != spec.model.family:
+            raise ValueError(f"{directory}: the checkpoint is {model.config.model_type!r}, "
+                             f"but the spec's family is {spec.model.family!r}")
+        return model
+    assert spec.model.config is not None, "the spec validator requires config or checkpoint"
+    config_path = spec_dir_path(spec_path, spec.model.config)
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{config_path}: cannot read the model config named by model.config: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path}: the model config must be a JSON object")
+    with torch.device("meta"):
+        return build_tiny_model(spec.model.family, config, spec.model.init_seed)
 
 
 def _validate_args(args: argparse.Namespace) -> None:

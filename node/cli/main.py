@@ -18,9 +18,14 @@ from typing import NoReturn
 COMMAND_MODULES: tuple[str, ...] = (
     "node.cli.keys",
     "node.cli.offline",
+    "node.cli.train",
+    "node.cli.select",
     "node.cli.inspect",
     "node.cli.daemon",
     "node.cli.simulate",
+    "node.cli.bootstrap",
+    "node.cli.spec",
+    "node.cli.export",
 )
 
 EXIT_USAGE = 2

@@ -1,8 +1,6 @@
-"""Offline operator commands: create a simulation network, select experts, train once, evaluate.
+"""Offline operator commands: create a simulation network, evaluate (`train`: node.cli.train).
 
     tessera spec init --sim DIR       write a simulation network directory (node.sim.layout)
-    tessera select-experts ...        Phase 1: routing statistics -> expert group JSON
-    tessera train ...                 one miner's local run -> the canonical blob it would submit
     tessera eval ...                  held-out loss of the base (or base + a blob's experts)
 
 Nothing here touches the network. Heavy imports happen inside each command so `tessera --help`
@@ -20,7 +18,6 @@ from typing import Any
 
 from node.cli.main import command_group
 
-RULES = ("gate-mass", "token-freq", "differential", "activation-norm")
 DEFAULT_SEED = "0" * 64
 EVAL_BATCH = 16
 
@@ -28,8 +25,6 @@ EVAL_BATCH = 16
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add this module's subcommands to the `tessera` parser."""
     _register_spec_init(command_group(subparsers, "spec", "work with network spec files"))
-    _register_select(subparsers)
-    _register_train(subparsers)
     _register_eval(subparsers)
 
 
@@ -41,32 +36,6 @@ def _register_spec_init(spec_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed for model, data and keys (default 0)")
     p.add_argument("--genesis", type=_utc_time, default=None, help="UTC start of round 0 (default: now)")
     p.set_defaults(run=run_spec_init)
-
-
-def _register_select(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("select-experts", help="Phase 1: pick the expert group from routing statistics")
-    p.add_argument("--spec", required=True, type=Path, help="network spec whose base model is measured")
-    p.add_argument("--data", required=True, nargs="+", type=Path, metavar="FILE", help="domain data files")
-    p.add_argument("--general", nargs="+", type=Path, metavar="FILE", help="general data (differential rule)")
-    p.add_argument("--rule", required=True, choices=RULES, help="statistic that ranks experts")
-    budget = p.add_mutually_exclusive_group(required=True)
-    budget.add_argument("--top-d", type=int, metavar="N", help="experts per layer")
-    budget.add_argument("--mass", type=float, metavar="P", help="cumulative share of the score per layer")
-    p.add_argument("--max-sequences", type=int, default=256, help="sequences read from each source (default 256)")
-    p.add_argument("--out", required=True, type=Path, metavar="GROUP.json", help="where to write the selection")
-    p.set_defaults(run=run_select_experts)
-
-
-def _register_train(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("train", help="run one miner's local training and write its blob")
-    p.add_argument("--spec", required=True, type=Path, help="network spec")
-    p.add_argument("--key", required=True, type=Path, help="the miner's key file")
-    p.add_argument("--round", required=True, type=int, help="round the blob is for")
-    p.add_argument("--steps", type=int, default=None, help="inner steps H (default: the spec's)")
-    p.add_argument("--data", nargs="+", type=Path, metavar="FILE", help="training files (default: the spec's)")
-    p.add_argument("--global", dest="global_blob", type=Path, metavar="BLOB", help="global state to train from")
-    p.add_argument("--out", required=True, type=Path, metavar="BLOB", help="where to write the blob")
-    p.set_defaults(run=run_train)
 
 
 def _register_eval(subparsers: argparse._SubParsersAction) -> None:
@@ -113,25 +82,6 @@ def _load(spec_path: Path) -> tuple[Any, Any, Any, Any]:
     return spec, model, adapter, tokenizer
 
 
-def run_select_experts(args: argparse.Namespace) -> int:
-    from training.data import load_sequences
-    from training.selection import select_experts
-
-    if args.max_sequences < 1:
-        raise ValueError("--max-sequences must be positive")
-    spec, model, adapter, tokenizer = _load(args.spec)
-    domain = load_sequences(args.data, tokenizer, spec.data.seq_len)[: args.max_sequences]
-    general = None
-    if args.general:
-        general = load_sequences(args.general, tokenizer, spec.data.seq_len)[: args.max_sequences]
-    selection = select_experts(model, adapter, domain, args.rule, top_d=args.top_d, mass=args.mass,
-                               general=general, pad_id=tokenizer.pad_id)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(selection, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    _print_json({"group": selection["group"], "rule": args.rule, "out": str(args.out)})
-    return 0
-
-
 def _read_blob(path: Path, spec: Any) -> tuple[bytes, Any, dict[str, Any]]:
     from training.blob import BlobError, decode_blob
 
@@ -148,55 +98,6 @@ def _read_blob(path: Path, spec: Any) -> tuple[bytes, Any, dict[str, Any]]:
     if {layer: sorted(ids) for layer, ids in meta.group.items()} != dict(spec.group):
         raise ValueError(f"{path}: blob's expert group differs from the spec's group")
     return data, meta, tensors
-
-
-def run_train(args: argparse.Namespace) -> int:
-    from protocol.encoding import sha256_hex
-    from protocol.identity import load_identity
-    from protocol.spec import spec_dir_path
-    from training.blob import DTYPES, BlobMeta, blob_dtype, encode_blob, write_blob_file
-    from training.data import batches, load_sequences, shard
-    from training.experts import insert
-    from training.trainer import TrainConfig, train_experts
-
-    if args.round < 0:
-        raise ValueError("--round must be non-negative")
-    if args.steps is not None and args.steps < 1:
-        raise ValueError("--steps must be positive")
-    identity = load_identity(args.key)
-    spec, model, adapter, tokenizer = _load(args.spec)
-    steps = spec.training.inner_steps if args.steps is None else args.steps
-    base = spec.model.base_hash
-    if args.global_blob is not None:
-        data, _, tensors = _read_blob(args.global_blob, spec)
-        insert(model, adapter, tensors)
-        base = sha256_hex(data)
-    files = args.data or [spec_dir_path(args.spec, p) for p in spec.data.train]
-    sequences = shard(load_sequences(files, tokenizer, spec.data.seq_len), identity.node_id, args.round)
-    seed = int(sha256_hex(f"{identity.node_id}|{args.round}".encode())[:15], 16)
-    cfg = TrainConfig(steps=steps, lr=spec.training.lr, weight_decay=spec.training.weight_decay,
-                      batch_size=spec.training.batch_size, grad_clip=spec.training.grad_clip, seed=seed,
-                      pad_id=tokenizer.pad_id)
-    result = train_experts(model, adapter, spec.group, batches(sequences, spec.training.batch_size, seed), cfg)
-
-    dtype = DTYPES[blob_dtype(spec.model.dtype)]
-    tensors = {name: t.detach().to(dtype=dtype) for name, t in result.tensors.items()}
-    meta = BlobMeta(network=spec.network_id, round=args.round, miner=identity.node_id, base=base,
-                    group=dict(spec.group))
-    blob = encode_blob(tensors, meta)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_blob_file(args.out, blob)
-    _print_json({
-        "steps": len(result.losses),
-        "first_loss": result.losses[0],
-        "last_loss": result.losses[-1],
-        "tokens": result.tokens,
-        "tokens_per_s": result.tokens / max(result.seconds, 1e-9),
-        "blob": str(args.out),
-        "blob_sha256": sha256_hex(blob),
-        "bytes": len(blob),
-    })
-    return 0
 
 
 def run_eval(args: argparse.Namespace) -> int:

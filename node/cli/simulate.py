@@ -1,9 +1,9 @@
-"""`tessera simulate` (a whole network on this machine) and `tessera bootstrap` (a relay-only peer).
+"""`tessera simulate`: a whole network on this machine.
 
 `simulate` drives node.sim.run.Simulation: start every process, print a progress line at each
 phase, wait for N rounds, write DIR/report.json, print a results table, stop everything. It exits
-1 if a node died or fewer rounds completed than asked, 0 otherwise. `bootstrap` runs node.sim.peer
-without a control channel. This module only parses arguments and formats output.
+1 if a node died or fewer rounds completed than asked, 0 otherwise. This module only parses
+arguments and formats output.
 """
 
 from __future__ import annotations
@@ -37,37 +37,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sim.add_argument("--seed", type=int, default=0, help="seed of model, data and keys (default 0)")
     sim.set_defaults(run=run_simulate)
 
-    boot = subparsers.add_parser("bootstrap", help="run a relay-only bootstrap peer until SIGINT/SIGTERM")
-    boot.add_argument("--spec", required=True, metavar="SPEC", help="the network spec TOML")
-    key = boot.add_mutually_exclusive_group(required=True)
-    key.add_argument("--key", metavar="FILE", help="Ed25519 key file (created on first start)")
-    key.add_argument("--sim-key", type=int, metavar="SEED",
-                     help="use the simulation network's well-known bootstrap key for SEED (local networks only)")
-    boot.add_argument("--data-dir", required=True, metavar="DIR", help="where the peer keeps its files")
-    boot.add_argument("--host", default="127.0.0.1", help="listen IP (0.0.0.0 for other hosts)")
-    boot.add_argument("--port", type=int, default=4001, help="listen TCP port (default 4001)")
-    boot.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR", help="another bootstrap peer")
-    boot.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
-    boot.set_defaults(run=run_bootstrap)
-
-
-def run_bootstrap(args: argparse.Namespace) -> int:
-    from node.sim.peer import main as peer_main
-
-    key = args.key
-    if args.sim_key is not None:
-        from node.sim.layout import sim_identity
-        from protocol.identity import save_identity
-
-        key = str(Path(args.data_dir) / "node.key")
-        if not Path(key).exists():
-            save_identity(sim_identity(args.sim_key, "bootstrap", 0), key)
-    argv = ["--key", key, "--network-spec", args.spec, "--data-dir", args.data_dir, "--host", args.host,
-            "--port", str(args.port), "--control", "none", "--log-level", args.log_level]
-    for addr in args.bootstrap:
-        argv += ["--bootstrap", addr]
-    peer_main(argv)
-    return 0
 
 
 def run_simulate(args: argparse.Namespace) -> int:

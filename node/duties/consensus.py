@@ -9,7 +9,9 @@ values, and that it names the announced parent and round. Validators also need t
 momentum: its hash rides in GlobalState (`momentum`), is remembered per (state, voter), and a
 validator fetches and checks the momentum blob of the adopted state, so a validator that computed
 something else re-syncs. A node with no head past round 0 (a late joiner) learns it from the heads
-that validators' heartbeats announce, by the same weight rule.
+that validators' heartbeats announce, by the same weight rule. Every node serves the state it adopted
+(again after a restart), so a state outlives its proposers; a head blob that went missing or
+corrupt on disk is fetched again from the validators that voted for it.
 This module knows nothing about training, scoring or merging; it tallies, moves and checks blobs.
 """
 
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
@@ -26,8 +27,8 @@ import torch
 from node.net.network import NetworkError
 from node.runtime.clock import Clock
 from node.runtime.daemon import NodeContext
-from node.store.db import MOMENTUM_KEY, GlobalStateRecord
-from protocol.messages import Envelope, GlobalState
+from node.store.records import GlobalStateRecord
+from protocol.messages import Envelope, GlobalState, Message
 from protocol.rounds import Phase
 from protocol.spec import NetworkSpec
 from training.blob import BlobError, BlobMeta, decode_blob, max_blob_bytes
@@ -35,10 +36,6 @@ from validator.state import GLOBAL_FORMAT, STATE_MINER, GlobalExperts, StateErro
 
 log = logging.getLogger(__name__)
 
-MOMENTUM_OF_KEY = "momentum_of:{}:{}"  # (state hash, voter) -> hash of the momentum blob it announced
-# Building a model and training seed and restore torch's process-wide RNG; nodes sharing a process
-# (tests, simulations in one process) hold this lock around both so their draws never interleave.
-GLOBAL_RNG_LOCK = threading.Lock()
 VOTE_GRACE_SHARE = 0.1  # of TRAIN: how long to wait for missing votes when the first ones disagree
 Shapes = Mapping[str, tuple[int, ...]]
 
@@ -100,28 +97,40 @@ class Consensus:
         self.ctx = ctx
         self.need_momentum = need_momentum
         self.votes_arrived = asyncio.Event()
+        self._serving: str | None = None
+        self._adopted: tuple[str, LoadedState] | None = None
 
     def state_cap(self, shapes: Shapes) -> int:
         """The largest a state or momentum blob can be (both are fp32)."""
         return max_blob_bytes(shapes, "float32", self.ctx.spec.limits.max_header_bytes)
 
-    async def on_message(self, envelope: Envelope) -> None:
+    async def on_message(self, envelope: Envelope, message: Message) -> None:
         """Remember the momentum hash a GlobalState announces; wake a tally waiting for votes."""
-        if envelope.kind != "global_state":
+        if not isinstance(message, GlobalState):
             return
-        message = envelope.message()
-        assert isinstance(message, GlobalState)
         if message.momentum is not None:
-            key = MOMENTUM_OF_KEY.format(message.hash, envelope.sender)
-            await self.ctx.storage.set_state(key, message.momentum)
+            await self.ctx.storage.set_momentum_of(message.hash, envelope.sender, message.momentum)
         self.votes_arrived.set()
 
     async def on_phase(self, round: int, phase: Phase, shapes: Shapes) -> None:
-        """At each phase start: settle the previous round at TRAIN, else just make sure the head is known."""
+        """At each phase start: settle the previous round at TRAIN, else just make sure the head is known;
+        then serve the head (again after a restart)."""
         if phase is Phase.TRAIN:
             await self.settle(round, shapes)
         else:
             await self.ensure_head(round, shapes)
+        await self._serve_head()
+
+    async def _serve_head(self) -> None:
+        head = await self.ctx.storage.head()
+        if head is None or head == self.ctx.spec.model.base_hash or head == self._serving:
+            return
+        if not self.ctx.blobs.has(head):
+            return  # re-fetched by `load` when next needed
+        self.ctx.network.serve(head)
+        if self._serving is not None:
+            self.ctx.network.unserve(self._serving)
+        self._serving = head
 
     async def settle(self, round: int, shapes: Shapes) -> str:
         """At TRAIN of `round`: adopt round-1's majority state (a late joiner learns the head); the head."""
@@ -166,8 +175,12 @@ class Consensus:
         """The state `head` names, from the blob store (and its momentum, when this node holds it)."""
         if head == genesis.hash:
             return LoadedState(genesis, True)
-        data = await asyncio.to_thread(self.ctx.blobs.path(head).read_bytes)
-        if self.need_momentum and (momentum := await self.ctx.storage.get_state(MOMENTUM_KEY)):
+        if self._adopted is not None and self._adopted[0] == head:
+            return self._adopted[1]  # decoded once, when it was fetched and checked for adoption
+        data = await asyncio.to_thread(self.ctx.blobs.read_checked, head)
+        if data is None:
+            data = await self._refetch(head, shapes)
+        if self.need_momentum and (momentum := await self.ctx.storage.momentum()):
             try:
                 moments = await asyncio.to_thread(self.ctx.blobs.path(momentum).read_bytes)
                 state = await asyncio.to_thread(GlobalExperts.from_blobs, data, moments, self.ctx.spec,
@@ -181,6 +194,18 @@ class Consensus:
         state = GlobalExperts(spec=self.ctx.spec, round=meta.round, parent=meta.base, tensors=tensors,
                               momentum=zeros)
         return LoadedState(state, not self.need_momentum)
+
+    async def _refetch(self, head: str, shapes: Shapes) -> bytes:
+        """The head's blob, missing or corrupt here, fetched again from the validators that voted for it."""
+        voters = [v for s in await self.ctx.storage.global_states() if s.hash == head for v in s.voters]
+        providers = voters or sorted(self.ctx.spec.validator_weights)
+        log.warning("the head state %s is missing or corrupt in the blob store; fetching it from %d peer(s)",
+                    head[:12], len(providers))
+        await self._fetch_checked(head, providers, shapes)
+        data = await asyncio.to_thread(self.ctx.blobs.read_checked, head)
+        if data is None:
+            raise SyncError(f"state {head[:12]}: gone from the blob store right after it was fetched")
+        return data
 
     async def _adopt(self, round: int, shapes: Shapes) -> None:
         winner = await self._winner(round)
@@ -199,7 +224,7 @@ class Consensus:
                             round)
             return
         try:
-            data = await self._fetch_checked(winner.hash, list(winner.voters), shapes, winner)
+            meta, tensors = await self._fetch_checked(winner.hash, list(winner.voters), shapes, winner)
         except SyncError as exc:
             log.error("round %d: cannot adopt %s: %s; the head stays", round, winner.hash[:12], exc)
             return
@@ -207,11 +232,15 @@ class Consensus:
             await self.ctx.storage.mark_adopted(winner.hash)
             log.info("round %d: adopted global state %s (voters %s)", round, winner.hash[:12],
                      ", ".join(v[:8] for v in winner.voters))
+        zeros = {name: torch.zeros(t.shape, dtype=torch.float32) for name, t in tensors.items()}
+        loaded = LoadedState(GlobalExperts(spec=self.ctx.spec, round=meta.round, parent=meta.base, tensors=tensors,
+                                           momentum=zeros), not self.need_momentum)
         if self.need_momentum:
             try:
-                await self._sync_momentum(winner, data, shapes)
+                loaded = LoadedState(await self._sync_momentum(winner, meta, tensors, shapes), True)
             except SyncError as exc:
                 log.error("round %d: %s; this validator is out of sync and abstains from merging", round, exc)
+        self._adopted = (winner.hash, loaded)
 
     async def _winner(self, round: int) -> GlobalStateRecord | None:
         states = await self.ctx.storage.global_states(round)
@@ -226,40 +255,45 @@ class Consensus:
         return bool(voted) and bool(set(self.ctx.spec.validator_weights) - voted)
 
     async def _fetch_checked(self, state_hash: str, providers: list[str], shapes: Shapes,
-                             announced: GlobalStateRecord | None = None) -> bytes:
+                             announced: GlobalStateRecord | None = None) -> tuple[BlobMeta, dict[str, torch.Tensor]]:
+        """The state blob (fetched when not held), decoded and checked; SyncError names what is wrong."""
         try:
             path = await self.ctx.network.fetch(state_hash, providers, self.state_cap(shapes))
             data = await asyncio.to_thread(path.read_bytes)
         except (NetworkError, OSError) as exc:
             raise SyncError(f"state {state_hash[:12]}: {exc}") from exc
-        meta, _ = await asyncio.to_thread(decode_state, data, self.ctx.spec, shapes)
+        meta, tensors = await asyncio.to_thread(decode_state, data, self.ctx.spec, shapes)
         if announced is not None and (meta.base, meta.round) != (announced.parent, announced.round):
             raise SyncError(f"state {state_hash[:12]} names parent {meta.base[:12]} of round {meta.round}, "
                             f"not the announced {announced.parent[:12]} of round {announced.round}")
-        return data
+        return meta, tensors
 
-    async def _sync_momentum(self, winner: GlobalStateRecord, state: bytes, shapes: Shapes) -> None:
+    async def _sync_momentum(self, winner: GlobalStateRecord, meta: BlobMeta, tensors: dict[str, torch.Tensor],
+                             shapes: Shapes) -> GlobalExperts:
+        """The adopted state with the momentum a voter announced with it: ours when it is one of those,
+        else the first a voter serves that belongs to the state; SyncError when none does."""
         announced = {}
         for voter in winner.voters:
-            momentum = await self.ctx.storage.get_state(MOMENTUM_OF_KEY.format(winner.hash, voter))
+            momentum = await self.ctx.storage.momentum_of(winner.hash, voter)
             if momentum is not None:
                 announced[voter] = momentum
-        if await self.ctx.storage.get_state(MOMENTUM_KEY) in announced.values():
-            return
-        me = self.ctx.identity.node_id
-        for voter, momentum in sorted(announced.items(), key=lambda item: item[0] != me):
+        me, mine = self.ctx.identity.node_id, await self.ctx.storage.momentum()
+        for voter, momentum in sorted(announced.items(), key=lambda item: (item[1] != mine, item[0] != me)):
             try:
                 path = await self.ctx.network.fetch(momentum, [voter, *winner.voters], self.state_cap(shapes))
                 data = await asyncio.to_thread(path.read_bytes)
-                await asyncio.to_thread(GlobalExperts.from_blobs, state, data, self.ctx.spec, shapes)
+                state = await asyncio.to_thread(GlobalExperts.with_momentum, winner.hash, meta, tensors, data,
+                                                self.ctx.spec, shapes)
             except (NetworkError, OSError, StateError) as exc:
                 log.warning("momentum %s from %s: %s", momentum[:12], voter[:12], exc)
                 continue
-            await self.ctx.storage.set_state(MOMENTUM_KEY, momentum)
+            if momentum == mine:
+                return state
+            await self.ctx.storage.set_momentum(momentum)
             if voter != self.ctx.identity.node_id:
                 log.info("re-synced outer momentum %s of state %s from %s", momentum[:12], winner.hash[:12],
                          voter[:12])
-            return
+            return state
         raise SyncError(f"no voter of state {winner.hash[:12]} served a momentum blob that belongs to it")
 
 

@@ -3,14 +3,15 @@
 TRAIN of round r: settle the global state (node.duties.consensus), put it into the model and train H
 inner steps on this miner's shard, off the event loop, stopping early when TRAIN is about to end;
 the canonical blob (metadata: network, round, this miner, base = head, group) goes into the blob
-store and its hash c is remembered in storage. COMMIT: publish Commit(r, c). REVEAL: serve the blob
-(never earlier) and publish Reveal(r, c, size). Each step checks storage first, so a restarted
-miner never trains, commits or reveals twice in a round.
+store and storage remembers it (`Submission`). COMMIT: publish Commit(r, c). REVEAL: serve the blob
+(never earlier) and publish Reveal(r, c, size). At TRAIN the miner also ranks the settled round from
+the public score reports (node.duties.results), so it knows its loss, rank and reward. Each step checks storage first, so a restarted
+miner never trains, commits or reveals twice in a round, and from REVEAL on a restarted miner
+serves the blob it revealed again, so its reveal stands.
 
-`miner.behaviour` plays a simulation adversary instead: `lazy` submits the global state unchanged,
-`noise` submits it with random noise added, `copier` commits the first other miner's commitment
-and reveals that miner's blob as its own, `late` commits only after the COMMIT window (its own
-node refuses to send it; the refusal is logged), `garbage` commits to random bytes.
+What the miner submits and when is a `MinerStrategy`: `HonestStrategy` here; the simulation's
+adversaries (node.sim.adversaries) are other strategies injected through `MinerDuties.factory`.
+`build_submission` is THE honest build: the duty and `tessera train` both call it.
 This module knows nothing about scoring or merging.
 """
 
@@ -18,256 +19,255 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from node.duties.consensus import GLOBAL_RNG_LOCK, Consensus, wait_until
-from node.net.network import NetworkError, PublishRefused
-from node.runtime.daemon import BuiltOnce, HeartbeatDuties, NodeContext
-from protocol.messages import Commit, Envelope, Reveal
+from node.duties.consensus import Consensus
+from node.duties.results import learn_results
+from node.net.network import PublishRefused
+from node.runtime.config import MinerSection
+from node.runtime.daemon import BuiltOnce, DutiesFactory, HeartbeatDuties, NodeContext
+from node.store.records import Submission
+from protocol.messages import Commit, Envelope, Message, Reveal
 from protocol.rounds import Phase
-from protocol.spec import spec_dir_path
+from protocol.spec import NetworkSpec, spec_dir_path
 from training.adapters import MoEAdapter
-from training.blob import BlobMeta, encode_blob, max_blob_bytes
+from training.blob import BlobMeta, encode_blob
 from training.data import batches, load_sequences, shard
 from training.experts import expected_shapes, extract, insert
 from training.model import load_base
 from training.tokenizer import load_tokenizer
-from training.trainer import TrainConfig, train_experts
+from training.trainer import TrainConfig, TrainResult, train_experts
 from validator.state import GlobalExperts
 
 log = logging.getLogger(__name__)
 
-SUBMISSION_KEY = "submission:{}"  # round -> JSON {hash, size} of the blob this miner submits
 TRAIN_MARGIN_SHARE = 0.1  # of TRAIN, kept free after training to write the blob
 TRAIN_MARGIN_MAX_S = 120.0
-COPY_WAIT_SHARE = 0.6  # of COMMIT: how long a copier waits for a commitment to copy
-NOISE_SCALE = 5.0  # noise std as a multiple of each tensor's std: large enough to hurt the loss
-GARBAGE_BYTES = 4096
+Tensors = dict[str, torch.Tensor]
+
+
+def miner_seed(miner: str, round: int) -> int:
+    """The seed of a miner's batch order (and an adversary's noise) in a round."""
+    return int.from_bytes(hashlib.sha256(f"tessera-miner:{miner}:{round}".encode()).digest()[:8], "big") >> 1
+
+
+def encode_submission(spec: NetworkSpec, round: int, miner: str, head: str, tensors: Mapping[str, torch.Tensor]) -> bytes:
+    """The canonical blob of `tensors` in the spec's dtype, naming this round, miner and base."""
+    dtype = getattr(torch, spec.model.dtype)
+    meta = BlobMeta(network=spec.network_id, round=round, miner=miner, base=head,
+                    group={layer: list(ids) for layer, ids in spec.group.items()})
+    return encode_blob({name: t.to(dtype) for name, t in tensors.items()}, meta)
+
+
+class MinerModel:
+    """What a miner loads once: the base model, its genesis state and the training sequences."""
+
+    def __init__(self, spec: NetworkSpec, model: torch.nn.Module, adapter: MoEAdapter, genesis: GlobalExperts,
+                 sequences: torch.Tensor, pad_id: int) -> None:
+        self.spec = spec
+        self.model = model
+        self.adapter = adapter
+        self.genesis = genesis
+        self.shapes = expected_shapes(model, adapter, spec.group)
+        self.sequences = sequences
+        self.pad_id = pad_id
+
+    @classmethod
+    def load(cls, spec: NetworkSpec, spec_path: Path, data: Sequence[Path] = ()) -> MinerModel:
+        """Build the base model and pack the training files (`data`, else the spec's); blocking."""
+        model, adapter = load_base(spec, spec_path)
+        tokenizer = load_tokenizer(spec.data.tokenizer, spec_path.parent)
+        files = list(data) or [spec_dir_path(spec_path, p) for p in spec.data.train]
+        sequences = load_sequences(files, tokenizer, spec.data.seq_len)
+        genesis = GlobalExperts.genesis(spec, extract(model, adapter, spec.group))
+        return cls(spec, model, adapter, genesis, sequences, tokenizer.pad_id)
+
+    def train(self, miner: str, round: int, base: Mapping[str, torch.Tensor], section: MinerSection,
+              keep_going: Callable[[], bool], steps: int | None = None) -> TrainResult:
+        """H inner steps (or `steps`) from `base` on this miner's shard; fewer when `keep_going` turns False."""
+        inner = self.spec.training
+        insert(self.model, self.adapter, dict(base))
+        cfg = TrainConfig(steps=steps or inner.inner_steps, lr=inner.lr, weight_decay=inner.weight_decay,
+                          batch_size=inner.batch_size, micro_batch_size=section.micro_batch_size,
+                          grad_clip=inner.grad_clip, forward=section.forward, device=section.device,
+                          pad_id=self.pad_id)
+        rows = shard(self.sequences, miner, round)
+        order = batches(rows, cfg.batch_size, miner_seed(miner, round))
+        return train_experts(self.model, self.adapter, self.spec.group, _while(order, keep_going), cfg)
+
+
+def build_submission(model: MinerModel, miner: str, round: int, head: str, base: Mapping[str, torch.Tensor],
+                     section: MinerSection, keep_going: Callable[[], bool] = lambda: True,
+                     steps: int | None = None) -> tuple[bytes, TrainResult]:
+    """An honest miner's blob for `round`, trained from the state `head` (whose tensors are `base`)."""
+    result = model.train(miner, round, base, section, keep_going, steps)
+    return encode_submission(model.spec, round, miner, head, result.tensors), result
+
+
+@dataclass(frozen=True)
+class Job:
+    """One round's submission to make (in a worker thread): who, which round, from which state."""
+
+    model: MinerModel
+    miner: str
+    round: int
+    head: str
+    base: GlobalExperts
+    section: MinerSection
+    keep_going: Callable[[], bool]
+
+    @property
+    def seed(self) -> int:
+        return miner_seed(self.miner, self.round)
+
+    def encode(self, tensors: Mapping[str, torch.Tensor]) -> bytes:
+        return encode_submission(self.model.spec, self.round, self.miner, self.head, tensors)
+
+
+class HonestStrategy:
+    """Train, commit the blob in COMMIT, reveal it in REVEAL. Adversaries override these hooks."""
+
+    name = "honest"
+    trains = True
+    """False: TRAIN builds no submission."""
+
+    def build(self, job: Job) -> bytes:
+        """The submission's bytes (runs in a worker thread: torch)."""
+        data, result = build_submission(job.model, job.miner, job.round, job.head, job.base.tensors,
+                                        job.section, job.keep_going)
+        log.info("round %d: trained %d steps in %.1f s, loss %.4f -> %.4f", job.round, len(result.losses),
+                 result.seconds, result.losses[0], result.losses[-1])
+        return data
+
+    async def commitment(self, duty: MinerDuties, round: int) -> str | None:
+        """What to commit in COMMIT (None: nothing)."""
+        submission = await duty.ctx.storage.submission(round)
+        return None if submission is None else submission.hash
+
+    async def before_reveal(self, duty: MinerDuties, round: int, commitment: str | None) -> bool:
+        """Work due at REVEAL before revealing `commitment`; False: do not reveal."""
+        return commitment is not None
 
 
 class MinerDuties:
-    """A miner's phase work; build with `MinerDuties(ctx)` (a DutiesFactory)."""
+    """A miner's phase work; `MinerDuties.factory(strategy)` is its DutiesFactory (honest by default)."""
 
-    def __init__(self, ctx: NodeContext) -> None:
+    def __init__(self, ctx: NodeContext, strategy: HonestStrategy | None = None) -> None:
         self.ctx = ctx
         self.me = ctx.identity.node_id
-        self.behaviour = ctx.config.miner.behaviour
+        self.strategy = strategy or HonestStrategy()
         self.consensus = Consensus(ctx, need_momentum=False)
         self.heartbeat = HeartbeatDuties(ctx)
         self.arrivals = asyncio.Event()
-        self._loaded = BuiltOnce(lambda: _Loaded.create(ctx))
+        section = ctx.config.miner
+        self.model = BuiltOnce(lambda: MinerModel.load(ctx.spec, ctx.config.node.spec,
+                                                       [section.data] if section.data else []))
         self._served: str | None = None
 
+    @staticmethod
+    def factory(strategy: HonestStrategy | None = None) -> DutiesFactory:
+        return lambda ctx: MinerDuties(ctx, strategy)
+
     async def on_phase(self, round: int, phase: Phase) -> None:
-        loaded = await self._loaded.get()
-        await self.consensus.on_phase(round, phase, loaded.shapes)
+        model = await self.model.get()
+        await self.consensus.on_phase(round, phase, model.shapes)
         await self.heartbeat.on_phase(round, phase)
         if phase is Phase.TRAIN:
-            await self._train(round, loaded)
+            await learn_results(self.ctx.storage, self.ctx.spec, round - 1)
+            await self._train(round, model)
         elif phase is Phase.COMMIT:
             await self._commit(round)
         elif phase is Phase.REVEAL:
             await self._reveal(round)
+        else:
+            await self._serve_revealed(round)
 
-    async def on_message(self, envelope: Envelope) -> None:
-        await self.consensus.on_message(envelope)
+    async def on_message(self, envelope: Envelope, message: Message) -> None:
+        await self.consensus.on_message(envelope, message)
         self.arrivals.set()
 
     # -- TRAIN --------------------------------------------------------------------------------
 
-    async def _train(self, round: int, loaded: _Loaded) -> None:
-        if self.behaviour == "copier" or await self._submission(round) is not None:
+    async def _train(self, round: int, model: MinerModel) -> None:
+        if not self.strategy.trains or await self.ctx.storage.submission(round) is not None:
             return
         if not await self.consensus.head_known():
             log.warning("round %d: the global head is unknown; not training this round", round)
             return
         head = await self.ctx.head()
-        base = (await self.consensus.load(head, loaded.genesis, loaded.shapes)).state
+        base = (await self.consensus.load(head, model.genesis, model.shapes)).state
         deadline = self._train_deadline(round)
+        job = Job(model, self.me, round, head, base, self.ctx.config.miner, lambda: self.ctx.clock.now() < deadline)
         try:
-            data = await asyncio.to_thread(self._build, loaded, round, head, base,
-                                           lambda: self.ctx.clock.now() < deadline)
+            data = await asyncio.to_thread(self.strategy.build, job)
         except ValueError as exc:
             log.error("round %d: no submission: %s", round, exc)
             return
         blob_hash = await asyncio.to_thread(self.ctx.blobs.put_bytes, data)
-        record = json.dumps({"hash": blob_hash, "size": len(data)})
-        await self.ctx.storage.set_state(SUBMISSION_KEY.format(round), record)
-        log.info("round %d: %s submission %s (%d bytes) from base %s", round, self.behaviour, blob_hash[:12],
+        await self.ctx.storage.set_submission(round, Submission(blob_hash, len(data)))
+        log.info("round %d: %s submission %s (%d bytes) from base %s", round, self.strategy.name, blob_hash[:12],
                  len(data), head[:12])
 
     def _train_deadline(self, round: int) -> float:
         margin = min(TRAIN_MARGIN_SHARE * self.ctx.schedule.train_s, TRAIN_MARGIN_MAX_S)
         return self.ctx.schedule.phase_window(round, Phase.TRAIN)[1] - margin
 
-    def _build(self, loaded: _Loaded, round: int, head: str, base: GlobalExperts,
-               keep_going: Callable[[], bool]) -> bytes:
-        """The submission's bytes (runs in a worker thread: torch)."""
-        seed = _seed(self.me, round)
-        if self.behaviour == "garbage":
-            return torch.randint(0, 256, (GARBAGE_BYTES,), dtype=torch.uint8,
-                                 generator=torch.Generator().manual_seed(seed)).numpy().tobytes()
-        if self.behaviour == "lazy":
-            tensors = dict(base.tensors)
-        elif self.behaviour == "noise":
-            generator = torch.Generator().manual_seed(seed)
-            tensors = {name: t + NOISE_SCALE * t.std() * torch.randn(t.shape, generator=generator)
-                       for name, t in base.tensors.items()}
-        else:
-            tensors = loaded.train(self.ctx, round, base, seed, keep_going)
-        spec = self.ctx.spec
-        dtype = getattr(torch, spec.model.dtype)
-        meta = BlobMeta(network=spec.network_id, round=round, miner=self.me, base=head,
-                        group={layer: list(ids) for layer, ids in spec.group.items()})
-        return encode_blob({name: t.to(dtype) for name, t in tensors.items()}, meta)
-
     # -- COMMIT and REVEAL --------------------------------------------------------------------
 
     async def _commit(self, round: int) -> None:
-        if self.behaviour == "late" or await self._own_commit(round) is not None:
+        if await self.own_commit(round) is not None:
             return
-        if self.behaviour == "copier":
-            commitment = await self._copy_commitment(round)
-        else:
-            submission = await self._submission(round)
-            commitment = None if submission is None else submission[0]
+        commitment = await self.strategy.commitment(self, round)
         if commitment is None:
             log.info("round %d: nothing to commit", round)
             return
-        await self._publish(Commit(round=round, commitment=commitment))
+        await self.publish(Commit(round=round, commitment=commitment))
 
     async def _reveal(self, round: int) -> None:
-        if self.behaviour == "late":
-            await self._late_commit(round)
+        commitment = await self.own_commit(round)
+        if any(r.miner == self.me for r in await self.ctx.storage.reveals_for(round)):
+            await self._serve_revealed(round)  # a restart after revealing: the reveal stands
             return
-        commitment = await self._own_commit(round)
-        if commitment is None or any(r.miner == self.me for r in await self.ctx.storage.reveals_for(round)):
+        if not await self.strategy.before_reveal(self, round, commitment):
             return
-        if self.behaviour == "copier" and not await self._copy_blob(round, commitment):
-            return
+        assert commitment is not None
         if not self.ctx.blobs.has(commitment):
             log.error("round %d: the committed blob %s is not in the blob store; cannot reveal", round,
                       commitment[:12])
             return
-        self.ctx.network.serve(commitment)
-        if self._served not in (None, commitment):
-            self.ctx.network.unserve(self._served)
-        self._served = commitment
-        await self._publish(Reveal(round=round, commitment=commitment, size=self.ctx.blobs.size(commitment)))
+        self._serve(commitment)
+        await self.publish(Reveal(round=round, commitment=commitment, size=self.ctx.blobs.size(commitment)))
 
-    async def _late_commit(self, round: int) -> None:
-        submission = await self._submission(round)
-        if submission is None:
+    async def _serve_revealed(self, round: int) -> None:
+        """Serve the blob this miner revealed in `round` (validators fetch it until MERGE ends)."""
+        mine = [r for r in await self.ctx.storage.reveals_for(round) if r.miner == self.me]
+        if mine and self.ctx.blobs.has(mine[0].commitment):
+            self._serve(mine[0].commitment)
+
+    def _serve(self, blob_hash: str) -> None:
+        if self._served == blob_hash:
             return
-        await self.ctx.clock.sleep_until(self.ctx.schedule.phase_window(round, Phase.COMMIT)[1]
-                                         + self.ctx.schedule.clock_skew_s)
-        await self._publish(Commit(round=round, commitment=submission[0]))
+        self.ctx.network.serve(blob_hash)
+        if self._served is not None:
+            self.ctx.network.unserve(self._served)
+        self._served = blob_hash
 
-    async def _copy_commitment(self, round: int) -> str | None:
-        """The commitment of the first other miner that committed this round (waits for one)."""
-        start, end = self.ctx.schedule.phase_window(round, Phase.COMMIT)
-        found: list[str] = []
+    # -- helpers for strategies ---------------------------------------------------------------
 
-        async def other_commit() -> bool:
-            others = [c for c in await self.ctx.storage.commits_for(round) if c.miner != self.me]
-            if others:
-                first = min(others, key=lambda c: (c.received_at, c.miner))
-                found[:] = [first.commitment, first.miner]
-            return bool(found)
-
-        deadline = start + COPY_WAIT_SHARE * (end - start)
-        if not await wait_until(self.ctx.clock, self.arrivals, other_commit, deadline):
-            return None
-        commitment, victim = found
-        await self.ctx.storage.set_state(f"copied:{round}", victim)
-        log.info("round %d: copying the commitment %s of miner %s", round, commitment[:12], victim[:12])
-        return commitment
-
-    async def _copy_blob(self, round: int, commitment: str) -> bool:
-        victim = await self.ctx.storage.get_state(f"copied:{round}")
-        if victim is None:
-            return False
-        end = self.ctx.schedule.phase_window(round, Phase.REVEAL)[1]
-
-        async def revealed() -> bool:
-            return any(r.miner == victim for r in await self.ctx.storage.reveals_for(round))
-
-        await wait_until(self.ctx.clock, self.arrivals, revealed, end)
-        loaded = await self._loaded.get()
-        cap = max_blob_bytes(loaded.shapes, self.ctx.spec.model.dtype, self.ctx.spec.limits.max_header_bytes)
-        try:
-            await self.ctx.network.fetch(commitment, [victim], cap)
-        except (NetworkError, OSError) as exc:
-            log.warning("round %d: cannot fetch the copied blob: %s", round, exc)
-            return False
-        return True
-
-    # -- helpers ------------------------------------------------------------------------------
-
-    async def _publish(self, message: Commit | Reveal) -> None:
+    async def publish(self, message: Commit | Reveal) -> None:
         try:
             await self.ctx.publish(message)
         except PublishRefused as exc:
             log.warning("round %d: %s refused: %s", message.round, message.kind, exc)
 
-    async def _submission(self, round: int) -> tuple[str, int] | None:
-        text = await self.ctx.storage.get_state(SUBMISSION_KEY.format(round))
-        if text is None:
-            return None
-        record = json.loads(text)
-        return record["hash"], record["size"]
-
-    async def _own_commit(self, round: int) -> str | None:
+    async def own_commit(self, round: int) -> str | None:
         commits = await self.ctx.storage.commits_for(round)
         return next((c.commitment for c in commits if c.miner == self.me), None)
-
-
-class _Loaded:
-    """What a miner loads once: the base model, its genesis state and the training sequences."""
-
-    def __init__(self, model: torch.nn.Module, adapter: MoEAdapter, genesis: GlobalExperts,
-                 shapes: dict[str, tuple[int, ...]], sequences: torch.Tensor, pad_id: int) -> None:
-        self.model = model
-        self.adapter = adapter
-        self.genesis = genesis
-        self.shapes = shapes
-        self.sequences = sequences
-        self.pad_id = pad_id
-
-    @classmethod
-    def create(cls, ctx: NodeContext) -> _Loaded:
-        spec, spec_path = ctx.spec, ctx.config.node.spec
-        with GLOBAL_RNG_LOCK:
-            model, adapter = load_base(spec, spec_path)
-        tokenizer = load_tokenizer(spec.data.tokenizer, spec_path.parent)
-        files = [ctx.config.miner.data] if ctx.config.miner.data else [
-            spec_dir_path(spec_path, p) for p in spec.data.train]
-        sequences = load_sequences(files, tokenizer, spec.data.seq_len)
-        genesis = GlobalExperts.genesis(spec, extract(model, adapter, spec.group))
-        shapes = expected_shapes(model, adapter, spec.group)
-        return cls(model, adapter, genesis, shapes, sequences, tokenizer.pad_id)
-
-    def train(self, ctx: NodeContext, round: int, base: GlobalExperts, seed: int,
-              keep_going: Callable[[], bool]) -> dict[str, torch.Tensor]:
-        """H inner steps from `base` on this miner's shard; fewer when `keep_going` turns False."""
-        spec, section = ctx.spec, ctx.config.miner
-        insert(self.model, self.adapter, base.tensors)
-        inner = spec.training
-        cfg = TrainConfig(steps=inner.inner_steps, lr=inner.lr, weight_decay=inner.weight_decay,
-                          batch_size=inner.batch_size, micro_batch_size=section.micro_batch_size,
-                          grad_clip=inner.grad_clip, forward=section.forward, device=section.device,
-                          seed=seed, pad_id=self.pad_id)
-        rows = shard(self.sequences, ctx.identity.node_id, round)
-        with GLOBAL_RNG_LOCK:
-            result = train_experts(self.model, self.adapter, spec.group,
-                                   _while(batches(rows, cfg.batch_size, seed), keep_going), cfg)
-        log.info("round %d: trained %d steps in %.1f s, loss %.4f -> %.4f", round, len(result.losses),
-                 result.seconds, result.losses[0], result.losses[-1])
-        return result.tensors
 
 
 def _while(items: Iterator[torch.Tensor], keep_going: Callable[[], bool]) -> Iterator[torch.Tensor]:
@@ -275,7 +275,3 @@ def _while(items: Iterator[torch.Tensor], keep_going: Callable[[], bool]) -> Ite
         if not keep_going():
             return
         yield item
-
-
-def _seed(miner: str, round: int) -> int:
-    return int.from_bytes(hashlib.sha256(f"tessera-miner:{miner}:{round}".encode()).digest()[:8], "big") >> 1

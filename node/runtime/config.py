@@ -3,8 +3,9 @@
 Sections are small typed models with defaults; `load_config` reads the file, lets environment
 variables override it (nested with `__`, e.g. `TESSERA_HTTP__PORT=9000`), and raises `ConfigError`
 naming the file (or variable) and the field. Relative paths are resolved against the config file's
-directory. This module knows nothing about the network spec's contents, storage or networking;
-it only says where things are and how the node should behave.
+directory. The `[p2p]` section is the network layer's own `P2PConfig` (node.net.config), used by it
+as is. This module knows nothing about the network spec's contents, storage or networking; it only
+says where things are and how the node should behave.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from node.net.config import P2PConfig
 
 ENV_PREFIX = "TESSERA_"
 Role = Literal["miner", "validator"]
@@ -39,23 +42,6 @@ class NodeSection(_Section):
     data_dir: Path = Field(default=Path("data"), description="SQLite state, blobs and the rewards ledger.")
 
 
-class P2PSection(_Section):
-    """The libp2p host."""
-
-    host: str = Field(default="127.0.0.1", description="Listen address; 0.0.0.0 accepts peers from other hosts.")
-    port: int = Field(default=4001, ge=0, le=65535, description="Listen TCP port; 0 picks a free one.")
-    bootstrap: list[str] = Field(default_factory=list, description="Multiaddrs of bootstrap peers (give several).")
-    max_peers: int = Field(default=32, ge=1, le=1024, description="Connections kept open at most.")
-
-    @field_validator("bootstrap")
-    @classmethod
-    def _multiaddrs(cls, value: list[str]) -> list[str]:
-        for addr in value:
-            if not addr.startswith("/") or "/p2p/" not in addr:
-                raise ValueError(f"{addr!r} is not a multiaddr like /ip4/1.2.3.4/tcp/4001/p2p/<peer id>")
-        return value
-
-
 class HttpSection(_Section):
     """The local HTTP API (/healthz, /status, /metrics, /rewards)."""
 
@@ -74,6 +60,10 @@ class MinerSection(_Section):
     micro_batch_size: int | None = Field(
         default=None, ge=1, description="Sequences per forward pass; unset = the spec's batch (no accumulation)."
     )
+    checkpointing: bool = Field(
+        default=False, description="Activation checkpointing: recompute decoder layers in backward to save memory."
+    )
+    autocast: bool = Field(default=True, description="bf16 autocast when training on CUDA (no effect on CPU).")
     data: Path | None = Field(default=None, description="Local training file overriding the spec's train files.")
     behaviour: Literal["honest", "lazy", "noise", "copier", "late", "garbage"] = Field(
         default="honest", description="Exists for simulations: anything but 'honest' plays an adversary."
@@ -84,7 +74,10 @@ class ValidatorSection(_Section):
     """How a validator evaluates."""
 
     heldout: Path | None = Field(default=None, description="The held-out file whose SHA-256 the spec pins.")
-    device: str = Field(default="cpu", description="Torch device for evaluation.")
+    device: str = Field(
+        default="cpu", description="Torch device for scoring (cpu, cuda, cuda:1); 'auto' spreads the model over all GPUs."
+    )
+    batch_size: int = Field(default=16, ge=1, description="Held-out sequences per scoring forward pass.")
 
 
 class StorageSection(_Section):
@@ -104,7 +97,7 @@ class NodeConfig(BaseSettings):
     )
 
     node: NodeSection
-    p2p: P2PSection = P2PSection()
+    p2p: P2PConfig = P2PConfig()
     http: HttpSection = HttpSection()
     miner: MinerSection = MinerSection()
     validator: ValidatorSection = ValidatorSection()
@@ -203,6 +196,8 @@ def render_config(role: Role, spec: Path, key: Path, data_dir: Path, p2p_port: i
         'host = "127.0.0.1"',
         f"port = {p2p_port}",
         f"bootstrap = [{', '.join(_q(b) for b in bootstrap)}]",
+        f"# penalty_threshold = {P2PConfig().penalty_threshold}  # REJECTs a peer may send in one round before it is cut off",
+        f"# penalty_backoff_s = {P2PConfig().penalty_backoff_s}  # how long it then stays disconnected and undialled",
         "",
         "[http]",
         'host = "127.0.0.1"',

@@ -4,7 +4,8 @@
 every background task (the scheduler, the gossip consumer) until `stop()`, then closes HTTP, the
 network and storage in that order. Gossip arrives already judged by the network's check (only
 ACCEPTed envelopes are delivered); each is recorded in storage BEFORE the duties see it, so a node
-killed at any point restarts knowing every message its duties acted on.
+killed at any point restarts knowing every message its duties acted on. Our own published envelopes
+take the same path (`_handle`): recorded, then handed to the duties with the decoded message.
 
 Miner and validator work plugs in through `Duties` (`on_phase`, `on_message`), built from a
 `NodeContext`; the built-in `HeartbeatDuties` only announces liveness and head, once a round.
@@ -14,21 +15,22 @@ This module knows nothing about training, scoring or merging, nor about libp2p (
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
-from node.net.network import GossipJudge, Network, Subscription
+from node.net.judge import GossipJudge
+from node.net.network import Network, PublishRefused, Subscription
 from node.runtime.clock import Clock, SystemClock
 from node.runtime.config import NodeConfig
 from node.runtime.http import HttpApi
 from node.runtime.metrics import NodeMetrics
 from node.runtime.scheduler import PhaseRun, Scheduler
+from node.runtime.status import StatusViews
 from node.store.blobs import BlobStore
-from node.store.db import MOMENTUM_KEY, Storage
+from node.store.db import Storage
 from protocol.identity import Identity, load_or_create_identity
 from protocol.messages import Envelope, Heartbeat, Message, seal
 from protocol.rounds import Phase, Schedule
@@ -37,8 +39,14 @@ from protocol.spec import NetworkSpec, load_spec
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-ROUND_REPORT_KEY = "round_report:{}"  # storage key of a validator's JSON report of one round
 ROUNDS_LISTED = 32
+
+
+class LocalDelivery:
+    """Where our own published envelopes go: set by the Node to its gossip handler."""
+
+    def __init__(self) -> None:
+        self.handler: Callable[[Envelope, Message], Awaitable[None]] | None = None
 
 
 @dataclass(frozen=True)
@@ -54,16 +62,19 @@ class NodeContext:
     blobs: BlobStore
     network: Network
     metrics: NodeMetrics
+    local: LocalDelivery
 
     async def publish(self, message: Message) -> Envelope:
-        """Sign, gossip and record one of our own messages; PublishRefused if peers would reject it.
+        """Sign, gossip, record and hand to our duties one of our own messages; PublishRefused if peers
+        would reject it.
 
         Recorded after gossiping, so a refused message leaves no trace; a duty that must not repeat
-        an action after a crash in between records its intent first (storage.set_state).
+        an action after a crash in between records its intent first (a typed storage write).
         """
         envelope = seal(message, self.spec.network_id, self.identity)
         await self.network.publish(envelope)
-        await self.storage.record_accepted(envelope, message, self.clock.now())
+        assert self.local.handler is not None, "publish before the node was built"
+        await self.local.handler(envelope, message)
         return envelope
 
     async def head(self) -> str:
@@ -83,8 +94,8 @@ class Duties(Protocol):
         """Called once at the start of each phase (at once for the phase in progress at start)."""
         ...
 
-    async def on_message(self, envelope: Envelope) -> None:
-        """Called for each accepted gossip envelope, after storage has recorded it."""
+    async def on_message(self, envelope: Envelope, message: Message) -> None:
+        """Called for each accepted envelope (ours too) and its decoded message, after storage recorded it."""
         ...
 
 
@@ -107,22 +118,25 @@ class BuiltOnce(Generic[T]):
 class HeartbeatDuties:
     """The minimal duty: at each phase start, announce our role and head unless already announced.
 
-    A Heartbeat carries only round, role and head, and Ed25519 signatures are deterministic, so a
-    second identical heartbeat in a round would be the same envelope, which peers drop as a
-    duplicate; one goes out per round, and another when the head changes.
+    Peers accept one heartbeat per sender per round (node.net.judge), so one goes out per round;
+    after a restart in the same round the network refuses a second one, which is fine.
     """
 
     def __init__(self, ctx: NodeContext) -> None:
         self.ctx = ctx
-        self._announced: tuple[int, str] | None = None
+        self._announced: int | None = None
 
     async def on_phase(self, round: int, phase: Phase) -> None:
+        if self._announced == round:
+            return
         head = await self.ctx.head()
-        if self._announced != (round, head):
+        try:
             await self.ctx.publish(Heartbeat(round=round, role=self.ctx.config.node.role, head=head))
-            self._announced = (round, head)
+        except PublishRefused as exc:
+            log.info("round %d: no heartbeat: %s", round, exc)
+        self._announced = round
 
-    async def on_message(self, envelope: Envelope) -> None:
+    async def on_message(self, envelope: Envelope, message: Message) -> None:
         return None
 
 
@@ -137,6 +151,7 @@ class Node:
         self._stop = asyncio.Event()
         # Subscribe now, not in run(): gossip that arrives in between waits in the queue.
         self._subscription: Subscription = ctx.network.subscribe()
+        ctx.local.handler = self._handle
 
     @classmethod
     async def create(cls, config: NodeConfig, network: Network | None = None, clock: Clock | None = None,
@@ -149,14 +164,15 @@ class Node:
         storage = await Storage.open(config.db_path)
         try:
             if network is None:
-                network = await _open_libp2p(config, spec, identity, blobs, clock)
+                network = await _open_libp2p(config, spec, identity, blobs, clock, storage)
             elif network.node_id != identity.node_id:
                 raise ValueError(f"network joined as {network.node_id[:12]} but the key is {identity.node_id[:12]}")
             metrics = NodeMetrics()
             metrics.bind_network(lambda: network.stats, lambda: len(network.peers()))
             ctx = NodeContext(config, spec, Schedule.from_spec(spec), identity, clock, storage, blobs, network,
-                              metrics)
-            node_duties = (duties or HeartbeatDuties)(ctx)  # may refuse, e.g. a held-out file with the wrong hash
+                              metrics, LocalDelivery())
+            # in a thread: a factory may hash or read files; it may refuse, e.g. a held-out file with the wrong hash
+            node_duties = await asyncio.to_thread(duties or HeartbeatDuties, ctx)
         except BaseException:
             if network is not None:
                 await network.close()
@@ -168,7 +184,8 @@ class Node:
         """Serve until `stop()`; always closes HTTP, network and storage on the way out."""
         try:
             if self.ctx.config.http.enabled:
-                self.http = await HttpApi.start(self, self.ctx.config.http.host, self.ctx.config.http.port)
+                self.http = await HttpApi.start(StatusViews(self), self.ctx.config.http.host,
+                                                self.ctx.config.http.port)
                 log.info("http api on %s", self.http.url)
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(self._consume(self._subscription), name="gossip-consumer"),
@@ -190,32 +207,37 @@ class Node:
 
     async def _consume(self, subscription: Subscription) -> None:
         async for delivery in subscription:
-            envelope = delivery.envelope
-            message = envelope.message()  # the network's check already decoded it once
-            if not await self.ctx.storage.record_accepted(envelope, message, self.ctx.clock.now()):
-                continue  # stored before a restart (the duties saw it then), or an equivocation across one
-            try:
-                await self.duties.on_message(envelope)
-            except Exception:
-                log.exception("duty failed on %s from %s (round %d)", envelope.kind, envelope.sender[:12],
-                              envelope.round)
+            await self._handle(delivery.envelope, delivery.envelope.message())
+
+    async def _handle(self, envelope: Envelope, message: Message) -> None:
+        """Record an accepted envelope, then hand it and its decoded message to the duties."""
+        if not await self.ctx.storage.record_accepted(envelope, message, self.ctx.clock.now()):
+            return  # stored before a restart (the duties saw it then), or an equivocation across one
+        try:
+            await self.duties.on_message(envelope, message)
+        except Exception:
+            log.exception("duty failed on %s from %s (round %d)", envelope.kind, envelope.sender[:12],
+                          envelope.round)
 
     async def _on_phase(self, round: int, phase: Phase) -> None:
         log.info("round %d: %s", round, phase)
         if phase is Phase.TRAIN:
             await self.ctx.storage.record_round(round, self.ctx.schedule.round_start(round))
-            await self.ctx.storage.prune_messages(round - self.ctx.config.storage.message_retention_rounds)
+            await self.ctx.storage.prune(round - self.ctx.config.storage.message_retention_rounds)
             await self._prune_blobs()
         await self.duties.on_phase(round, phase)
 
     async def _on_run(self, run: PhaseRun) -> None:
-        self.ctx.metrics.phase_run(run.round, run.phase, run.duration_s, run.late_s, run.ok)
+        overran = run.finished_at > self.ctx.schedule.phase_window(run.round, Phase(run.phase))[1]
+        self.ctx.metrics.phase_run(run.round, run.phase, run.duration_s, run.late_s, run.ok, overran,
+                                   self.scheduler.skipped)
         await self.ctx.storage.record_phase_run(run)
+        await StatusViews(self).refresh_metrics()
         if run.phase == Phase.MERGE:
             await self.ctx.storage.export_rewards_jsonl(self.ctx.config.rewards_jsonl)
 
     async def _prune_blobs(self) -> None:
-        keep = {h for h in (await self.ctx.storage.head(), await self.ctx.storage.get_state(MOMENTUM_KEY)) if h}
+        keep = {h for h in (await self.ctx.storage.head(), await self.ctx.storage.momentum()) if h}
         max_age = self.ctx.config.storage.blob_retention_rounds * self.ctx.schedule.round_seconds
         deleted = await asyncio.to_thread(self.ctx.blobs.retain, keep, max_age)
         if deleted:
@@ -247,8 +269,7 @@ class Node:
 
     async def round_report(self, round: int) -> dict[str, Any] | None:
         """A validator's report of one round (None when it has none)."""
-        text = await self.ctx.storage.get_state(ROUND_REPORT_KEY.format(round))
-        return None if text is None else json.loads(text)
+        return await self.ctx.storage.round_report(round)
 
     async def rounds(self) -> list[dict[str, Any]]:
         """The reports of the last rounds, oldest first (empty on a miner)."""
@@ -268,12 +289,14 @@ def _run_dict(run: PhaseRun) -> dict[str, Any]:
 
 
 async def _open_libp2p(config: NodeConfig, spec: NetworkSpec, identity: Identity, blobs: BlobStore,
-                       clock: Clock) -> Network:
-    from node.net.p2p import P2PConfig, P2PNetwork  # the one package that imports libp2p and trio
+                       clock: Clock, storage: Storage) -> Network:
+    from node.net.p2p import P2PNetwork  # the one package that imports libp2p and trio
 
-    p2p = P2PConfig(host=config.p2p.host, port=config.p2p.port, bootstrap=tuple(config.p2p.bootstrap),
-                    max_peers=config.p2p.max_peers)
-    return await P2PNetwork.create(identity, GossipJudge(spec, clock.now), blobs, p2p)
+    judge = GossipJudge(spec, clock.now, config.p2p)
+    # A restarted node IGNOREs what it accepted before, as peers re-gossip it (the seen-set is not lost).
+    schedule = Schedule.from_spec(spec)
+    judge.seed(await storage.accepted_since(schedule.round_at(max(clock.now(), schedule.genesis_ts)) - 1))
+    return await P2PNetwork.create(identity, judge, blobs, config.p2p)
 
 
 def serve(config: NodeConfig, duties: DutiesFactory | None = None) -> int:

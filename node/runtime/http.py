@@ -1,26 +1,36 @@
-"""The node's local HTTP API (aiohttp): /healthz, /status, /metrics, /rewards and a status page at /.
+"""The node's local HTTP API (aiohttp): the status page at /, and /healthz, /status, /rounds, /rounds/{r},
+/miners/{id}, /rewards and /metrics.
 
-Read-only; binds 127.0.0.1 unless configured otherwise. It serves whatever a `StatusSource` (the
-running node) reports, so it knows nothing about rounds, storage or the network itself.
+Read-only and GET only; binds 127.0.0.1 unless configured otherwise. Bad input gets a 4xx with a
+one-line JSON reason, never a 500: a non-numeric or absurd round (400), an unknown round or miner
+(404), a query string over MAX_QUERY_CHARS (414), any other method (405). The page is three static
+files shipped in node/runtime/page/ (no CDN, and a Content-Security-Policy that lets it load
+nothing from elsewhere); it polls the JSON endpoints. It serves whatever a `StatusSource` (the
+running node's status views) reports, so it knows nothing about rounds, storage or the network.
 """
 
 from __future__ import annotations
 
-import html
 import json
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 from aiohttp import web
 
 from node.runtime.metrics import CONTENT_TYPE
 
-Handler = Callable[[web.Request], Awaitable[web.Response]]
-_TOP_STANDINGS = 20
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+PAGE_DIR = Path(__file__).with_name("page")
+PAGE_FILES = {"/": ("index.html", "text/html"), "/app.js": ("app.js", "text/javascript"),
+              "/style.css": ("style.css", "text/css")}
+MAX_QUERY_CHARS = 512
+MAX_ROUND_DIGITS = 12
+_CSP = "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:"
 
 
 class StatusSource(Protocol):
-    """What the API shows: a node's status and rewards as JSON-able dicts, and its metrics text."""
+    """What the API shows: a node's views as JSON-able values, and its metrics text."""
 
     async def status(self) -> dict[str, Any]: ...
 
@@ -29,6 +39,8 @@ class StatusSource(Protocol):
     async def rounds(self) -> list[dict[str, Any]]: ...
 
     async def round_report(self, round: int) -> dict[str, Any] | None: ...
+
+    async def miner(self, miner: str) -> list[dict[str, Any]]: ...
 
     def metrics_text(self) -> bytes: ...
 
@@ -44,15 +56,16 @@ class HttpApi:
     @classmethod
     async def start(cls, source: StatusSource, host: str = "127.0.0.1", port: int = 0) -> HttpApi:
         """Serve `source` on host:port (port 0 picks a free one; `.port` tells which)."""
-        app = web.Application()
+        app = web.Application(middlewares=[_guard])
+        app.add_routes([web.get(path, _static(name, kind)) for path, (name, kind) in PAGE_FILES.items()])
         app.add_routes([
-            web.get("/", _page(source)),
             web.get("/healthz", _healthz),
             web.get("/status", _json(source.status)),
             web.get("/rewards", _json(source.rewards)),
             web.get("/metrics", _metrics(source)),
-            web.get("/rounds", _json(lambda: source.rounds())),
+            web.get("/rounds", _json(source.rounds)),
             web.get("/rounds/{round}", _round(source)),
+            web.get("/miners/{miner}", _miner(source)),
         ])
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
@@ -73,6 +86,25 @@ class HttpApi:
         await self._runner.cleanup()
 
 
+def _error(status: int, reason: str) -> web.Response:
+    return web.json_response({"error": reason}, status=status)
+
+
+@web.middleware
+async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Refuse what no endpoint takes before any handler runs; give every 4xx a JSON reason."""
+    if len(request.query_string) > MAX_QUERY_CHARS:
+        return _error(414, f"query string over {MAX_QUERY_CHARS} characters")
+    if request.method not in ("GET", "HEAD"):
+        return _error(405, f"method {request.method[:16]} not allowed; this API is read-only (GET)")
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error(exc.status, exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason)
+
+
 async def _healthz(request: web.Request) -> web.Response:
     return web.json_response({"ok": True})
 
@@ -87,12 +119,25 @@ def _json(fetch: Callable[[], Awaitable[Any]]) -> Handler:
 def _round(source: StatusSource) -> Handler:
     async def handler(request: web.Request) -> web.Response:
         text = request.match_info["round"]
-        if not (text.isascii() and text.isdigit()):
-            raise web.HTTPNotFound(text=f"round must be a non-negative integer, got {text[:20]!r}")
+        if not (text.isascii() and text.isdigit() and len(text) <= MAX_ROUND_DIGITS):
+            return _error(400, f"round must be a non-negative integer, got {text[:20]!r}")
         report = await source.round_report(int(text))
         if report is None:
-            raise web.HTTPNotFound(text=f"no report for round {text}")
+            return _error(404, f"no report for round {int(text)}")
         return web.json_response(report, dumps=_dumps)
+
+    return handler
+
+
+def _miner(source: StatusSource) -> Handler:
+    async def handler(request: web.Request) -> web.Response:
+        miner = request.match_info["miner"]
+        if not (len(miner) == 64 and all(c in "0123456789abcdef" for c in miner)):
+            return _error(400, f"miner must be a 64-character lowercase hex node id, got {miner[:20]!r}")
+        history = await source.miner(miner)
+        if not history:
+            return _error(404, f"no results for miner {miner[:12]} in the rounds this node keeps")
+        return web.json_response(history, dumps=_dumps)
 
     return handler
 
@@ -106,43 +151,15 @@ def _metrics(source: StatusSource) -> Handler:
     return handler
 
 
-def _page(source: StatusSource) -> Handler:
+def _static(name: str, kind: str) -> Handler:
+    body = (PAGE_DIR / name).read_bytes()
+
     async def handler(request: web.Request) -> web.Response:
-        status = await source.status()
-        standings = (await source.rewards()).get("standings", {})
-        rows = _rows(status.items())
-        top = _rows(list(standings.items())[:_TOP_STANDINGS]) or "<tr><td>no rewards yet</td></tr>"
-        body = _PAGE.format(role=html.escape(str(status.get("role", "node"))), rows=rows, standings=top)
-        return web.Response(text=body, content_type="text/html")
+        return web.Response(body=body, content_type=kind, charset="utf-8",
+                            headers={"Content-Security-Policy": _CSP, "Cache-Control": "no-cache"})
 
     return handler
 
 
-def _rows(items: Iterable[tuple[object, object]]) -> str:
-    return "\n".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(_cell(v))}</td></tr>" for k, v in items)
-
-
-def _cell(value: object) -> str:
-    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
-
-
 def _dumps(value: object) -> str:
     return json.dumps(value, sort_keys=True, indent=2)
-
-
-_PAGE = """<!doctype html>
-<html><head><meta charset="utf-8"><meta http-equiv="refresh" content="10">
-<title>tessera {role}</title>
-<style>body{{font-family:sans-serif;margin:2em}}th{{text-align:left;padding-right:1em}}
-td{{font-family:monospace;word-break:break-all}}</style></head>
-<body><h1>tessera {role}</h1>
-<table>
-{rows}
-</table>
-<h2>Standings</h2>
-<table>
-{standings}
-</table>
-<p><a href="/status">/status</a> · <a href="/rewards">/rewards</a> · <a href="/metrics">/metrics</a></p>
-</body></html>
-"""

@@ -1,16 +1,20 @@
 """Prometheus metrics for one node, in a registry of its own (several nodes can share a process).
 
-Two sources: the network's counters (messages by kind and verdict, rejects per peer, bytes, blob
-fetches, peers), read at scrape time from `NetworkStats` so there is one count, not two; and the
-scheduler's round and phase timings, pushed in by the node. Peer ids are unbounded and chosen by
-peers, so rejects per peer are exported for the top N only (labelled by the id's first 16
-alphanumeric characters) plus one `other` series. This module knows nothing about how the numbers
-are produced.
+Three sources: the network's counters (messages by kind and verdict, rejects per peer, bytes, blob
+fetches, peers), read at scrape time from `NetworkStats` so there is one count, not two; the
+scheduler's round and phase timings, pushed in by the node; and the work and results of the round,
+pushed in through small methods: `train_progress` (miner), `submissions_scored` (validator),
+`round_results` (any node, from the status views). Peer ids are unbounded and chosen by peers, so
+rejects per peer are exported for the top N only (labelled by the id's first 16 alphanumeric
+characters) plus one `other` series; verdict reasons are free text, so they are cut to their first
+clause and bounded in number. This module knows nothing about how the numbers are produced.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -20,6 +24,9 @@ from node.net.network import NetworkStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 15, 30, 60, 300, 900, 3600)
+_EVAL_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+MAX_REASONS = 16  # distinct verdict reasons exported; the rest are counted as "other"
+_REASON_CHARS = 48
 
 
 class NodeMetrics:
@@ -38,17 +45,87 @@ class NodeMetrics:
                                     ["phase"], registry=self.registry)
         self.phases_skipped = Gauge("tessera_phases_skipped", "Phases skipped because a handler overran.",
                                     registry=self.registry)
+        self.phase_overruns = Counter("tessera_phase_overruns", "Phase handlers that ran past their phase's end.",
+                                      ["phase"], registry=self.registry)
+        r = self.registry
+        self.train_steps = Counter("tessera_train_steps", "Inner training steps this miner ran.", registry=r)
+        self.train_tokens = Counter("tessera_train_tokens", "Tokens this miner trained on.", registry=r)
+        self.train_tokens_per_s = Gauge("tessera_train_tokens_per_second", "Training throughput of the last round.",
+                                        registry=r)
+        self.train_loss = Gauge("tessera_train_loss", "Last inner training loss of the last round.", registry=r)
+        self.eval_seconds = Histogram("tessera_eval_seconds", "Seconds to check and score one submission.",
+                                      buckets=_EVAL_BUCKETS, registry=r)
+        self.scored = Counter("tessera_scored", "Submissions this validator scored, by verdict and reason.",
+                              ["verdict", "reason"], registry=r)
+        self.base_loss = Gauge("tessera_base_loss", "Held-out loss of the state the last scored round started from.",
+                               registry=r)
+        self.adopted_loss = Gauge("tessera_adopted_loss", "Held-out loss of the last adopted global state.",
+                                  registry=r)
+        self.own_loss = Gauge("tessera_miner_loss", "This miner's combined loss in its last scored round.",
+                              registry=r)
+        self.own_rank = Gauge("tessera_miner_rank", "This miner's rank in its last scored round (0: unranked).",
+                              registry=r)
+        self.own_reward = Gauge("tessera_miner_reward", "Points this miner earned in its last scored round.",
+                                registry=r)
+        self.verdicts = Gauge("tessera_round_verdicts", "Miners of the last round with results, by verdict and reason.",
+                              ["verdict", "reason"], registry=r)
+        self.agreement = Gauge("tessera_validator_agreement", "Share of validator weight behind the most-voted "
+                               "global state of the last round with votes.", registry=r)
+        self._reasons: set[str] = set()
 
     def bind_network(self, stats: Callable[[], NetworkStats], peers: Callable[[], int]) -> None:
         """Export the network's counters, read at each scrape."""
         self.registry.register(_NetworkCollector(stats, peers, self.top_peers))
 
-    def phase_run(self, round: int, phase: str, duration_s: float, late_s: float, ok: bool) -> None:
+    def phase_run(self, round: int, phase: str, duration_s: float, late_s: float, ok: bool,
+                  overran: bool = False, skipped: int = 0) -> None:
+        """One phase handler finished; `overran`: it ran past its phase's end; `skipped`: phases skipped so far."""
         self.round.set(round)
         self.phase_seconds.labels(phase=phase).observe(duration_s)
         self.phase_late.labels(phase=phase).set(late_s)
+        self.phase_overruns.labels(phase=phase).inc(int(overran))
+        self.phases_skipped.set(skipped)
         if not ok:
             self.phase_failures.labels(phase=phase).inc()
+
+    def train_progress(self, steps: int, tokens: int, seconds: float, last_loss: float | None) -> None:
+        """A miner finished a round's training: `steps` inner steps over `tokens` tokens in `seconds`."""
+        self.train_steps.inc(steps)
+        self.train_tokens.inc(tokens)
+        self.train_tokens_per_s.set(tokens / seconds if seconds > 0 else 0.0)
+        if last_loss is not None:
+            self.train_loss.set(last_loss)
+
+    def submissions_scored(self, seconds: float, verdicts: list[tuple[str, str]]) -> None:
+        """A validator scored `len(verdicts)` submissions (verdict, reason) in `seconds` all told."""
+        for verdict, reason in verdicts:
+            self.eval_seconds.observe(seconds / len(verdicts))
+            self.scored.labels(verdict=verdict, reason=self._reason(reason)).inc()
+
+    def round_results(self, base_loss: float | None, adopted_loss: float | None, own: dict[str, Any] | None,
+                      agreement: dict[str, Any] | None, verdicts: list[tuple[str, str]]) -> None:
+        """The latest round results: losses, this miner's own `{loss, rank, reward}`, agreement, verdicts."""
+        for gauge, value in ((self.base_loss, base_loss), (self.adopted_loss, adopted_loss)):
+            if value is not None:
+                gauge.set(value)
+        if own is not None:
+            if own.get("loss") is not None:
+                self.own_loss.set(own["loss"])
+            self.own_rank.set(own.get("rank") or 0)
+            self.own_reward.set(own.get("reward") or 0.0)
+        if agreement is not None:
+            self.agreement.set(agreement["share"])
+        self.verdicts.clear()
+        for (verdict, reason), n in sorted(collections.Counter(verdicts).items()):
+            self.verdicts.labels(verdict=verdict, reason=self._reason(reason)).set(n)
+
+    def _reason(self, reason: str) -> str:
+        """A bounded label for a free-text reason: its first clause, at most MAX_REASONS distinct ones."""
+        label = (reason.split(":")[0].strip() or "ok")[:_REASON_CHARS]
+        if label not in self._reasons and len(self._reasons) >= MAX_REASONS:
+            return "other"
+        self._reasons.add(label)
+        return label
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -86,6 +163,10 @@ class _NetworkCollector:
         yield CounterMetricFamily("tessera_dropped_deliveries", "Accepted messages dropped on a full queue.",
                                   value=s.dropped_deliveries)
         yield GaugeMetricFamily("tessera_peers", "Connected peers.", value=peers)
+        yield CounterMetricFamily("tessera_penalties", "Times a peer crossed the penalty threshold.",
+                                  value=s.penalties)
+        yield GaugeMetricFamily("tessera_penalised_peers", "Peers disconnected for penalties right now.",
+                                value=len(s.penalised))
 
 
 def _top_rejects(s: NetworkStats, top: int) -> Metric:

@@ -2,12 +2,14 @@
 
 `make_sim_network` lays out, under one directory:
     spec.toml                 the network spec (valid per protocol.spec)
-    model.json                the tiny model's HF config; weights come from `model.init_seed`
-    data/train.jsonl          miners' training data (arithmetic domain)
+    base/                     the base model: the pretrained tiny MoE of `training.pretrain` (an HF
+                              checkpoint, copied from the pretraining cache)
+    data/train.jsonl          miners' training data (arithmetic domain, which the base never saw)
     data/heldout.jsonl        validators' held-out data (same domain, another seed, disjoint)
     data/general.jsonl        mixed code and prose, for `select-experts --rule differential`
     keys/validator-{i}.key    the validator keys (mode 0600), derived from the seed
-The expert group is chosen by running gate-mass selection on the training data. Everything is
+The expert group is chosen by running gate-mass selection on the training data. The base is the
+same for every seed (pretraining costs seconds, once per cache directory); everything else is
 derived from `seed` and `genesis`, so the same arguments write the same bytes. This module knows
 nothing about running the network; `tessera simulate` and the tests start processes from it.
 """
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -24,9 +28,10 @@ from pathlib import Path
 from protocol.identity import Identity, save_identity
 from protocol.spec import load_spec
 from training.adapters import adapter_for
+from training.checkpoint import checkpoint_hash
 from training.corpus import generate, write_documents
 from training.data import file_sha256, pack
-from training.model import build_tiny_model, state_hash, tiny_config
+from training.pretrain import PretrainConfig, load_pretrained, pretrained_base
 from training.selection import select_experts
 from training.tokenizer import ByteTokenizer
 
@@ -63,8 +68,12 @@ def make_sim_network(
     timing: Mapping[str, float] | None = None,
     seed: int = 0,
     experts_per_layer: int = 2,
+    cache_dir: str | Path | None = None,
 ) -> SimNetwork:
-    """Create the directory (which must be empty or absent) and write a simulation network into it."""
+    """Create the directory (which must be empty or absent) and write a simulation network into it.
+
+    The pretrained base is cached under `cache_dir` (default: `default_cache_dir()`).
+    """
     directory = Path(directory).resolve()
     if directory.exists() and any(directory.iterdir()):
         raise ValueError(f"{directory}: directory is not empty; choose a new directory for the simulation")
@@ -75,7 +84,7 @@ def make_sim_network(
         raise ValueError(f"unknown timing field(s): {', '.join(sorted(unknown))}")
     directory.mkdir(parents=True, exist_ok=True)
 
-    base_hash, group = _write_model_and_data(directory, family, seed, experts_per_layer)
+    base_hash, group = _write_model_and_data(directory, family, seed, experts_per_layer, cache_dir)
     ids, keys = [], []
     for i in range(validators):
         identity = sim_identity(seed, "validator", i)
@@ -89,7 +98,7 @@ def make_sim_network(
         "name": f"sim-{seed}",
         "genesis": when.astimezone(UTC),
         "timing": {**DEFAULT_TIMING, **(timing or {})},
-        "model": {"family": family, "config": "model.json", "init_seed": seed, "base_hash": base_hash},
+        "model": {"family": family, "checkpoint": "base", "base_hash": base_hash},
         "group": {str(layer): experts for layer, experts in sorted(group.items())},
         "data": {
             "train": ["data/train.jsonl"],
@@ -99,11 +108,13 @@ def make_sim_network(
             "heldout_sequences": 32,
         },
         "training": {"inner_steps": 20},
-        # Miners of a tiny model take thousands of inner steps per round, so their pseudo-gradients
-        # are large: the DESIGN default (lr 0.7, Nesterov 0.9) steps 1.33x past their mean in round 0
-        # and further once momentum builds, which raised held-out loss in the demo. lr 0.5 with
-        # momentum 0.5 steps 0.75x, growing to 1x of a steady update.
-        "aggregation": {"outer_lr": 0.5, "momentum": 0.5},
+        # From bench/learning.py's sweep on this base (4 miners, H 20, 5 rounds): plain averaging
+        # (lr 1, no momentum) ended lowest (2.10 nats against 2.25 for lr 0.5 / momentum 0.5 and 2.44
+        # for the DESIGN's 0.7 / 0.9); larger outer steps overshot. Honest miners starting from one
+        # state agree closely (cosine about 0.995 after 20 steps), so the 0.99 copy threshold dropped
+        # every one of them and nothing was merged; copies are exact (cosine 1) and still caught.
+        "aggregation": {"outer_lr": 1.0, "momentum": 0.0},
+        "rewards": {"duplicate_cosine": 0.9999},
         "validators": [{"key": node_id, "weight": 1.0} for node_id in ids],
     }
     spec_path = directory / "spec.toml"
@@ -112,11 +123,17 @@ def make_sim_network(
     return SimNetwork(directory, spec_path, loaded.network_id, ids, keys, dict(loaded.group))
 
 
+def default_cache_dir() -> Path:
+    """Where simulation networks cache their pretrained base: $XDG_CACHE_HOME/tessera or ~/.cache/tessera."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tessera"
+
+
 def _write_model_and_data(
-    directory: Path, family: str, seed: int, experts_per_layer: int
+    directory: Path, family: str, seed: int, experts_per_layer: int, cache_dir: str | Path | None
 ) -> tuple[str, dict[int, list[int]]]:
-    config = tiny_config(family)
-    (directory / "model.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    pretrain = PretrainConfig(family=family)
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    shutil.copytree(pretrained_base(cache, pretrain), directory / "base")
     train = generate("arithmetic", TRAIN_DOCS, seed)
     seen = set(train)
     heldout = [doc for doc in generate("arithmetic", HELDOUT_DOCS, seed + 1_000_003) if doc not in seen]
@@ -126,12 +143,12 @@ def _write_model_and_data(
     write_documents(data / "heldout.jsonl", heldout)
     write_documents(data / "general.jsonl", general)
 
-    model = build_tiny_model(family, config, seed)
+    model = load_pretrained(cache, pretrain)
     adapter = adapter_for(family)
     sequences = pack(train, ByteTokenizer(), SEQ_LEN)[:SELECTION_SEQUENCES]
     selection = select_experts(model, adapter, sequences, "gate-mass", top_d=experts_per_layer)
     group = {int(layer): ids for layer, ids in selection["group"].items()}
-    return state_hash(model), group
+    return checkpoint_hash(directory / "base"), group
 
 
 def to_toml(table: Mapping[str, object]) -> str:

@@ -1,13 +1,13 @@
 """A minimal standalone peer: a libp2p host with a line-based JSON control channel on stdin/stdout.
 
     python -m node.sim.peer --key K --network-spec SPEC --data-dir DIR [--host IP] [--port P]
-                        [--bootstrap ADDR ...] [--control stdio|none] [--serve-rate B/S]
+                        [--bootstrap ADDR ...] [--serve-rate B/S] [--penalty-threshold N]
 
-With `--control none` it is the `tessera bootstrap` node: it prints its listen addresses, relays
-gossip and serves peer exchange until SIGTERM. With `--control stdio` (integration tests, benchmarks) it reads one JSON
-command per line and answers one JSON line `{"id": ..., "ok": true, ...}` per command; commands
-run concurrently, so a slow fetch does not hold up the others:
-    info | peers | stats | received | rejects
+A test harness (integration tests, benchmarks), not a production node (that relay is `tessera
+bootstrap`, node.cli.bootstrap): it reads one JSON command per line on stdin and answers one JSON
+line `{"id": ..., "ok": true, ...}` per command; commands run concurrently, so a slow fetch does
+not hold up the others:
+    info | peers (and failed dials in a row) | stats | received | rejects
     publish {forge: null|"bad_signature"|"wrong_network", head}    a Heartbeat, optionally spoiled
     put_blob {size, seed, serve}    store (and serve) deterministic random bytes
     fetch {hash, providers, max_bytes} | has_blob {hash} | tmp_files | quit
@@ -31,8 +31,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from node.net.network import Delivery, GossipJudge, NetworkError
-from node.net.p2p import P2PConfig, P2PNetwork
+from node.net.config import P2PConfig
+from node.net.judge import GossipJudge
+from node.net.network import Delivery, NetworkError
+from node.net.p2p import P2PNetwork
 from node.runtime.clock import SystemClock
 from node.store.blobs import TMP_DIR, BlobStore
 from protocol.check import CheckContext
@@ -73,7 +75,7 @@ class Peer:
         if cmd == "info":
             return {"node_id": self.net.node_id, "peer_id": self.net.peer_id, "addrs": self.net.listen_addrs}
         if cmd == "peers":
-            return {"peers": self.net.peers()}
+            return {"peers": self.net.peers(), "dial_failures": self.net.dial_failures()}
         if cmd == "received":
             return {"received": self.received}
         if cmd == "rejects":
@@ -159,29 +161,25 @@ async def run_peer(args: argparse.Namespace) -> None:
     spec = load_spec(args.network_spec)
     identity = load_or_create_identity(args.key)
     store = BlobStore(Path(args.data_dir) / "blobs")
-    judge = GossipJudge(spec, SystemClock().now)
-    config = P2PConfig(
-        host=args.host, port=args.port, bootstrap=tuple(args.bootstrap), serve_rate_bytes_s=args.serve_rate
-    )
+    config = P2PConfig(host=args.host, port=args.port, bootstrap=tuple(args.bootstrap),
+                       serve_rate_bytes_s=args.serve_rate, penalty_threshold=args.penalty_threshold)
+    judge = GossipJudge(spec, SystemClock().now, config)
     net = await P2PNetwork.create(identity, judge, store, config)
     peer = Peer(net, identity, spec, store)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    if args.control == "none":
-        print(f"peer {net.node_id} listening on {' '.join(net.listen_addrs)}", flush=True)
     async with asyncio.TaskGroup() as group:
         group.create_task(peer.collect())
-        control = group.create_task(_control(peer, stop)) if args.control == "stdio" else None
+        control = group.create_task(_control(peer, stop))
         await stop.wait()
-        if control is not None:
-            control.cancel()
+        control.cancel()
         await net.close()
 
 
 class PeerProcess:
-    """A `python -m node.sim.peer --control stdio` child process and its control channel.
+    """A `python -m node.sim.peer` child process and its control channel.
 
     A reader thread files each answer under its request id, so callers wait with a timeout.
     """
@@ -195,7 +193,7 @@ class PeerProcess:
             save_identity(identity, key)
         command = [
             sys.executable, "-m", "node.sim.peer", "--key", str(key), "--network-spec", str(spec),
-            "--data-dir", str(directory), "--port", str(port), "--control", "stdio", *args,
+            "--data-dir", str(directory), "--port", str(port), *args,
         ]
         self._stderr = open(directory / "stderr.log", "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
@@ -269,8 +267,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="listen IP")
     parser.add_argument("--port", type=int, default=0, help="listen TCP port (0 picks one)")
     parser.add_argument("--bootstrap", action="append", default=[], help="bootstrap multiaddr (repeatable)")
-    parser.add_argument("--control", choices=["stdio", "none"], default="none", help="control channel")
     parser.add_argument("--serve-rate", type=float, default=0.0, help="blob upload cap in bytes/s (0: none)")
+    parser.add_argument("--penalty-threshold", type=int, default=P2PConfig().penalty_threshold,
+                        help="REJECTs per round before a peer is disconnected")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")

@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,159 +23,19 @@ import tomllib
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
-from node.runtime.config import MinerSection
 from node.runtime.scheduler import PhaseRun
 from node.sim.layout import SimNetwork, make_sim_network, sim_identity, to_toml
+from node.sim.process import ADVERSARY_KINDS, SimNode, SimSettings, SimulationError, free_port
 from node.store.db import Storage
 from protocol.identity import save_identity
 from protocol.rounds import PHASES, Phase, Schedule
 from protocol.spec import load_spec
 
-# The simulation adversaries are every `miner.behaviour` but "honest".
-ADVERSARY_KINDS: tuple[str, ...] = tuple(
-    k for k in get_args(MinerSection.model_fields["behaviour"].annotation) if k != "honest")
-# How the time after TRAIN is split between the other phases.
-AFTER_TRAIN_SHARES = {"commit_s": 0.2, "reveal_s": 0.33, "evaluate_s": 0.3, "merge_s": 0.17}
-MIN_AFTER_TRAIN_S = 6.0
-ROOT = Path(__file__).resolve().parents[1]
 POLL_S = 1.0
-
-
-class SimulationError(RuntimeError):
-    """A simulated node died, or the network did not reach a round in time; the message says which."""
-
-
-@dataclass(frozen=True)
-class SimSettings:
-    """The shape and timing of a local simulation."""
-
-    validators: int = 2
-    """Validator processes (equal weight)."""
-    miners: int = 4
-    """Miner processes, adversaries included."""
-    adversaries: tuple[str, ...] = ()
-    """Kinds of the adversarial miners (the last ones), from ADVERSARY_KINDS."""
-    round_seconds: float = 80.0
-    """Length of a round."""
-    train_share: float = 0.9
-    """TRAIN's share of the round; the rest goes to COMMIT, REVEAL, EVALUATE, MERGE."""
-    inner_steps: int = 100_000
-    """H written into the spec; larger than fits, so miners train until TRAIN is about to end."""
-    start_delay_s: float | None = None
-    """Seconds from writing the spec to genesis; None = 20 s + 4 s per node (torch loads slowly)."""
-    base_port: int = 0
-    """First TCP port (each node takes two: p2p, http); 0 picks free ports."""
-    seed: int = 0
-    """Seed of the model, data and keys."""
-    family: str = "qwen3_moe"
-    """Tiny model family."""
-    stop_timeout_s: float = 20.0
-    """How long a node may take to stop after SIGTERM before it gets SIGKILL."""
-
-    def __post_init__(self) -> None:
-        if self.validators < 1:
-            raise ValueError(f"a simulation needs at least one validator, got {self.validators}")
-        if self.miners < 0:
-            raise ValueError(f"miners must be >= 0, got {self.miners}")
-        unknown = sorted(set(self.adversaries) - set(ADVERSARY_KINDS))
-        if unknown:
-            raise ValueError(f"unknown adversary kind(s) {', '.join(unknown)}; "
-                             f"choose from {', '.join(ADVERSARY_KINDS)}")
-        if len(self.adversaries) > self.miners:
-            raise ValueError(f"{len(self.adversaries)} adversaries but only {self.miners} miners")
-        if not 0 < self.train_share < 1:
-            raise ValueError(f"train_share must be between 0 and 1, got {self.train_share}")
-        if (1 - self.train_share) * self.round_seconds < MIN_AFTER_TRAIN_S - 1e-9:
-            raise ValueError(f"only {(1 - self.train_share) * self.round_seconds:.1f} s of a round left after "
-                             f"TRAIN; give commit, reveal, evaluate and merge {MIN_AFTER_TRAIN_S:.0f} s or more")
-        if self.inner_steps < 1:
-            raise ValueError(f"inner_steps must be at least 1, got {self.inner_steps}")
-
-    def timing(self) -> dict[str, float]:
-        rest = (1 - self.train_share) * self.round_seconds
-        timing = {"train_s": round(self.train_share * self.round_seconds, 3)}
-        return timing | {name: round(share * rest, 3) for name, share in AFTER_TRAIN_SHARES.items()}
-
-    def miner_kinds(self) -> list[str]:
-        return ["honest"] * (self.miners - len(self.adversaries)) + list(self.adversaries)
-
-    def delay_s(self) -> float:
-        nodes = 1 + self.validators + self.miners
-        return self.start_delay_s if self.start_delay_s is not None else 20.0 + 4.0 * nodes
-
-
-@dataclass
-class SimNode:
-    """One node process: how to start it, where it logs, and the process while it runs."""
-
-    name: str
-    role: str
-    kind: str
-    node_id: str
-    directory: Path
-    command: list[str]
-    http_port: int | None
-    proc: subprocess.Popen[bytes] | None = None
-    stopped_on_purpose: bool = False
-    starts: int = 0
-
-    @property
-    def log_path(self) -> Path:
-        return self.directory / "log.txt"
-
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    @property
-    def died(self) -> bool:
-        """Exited without being told to."""
-        return self.proc is not None and self.proc.poll() is not None and not self.stopped_on_purpose
-
-    def start(self) -> None:
-        assert not self.alive, f"{self.name} is already running"
-        env = {k: v for k, v in os.environ.items() if not k.upper().startswith("TESSERA_")}
-        # Many torch processes share few cores: one thread each avoids oversubscription.
-        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        with self.log_path.open("ab") as log:
-            log.write(f"--- start {self.starts} at {datetime.now(UTC).isoformat()} ---\n".encode())
-            log.flush()
-            self.proc = subprocess.Popen(self.command, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
-        self.starts += 1
-        self.stopped_on_purpose = False
-
-    def stop(self, timeout: float) -> None:
-        """SIGTERM, then SIGKILL if it has not exited after `timeout` seconds."""
-        self.stopped_on_purpose = True
-        if not self.alive:
-            return
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-
-    def kill(self) -> None:
-        self.stopped_on_purpose = True
-        if self.alive:
-            assert self.proc is not None
-            self.proc.kill()
-            self.proc.wait(30)
-
-
-def _die_with_parent() -> None:
-    """In the child: ask Linux to SIGTERM it if the simulator dies, so no node outlives it."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class Simulation:
@@ -285,7 +144,7 @@ class Simulation:
 
     def _ports(self) -> tuple[int, int]:
         if self.settings.base_port == 0:
-            return _free_port(), _free_port()
+            return free_port(), free_port()
         self._next_port += 2
         return self._next_port - 2, self._next_port - 1
 
@@ -452,10 +311,3 @@ def _set_inner_steps(spec_path: Path, steps: int) -> None:
 
 def _rel(path: Path, directory: Path) -> str:
     return os.path.relpath(path, directory)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-

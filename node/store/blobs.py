@@ -135,6 +135,17 @@ class BlobStore:
     def size(self, blob_hash: str) -> int:
         return self.path(blob_hash).stat().st_size
 
+    def read_checked(self, blob_hash: str) -> bytes | None:
+        """The blob's bytes when it is stored intact; None when it is missing, or corrupt (then deleted)."""
+        try:
+            data = self.path(blob_hash).read_bytes()
+        except FileNotFoundError:
+            return None
+        if hashlib.sha256(data).hexdigest() != blob_hash:
+            self.delete(blob_hash)
+            return None
+        return data
+
     def put_bytes(self, data: bytes) -> str:
         """Store `data`; returns its address (a no-op when it is already stored)."""
         blob_hash = hashlib.sha256(data).hexdigest()

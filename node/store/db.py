@@ -1,249 +1,69 @@
-"""The node's durable state: one SQLite file (WAL) holding rounds, messages, commits, scores, rewards.
+"""The node's durable state: one SQLite file (WAL) with one typed accessor per thing a node keeps.
 
 Every public method is a coroutine that runs on the store's own single worker thread, so SQLite
 never blocks the event loop and the connection is only ever touched by one thread. Every write is
-one transaction (BEGIN IMMEDIATE ... COMMIT), so a killed node reopens to a consistent state.
+one transaction (BEGIN IMMEDIATE ... COMMIT), so a killed node reopens to a consistent state; a
+write of several rows (a round's rewards and its mark, a report and its entries, a state and its
+vote) is one method, hence one transaction.
 
 Durability: WAL with synchronous=FULL. NORMAL would survive a killed process but may lose the last
 transactions on power loss; this file holds the rewards ledger and the commitments the node
 accepted, writes are a few dozen per round, so the extra fsync per commit costs nothing that
-matters. The schema version lives in `PRAGMA user_version`; a file from a newer version is refused.
+matters. Schema and migrations: node.store.schema; records: node.store.records.
 This module stores what it is given and judges nothing, with one exception the network's in-memory
 check cannot make across a restart: it keeps only the first message per (kind, sender, round), heartbeats aside.
-It computes no rewards or rankings.
+It computes no rewards or rankings. No other module names a storage key.
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import json
 import os
 import sqlite3
-from collections.abc import Callable, Coroutine, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any
 
 from node.runtime.scheduler import PhaseRun
-from protocol.messages import (
-    Commit,
-    Envelope,
-    GlobalState,
-    Heartbeat,
-    Message,
-    Reveal,
-    ScoreReport,
-    SeedCommit,
-    SeedReveal,
+from node.store.records import (
+    CommitRecord,
+    GlobalStateRecord,
+    MessageRecord,
+    NodeRecord,
+    Proposal,
+    RevealRecord,
+    RewardRecord,
+    RewardsLedger,
+    RoundPlan,
+    ScoreRecord,
+    SeedRecord,
+    StorageError,
+    Submission,
 )
+from node.store.schema import SCHEMA_VERSION, get, insert_message, put, state_record, store_payload
+from node.store.sqlite import SqliteWorker, read, write
+from protocol.messages import Envelope, Message, ScoreReport
 
-SCHEMA_VERSION = 1
-HEAD_KEY = "head"
-MOMENTUM_KEY = "momentum"  # hash of the blob holding a validator's outer-optimizer momentum
-_EXPORTED_KEY = "rewards_exported_through"
+__all__ = ["SCHEMA_VERSION", "CommitRecord", "GlobalStateRecord", "MessageRecord", "NodeRecord", "Proposal",
+           "RevealRecord", "RewardRecord", "RewardsLedger", "RoundPlan", "ScoreRecord", "SeedRecord", "Storage",
+           "StorageError", "Submission"]
 
-_SCHEMA = """
-CREATE TABLE rounds (round INTEGER PRIMARY KEY, started_at REAL NOT NULL, seed TEXT);
-CREATE TABLE phase_runs (round INTEGER, phase TEXT, started_at REAL NOT NULL, finished_at REAL NOT NULL,
-    ok INTEGER NOT NULL, error TEXT NOT NULL, PRIMARY KEY (round, phase));
-CREATE TABLE messages (id TEXT PRIMARY KEY, kind TEXT NOT NULL, sender TEXT NOT NULL, round INTEGER NOT NULL,
-    verdict TEXT NOT NULL, reason TEXT NOT NULL, received_at REAL NOT NULL);
-CREATE INDEX messages_round ON messages (round, verdict);
-CREATE TABLE commits (round INTEGER, miner TEXT, commitment TEXT NOT NULL, received_at REAL NOT NULL,
-    PRIMARY KEY (round, miner));
-CREATE TABLE reveals (round INTEGER, miner TEXT, commitment TEXT NOT NULL, size INTEGER NOT NULL,
-    received_at REAL NOT NULL, PRIMARY KEY (round, miner));
-CREATE TABLE seeds (round INTEGER, validator TEXT, commitment TEXT, seed TEXT, PRIMARY KEY (round, validator));
-CREATE TABLE score_reports (round INTEGER, validator TEXT, base TEXT NOT NULL, base_loss REAL NOT NULL,
-    received_at REAL NOT NULL, PRIMARY KEY (round, validator));
-CREATE TABLE scores (round INTEGER, validator TEXT, miner TEXT, commitment TEXT NOT NULL, loss REAL,
-    verdict TEXT NOT NULL, reason TEXT NOT NULL, PRIMARY KEY (round, validator, miner));
-CREATE TABLE global_states (hash TEXT PRIMARY KEY, parent TEXT NOT NULL, round INTEGER NOT NULL,
-    contributors TEXT NOT NULL, adopted INTEGER NOT NULL DEFAULT 0);
-CREATE TABLE state_votes (round INTEGER, validator TEXT, hash TEXT NOT NULL, PRIMARY KEY (round, validator));
-CREATE TABLE rewards (round INTEGER, miner TEXT, rank INTEGER NOT NULL, points REAL NOT NULL,
-    utility REAL NOT NULL, standing REAL NOT NULL, PRIMARY KEY (round, miner));
-CREATE TABLE standings (miner TEXT PRIMARY KEY, standing REAL NOT NULL, round INTEGER NOT NULL);
-CREATE TABLE nodes (node_id TEXT PRIMARY KEY, role TEXT NOT NULL, head TEXT NOT NULL, round INTEGER NOT NULL,
-    last_seen REAL NOT NULL);
-CREATE TABLE kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-"""
+_HEAD = "head"
+_MOMENTUM = "momentum"  # hash of the blob holding a validator's outer-optimizer momentum
+_MOMENTUM_OF = "momentum_of:{}:{}"  # (state hash, voter) -> hash of the momentum blob it announced
+_SUBMISSION = "submission:{}"  # round -> JSON {hash, size} of the blob this miner submits
+_SEED = "seed:{}"  # round -> this validator's own seed
+_REWARDED = "rewarded:{}"  # round -> "1" once the round's rewards are in the ledger
+_REPORT = "round_report:{}"  # round -> this validator's JSON report of the round
+_PROPOSAL = "proposal:{}"  # round -> JSON {state, momentum} this validator proposed
+_EXPORTED = "rewards_exported_through"
 
-P = ParamSpec("P")
-T = TypeVar("T")
-_Fn = Callable[Concatenate["Storage", sqlite3.Connection, P], T]
-_Async = Callable[Concatenate["Storage", P], Coroutine[Any, Any, T]]
-
-
-@dataclass(frozen=True, slots=True)
-class MessageRecord:
-    """A gossip message the node has judged."""
-
-    id: str
-    kind: str
-    sender: str
-    round: int
-    verdict: str
-    reason: str
-    received_at: float
-
-
-@dataclass(frozen=True, slots=True)
-class CommitRecord:
-    round: int
-    miner: str
-    commitment: str
-    received_at: float
-
-
-@dataclass(frozen=True, slots=True)
-class RevealRecord:
-    round: int
-    miner: str
-    commitment: str
-    size: int
-    received_at: float
-
-
-@dataclass(frozen=True, slots=True)
-class SeedRecord:
-    """A validator's seed commitment and, once revealed, its seed."""
-
-    round: int
-    validator: str
-    commitment: str | None
-    seed: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class ScoreRecord:
-    """One entry of one validator's report, with the report's base and base loss."""
-
-    round: int
-    validator: str
-    miner: str
-    commitment: str
-    loss: float | None
-    verdict: str
-    reason: str
-    base: str
-    base_loss: float
-
-
-@dataclass(frozen=True, slots=True)
-class GlobalStateRecord:
-    """An announced global state and the validators that announced it."""
-
-    hash: str
-    parent: str
-    round: int
-    contributors: tuple[str, ...]
-    adopted: bool
-    voters: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class NodeRecord:
-    """A peer's latest heartbeat."""
-
-    node_id: str
-    role: str
-    head: str
-    round: int
-    last_seen: float
-
-
-@dataclass(frozen=True, slots=True)
-class RewardRecord:
-    """One ledger line: a miner's rank and points in a round, and its standing after it."""
-
-    round: int
-    miner: str
-    rank: int
-    points: float
-    utility: float
-    standing: float
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True, slots=True)
-class RewardsLedger:
-    entries: list[RewardRecord]
-    standings: dict[str, float]
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"entries": [e.as_dict() for e in self.entries], "standings": self.standings}
-
-
-class StorageError(ValueError):
-    """The state file cannot be used: unreadable, corrupt, or written by a newer schema."""
-
-
-def _read(fn: _Fn[P, T]) -> _Async[P, T]:
-    async def run(self: Storage, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        return await self._submit(lambda conn: fn(self, conn, *args, **kwargs))
-
-    functools.update_wrapper(run, fn)
-    return run
-
-
-def _write(fn: _Fn[P, T]) -> _Async[P, T]:
-    async def run(self: Storage, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        def transaction(conn: sqlite3.Connection) -> T:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                result = fn(self, conn, *args, **kwargs)
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
-            return result
-
-        return await self._submit(transaction)
-
-    functools.update_wrapper(run, fn)
-    return run
-
-
-class Storage:
+class Storage(SqliteWorker):
     """The node's SQLite state. Make it with `await Storage.open(path)`; `await close()` when done."""
-
-    def __init__(self, path: Path, executor: ThreadPoolExecutor, conn: sqlite3.Connection) -> None:
-        self.path = path
-        self._executor = executor
-        self._conn: sqlite3.Connection | None = conn
-
-    @classmethod
-    async def open(cls, path: str | Path) -> Storage:
-        path = Path(path)
-        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tessera-storage")
-        loop = asyncio.get_running_loop()
-        try:
-            conn = await loop.run_in_executor(executor, _connect, path)
-        except BaseException:
-            executor.shutdown(wait=False)
-            raise
-        return cls(path, executor, conn)
-
-    async def close(self) -> None:
-        if self._conn is None:
-            return
-        conn, self._conn = self._conn, None
-        await asyncio.get_running_loop().run_in_executor(self._executor, conn.close)
-        self._executor.shutdown(wait=True)
-
-    async def _submit(self, job: Callable[[sqlite3.Connection], T]) -> T:
-        conn = self._conn
-        assert conn is not None, "storage used after close()"
-        return await asyncio.get_running_loop().run_in_executor(self._executor, job, conn)
 
     # -- messages ---------------------------------------------------------------------------
 
-    @_write
+    @write
     def record_accepted(self, conn: sqlite3.Connection, envelope: Envelope, message: Message,
                         received_at: float) -> bool:
         """Store an accepted message and its payload in one transaction; True if it is new.
@@ -255,33 +75,41 @@ class Storage:
         message_id = envelope.message_id
         if conn.execute("SELECT 1 FROM messages WHERE id = ?", (message_id,)).fetchone() is not None:
             return False
-        stored = _store_payload(conn, envelope.sender, message, received_at)
+        stored = store_payload(conn, envelope.sender, message, received_at)
         verdict, reason = ("accept", "ok") if stored else ("reject", "equivocation")
-        _insert_message(conn, MessageRecord(message_id, envelope.kind, envelope.sender, envelope.round,
+        insert_message(conn, MessageRecord(message_id, envelope.kind, envelope.sender, envelope.round,
                                             verdict, reason, received_at))
         return stored
 
-    @_read
-    def accepted_index(self, conn: sqlite3.Connection, min_round: int) -> tuple[set[str], dict[tuple[str, str, int], str]]:
-        """Ids of accepted messages from `min_round` on, and the first id per (kind, sender, round)."""
-        rows = conn.execute(
-            "SELECT id, kind, sender, round FROM messages WHERE verdict = 'accept' AND round >= ? "
-            "ORDER BY received_at, id", (min_round,)).fetchall()
-        first: dict[tuple[str, str, int], str] = {}
-        for mid, kind, sender, r in rows:
-            first.setdefault((kind, sender, r), mid)
-        return {row[0] for row in rows}, first
+    @read
+    def accepted_since(self, conn: sqlite3.Connection, min_round: int) -> list[tuple[str, str, str, int]]:
+        """(id, kind, sender, round) of every accepted message from `min_round` on, oldest first: the
+        seen-set a restarted node's gossip check starts from."""
+        rows = conn.execute("SELECT id, kind, sender, round FROM messages WHERE verdict = 'accept' AND round >= ? "
+                            "ORDER BY received_at, id", (min_round,)).fetchall()
+        return [(mid, kind, sender, r) for mid, kind, sender, r in rows]
 
-    @_write
-    def prune_messages(self, conn: sqlite3.Connection, before_round: int) -> int:
-        """Forget the message log of rounds before `before_round`; returns how many rows went.
+    @write
+    def prune(self, conn: sqlite3.Connection, before_round: int) -> int:
+        """Forget the message log and this node's per-round working state (own seeds, submissions,
+        proposals, announced momenta of states no longer current) of rounds before `before_round`;
+        returns how many rows went. Payloads, plans, reports, leaderboards and the ledger stay.
 
         Safe once gossip for those rounds is IGNOREd as old: the payload tables keep the data and
         the first-message-per-sender rule, which do not depend on this log.
         """
-        return conn.execute("DELETE FROM messages WHERE round < ?", (before_round,)).rowcount
+        gone = conn.execute("DELETE FROM messages WHERE round < ?", (before_round,)).rowcount
+        for prefix in (_SEED, _SUBMISSION, _PROPOSAL):
+            head = prefix.format("")
+            gone += conn.execute("DELETE FROM kv WHERE substr(key, 1, ?) = ? AND CAST(substr(key, ?) AS INTEGER) < ?",
+                                 (len(head), head, len(head) + 1, before_round)).rowcount
+        head = _MOMENTUM_OF.format("", "")[:-1]  # "momentum_of:"
+        kept = "SELECT hash FROM global_states WHERE round >= ? UNION SELECT value FROM kv WHERE key = ?"
+        gone += conn.execute(f"DELETE FROM kv WHERE substr(key, 1, ?) = ? AND substr(key, ?, 64) NOT IN ({kept})",
+                             (len(head), head, len(head) + 1, before_round, _HEAD)).rowcount
+        return gone
 
-    @_read
+    @read
     def messages(self, conn: sqlite3.Connection, round: int) -> list[MessageRecord]:
         rows = conn.execute("SELECT id, kind, sender, round, verdict, reason, received_at FROM messages "
                             "WHERE round = ? ORDER BY received_at, id", (round,)).fetchall()
@@ -289,25 +117,25 @@ class Storage:
 
     # -- per-round payloads -----------------------------------------------------------------
 
-    @_read
+    @read
     def commits_for(self, conn: sqlite3.Connection, round: int) -> list[CommitRecord]:
         rows = conn.execute("SELECT round, miner, commitment, received_at FROM commits WHERE round = ? "
                             "ORDER BY miner", (round,)).fetchall()
         return [CommitRecord(*row) for row in rows]
 
-    @_read
+    @read
     def reveals_for(self, conn: sqlite3.Connection, round: int) -> list[RevealRecord]:
         rows = conn.execute("SELECT round, miner, commitment, size, received_at FROM reveals WHERE round = ? "
                             "ORDER BY miner", (round,)).fetchall()
         return [RevealRecord(*row) for row in rows]
 
-    @_read
+    @read
     def seeds_for(self, conn: sqlite3.Connection, round: int) -> list[SeedRecord]:
         rows = conn.execute("SELECT round, validator, commitment, seed FROM seeds WHERE round = ? "
                             "ORDER BY validator", (round,)).fetchall()
         return [SeedRecord(*row) for row in rows]
 
-    @_read
+    @read
     def scores_for(self, conn: sqlite3.Connection, round: int) -> list[ScoreRecord]:
         rows = conn.execute(
             "SELECT s.round, s.validator, s.miner, s.commitment, s.loss, s.verdict, s.reason, r.base, r.base_loss "
@@ -315,54 +143,49 @@ class Storage:
             "WHERE s.round = ? ORDER BY s.validator, s.miner", (round,)).fetchall()
         return [ScoreRecord(*row) for row in rows]
 
-    @_read
+    @read
     def global_states(self, conn: sqlite3.Connection, round: int | None = None) -> list[GlobalStateRecord]:
         """Announced global states (all rounds, or one), each with the validators that voted for it."""
         sql = "SELECT hash, parent, round, contributors, adopted FROM global_states"
         rows = conn.execute(sql + (" WHERE round = ?" if round is not None else "") + " ORDER BY round, hash",
                             () if round is None else (round,)).fetchall()
-        return [_state_record(conn, row) for row in rows]
+        return [state_record(conn, row) for row in rows]
 
-    @_write
+    @write
     def mark_adopted(self, conn: sqlite3.Connection, state_hash: str) -> None:
         """Flag a global state as adopted and make it the head."""
         if conn.execute("UPDATE global_states SET adopted = 1 WHERE hash = ?", (state_hash,)).rowcount != 1:
             raise ValueError(f"global state {state_hash} was never recorded; record it before adopting it")
-        _set(conn, HEAD_KEY, state_hash)
+        put(conn, _HEAD, state_hash)
 
     # -- rounds and phases ------------------------------------------------------------------
 
-    @_write
+    @write
     def record_round(self, conn: sqlite3.Connection, round: int, started_at: float) -> None:
         conn.execute("INSERT OR IGNORE INTO rounds (round, started_at) VALUES (?, ?)", (round, started_at))
 
-    @_write
-    def set_round_seed(self, conn: sqlite3.Connection, round: int, seed: str) -> None:
-        conn.execute("INSERT INTO rounds (round, started_at, seed) VALUES (?, 0, ?) "
-                     "ON CONFLICT (round) DO UPDATE SET seed = excluded.seed", (round, seed))
-
-    @_read
+    @read
     def round_seed(self, conn: sqlite3.Connection, round: int) -> str | None:
         row = conn.execute("SELECT seed FROM rounds WHERE round = ?", (round,)).fetchone()
         return None if row is None else row[0]
 
-    @_read
+    @read
     def latest_round(self, conn: sqlite3.Connection) -> int | None:
         latest: int | None = conn.execute("SELECT MAX(round) FROM rounds").fetchone()[0]
         return latest
 
-    @_write
+    @write
     def record_phase_run(self, conn: sqlite3.Connection, run: PhaseRun) -> None:
         conn.execute("INSERT OR REPLACE INTO phase_runs VALUES (?, ?, ?, ?, ?, ?)",
                      (run.round, run.phase, run.started_at, run.finished_at, int(run.ok), run.error))
 
-    @_read
+    @read
     def phase_runs(self, conn: sqlite3.Connection, round: int) -> list[PhaseRun]:
         rows = conn.execute("SELECT round, phase, started_at, finished_at, ok, error FROM phase_runs "
                             "WHERE round = ? ORDER BY started_at", (round,)).fetchall()
         return [PhaseRun(r, p, s, f, bool(ok), e) for r, p, s, f, ok, e in rows]
 
-    @_read
+    @read
     def nodes(self, conn: sqlite3.Connection) -> list[NodeRecord]:
         """Peers' latest heartbeats."""
         rows = conn.execute("SELECT node_id, role, head, round, last_seen FROM nodes ORDER BY node_id").fetchall()
@@ -370,10 +193,13 @@ class Storage:
 
     # -- rewards ----------------------------------------------------------------------------
 
-    @_write
+    @write
     def add_rewards(self, conn: sqlite3.Connection, round: int, entries: Sequence[RewardRecord],
-                    standings: Mapping[str, float]) -> None:
-        """Append one round to the ledger and replace every listed miner's standing."""
+                    standings: Mapping[str, float]) -> bool:
+        """Append one round to the ledger, replace every listed miner's standing and mark the round
+        rewarded, all in one transaction; False (writing nothing) when the round is already rewarded."""
+        if get(conn, _REWARDED.format(round)) is not None:
+            return False
         for e in entries:
             if e.round != round:
                 raise ValueError(f"reward entry for round {e.round} passed with round {round}")
@@ -381,22 +207,29 @@ class Storage:
                          (e.round, e.miner, e.rank, e.points, e.utility, e.standing))
         conn.executemany("INSERT OR REPLACE INTO standings VALUES (?, ?, ?)",
                          [(miner, standing, round) for miner, standing in sorted(standings.items())])
+        put(conn, _REWARDED.format(round), "1")
+        return True
 
-    @_read
+    @read
+    def rewarded(self, conn: sqlite3.Connection, round: int) -> bool:
+        """Whether round `round`'s rewards are in the ledger."""
+        return get(conn, _REWARDED.format(round)) is not None
+
+    @read
     def rewards(self, conn: sqlite3.Connection) -> RewardsLedger:
         rows = conn.execute("SELECT round, miner, rank, points, utility, standing FROM rewards "
                             "ORDER BY round, rank, miner").fetchall()
         standings = dict(conn.execute("SELECT miner, standing FROM standings ORDER BY standing DESC, miner"))
         return RewardsLedger([RewardRecord(*row) for row in rows], standings)
 
-    @_write
+    @write
     def export_rewards_jsonl(self, conn: sqlite3.Connection, path: Path) -> int:
         """Append ledger rounds not yet exported to `path` (one JSON object a line, fsynced).
 
         The file is appended before the export mark moves, so a crash in between repeats lines
         (readers de-duplicate on round and miner) rather than losing them.
         """
-        done = int(_get(conn, _EXPORTED_KEY) or -1)
+        done = int(get(conn, _EXPORTED) or -1)
         rows = conn.execute("SELECT round, miner, rank, points, utility, standing FROM rewards WHERE round > ? "
                             "ORDER BY round, rank, miner", (done,)).fetchall()
         if not rows:
@@ -407,96 +240,138 @@ class Storage:
             f.write(lines)
             f.flush()
             os.fsync(f.fileno())
-        _set(conn, _EXPORTED_KEY, str(max(row[0] for row in rows)))
+        put(conn, _EXPORTED, str(max(row[0] for row in rows)))
         return len(rows)
 
     # -- node state -------------------------------------------------------------------------
 
-    @_read
+    @read
     def head(self, conn: sqlite3.Connection) -> str | None:
         """Hash of the global state this node currently builds on (None before the first)."""
-        return _get(conn, HEAD_KEY)
+        return get(conn, _HEAD)
 
-    @_write
+    @write
     def set_head(self, conn: sqlite3.Connection, state_hash: str) -> None:
-        _set(conn, HEAD_KEY, state_hash)
+        put(conn, _HEAD, state_hash)
 
-    @_read
-    def get_state(self, conn: sqlite3.Connection, key: str) -> str | None:
-        return _get(conn, key)
+    # -- what a miner keeps ---------------------------------------------------------------------
 
-    @_write
-    def set_state(self, conn: sqlite3.Connection, key: str, value: str) -> None:
-        _set(conn, key, value)
+    @read
+    def submission(self, conn: sqlite3.Connection, round: int) -> Submission | None:
+        """This miner's blob for `round`, once built."""
+        text = get(conn, _SUBMISSION.format(round))
+        return None if text is None else Submission(**json.loads(text))
 
+    @write
+    def set_submission(self, conn: sqlite3.Connection, round: int, submission: Submission) -> None:
+        put(conn, _SUBMISSION.format(round), json.dumps({"hash": submission.hash, "size": submission.size}))
 
-def _connect(path: Path) -> sqlite3.Connection:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        conn = sqlite3.connect(path, isolation_level=None)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=FULL")
-        version = conn.execute("PRAGMA user_version").fetchone()[0]
-    except sqlite3.DatabaseError as exc:
-        raise StorageError(f"{path}: not a usable SQLite state file: {exc}") from exc
-    if version > SCHEMA_VERSION:
-        conn.close()
-        raise StorageError(f"{path}: schema version {version} is newer than this tessera ({SCHEMA_VERSION})")
-    if version == 0:
-        conn.executescript(f"BEGIN IMMEDIATE;\n{_SCHEMA}PRAGMA user_version = {SCHEMA_VERSION};\nCOMMIT;")
-    return conn
+    # -- what a validator keeps -----------------------------------------------------------------
 
+    @read
+    def own_seed(self, conn: sqlite3.Connection, round: int) -> str | None:
+        """The seed this validator committed to in `round` (kept before its commitment is published)."""
+        return get(conn, _SEED.format(round))
 
-def _insert_message(conn: sqlite3.Connection, r: MessageRecord) -> bool:
-    cur = conn.execute("INSERT OR IGNORE INTO messages VALUES (?, ?, ?, ?, ?, ?, ?)",
-                       (r.id, r.kind, r.sender, r.round, r.verdict, r.reason, r.received_at))
-    return cur.rowcount == 1
+    @write
+    def set_own_seed(self, conn: sqlite3.Connection, round: int, seed: str) -> None:
+        put(conn, _SEED.format(round), seed)
 
+    @write
+    def fix_round_plan(self, conn: sqlite3.Connection, plan: RoundPlan) -> RoundPlan:
+        """Persist the plan of `plan.round` unless one is already fixed; returns the plan that holds.
 
-def _store_payload(conn: sqlite3.Connection, sender: str, m: Message, at: float) -> bool:
-    """Write a message's rows; False (writing nothing) when the sender already has one for the round."""
-    if isinstance(m, Commit):
-        cur = conn.execute("INSERT OR IGNORE INTO commits VALUES (?, ?, ?, ?)", (m.round, sender, m.commitment, at))
-    elif isinstance(m, Reveal):
-        cur = conn.execute("INSERT OR IGNORE INTO reveals VALUES (?, ?, ?, ?, ?)",
-                           (m.round, sender, m.commitment, m.size, at))
-    elif isinstance(m, SeedCommit):
-        cur = conn.execute("INSERT INTO seeds (round, validator, commitment) VALUES (?, ?, ?) ON CONFLICT "
-                           "(round, validator) DO UPDATE SET commitment = excluded.commitment "
-                           "WHERE seeds.commitment IS NULL", (m.round, sender, m.commitment))
-    elif isinstance(m, SeedReveal):
-        cur = conn.execute("INSERT INTO seeds (round, validator, seed) VALUES (?, ?, ?) ON CONFLICT "
-                           "(round, validator) DO UPDATE SET seed = excluded.seed WHERE seeds.seed IS NULL",
-                           (m.round, sender, m.seed))
-    elif isinstance(m, ScoreReport):
-        cur = conn.execute("INSERT OR IGNORE INTO score_reports VALUES (?, ?, ?, ?, ?)",
-                           (m.round, sender, m.base, m.base_loss, at))
-        if cur.rowcount == 1:
-            conn.executemany("INSERT OR IGNORE INTO scores VALUES (?, ?, ?, ?, ?, ?, ?)",
-                             [(m.round, sender, e.miner, e.commitment, e.loss, e.verdict, e.reason) for e in m.entries])
-    elif isinstance(m, GlobalState):
-        cur = conn.execute("INSERT OR IGNORE INTO state_votes VALUES (?, ?, ?)", (m.round, sender, m.hash))
-        if cur.rowcount == 1:
-            conn.execute("INSERT OR IGNORE INTO global_states (hash, parent, round, contributors) VALUES (?, ?, ?, ?)",
-                         (m.hash, m.parent, m.round, json.dumps(list(m.contributors))))
-    elif isinstance(m, Heartbeat):
-        cur = conn.execute("INSERT OR REPLACE INTO nodes VALUES (?, ?, ?, ?, ?)", (sender, m.role, m.head, m.round, at))
-    else:
-        raise AssertionError(f"no table for message kind {m.kind!r}")
-    return cur.rowcount == 1
+        The round seed goes into `rounds.seed` in the same transaction.
+        """
+        row = conn.execute("SELECT plan FROM round_plans WHERE round = ?", (plan.round,)).fetchone()
+        if row is not None:
+            return RoundPlan.from_json(row[0])
+        conn.execute("INSERT INTO round_plans VALUES (?, ?)", (plan.round, plan.to_json()))
+        conn.execute("INSERT INTO rounds (round, started_at, seed) VALUES (?, 0, ?) "
+                     "ON CONFLICT (round) DO UPDATE SET seed = excluded.seed", (plan.round, plan.seed))
+        return plan
 
+    @read
+    def round_plan(self, conn: sqlite3.Connection, round: int) -> RoundPlan | None:
+        row = conn.execute("SELECT plan FROM round_plans WHERE round = ?", (round,)).fetchone()
+        return None if row is None else RoundPlan.from_json(row[0])
 
-def _state_record(conn: sqlite3.Connection, row: tuple[Any, ...]) -> GlobalStateRecord:
-    state_hash, parent, r, contributors, adopted = row
-    voters = [v for (v,) in conn.execute("SELECT validator FROM state_votes WHERE round = ? AND hash = ? "
-                                         "ORDER BY validator", (r, state_hash))]
-    return GlobalStateRecord(state_hash, parent, r, tuple(json.loads(contributors)), bool(adopted), tuple(voters))
+    @read
+    def score_reports(self, conn: sqlite3.Connection, round: int) -> dict[str, ScoreReport]:
+        """Every validator's score report of `round`, whole, by validator id."""
+        rows = conn.execute("SELECT validator, body FROM score_reports WHERE round = ? ORDER BY validator",
+                            (round,)).fetchall()
+        return {validator: ScoreReport.model_validate_json(body) for validator, body in rows}
 
+    @read
+    def momentum(self, conn: sqlite3.Connection) -> str | None:
+        """Hash of the blob holding this validator's outer momentum (None before its first merge)."""
+        return get(conn, _MOMENTUM)
 
-def _get(conn: sqlite3.Connection, key: str) -> str | None:
-    row = conn.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
-    return None if row is None else row[0]
+    @write
+    def set_momentum(self, conn: sqlite3.Connection, momentum_hash: str) -> None:
+        put(conn, _MOMENTUM, momentum_hash)
 
+    @read
+    def momentum_of(self, conn: sqlite3.Connection, state_hash: str, voter: str) -> str | None:
+        """The momentum blob `voter` announced along with its vote for `state_hash`."""
+        return get(conn, _MOMENTUM_OF.format(state_hash, voter))
 
-def _set(conn: sqlite3.Connection, key: str, value: str) -> None:
-    conn.execute("INSERT OR REPLACE INTO kv VALUES (?, ?)", (key, value))
+    @write
+    def set_momentum_of(self, conn: sqlite3.Connection, state_hash: str, voter: str, momentum_hash: str) -> None:
+        put(conn, _MOMENTUM_OF.format(state_hash, voter), momentum_hash)
+
+    @read
+    def proposal(self, conn: sqlite3.Connection, round: int) -> Proposal | None:
+        """The state and momentum this validator proposed in `round`."""
+        text = get(conn, _PROPOSAL.format(round))
+        return None if text is None else Proposal(**json.loads(text))
+
+    @write
+    def set_proposal(self, conn: sqlite3.Connection, round: int, proposal: Proposal, me: str) -> None:
+        """Record our proposal of `round` and the momentum we announce with it, in one transaction."""
+        put(conn, _PROPOSAL.format(round), json.dumps({"state": proposal.state, "momentum": proposal.momentum}))
+        put(conn, _MOMENTUM_OF.format(proposal.state, me), proposal.momentum)
+
+    @read
+    def round_report(self, conn: sqlite3.Connection, round: int) -> dict[str, Any] | None:
+        """This validator's report of `round` (verdict, loss, rank, reward per miner), None if not written."""
+        text = get(conn, _REPORT.format(round))
+        return None if text is None else json.loads(text)
+
+    @write
+    def set_round_report(self, conn: sqlite3.Connection, round: int, report: Mapping[str, Any]) -> None:
+        put(conn, _REPORT.format(round), json.dumps(report, sort_keys=True))
+
+    # -- what every node learns about a round -----------------------------------------------------
+
+    @write
+    def set_round_results(self, conn: sqlite3.Connection, round: int, results: Mapping[str, Any]) -> None:
+        """Store (or replace) the leaderboard of `round` (shape: node.duties.results)."""
+        conn.execute("INSERT OR REPLACE INTO round_results VALUES (?, ?)", (round, json.dumps(results, sort_keys=True)))
+
+    @read
+    def round_results(self, conn: sqlite3.Connection, round: int) -> dict[str, Any] | None:
+        """The leaderboard of `round`: every ranked miner's loss, rank, points and each validator's score."""
+        row = conn.execute("SELECT results FROM round_results WHERE round = ?", (round,)).fetchone()
+        return None if row is None else json.loads(row[0])
+
+    @read
+    def miner_history(self, conn: sqlite3.Connection, miner: str) -> list[dict[str, Any]]:
+        """One miner's line of every stored leaderboard, oldest round first, each with its `round`."""
+        history = []
+        for r, text in conn.execute("SELECT round, results FROM round_results ORDER BY round"):
+            line = next((m for m in json.loads(text)["miners"] if m["miner"] == miner), None)
+            if line is not None:
+                history.append({"round": r, **line})
+        return history
+
+    @read
+    def adopted_losses(self, conn: sqlite3.Connection) -> dict[int, dict[str, Any]]:
+        """Per round, the state it ended on and that state's held-out loss (a validator's reports only)."""
+        losses = {}
+        for _, text in conn.execute("SELECT key, value FROM kv WHERE key LIKE 'round_report:%'"):
+            report = json.loads(text)
+            if report.get("global_hash") is not None:
+                losses[report["round"]] = {"hash": report["global_hash"], "loss": report["global_loss"]}
+        return dict(sorted(losses.items()))

@@ -19,6 +19,14 @@ from node.sim.peer import PeerProcess
 from protocol.identity import Identity
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test in this folder runs real processes: mark it so `make check` (-m "not integration") skips it."""
+    here = Path(__file__).parent
+    for item in items:
+        if item.path.is_relative_to(here):
+            item.add_marker(pytest.mark.integration)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -87,6 +95,9 @@ class Cluster:
     wait_for = staticmethod(wait_for)
 
     def stop_all(self) -> None:
+        for peer in self.peers:  # all at once: each may take a moment to close its host
+            if peer.alive:
+                peer.proc.terminate()
         for peer in self.peers:
             peer.stop()
 

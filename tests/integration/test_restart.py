@@ -7,94 +7,37 @@ only score reports and global states it stores are the ones the test sends."""
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
-import socket
 import sqlite3
-import subprocess
-import sys
 import time
-import urllib.request
-from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
-from node.net.network import GossipJudge
-from node.net.p2p import P2PConfig, P2PNetwork, peer_id_for
-from node.sim.layout import make_sim_network, sim_identity
+from node.net.config import P2PConfig
+from node.net.judge import GossipJudge
+from node.net.p2p import P2PNetwork, peer_id_for
 from node.store.blobs import BlobStore
 from protocol.messages import Commit, Envelope, GlobalState, ScoreEntry, ScoreReport, seal
-from protocol.spec import NetworkSpec, load_spec
+from protocol.spec import NetworkSpec
 from tests.conftest import make_identity
+from tests.integration.validator_process import (
+    NODE,
+    START_S,
+    V0,
+    V1,
+    counts,
+    healthy,
+    start,
+    status,
+    wait_until,
+    write_network,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
-ROOT = Path(__file__).resolve().parents[2]
-V0, V1, NODE = (sim_identity(0, "validator", i) for i in range(3))  # NODE is the validator under test
 SENDER = make_identity(50)  # the test's own libp2p host
 MINERS = [make_identity(100 + i) for i in range(3)]
-START_S = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def write_network(tmp: Path) -> tuple[Path, NetworkSpec, int, int]:
-    # TRAIN outlasts the test and the skew is wider than the rest of the round, so every message
-    # below is on time while the node itself never reaches EVALUATE or MERGE.
-    timing = {"train_s": 300, "commit_s": 20, "reveal_s": 20, "evaluate_s": 20, "merge_s": 20, "clock_skew_s": 400}
-    sim = make_sim_network(tmp / "net", validators=3, genesis=datetime.now(UTC) - timedelta(seconds=2),
-                           timing=timing)
-    p2p_port, http_port = free_port(), free_port()
-    (tmp / "node.toml").write_text(
-        f'[node]\nrole = "validator"\nspec = "net/spec.toml"\nkey = "net/keys/validator-2.key"\n'
-        f'[p2p]\nport = {p2p_port}\n[http]\nport = {http_port}\n'
-        f'[validator]\nheldout = "net/data/heldout.jsonl"\n', encoding="utf-8")
-    return tmp / "node.toml", load_spec(sim.spec_path), p2p_port, http_port
-
-
-def start(config: Path, log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "node.cli", "validator", "--config", str(config)],
-                            cwd=ROOT, stdout=log.open("ab"), stderr=subprocess.STDOUT)
-
-
-async def wait_until(condition: Callable[[], bool], what: str, timeout: float = START_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.2)
-
-
-def healthy(http_port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/healthz", timeout=1) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
-def status(http_port: int) -> dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/status", timeout=5) as r:
-        return json.load(r)
-
-
-def counts(db: Path) -> dict[str, int]:
-    if not db.exists():
-        return {}
-    conn = sqlite3.connect(db, timeout=5)
-    try:
-        tables = ("commits", "scores", "score_reports", "global_states", "state_votes")
-        return {t: conn.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in tables}
-    except sqlite3.OperationalError:  # schema not created yet
-        return {}
-    finally:
-        conn.close()
 
 
 def messages(spec: NetworkSpec) -> list[Envelope]:

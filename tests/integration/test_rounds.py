@@ -1,7 +1,8 @@
 """`tessera simulate` end to end: 2 validators, 3 honest miners and one miner of each adversary kind
-run 3 real rounds as separate processes over loopback libp2p; report.json must show the network
-learning, honest miners taking every reward, every adversary refused with a reason, and both
-validators agreeing on the global state every round."""
+run 2 real rounds as separate processes over loopback libp2p (the second trains from the first's
+merged state, so the chain of states is exercised); report.json must show the network learning,
+honest miners taking every reward, every adversary refused with a reason, and both validators
+agreeing on the global state every round."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from node.sim.run import ADVERSARY_KINDS
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(540)]
 
 ROOT = Path(__file__).resolve().parents[2]
-ROUNDS = 3
+ROUNDS = 2
 HONEST = 3
 
 

@@ -119,3 +119,12 @@ def test_retain_deletes_old_blobs_outside_the_keep_set(tmp_path: Path) -> None:
     assert store.has(old_kept) and store.has(fresh) and not store.has(old_dropped)
     store.delete(fresh)
     assert store.hashes() == [old_kept]
+
+
+def test_read_checked_gives_intact_blobs_and_drops_missing_or_corrupt_ones(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path)
+    good = store.put_bytes(b"a global state")
+    assert store.read_checked(good) == b"a global state"
+    assert store.read_checked("ab" * 32) is None  # never stored
+    store.path(good).write_bytes(b"flipped bits")
+    assert store.read_checked(good) is None and not store.has(good)  # corrupt: deleted, to be fetched again

@@ -86,3 +86,26 @@ def test_usage_error_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("tessera keygen: error: ") and err.count("\n") == 1
+
+
+def test_bootstrap_refuses_bad_input_with_one_line_and_no_key_written(
+    spec_dict, write_spec, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = str(write_spec(spec_dict))
+    data = tmp_path / "boot"
+    code = main(["bootstrap", "--spec", spec, "--sim-key", "0", "--data-dir", str(data), "--bootstrap", "127.0.0.1:4001"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("tessera: error: ") and "not a multiaddr" in err and err.count("\n") == 1
+    assert not data.exists()  # nothing half-written
+    code = main(["bootstrap", "--spec", str(tmp_path / "absent.toml"), "--key", str(tmp_path / "k"),
+                 "--data-dir", str(data)])
+    assert code == 2 and capsys.readouterr().err.startswith("tessera: error: ")
+    assert not (tmp_path / "k").exists()
+
+
+def test_the_bootstrap_command_is_not_the_test_harness() -> None:
+    code = ("import sys; from node.cli import bootstrap; print(any(m.startswith('node.sim.peer') "
+            "for m in sys.modules))")
+    probe = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert probe.stdout.strip() == "False", probe.stderr
+    assert "node.sim.peer" not in (ROOT / "node" / "cli" / "bootstrap.py").read_text()

@@ -1,7 +1,11 @@
-"""docker-compose.yml runs real `tessera` subcommands on config files that exist in deploy/ and load."""
+"""docker-compose.yml runs real `tessera` subcommands on config files that exist in deploy/ and load;
+Prometheus scrapes every node, and its alert rules and the Grafana dashboard only use metrics a node
+exports; `docker-compose config` accepts the file (the Makefile installs docker-compose)."""
 
 from __future__ import annotations
 
+import json
+import re
 import shlex
 import shutil
 import subprocess
@@ -10,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from node.cli.main import build_parser
+from node.net.network import NetworkStats
 from node.runtime.config import load_config
+from node.runtime.metrics import NodeMetrics
 from node.sim.layout import sim_identity
 
 yaml = pytest.importorskip("yaml")
@@ -19,10 +25,16 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 CONFIG_MOUNT = "/etc/tessera/"
 BOOTSTRAP_IP = "172.28.0.10"
+TESSERA_IMAGE = "tessera-node:latest"
+
+
+def all_services() -> dict[str, dict]:
+    return yaml.safe_load(COMPOSE.read_text(encoding="utf-8"))["services"]
 
 
 def services() -> dict[str, dict]:
-    return yaml.safe_load(COMPOSE.read_text(encoding="utf-8"))["services"]
+    """The services that run the tessera image."""
+    return {name: s for name, s in all_services().items() if s.get("image") == TESSERA_IMAGE}
 
 
 def tessera_argv(service: dict) -> list[str]:
@@ -82,8 +94,59 @@ def test_configs_name_the_bootstrap_peer_the_bootstrap_service_runs() -> None:
         assert expected in load_config(path).p2p.bootstrap, path
 
 
-@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose is not installed")
+def exported_metric_names() -> set[str]:
+    """Every sample name a node's /metrics can hold (counters end in _total, histograms in _bucket...)."""
+    metrics = NodeMetrics()
+    metrics.bind_network(NetworkStats, lambda: 0)
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    return {family.name + suffix for family in metrics.registry.collect() for suffix in suffixes[family.type]}
+
+
+def test_prometheus_scrapes_every_node_on_its_http_port() -> None:
+    config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text(encoding="utf-8"))
+    targets = {t for job in config["scrape_configs"] for group in job["static_configs"] for t in group["targets"]}
+    expected = set()
+    for name, service in services().items():
+        argv = tessera_argv(service)
+        if "--config" in argv:
+            http = load_config(ROOT / "deploy" / argv[argv.index("--config") + 1].removeprefix(CONFIG_MOUNT)).http
+            assert http.host == "0.0.0.0", f"{name}: Prometheus cannot reach an API bound to {http.host}"
+            expected.add(f"{name}:{http.port}")
+    assert targets == expected
+    assert config["rule_files"] == ["/etc/prometheus/alerts.yml"]
+    prometheus, grafana = all_services()["prometheus"], all_services()["grafana"]
+    assert "./deploy/prometheus:/etc/prometheus:ro" in prometheus["volumes"]
+    assert {"./deploy/grafana/provisioning:/etc/grafana/provisioning:ro",
+            "./deploy/grafana/dashboards:/var/lib/grafana/dashboards:ro"} <= set(grafana["volumes"])
+    datasource = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())
+    assert datasource["datasources"][0]["url"] == "http://prometheus:9090"
+
+
+def test_alerts_and_dashboard_use_only_metrics_a_node_exports() -> None:
+    exported = exported_metric_names() | {"up"}
+    rules = yaml.safe_load((ROOT / "deploy/prometheus/alerts.yml").read_text(encoding="utf-8"))
+    alert_exprs = [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/tessera.json").read_text(encoding="utf-8"))
+    panel_exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    used = {name for expr in alert_exprs + panel_exprs for name in re.findall(r"\b(?:tessera_\w+|up)\b", expr)}
+    assert used <= exported, sorted(used - exported)
+    # Everything worth alerting on is on the dashboard.
+    for metric in ("tessera_adopted_loss", "tessera_base_loss", "tessera_miner_rank", "tessera_miner_reward",
+                   "tessera_train_tokens_per_second", "tessera_eval_seconds_sum", "tessera_phase_overruns_total",
+                   "tessera_validator_agreement", "tessera_round_verdicts", "tessera_peers",
+                   "tessera_blob_fetches_total"):
+        assert any(metric in expr for expr in panel_exprs), metric
+    uids = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p.get("targets", [])}
+    assert uids == {datasource_uid()}
+
+
+def datasource_uid() -> str:
+    datasource = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())
+    return datasource["datasources"][0]["uid"]
+
+
 def test_docker_compose_accepts_the_file() -> None:
+    assert shutil.which("docker-compose"), "docker-compose is not installed; `make test` installs it with apt"
     result = subprocess.run(["docker-compose", "-f", str(COMPOSE), "config", "-q"], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from node.net.config import P2PConfig
 from node.runtime.config import ConfigError, load_config, render_config
 
 MINIMAL = '[node]\nrole = "miner"\nspec = "net/spec.toml"\n'
@@ -24,7 +25,7 @@ def test_defaults_and_paths_relative_to_the_config_file(tmp_path: Path) -> None:
     assert config.node.key == (tmp_path / "node.key").resolve()
     assert config.db_path == (tmp_path / "data" / "node.db").resolve()
     assert (config.http.host, config.http.port, config.http.enabled) == ("127.0.0.1", 8080, True)
-    assert config.p2p.host == "127.0.0.1" and config.p2p.bootstrap == []
+    assert config.p2p.host == "127.0.0.1" and config.p2p.bootstrap == ()
     assert config.miner.forward == "full" and config.storage.blob_retention_rounds == 3
 
 
@@ -42,6 +43,8 @@ def test_absolute_paths_stay_absolute(tmp_path: Path) -> None:
         (MINIMAL + '[http]\nport = "eighty"\n', "http.port: Input should be a valid integer"),
         (MINIMAL + '[miner]\nforward = "sideways"\n', "miner.forward: Input should be 'full' or 'compressed'"),
         (MINIMAL + '[p2p]\nbootstrap = ["127.0.0.1:4001"]\n', "p2p.bootstrap: '127.0.0.1:4001' is not a multiaddr"),
+        (MINIMAL + "[p2p]\ndial_timeout_s = 0\n", "p2p.dial_timeout_s: Input should be greater than 0"),
+        (MINIMAL + "[p2p]\npenalty_threshold = 0\n", "p2p.penalty_threshold: Input should be greater than or equal to 1"),
         ('[node]\nrole = "miner"\n', "node.spec: Field required"),
         ('[node]\nrole = "validator"\nspec = "s.toml"\n', "validator.heldout: a validator needs"),
         ("[unknown]\nx = 1\n" + MINIMAL, "unknown: Extra inputs are not permitted"),
@@ -92,4 +95,16 @@ def test_rendered_config_loads_back(tmp_path: Path) -> None:
     assert config.node.spec == (tmp_path.parent / "spec.toml").resolve()
     assert config.validator.heldout == (tmp_path / "heldout.jsonl").resolve()
     assert config.p2p.port == 4101 and config.http.port == 0
-    assert config.p2p.bootstrap == ["/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWabc"]
+    assert config.p2p.bootstrap == ("/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWabc",)
+
+
+def test_every_p2p_setting_comes_from_the_file_or_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    text = MINIMAL + "[p2p]\nport = 0\nserve_rate_bytes_s = 1000.0\npenalty_threshold = 5\nexchange_interval_s = 2.5\n"
+    monkeypatch.setenv("TESSERA_P2P__PENALTY_BACKOFF_S", "60")
+    monkeypatch.setenv("TESSERA_P2P__BOOTSTRAP", '["/ip4/10.0.0.1/tcp/4001/p2p/12D3KooWabc"]')
+    config = load_config(write(tmp_path, text))
+    assert isinstance(config.p2p, P2PConfig)  # the network layer's own type, handed down as is
+    assert (config.p2p.port, config.p2p.serve_rate_bytes_s, config.p2p.exchange_interval_s) == (0, 1000.0, 2.5)
+    assert (config.p2p.penalty_threshold, config.p2p.penalty_backoff_s) == (5, 60.0)
+    assert config.p2p.bootstrap == ("/ip4/10.0.0.1/tcp/4001/p2p/12D3KooWabc",)
+    assert set(P2PConfig.model_fields) >= {"sender_budget", "penalty_threshold", "penalty_backoff_s", "max_peers"}

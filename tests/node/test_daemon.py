@@ -10,14 +10,15 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from node.net.network import GossipJudge, MemoryHub, MemoryNetwork
+from node.net.judge import GossipJudge
+from node.net.twin import MemoryHub, MemoryNetwork
 from node.runtime.clock import ManualClock
 from node.runtime.config import NodeConfig, load_config
 from node.runtime.daemon import HeartbeatDuties, Node, NodeContext
 from node.store.blobs import BlobStore
 from node.store.db import Storage
 from protocol.identity import load_identity, save_identity
-from protocol.messages import Commit, Envelope, GlobalState, Heartbeat, Reveal, seal
+from protocol.messages import Commit, Envelope, GlobalState, Heartbeat, Message, Reveal, seal
 from protocol.rounds import Phase
 from protocol.spec import NetworkSpec, load_spec
 from tests.conftest import make_identity, make_spec_dict, to_toml
@@ -36,13 +37,18 @@ class Probe(HeartbeatDuties):
         self.phases: list[tuple[int, Phase]] = []
         self.messages: asyncio.Queue[tuple[Envelope, list[str]]] = asyncio.Queue()
         self.phase_seen = asyncio.Event()
+        self.own: list[Envelope] = []
 
     async def on_phase(self, round: int, phase: Phase) -> None:
         self.phases.append((round, phase))
         self.phase_seen.set()
         await super().on_phase(round, phase)
 
-    async def on_message(self, envelope: Envelope) -> None:
+    async def on_message(self, envelope: Envelope, message: Message) -> None:
+        assert message == envelope.message()
+        if envelope.sender == self.ctx.identity.node_id:
+            self.own.append(envelope)  # our own envelopes take the same path as everyone else's
+            return
         stored = [c.commitment for c in await self.ctx.storage.commits_for(envelope.round)]
         await self.messages.put((envelope, stored))
         if envelope.kind == "reveal":
@@ -124,6 +130,9 @@ async def test_phase_duties_publish_heartbeats_and_http_reports(setup) -> None:
     assert isinstance(beat, Heartbeat) and beat.round == 1
     assert beat.role == "validator" and beat.head == spec.model.base_hash
     assert probe.phases == [(0, Phase.COMMIT), (0, Phase.REVEAL), (1, Phase.TRAIN)]
+    await asyncio.wait_for(_until(lambda: len(probe.own) == 2), WAIT_S)
+    assert [(e.kind, e.round) for e in probe.own] == [("heartbeat", 0), ("heartbeat", 1)]
+    assert {m.sender for m in await node.ctx.storage.messages(1)} == {VALIDATOR.node_id}  # recorded too
     assert node.http is not None
     async with aiohttp.ClientSession() as session, session.get(f"{node.http.url}/status") as response:
         status = await response.json()

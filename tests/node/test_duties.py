@@ -6,7 +6,7 @@ and a logged reason, a validator in the minority re-syncs, and a miner that join
 from __future__ import annotations
 
 import asyncio
-import json
+import re
 import time
 from collections import defaultdict
 from datetime import UTC, datetime
@@ -18,20 +18,22 @@ import aiohttp
 import pytest
 import torch
 
-from node.duties.miner import SUBMISSION_KEY, MinerDuties
 from node.duties.validator import ValidatorDuties
-from node.net.network import GossipJudge, MemoryHub
+from node.net.judge import GossipJudge
+from node.net.twin import MemoryHub
 from node.runtime.clock import ManualClock
 from node.runtime.config import NodeConfig
-from node.runtime.daemon import ROUND_REPORT_KEY, Node
+from node.runtime.daemon import Node
 from node.runtime.http import HttpApi
+from node.sim.adversaries import miner_factory
 from node.sim.layout import SimNetwork, make_sim_network, sim_identity
 from node.store.blobs import BlobStore
-from node.store.db import MOMENTUM_KEY
 from protocol.identity import save_identity
 from protocol.rounds import PHASES, Phase, Schedule
 from protocol.spec import load_spec
+from tests.node.twins import write_network
 from training.blob import decode_header
+from training.data import file_sha256
 from validator.state import GlobalExperts
 
 pytestmark = pytest.mark.timeout(120)
@@ -70,7 +72,7 @@ class Net:
         node_id = (sim_identity(0, "miner", int(index)).node_id if role == "miner"
                    else self.sim.validator_ids[int(index)])
         network = self.hub.join(node_id, GossipJudge(self.spec, self.clock.now), BlobStore(config.blob_dir))
-        duties = MinerDuties if role == "miner" else ValidatorDuties
+        duties = miner_factory(behaviour) if role == "miner" else ValidatorDuties
         node = await Node.create(config, network=network, clock=self.clock, duties=duties)
         self.nodes[name] = node
         return node
@@ -112,9 +114,9 @@ async def until(condition: Any, what: str) -> None:
 
 
 async def report(node: Node, r: int) -> dict[str, Any]:
-    text = await node.ctx.storage.get_state(ROUND_REPORT_KEY.format(r))
-    assert text is not None, f"no report for round {r}"
-    return json.loads(text)
+    stored = await node.ctx.storage.round_report(r)
+    assert stored is not None, f"no report for round {r}"
+    return stored
 
 
 @pytest.fixture
@@ -167,9 +169,9 @@ async def test_two_rounds_reward_honest_miners_and_lower_the_loss(network: Net) 
                 assert await response.json() == [first, second]
             async with session.get(f"{api.url}/rounds/1") as response:
                 assert await response.json() == second
-            for missing in ("7", "-1", "x"):
-                async with session.get(f"{api.url}/rounds/{missing}") as response:
-                    assert response.status == 404
+            for path, status in (("7", 404), ("-1", 400), ("x", 400)):
+                async with session.get(f"{api.url}/rounds/{path}") as response:
+                    assert response.status == status
     finally:
         await api.close()
     assert await net.nodes["miner-0"].rounds() == []
@@ -184,8 +186,10 @@ async def test_two_rounds_reward_honest_miners_and_lower_the_loss(network: Net) 
 
 async def test_a_diverging_validator_resyncs_and_a_late_miner_catches_up(tmp_path: Path) -> None:
     sim = make_sim_network(tmp_path / "sim", validators=2, genesis=GENESIS)
-    text = sim.spec_path.read_text(encoding="utf-8")
-    sim.spec_path.write_text(text.replace("weight = 1.0", "weight = 2.0", 1), encoding="utf-8")
+    text = sim.spec_path.read_text(encoding="utf-8").replace("weight = 1.0", "weight = 2.0", 1)
+    text = re.sub(r"\nmomentum = [0-9.]+\n", "\nmomentum = 0.5\n", text)  # momentum must matter to drift
+    assert "\nmomentum = 0.5\n" in text
+    sim.spec_path.write_text(text, encoding="utf-8")
     net = Net(sim, tmp_path)
     try:
         v0, v1 = await net.add("validator-0"), await net.add("validator-1")
@@ -213,12 +217,13 @@ async def test_a_diverging_validator_resyncs_and_a_late_miner_catches_up(tmp_pat
         for node in (v0, v1, late):
             assert await node.ctx.storage.head() == adopted
         assert v1.duties.synced and v1.duties.state.hash == adopted
-        assert await v1.ctx.storage.get_state(MOMENTUM_KEY) == await v0.ctx.storage.get_state(MOMENTUM_KEY)
+        assert await v1.ctx.storage.momentum() == await v0.ctx.storage.momentum()
         for name, tensor in v0.duties.state.momentum.items():
             assert torch.equal(v1.duties.state.momentum[name], tensor)
         assert (await report(v1, 0))["global_hash"] == adopted
-        submission = json.loads(await late.ctx.storage.get_state(SUBMISSION_KEY.format(1)))
-        blob = late.ctx.blobs.path(submission["hash"]).read_bytes()
+        submission = await late.ctx.storage.submission(1)
+        assert submission is not None
+        blob = late.ctx.blobs.path(submission.hash).read_bytes()
         # the late miner trained from the adopted head
         assert decode_header(blob, net.spec.limits.max_header_bytes).meta.base == adopted
     finally:
@@ -233,4 +238,19 @@ def test_a_validator_refuses_a_held_out_file_the_spec_does_not_pin(tmp_path: Pat
                         validator={"heldout": wrong})
     ctx = SimpleNamespace(config=config, spec=load_spec(sim.spec_path))
     with pytest.raises(ValueError, match=r"validator.heldout: .* but the spec pins data.heldout_sha256"):
+        ValidatorDuties(ctx)  # type: ignore[arg-type]
+
+
+def test_a_validator_refuses_a_held_out_file_that_shares_documents_with_the_training_files(tmp_path: Path) -> None:
+    spec_path = write_network(tmp_path / "net")
+    heldout = tmp_path / "net" / "heldout.jsonl"
+    before = file_sha256(heldout)
+    train_line = (tmp_path / "net" / "train.jsonl").read_text(encoding="utf-8").splitlines()[3]
+    heldout.write_text(heldout.read_text(encoding="utf-8") + train_line + "\n", encoding="utf-8")
+    spec_path.write_text(spec_path.read_text(encoding="utf-8").replace(before, file_sha256(heldout)), encoding="utf-8")
+    config = NodeConfig(node={"role": "validator", "spec": spec_path, "data_dir": tmp_path / "v"},
+                        validator={"heldout": heldout})
+    ctx = SimpleNamespace(config=config, spec=load_spec(spec_path))
+    with pytest.raises(ValueError, match=r"validator.heldout: .*shares 1 document\(s\) with the training data; "
+                                         r"a held-out file must share nothing"):
         ValidatorDuties(ctx)  # type: ignore[arg-type]

@@ -1,7 +1,10 @@
-"""The HTTP API over real sockets: every endpoint answers a real request with what the node reports."""
+"""The HTTP API over real sockets: every endpoint answers a real request with what the node reports, the
+status page is served from the package with nothing to load from elsewhere, and bad input gets a
+4xx with a short JSON reason, never a 500."""
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
@@ -10,8 +13,14 @@ import aiohttp
 import pytest
 
 from node.net.network import NetworkStats
-from node.runtime.http import HttpApi
+from node.runtime.config import HttpSection
+from node.runtime.http import MAX_QUERY_CHARS, PAGE_DIR, HttpApi
 from node.runtime.metrics import NodeMetrics, peer_label
+
+MINER = "ab" * 32
+ROUND = {"round": 3, "source": "public", "base": "cd" * 32, "base_loss": 2.5, "global_hash": None,
+         "global_loss": 2.25, "miners": [{"id": MINER, "verdict": "accept", "loss": 2.4, "rank": 1,
+                                          "reward": 1.0, "reason": "", "scores": {}}]}
 
 
 class FakeNode:
@@ -31,41 +40,59 @@ class FakeNode:
     async def rewards(self) -> dict[str, Any]:
         return {"entries": [{"round": 1, "miner": "m", "points": 1.0}], "standings": {"m": 0.3}}
 
+    async def rounds(self) -> list[dict[str, Any]]:
+        return [ROUND]
+
+    async def round_report(self, round: int) -> dict[str, Any] | None:
+        return ROUND if round == 3 else None
+
+    async def miner(self, miner: str) -> list[dict[str, Any]]:
+        return [{"round": 3, **ROUND["miners"][0]}] if miner == MINER else []
+
     def metrics_text(self) -> bytes:
         return self.metrics.render()
 
 
 @pytest.fixture
 async def api() -> AsyncIterator[HttpApi]:
-    server = await HttpApi.start(FakeNode(), "127.0.0.1", 0)
+    server = await HttpApi.start(FakeNode())  # the defaults: loopback, a free port
     yield server
     await server.close()
 
 
-async def get(url: str) -> tuple[int, str, str]:
-    async with aiohttp.ClientSession() as session, session.get(url) as response:
-        return response.status, response.headers["Content-Type"], await response.text()
+async def request(url: str, method: str = "GET") -> tuple[int, str, str]:
+    async with aiohttp.ClientSession() as session, session.request(method, url) as response:
+        return response.status, response.headers.get("Content-Type", ""), await response.text()
 
 
 async def test_binds_loopback_on_a_free_port(api: HttpApi) -> None:
     assert api.port > 0 and api.url == f"http://127.0.0.1:{api.port}"
-    status, _, body = await get(f"{api.url}/healthz")
+    assert HttpSection().host == "127.0.0.1"  # a node's config binds loopback unless told otherwise
+    status, _, body = await request(f"{api.url}/healthz")
     assert status == 200 and '"ok": true' in body
 
 
-async def test_status_and_rewards_are_json(api: HttpApi) -> None:
+async def test_json_endpoints(api: HttpApi) -> None:
     async with aiohttp.ClientSession() as session:
         async with session.get(f"{api.url}/status") as response:
             assert response.status == 200
             status = await response.json()
         async with session.get(f"{api.url}/rewards") as response:
             rewards = await response.json()
+        async with session.get(f"{api.url}/rounds") as response:
+            rounds = await response.json()
+        async with session.get(f"{api.url}/rounds/3") as response:
+            one = await response.json()
+        async with session.get(f"{api.url}/miners/{MINER}") as response:
+            history = await response.json()
     assert status["role"] == "validator" and status["round"] == 7 and status["peers"] == 4
     assert rewards["standings"] == {"m": 0.3} and rewards["entries"][0]["points"] == 1.0
+    assert rounds == [ROUND] and one == ROUND
+    assert history == [{"round": 3, **ROUND["miners"][0]}]
 
 
 async def test_metrics_exposition(api: HttpApi) -> None:
-    status, content_type, text = await get(f"{api.url}/metrics")
+    status, content_type, text = await request(f"{api.url}/metrics")
     assert status == 200 and content_type.startswith("text/plain")
     assert 'tessera_messages_total{kind="commit",verdict="accept"} 3.0' in text
     assert 'tessera_bytes_total{channel="gossip",direction="in"} 1234.0' in text
@@ -80,17 +107,53 @@ async def test_metrics_exposition(api: HttpApi) -> None:
     assert "c" * 16 not in text
 
 
-async def test_status_page_escapes_values(api: HttpApi) -> None:
-    status, content_type, body = await get(f"{api.url}/")
+async def test_the_status_page_loads_nothing_from_elsewhere(api: HttpApi) -> None:
+    status, content_type, page = await request(f"{api.url}/")
     assert status == 200 and content_type.startswith("text/html")
-    assert "<title>tessera validator</title>" in body
-    assert "&lt;script&gt;x&lt;/script&gt;" in body and "<script>" not in body
-    assert "<tr><th>m</th><td>0.3</td></tr>" in body  # standings, best first
+    linked = re.findall(r'(?:src|href)="([^"]*)"', page)
+    assert "/app.js" in linked and "/style.css" in linked
+    assert all(url.startswith("/") for url in linked), linked
+    for asset, kind in (("/app.js", "text/javascript"), ("/style.css", "text/css")):
+        status, content_type, body = await request(f"{api.url}{asset}")
+        assert status == 200 and content_type.startswith(kind)
+        assert body == (PAGE_DIR / asset.lstrip("/")).read_text(encoding="utf-8")
+    script = (PAGE_DIR / "app.js").read_text(encoding="utf-8")
+    assert "innerHTML" not in script  # node data goes in as text, never as markup
+    assert set(re.findall(r'getJSON\("([^"]+)"\)', script)) == {"/status", "/rounds", "/rewards"}
+    async with aiohttp.ClientSession() as session, session.get(f"{api.url}/") as response:
+        policy = response.headers["Content-Security-Policy"]
+    assert "default-src 'none'" in policy and "connect-src 'self'" in policy
 
 
-async def test_unknown_path_is_404(api: HttpApi) -> None:
-    status, _, _ = await get(f"{api.url}/nope")
-    assert status == 404
+@pytest.mark.parametrize(("method", "path", "expected"), [
+    ("GET", "/rounds/7", 404),
+    ("GET", "/rounds/abc", 400),
+    ("GET", "/rounds/-1", 400),
+    ("GET", "/rounds/1e3", 400),
+    ("GET", "/rounds/" + "9" * 5000, 400),  # int() of this many digits raises; must not become a 500
+    ("GET", "/rounds/%F0%9F%98%80", 400),
+    ("GET", "/miners/xyz", 400),
+    ("GET", "/miners/" + "AB" * 32, 400),
+    ("GET", "/miners/" + "ef" * 32, 404),
+    ("GET", "/status?" + "x=1&" * MAX_QUERY_CHARS, 414),
+    ("GET", "/nope", 404),
+    ("POST", "/status", 405),
+    ("POST", "/", 405),
+    ("PUT", "/rounds/3", 405),
+    ("DELETE", "/metrics", 405),
+    ("POST", "/nope", 405),
+])
+async def test_bad_input_gets_a_4xx_with_a_short_reason(api: HttpApi, method: str, path: str,
+                                                        expected: int) -> None:
+    async with aiohttp.ClientSession() as session, session.request(method, f"{api.url}{path}") as response:
+        assert response.status == expected, await response.text()
+        body = await response.json()
+    assert set(body) == {"error"} and 0 < len(body["error"]) <= 120, body
+
+
+async def test_an_oversized_request_line_is_refused(api: HttpApi) -> None:
+    status, _, _ = await request(f"{api.url}/status?{'y' * 20_000}")
+    assert 400 <= status < 500
 
 
 async def test_port_in_use_is_a_clear_error(api: HttpApi) -> None:

@@ -126,3 +126,19 @@ def test_exit_codes_from_a_real_process(network, tmp_path: Path) -> None:
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr
     assert json.loads(done.stdout)["reason"] == "wrong round"
+
+
+def test_reads_no_weights(network, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    """The expected shapes come from the base on the meta device: no weights are built or loaded."""
+    import training.model
+
+    def refuse(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("inspect blob must not load the base weights")
+
+    monkeypatch.setattr(training.model, "load_base", refuse)
+    monkeypatch.setattr(training.model, "load_checkpoint", refuse)
+    monkeypatch.setattr(training.model, "state_hash", refuse)
+    spec_path, tensors, meta = network
+    blob = tmp_path / "b.safetensors"
+    blob.write_bytes(encode_blob(tensors, meta))
+    assert _run(capsys, blob, spec_path)[0] == 0

@@ -8,15 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from node.net.network import (
-    BlobFetchError,
-    GossipJudge,
-    MemoryHub,
-    MemoryNetwork,
-    NetworkError,
-    P2PConfig,
-    PublishRefused,
-)
+from node.net.config import P2PConfig
+from node.net.judge import GossipJudge
+from node.net.network import BlobFetchError, NetworkError, PublishRefused
+from node.net.twin import MemoryHub, MemoryNetwork
 from node.runtime.clock import ManualClock
 from node.store.blobs import BlobStore
 from protocol.identity import Identity
@@ -172,8 +167,78 @@ async def test_a_closed_node_neither_serves_nor_receives(
 
 
 def test_p2p_settings_are_validated_where_declared() -> None:
-    assert P2PConfig().port == 0
+    assert P2PConfig().port == 4001
     with pytest.raises(ValueError, match="port"):
         P2PConfig(port=70000)
-    with pytest.raises(ValueError, match="positive"):
+    with pytest.raises(ValueError, match="dial_timeout_s"):
         P2PConfig(dial_timeout_s=0)
+
+
+async def test_one_heartbeat_per_sender_per_round_is_accepted(
+    spec: NetworkSpec, nodes: dict[str, MemoryNetwork], miner_ids: list[Identity]
+) -> None:
+    sub = nodes["v0"].subscribe(["heartbeat"])
+    await nodes["m0"].publish(heartbeat(spec, miner_ids[0]))
+    with pytest.raises(PublishRefused, match="already sent one this round"):
+        await nodes["m0"].publish(seal(Heartbeat(round=0, role="miner", head="cd" * 32), spec.network_id, miner_ids[0]))
+    for i in range(50):  # a peer replaying validly signed heartbeats with other heads
+        spam = seal(Heartbeat(round=0, role="miner", head=f"{i:02x}" * 32), spec.network_id, miner_ids[1])
+        nodes["v0"].receive(spam.to_bytes(), miner_ids[1].node_id)
+    senders = [(await sub.get(timeout=1)).envelope.sender for _ in range(2)]
+    assert sorted(senders) == sorted([miner_ids[0].node_id, miner_ids[1].node_id])
+    assert sub.pending == 0
+    stats = nodes["v0"].stats
+    assert stats.messages[("heartbeat", "accept")] == 2
+    assert stats.messages[("heartbeat", "ignore")] == 49
+    assert stats.rejects_by_peer == {}  # repeats are not the forwarder's fault
+
+
+def test_a_sender_over_its_budget_is_ignored_unread_until_the_next_round(
+    spec: NetworkSpec, clock: ManualClock, miner_ids: list[Identity]
+) -> None:
+    judge = GossipJudge(spec, clock.now, P2PConfig(sender_budget=8, penalty_threshold=1000))
+    early = [seal(Commit(round=0, commitment=f"{i:02x}" * 32), spec.network_id, miner_ids[0]) for i in range(12)]
+    reasons = [judge.judge(e.to_bytes(), "relay")[0].reason for e in early]  # TRAIN: commits are too early
+    assert reasons == ["outside commit window"] * 8 + ["over budget"] * 4
+    forged = early[0].model_copy(update={"sender": miner_ids[1].node_id})
+    assert judge.judge(forged.to_bytes(), "relay")[0].reason == "bad signature"  # forgeries spend no budget
+    assert judge.judge(heartbeat(spec, miner_ids[1]).to_bytes(), "relay")[0].accepted
+    clock.set(spec.genesis_ts + Schedule.from_spec(spec).round_seconds + 1.0)
+    assert judge.judge(heartbeat(spec, miner_ids[0], r=1).to_bytes(), "relay")[0].accepted
+
+
+async def test_a_peer_past_the_penalty_threshold_is_dropped_until_its_backoff_ends(
+    spec: NetworkSpec, clock: ManualClock, validator_ids: list[Identity], miner_ids: list[Identity], tmp_path: Path
+) -> None:
+    hub = MemoryHub()
+    config = P2PConfig(penalty_threshold=3, penalty_backoff_s=10.0)
+    v0 = hub.join(validator_ids[0].node_id, GossipJudge(spec, clock.now, config), BlobStore(tmp_path / "v0"))
+    bad = miner_ids[0].node_id
+    hub.join(bad, GossipJudge(spec, clock.now), BlobStore(tmp_path / "bad"))
+    sub = v0.subscribe()
+    for _ in range(3):
+        v0.receive(b"junk", bad)
+    assert v0.peers() == [bad] and v0.stats.peer_scores == {bad: 3} and not v0.stats.penalised
+    v0.receive(b"junk", bad)
+    assert v0.peers() == [] and v0.stats.penalised == {bad: clock.now() + 10.0} and v0.stats.penalties == 1
+    v0.receive(heartbeat(spec, miner_ids[0]).to_bytes(), bad)  # even valid gossip from it is dropped unread
+    assert sub.pending == 0 and v0.stats.messages[("unknown", "ignore")] == 1
+    clock.advance(10.0)
+    assert v0.peers() == [bad] and v0.stats.penalised == {}
+    v0.receive(heartbeat(spec, miner_ids[0]).to_bytes(), bad)
+    assert (await sub.get(timeout=1)).peer == bad
+
+
+def test_a_judge_seeded_from_storage_knows_what_it_accepted_before_a_restart(
+    spec: NetworkSpec, clock: ManualClock, miner_ids: list[Identity]
+) -> None:
+    first = GossipJudge(spec, clock.now)
+    beat = heartbeat(spec, miner_ids[0])
+    assert first.judge(beat.to_bytes(), "relay")[0].accepted
+    restarted = GossipJudge(spec, clock.now)
+    restarted.seed([(beat.message_id, beat.kind, beat.sender, beat.round)])
+    assert restarted.judge(beat.to_bytes(), "relay")[0].reason == "duplicate"
+    other_head = seal(Heartbeat(round=0, role="miner", head="cd" * 32), spec.network_id, miner_ids[0])
+    assert restarted.judge(other_head.to_bytes(), "relay")[0].reason == "repeat heartbeat"
+    with pytest.raises(PublishRefused, match="already sent"):
+        restarted.admit_own(other_head)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from node.runtime.scheduler import PhaseRun
-from node.store.db import SCHEMA_VERSION, RewardRecord, Storage, StorageError
+from node.store.db import SCHEMA_VERSION, Proposal, RewardRecord, RoundPlan, Storage, StorageError, Submission
 from protocol.messages import (
     Commit,
     GlobalState,
@@ -28,6 +28,9 @@ from tests.conftest import make_identity, make_spec_dict
 SPEC = parse_spec(make_spec_dict())
 V0, V1 = make_identity(0), make_identity(1)
 M0, M1 = make_identity(100), make_identity(101)
+PLAN = RoundPlan(round=3, seed=f"{6:064x}", revealed={M0.node_id: f"{1:064x}"},
+                 commits={M0.node_id: f"{1:064x}", M1.node_id: f"{2:064x}"},
+                 assignment={M0.node_id: (V0.node_id, V1.node_id)}, unrevealed_seeds=(V1.node_id,))
 
 
 def h(i: int) -> str:
@@ -86,9 +89,14 @@ async def test_reopened_store_sees_everything(tmp_path: Path) -> None:
     store = await Storage.open(tmp_path / "node.db")
     await fill(store)
     await store.mark_adopted(h(9))
-    await store.set_state("momentum", h(5))
+    await store.set_momentum(h(5))
+    await store.set_momentum_of(h(9), V1.node_id, h(4))
+    await store.set_submission(3, Submission(h(1), 1234))
+    await store.set_own_seed(3, h(8))
+    await store.set_proposal(3, Proposal(h(9), h(5)), V0.node_id)
+    await store.set_round_report(3, {"round": 3, "miners": []})
     await store.record_round(3, 100.0)
-    await store.set_round_seed(3, h(6))
+    await store.fix_round_plan(PLAN)
     await store.record_phase_run(PhaseRun(3, "train", 100.0, 101.5, False, "boom", 100.0))
     await store.close()
 
@@ -97,7 +105,14 @@ async def test_reopened_store_sees_everything(tmp_path: Path) -> None:
         await check_filled(again)
         assert await again.head() == h(9)
         assert (await again.global_states(3))[0].adopted
-        assert await again.get_state("momentum") == h(5)
+        assert await again.momentum() == h(5)
+        assert await again.momentum_of(h(9), V1.node_id) == h(4)
+        assert await again.momentum_of(h(9), V0.node_id) == h(5)  # written with the proposal
+        assert await again.submission(3) == Submission(h(1), 1234) and await again.submission(4) is None
+        assert await again.own_seed(3) == h(8)
+        assert await again.proposal(3) == Proposal(h(9), h(5))
+        assert await again.round_report(3) == {"round": 3, "miners": []}
+        assert await again.round_plan(3) == PLAN
         assert await again.round_seed(3) == h(6) and await again.latest_round() == 3
         [run] = await again.phase_runs(3)
         assert (run.phase, run.ok, run.error, run.duration_s) == ("train", False, "boom", 1.5)
@@ -112,12 +127,10 @@ async def test_duplicates_are_stored_once_and_indexed(tmp_path: Path) -> None:
         assert await accept(store, first)
         assert not await accept(store, first)
         assert await accept(store, Commit(round=1, commitment=h(3)))
-        ids, first_seen = await store.accepted_index(min_round=2)
         envelope = seal(first, SPEC.network_id, M0)
-        assert ids == {envelope.message_id}
-        assert first_seen == {("commit", M0.node_id, 3): envelope.message_id}
+        assert await store.accepted_since(min_round=2) == [(envelope.message_id, "commit", M0.node_id, 3)]
         assert [m.verdict for m in await store.messages(3)] == ["accept"]
-        assert await store.prune_messages(before_round=3) == 1  # round 1's log entry
+        assert await store.prune(before_round=3) == 1  # round 1's log entry
         assert await store.messages(1) == [] and len(await store.commits_for(1)) == 1
     finally:
         await store.close()
@@ -142,8 +155,8 @@ async def test_a_second_message_per_sender_kind_and_round_is_refused(tmp_path: P
         assert [s.hash for s in await store.global_states()] == [h(9)]
         refused = [m for m in await store.messages(3) if m.verdict == "reject"]
         assert len(refused) == 6 and {m.reason for m in refused} == {"equivocation"}
-        ids, _ = await store.accepted_index(min_round=3)
-        assert not ids & {m.id for m in refused}
+        seen = {mid for mid, *_ in await store.accepted_since(min_round=3)}
+        assert seen and not seen & {m.id for m in refused}
     finally:
         await store.close()
 
@@ -206,3 +219,95 @@ async def test_garbage_file_is_refused(tmp_path: Path) -> None:
     path.write_bytes(b"this is not a database" * 100)
     with pytest.raises(StorageError, match="not a usable SQLite state file"):
         await Storage.open(path)
+
+
+async def test_score_reports_come_back_whole(tmp_path: Path) -> None:
+    store = await Storage.open(tmp_path / "node.db")
+    try:
+        await fill(store)
+        empty = ScoreReport(round=3, base=h(0), base_loss=2.75, entries=())
+        assert await accept(store, empty, V1)
+        reports = await store.score_reports(3)
+        assert set(reports) == {V0.node_id, V1.node_id}
+        assert reports[V1.node_id] == empty  # a report without entries is still a report
+        assert len(reports[V0.node_id].entries) == 2 and reports[V0.node_id].entries[1].reason == "bad dtype"
+    finally:
+        await store.close()
+
+
+async def test_a_round_plan_is_fixed_once(tmp_path: Path) -> None:
+    store = await Storage.open(tmp_path / "node.db")
+    try:
+        assert await store.round_plan(3) is None
+        assert await store.fix_round_plan(PLAN) == PLAN
+        later = RoundPlan(round=3, seed=h(7), revealed={}, commits={}, assignment={})
+        assert await store.fix_round_plan(later) == PLAN  # a later plan cannot replace it
+        assert await store.round_plan(3) == PLAN and await store.round_seed(3) == PLAN.seed
+    finally:
+        await store.close()
+
+
+async def test_rewards_and_their_mark_are_one_write(tmp_path: Path) -> None:
+    """A second MERGE of a rewarded round (a restart before its report) writes nothing and does not fail."""
+    store = await Storage.open(tmp_path / "node.db")
+    try:
+        entries = [RewardRecord(1, M0.node_id, 1, 1.0, 0.2, 0.3)]
+        assert not await store.rewarded(1)
+        assert await store.add_rewards(1, entries, {M0.node_id: 0.3})
+        assert await store.rewarded(1)
+        assert not await store.add_rewards(1, entries, {M0.node_id: 0.51})
+        ledger = await store.rewards()
+        assert len(ledger.entries) == 1 and ledger.standings == {M0.node_id: 0.3}
+        assert await store.add_rewards(2, [], {M0.node_id: 0.21})  # a round without winners is marked too
+        assert not await store.add_rewards(2, [], {M0.node_id: 0.147})
+        assert (await store.rewards()).standings == {M0.node_id: 0.21}
+    finally:
+        await store.close()
+
+
+async def test_a_version_1_file_is_migrated(tmp_path: Path) -> None:
+    path = tmp_path / "node.db"
+    store = await Storage.open(path)
+    await fill(store)
+    await store.close()
+    conn = sqlite3.connect(path)  # turn it back into what version 1 wrote
+    conn.execute("DROP TABLE round_plans")
+    conn.execute("DROP TABLE round_results")
+    conn.execute("ALTER TABLE score_reports DROP COLUMN body")
+    conn.execute("PRAGMA user_version = 1")
+    conn.commit()
+    conn.close()
+    again = await Storage.open(path)
+    try:
+        await check_filled(again)
+        [(validator, report)] = (await again.score_reports(3)).items()
+        assert validator == V0.node_id and report.base_loss == 3.0 and len(report.entries) == 2
+        assert await again.fix_round_plan(PLAN) == PLAN
+    finally:
+        await again.close()
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    conn.close()
+
+
+async def test_pruning_forgets_old_working_state_and_keeps_the_record(tmp_path: Path) -> None:
+    store = await Storage.open(tmp_path / "node.db")
+    try:
+        await fill(store)  # round 3: a state h(9) voted by V0 and V1
+        for r in (1, 2, 3, 12):
+            await store.set_own_seed(r, h(20 + r))
+            await store.set_submission(r, Submission(h(40 + r), 10))
+            await store.set_proposal(r, Proposal(h(60 + r), h(80 + r)), V0.node_id)
+        await store.set_momentum_of(h(9), V1.node_id, h(5))
+        await store.set_round_report(1, {"round": 1})
+        await store.add_rewards(1, [RewardRecord(1, M0.node_id, 1, 1.0, 0.2, 0.3)], {M0.node_id: 0.3})
+        await store.prune(before_round=3)
+        assert [await store.own_seed(r) for r in (1, 2, 3, 12)] == [None, None, h(23), h(32)]
+        assert [await store.submission(r) for r in (2, 3)] == [None, Submission(h(43), 10)]
+        assert await store.proposal(2) is None and await store.proposal(12) is not None
+        assert await store.momentum_of(h(61), V0.node_id) is None  # round 1's proposal: no longer current
+        assert await store.momentum_of(h(9), V1.node_id) == h(5)  # a state of round 3 stays
+        assert await store.round_report(1) == {"round": 1} and await store.rewarded(1)
+        assert len(await store.commits_for(3)) == 2
+    finally:
+        await store.close()

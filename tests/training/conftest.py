@@ -1,6 +1,6 @@
 """Fixtures for the model-side training tests: a tiny model of each family, a group, pattern data.
 
-`tiny` is parametrised over all four families and gives a `Tiny(family, model, adapter, group)`;
+`tiny` is parametrised over all six families and gives a `Tiny(family, model, adapter, group)`;
 the group takes experts 1 and 3 of the first MoE layer and expert 2 of the second. The factories
 `make_tiny(family, seed=0)` and `pattern(n, length, seed, ...)` are fixtures too; `pattern` makes a
 deterministic, easily learnable domain: rotations of a short repeating byte pattern.
@@ -17,7 +17,7 @@ import torch
 from training.adapters import MoEAdapter, adapter_for
 from training.model import build_tiny_model, tiny_config
 
-FAMILIES = ("qwen3_moe", "olmoe", "mixtral", "deepseek_v3")
+FAMILIES = ("qwen3_moe", "olmoe", "mixtral", "deepseek_v3", "qwen2_moe", "deepseek_v2")
 PAD = 256
 
 

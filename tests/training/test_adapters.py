@@ -1,4 +1,4 @@
-"""Adapters and model loading on tiny models of all four families: determinism, hub checkpoints, base."""
+"""Adapters on tiny models of every family: determinism, layout, shared experts, routing, refusals, base."""
 
 from __future__ import annotations
 
@@ -9,65 +9,12 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from protocol.spec import parse_spec
-from training.adapters import ADAPTERS, adapter_for
-from training.model import (
-    BaseMismatchError,
-    build_tiny_model,
-    load_base,
-    load_checkpoint,
-    state_hash,
-    tiny_config,
-)
+from training.adapters import ADAPTERS, adapter_for, family_of
+from training.model import BaseMismatchError, build_tiny_model, load_base, state_hash, tiny_config
 
 FAMILIES = tuple(ADAPTERS)
-HUB_NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
-
-
-def hub_state_dict(tiny: Any) -> dict[str, torch.Tensor]:
-    """The model's weights with experts split per expert, the way hub checkpoints store them."""
-    block, gate_name, up_name, down_name = HUB_NAMES.get(
-        tiny.family, ("mlp", "gate_proj", "up_proj", "down_proj")
-    )
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in tiny.model.state_dict().items():
-        prefix, _, param = name.rpartition(".")
-        if param in ("gate_up_proj", "down_proj") and prefix.endswith(".mlp.experts"):
-            hub_prefix = prefix.replace(".mlp.", f".{block}.")
-            for e in range(tensor.shape[0]):
-                if param == "gate_up_proj":
-                    gate, up = tensor[e].chunk(2, dim=0)
-                    out[f"{hub_prefix}.{e}.{gate_name}.weight"] = gate.clone()
-                    out[f"{hub_prefix}.{e}.{up_name}.weight"] = up.clone()
-                else:
-                    out[f"{hub_prefix}.{e}.{down_name}.weight"] = tensor[e].clone()
-        else:
-            out[name.replace(".mlp.gate.", f".{block}.gate.")] = tensor.clone()
-    return out
-
-
-def write_checkpoint(tiny: Any, directory: Path, shards: int = 1) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(tiny.model.config.to_json_string(), encoding="utf-8")
-    state = hub_state_dict(tiny)
-    names = sorted(state)
-    if shards == 1:
-        save_file(state, str(directory / "model.safetensors"))
-        return directory
-    weight_map = {}
-    for i in range(shards):
-        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        part = names[i::shards]
-        save_file({n: state[n] for n in part}, str(directory / file))
-        weight_map.update(dict.fromkeys(part, file))
-    (directory / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": weight_map}), encoding="utf-8"
-    )
-    return directory
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_build_is_deterministic(family: str) -> None:
     config = tiny_config(family)
@@ -90,7 +37,8 @@ def test_state_hash_covers_persistent_buffers(make_tiny: Callable[..., Any]) -> 
 def test_layout(tiny: Any) -> None:
     model, adapter = tiny.model, tiny.adapter
     layers = adapter.moe_layers(model)
-    assert layers == ([1, 2] if tiny.family == "deepseek_v3" else [0, 1])
+    dense_first = tiny.family in ("deepseek_v3", "deepseek_v2")
+    assert layers == ([1, 2] if dense_first else [0, 1])
     assert adapter.num_experts(model) == 8
     experts = adapter.experts(model, layers[0])
     hidden = model.config.hidden_size
@@ -98,10 +46,10 @@ def test_layout(tiny: Any) -> None:
     assert experts.down_proj.shape[1] == hidden
     assert adapter.router(model, layers[0]).weight.shape == (8, hidden)
     shared = adapter.shared_expert_params(model, layers[0])
-    assert bool(shared) == (tiny.family == "deepseek_v3")
+    assert bool(shared) == (tiny.family in ("deepseek_v3", "deepseek_v2", "qwen2_moe"))
     names = dict(model.named_parameters())
     assert all(names[n] is p for n, p in shared.items())
-    if tiny.family == "deepseek_v3":
+    if dense_first:
         with pytest.raises(ValueError, match="dense"):
             adapter.experts(model, 0)
 
@@ -113,44 +61,44 @@ def test_qwen3_mlp_only_layers_are_not_moe() -> None:
     assert adapter_for("qwen3_moe").moe_layers(model) == [0, 2]
 
 
-def test_hub_checkpoint_loads_into_fused_layout(tiny: Any, tmp_path: Path) -> None:
-    directory = write_checkpoint(tiny, tmp_path / "ckpt")
-    loaded = load_checkpoint(tiny.family, directory)
-    assert state_hash(loaded) == state_hash(tiny.model)
-    ids = torch.arange(24).reshape(2, 12)
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(ids).logits, tiny.model(ids).logits, rtol=0, atol=0)
+def test_new_families_layout_and_shared_experts() -> None:
+    qwen2 = build_tiny_model("qwen2_moe", tiny_config("qwen2_moe"), 0)
+    shared = adapter_for("qwen2_moe").shared_expert_params(qwen2, 0)
+    assert "model.layers.0.mlp.shared_expert_gate.weight" in shared
+    assert any(".shared_expert.gate_proj." in name for name in shared)
+    deepseek = build_tiny_model("deepseek_v2", tiny_config("deepseek_v2"), 0)
+    adapter = adapter_for("deepseek_v2")
+    assert adapter.moe_layers(deepseek) == [1, 2] and adapter.num_experts(deepseek) == 8
+    assert all(".shared_experts." in name for name in adapter.shared_expert_params(deepseek, 1))
 
 
-def test_sharded_checkpoint_and_gate_up_order(make_tiny: Callable[..., Any], tmp_path: Path) -> None:
-    tiny = make_tiny("qwen3_moe")
-    loaded = load_checkpoint("qwen3_moe", write_checkpoint(tiny, tmp_path / "ckpt", shards=3))
-    assert state_hash(loaded) == state_hash(tiny.model)
-    hub = hub_state_dict(tiny)
-    fused = tiny.adapter.experts(loaded, 1).gate_up_proj[5]
-    intermediate = fused.shape[0] // 2
-    assert torch.equal(fused[:intermediate], hub["model.layers.1.mlp.experts.5.gate_proj.weight"])
-    assert torch.equal(fused[intermediate:], hub["model.layers.1.mlp.experts.5.up_proj.weight"])
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "dense model with no routed experts"),
+        ({"model_type": "gpt_oss", "num_local_experts": 32}, "transposed"),
+        ({"model_type": "dbrx", "num_experts": 16}, "no table entry"),
+        ({"hidden_size": 8}, "no model_type"),
+    ],
+)
+def test_unsupported_configs_say_what_was_found(config: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        family_of(config)
+    assert family_of({"model_type": "qwen2_moe"}) == "qwen2_moe"
 
 
-def test_checkpoint_errors_are_clear(make_tiny: Callable[..., Any], tmp_path: Path) -> None:
-    tiny = make_tiny("mixtral")
-    directory = write_checkpoint(tiny, tmp_path / "ckpt")
-    state = hub_state_dict(tiny)
-    del state["model.layers.0.block_sparse_moe.experts.7.w2.weight"]
-    save_file(state, str(directory / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"w2 experts .*missing \[7\]"):
-        load_checkpoint("mixtral", directory)
-    with pytest.raises(ValueError, match="no config.json"):
-        load_checkpoint("mixtral", tmp_path)
-    (tmp_path / "empty").mkdir()
-    (tmp_path / "empty" / "config.json").write_text(tiny.model.config.to_json_string(), encoding="utf-8")
-    with pytest.raises(ValueError, match="no \\*.safetensors"):
-        load_checkpoint("mixtral", tmp_path / "empty")
-    with pytest.raises(ValueError, match="family is 'olmoe'"):
-        load_checkpoint("olmoe", directory)
-    with pytest.raises(ValueError, match="unknown model family"):
-        adapter_for("llama")
+def test_route_keeps_deepseek_v2_unnormalised_and_scaled() -> None:
+    model = build_tiny_model("deepseek_v2", tiny_config("deepseek_v2", routed_scaling_factor=2.0), 0)
+    adapter = adapter_for("deepseek_v2")
+    router = adapter.router(model, 1)
+    hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    allowed = torch.ones(8, dtype=torch.bool)
+    _, weights, index = adapter.route(router, hidden, allowed)
+    _, expected_weights, expected_index = router(hidden)
+    order, expected_order = index.sort(dim=-1).indices, expected_index.sort(dim=-1).indices
+    assert torch.equal(index.gather(1, order), expected_index.gather(1, expected_order))
+    torch.testing.assert_close(weights.gather(1, order), expected_weights.gather(1, expected_order))
+    assert (weights.sum(dim=-1) < 2.0).all()
 
 
 def _spec(

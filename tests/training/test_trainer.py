@@ -8,8 +8,10 @@ from typing import Any
 import pytest
 import torch
 
+from training.blob import BlobMeta, decode_blob, encode_blob
+from training.compressed import compress
 from training.evaluate import heldout_loss, loss_with_experts
-from training.experts import extract, insert
+from training.experts import expert_names, extract, insert
 from training.model import state_hash
 from training.trainer import TrainConfig, train_experts
 
@@ -65,21 +67,27 @@ def test_compressed_forward_computes_only_selected_experts(
     make_tiny: Callable[..., Any], pattern: Callable[..., torch.Tensor]
 ) -> None:
     tiny = make_tiny("qwen3_moe")
+    full_hash = state_hash(tiny.model)
+    cut = compress(tiny.model, tiny.adapter, tiny.group)
     seen: dict[int, set[int]] = {layer: set() for layer in tiny.group}
     handles = []
     for layer in tiny.group:
 
         def record(module: Any, args: tuple[Any, ...], layer: int = layer) -> None:
-            seen[layer].update(args[1].unique().tolist())
+            seen[layer].update(cut.full_ids(layer, args[1]).unique().tolist())
 
-        handles.append(tiny.adapter.experts(tiny.model, layer).register_forward_pre_hook(record))
+        handles.append(cut.experts(layer).register_forward_pre_hook(record))
     data = pattern(24, LENGTH, 2)
     cfg = TrainConfig(steps=6, lr=2e-2, batch_size=BATCH, forward="compressed")
-    result = train_experts(tiny.model, tiny.adapter, tiny.group, batches(data), cfg)
+    result = train_experts(cut, tiny.adapter, tiny.group, batches(data), cfg)
     for handle in handles:
         handle.remove()
     assert seen == {layer: set(experts) for layer, experts in tiny.group.items()}
     assert result.losses[-1] < result.losses[0]
+    assert all(torch.equal(cut.tensors()[n], t) for n, t in result.tensors.items())
+    assert state_hash(tiny.model) == full_hash, "training a compressed model leaves the full model alone"
+    with pytest.raises(ValueError, match="only be trained with forward = 'compressed'"):
+        train_experts(cut, tiny.adapter, tiny.group, batches(data), TrainConfig(batch_size=BATCH))
 
 
 def test_training_lowers_heldout_loss_on_the_domain(tiny: Any, pattern: Callable[..., torch.Tensor]) -> None:
@@ -138,6 +146,54 @@ def test_padding_is_excluded_from_the_loss(
     assert full.loss == pytest.approx(prefix.loss, abs=1e-5)
     with pytest.raises(ValueError, match="only padding"):
         heldout_loss(tiny.model, torch.full((2, 8), 256))
+
+
+@pytest.mark.parametrize("forward", ["full", "compressed"])
+def test_grouped_gemm_and_checkpointing_match_the_eager_loop(
+    make_tiny: Callable[..., Any], pattern: Callable[..., torch.Tensor], forward: str
+) -> None:
+    data = pattern(12, LENGTH, 6)
+    variants: dict[str, dict[str, Any]] = {
+        "eager": {},
+        "grouped": {"experts_implementation": "grouped_mm"},
+        "checkpointed": {"checkpointing": True},
+    }
+    runs, calls = {}, {}
+    for name, options in variants.items():
+        tiny = make_tiny("qwen3_moe")
+        layer = next(iter(tiny.group))
+        counted = [0]
+
+        def count(*_: Any, counted: list[int] = counted) -> None:
+            counted[0] += 1
+
+        tiny.adapter.experts(tiny.model, layer).register_forward_pre_hook(count)
+        cfg = TrainConfig(steps=3, lr=1e-2, batch_size=BATCH, forward=forward, **options)  # type: ignore[arg-type]
+        runs[name] = train_experts(tiny.model, tiny.adapter, tiny.group, batches(data), cfg)
+        calls[name] = counted[0]
+        assert not tiny.model.model.gradient_checkpointing and not tiny.model.model.layers[0].training
+    eager = runs["eager"]
+    for name in ("grouped", "checkpointed"):
+        assert runs[name].losses == pytest.approx(eager.losses, abs=1e-5)
+        assert all(torch.allclose(runs[name].tensors[n], t, atol=1e-5) for n, t in eager.tensors.items())
+    # Checkpointing really recomputes: the experts run twice per step (forward hooks survive compress).
+    assert calls["checkpointed"] == 2 * calls["eager"] == 6
+
+
+def test_both_modes_produce_the_same_blob_format(
+    make_tiny: Callable[..., Any], pattern: Callable[..., torch.Tensor]
+) -> None:
+    formats = []
+    for forward in ("full", "compressed"):
+        tiny = make_tiny("olmoe")
+        cfg = TrainConfig(steps=2, lr=1e-2, batch_size=BATCH, forward=forward)  # type: ignore[arg-type]
+        tensors = train_experts(tiny.model, tiny.adapter, tiny.group, batches(pattern(8, LENGTH, 4)), cfg).tensors
+        assert list(tensors) == expert_names(tiny.group)
+        meta = BlobMeta(network="n" * 64, round=1, miner="m", base="b" * 64, group=tiny.group)
+        decoded_meta, decoded = decode_blob(encode_blob(tensors, meta), 1 << 16)
+        assert decoded_meta == meta
+        formats.append({name: (t.dtype, tuple(t.shape)) for name, t in decoded.items()})
+    assert formats[0] == formats[1]
 
 
 def test_bad_batches_and_configs_are_refused(make_tiny: Callable[..., Any]) -> None:

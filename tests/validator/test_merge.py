@@ -14,7 +14,7 @@ from protocol.assignment import assign
 from protocol.messages import ScoreEntry, ScoreReport
 from protocol.spec import NetworkSpec
 from tests.conftest import MINER_OFFSET, make_identity
-from validator.merge import MergeInputError, MissingBlobError, candidates, merge_round
+from validator.merge import MergeInputError, MissingBlobError, merge_round
 from validator.state import GlobalExperts
 
 ROUND = 4
@@ -164,7 +164,9 @@ def test_missing_candidate_blob_is_named(spec: NetworkSpec) -> None:
     a, b, c = _miners(3)
     glob = _global(spec)
     rnd = Round(spec, {a: _moved(glob, 1), b: _moved(glob, 2), c: _moved(glob, 3)}, {a: 2.5, b: 2.0, c: 3.5})
-    assert candidates(rnd.reports, rnd.assignment, rnd.commitments, rnd.head.hash, spec) == sorted([a, b])
+    with pytest.raises(MissingBlobError) as info:
+        rnd.merge(blobs={})
+    assert info.value.miners == sorted([a, b])  # the candidates: a combined loss with positive utility
     with pytest.raises(MissingBlobError) as info:
         rnd.merge(blobs={a: rnd.blobs[a], c: rnd.blobs[c]})
     assert info.value.miners == [b]

@@ -166,3 +166,34 @@ def test_deepseek_v3_scores_a_trained_miner(spec: NetworkSpec) -> None:
     assert losses[GOOD] is not None and losses[GOOD] < result.base_loss
     after = extract(setup.model, setup.adapter, setup.spec.group)
     assert all(torch.equal(after[n], setup.global_tensors[n]) for n in after)
+
+
+def test_scoring_runs_on_the_configured_device_in_configured_batches(qwen) -> None:
+    setup, submissions, _ = qwen
+    model = copy.deepcopy(setup.model)
+    scorer = Scorer(model, setup.adapter, setup.spec, setup.scorer.heldout, device="meta", batch_size=4)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    layer = setup.adapter.moe_layers(model)[0]
+    seen: list[tuple[str, str, int]] = []
+
+    def record(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        experts = setup.adapter.experts(module, layer)
+        seen.append((kwargs["input_ids"].device.type, experts.gate_up_proj.device.type, kwargs["input_ids"].shape[0]))
+
+    model.register_forward_pre_hook(record, with_kwargs=True)
+    with pytest.raises((NotImplementedError, RuntimeError), match="meta"):
+        scorer.score_round(ROUND, SEED, setup.global_tensors, setup.head, {GOOD: submissions[GOOD]})
+    # L_base on 6 held-out sequences in batches of 4: the first batch reached the model on `meta`.
+    assert seen == [("meta", "meta", 4)]
+
+
+def test_batch_size_setting_does_not_change_the_losses(qwen) -> None:
+    setup, submissions, result = qwen
+    scorer = Scorer(setup.model, setup.adapter, setup.spec, setup.scorer.heldout, batch_size=4)
+    picked = {m: submissions[m] for m in (GOOD, NOISE)}
+    again = scorer.score_round(ROUND, SEED, setup.global_tensors, setup.head, picked)
+    assert again.base_loss == pytest.approx(result.base_loss, abs=1e-6)
+    before = {e.miner: e.loss for e in result.entries}
+    assert all(e.loss == pytest.approx(before[e.miner], abs=1e-6) for e in again.entries)
+    with pytest.raises(ValueError, match="validator.batch_size"):
+        Scorer(setup.model, setup.adapter, setup.spec, setup.scorer.heldout, batch_size=0)

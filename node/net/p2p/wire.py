@@ -99,7 +99,8 @@ def _tuned(session: ISecureConn) -> TunedSession:
         remote_peer=session.remote_peer,
         remote_permanent_pubkey=session.remote_permanent_pubkey,
         is_initiator=session.is_initiator,
-        conn=NoisePackets(stock.read_writer.read_write_closer, stock.noise_state),
+        # The stock session's own socket: typed as a ReadWriteCloser there, an IRawConnection here.
+        conn=NoisePackets(stock.read_writer.read_write_closer, stock.noise_state),  # type: ignore[arg-type]
     )
 
 
@@ -145,7 +146,7 @@ class NoisePackets(NoiseTransportReadWriter):
     async def write_msg(self, msg: bytes, prefix_encoded: bool = False) -> None:
         assert not prefix_encoded, "the handshake prefix belongs to the handshake, not to a session"
         pieces = [msg[i : i + MAX_PLAINTEXT_LENGTH] for i in range(0, len(msg), MAX_PLAINTEXT_LENGTH)] or [msg]
-        packets = []
+        packets: list[bytes] = []
         for piece in pieces:
             sealed = self.encrypt(piece)
             packets += (len(sealed).to_bytes(SIZE_NOISE_MESSAGE_LEN, "big"), sealed)
@@ -186,4 +187,4 @@ class TunedYamux(Yamux):
 
 
 # The stock upgrader builds `Yamux` by name for /yamux/1.0.0, whatever class the muxer options give.
-muxer_multistream.Yamux = TunedYamux
+muxer_multistream.Yamux = TunedYamux  # type: ignore[attr-defined]  # replaces an imported name

@@ -1,0 +1,328 @@
+"""Learning benchmark: does the network learn as well as one node tuning the same experts, and faster with more miners?
+
+In-process, one run, CPU, on the pretrained tiny base (`training.pretrain`) and a target domain it
+never saw. The network arms run the protocol's own pieces each round: every miner trains the group
+from the global state (`training.trainer`, H steps on its shard), submits full experts or a
+compressed pseudo-gradient (`training.pgrad`, error feedback kept per miner), validators score each
+submission by Proof-of-Loss on a held-out subset the round seed picks, drop near-duplicates, merge
+the top-G with positive utility by the outer step (`training.outer`). Ranking is by loss with
+utility > 0, as `protocol.ranking` does; rewards are not computed.
+
+Arms: the network with M = 1, 4, 8 miners; single-node expert tuning (ESFT) of the same group for
+as many steps as the largest network spends, evaluated every H steps (the ESFT curve; equal tokens
+for every M, and one miner's tokens, are points on it); full fine-tuning of all weights with the
+4-miner network's tokens as a reference; the 4-miner network with half its miners adversarial
+(one adds noise, one copies an honest miner); the 4-miner network sending compressed
+pseudo-gradients; and a sweep of outer-optimizer settings and data shards on the 4-miner network.
+Reported per arm: held-out loss after every round, general-domain loss change (forgetting),
+`network_vs_esft` (loss drop / ESFT's drop at equal total tokens), `esft_equivalent_steps` after
+each round (ESFT steps that reach the same loss, linear between curve points) and
+`parallel_efficiency` (those steps / miner steps spent).
+Usage: python bench/learning.py [--rounds R] [--inner-steps H] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import math
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.report import emit  # noqa: E402
+from training.adapters import adapter_for  # noqa: E402
+from training.corpus import generate  # noqa: E402
+from training.data import batches, heldout_subset, pack, shard  # noqa: E402
+from training.evaluate import heldout_loss, loss_with_experts, token_loss_sum  # noqa: E402
+from training.experts import extract, insert, pseudo_gradient  # noqa: E402
+from training.outer import OuterConfig, near_duplicates, outer_step  # noqa: E402
+from training.pgrad import PgradConfig, compressed_bytes, decode, encode  # noqa: E402
+from training.pretrain import GENERAL_DOMAINS, PretrainConfig, load_pretrained  # noqa: E402
+from training.selection import select_experts  # noqa: E402
+from training.tokenizer import ByteTokenizer  # noqa: E402
+from training.trainer import TrainConfig, train_experts  # noqa: E402
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One network run's settings."""
+
+    miners: int = 4
+    outer_lr: float = 1.0
+    momentum: float = 0.0
+    top_g: int = 8
+    shards: str = "random"
+    """`random`: each miner a miner-seeded 50% subset (training.data.shard); `disjoint`: a partition."""
+    adversaries: int = 0
+    pgrad: PgradConfig | None = None
+    duplicate_cosine: float = 0.9999
+    """Cosine at which two pseudo-gradients count as copies (both dropped)."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every arm shares."""
+
+    domain: str = "arithmetic"
+    rounds: int = 5
+    inner_steps: int = 20
+    batch_size: int = 8
+    inner_lr: float = 1e-3
+    experts_per_layer: int = 2
+    subset: int = 32
+    """Held-out sequences the round seed picks for Proof-of-Loss."""
+    report_sequences: int = 64
+    """Held-out sequences every reported loss is measured on (disjoint from the subset pool)."""
+
+
+class Bench:
+    """The base model, the group, the data and the arms' runs."""
+
+    def __init__(self, settings: Settings, cache: Path) -> None:
+        self.s = settings
+        self.tokenizer = ByteTokenizer()
+        self.model = load_pretrained(cache, PretrainConfig())
+        self.adapter = adapter_for("qwen3_moe")
+        tok = self.tokenizer
+        self.train = pack(generate(settings.domain, 3000, 11), tok, 64)
+        held = pack(generate(settings.domain, 600, 12), tok, 64)
+        self.report_set = held[: settings.report_sequences]
+        self.pool = held[settings.report_sequences :]
+        general = [d for dom in GENERAL_DOMAINS for d in generate(dom, 150, 13)]
+        self.general = pack(general, tok, 64)[: settings.report_sequences]
+        chosen = select_experts(self.model, self.adapter, self.train[:64], "gate-mass", top_d=settings.experts_per_layer)
+        self.group = {int(layer): ids for layer, ids in chosen["group"].items()}
+        self.base = extract(self.model, self.adapter, self.group)
+        self.base_loss = self.loss(self.base)
+        self.base_general = self.loss(self.base, self.general)
+
+    def loss(self, tensors: Tensors, sequences: torch.Tensor | None = None) -> float:
+        seqs = self.report_set if sequences is None else sequences
+        return loss_with_experts(self.model, self.adapter, tensors, seqs, batch_size=32).loss
+
+    def train_cfg(self, steps: int) -> TrainConfig:
+        return TrainConfig(steps=steps, lr=self.s.inner_lr, batch_size=self.s.batch_size)
+
+    def esft_curve(self, steps: int, every: int, general_at: set[int]) -> tuple[list[tuple[int, float]], dict[int, float]]:
+        """ESFT loss every `every` steps of one continuous run (one optimizer), and its general loss at `general_at`."""
+        insert(self.model, self.adapter, self.base)
+        curve = [(0, self.base_loss)]
+        general: dict[int, float] = {}
+        stream = batches(self.train, self.s.batch_size, 1)
+
+        def evaluated() -> Iterator[torch.Tensor]:
+            # The trainer writes its copies back after every step, so the model holds step k's weights
+            # when batch k + 1 is drawn: evaluating here traces the curve of one uninterrupted run.
+            for k in range(steps):
+                if k and k % every == 0:
+                    curve.append((k, heldout_loss(self.model, self.report_set, batch_size=32).loss))
+                if k in general_at:
+                    general[k] = heldout_loss(self.model, self.general, batch_size=32).loss - self.base_general
+                yield next(stream)
+
+        train_experts(self.model, self.adapter, self.group, evaluated(), self.train_cfg(steps))
+        curve.append((steps, heldout_loss(self.model, self.report_set, batch_size=32).loss))
+        general[steps] = heldout_loss(self.model, self.general, batch_size=32).loss - self.base_general
+        insert(self.model, self.adapter, self.base)
+        return curve, general
+
+    def full_finetune(self, steps: int) -> dict[str, Any]:
+        model = copy.deepcopy(self.model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=self.s.inner_lr)
+        stream = batches(self.train, self.s.batch_size, 1)
+        for _ in range(steps):
+            ids_BL = next(stream)
+            loss = token_loss_sum(model, ids_BL, self.tokenizer.pad_id) / int((ids_BL[:, 1:] != 256).sum())
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+        final = heldout_loss(model, self.report_set, batch_size=32).loss
+        general = heldout_loss(model, self.general, batch_size=32).loss
+        return {"steps": steps, "final_loss": round(final, 4), "forgetting": round(general - self.base_general, 4)}
+
+    def miner_rows(self, arm: Arm, miner: int, round: int) -> torch.Tensor:
+        if arm.shards == "disjoint":
+            part = self.train[miner :: arm.miners]
+            order = torch.randperm(part.shape[0], generator=torch.Generator().manual_seed(round * 1000 + miner))
+            return part[order]
+        return shard(self.train, f"miner-{miner}", round)
+
+    def network(self, arm: Arm) -> dict[str, Any]:
+        outer = OuterConfig(lr=arm.outer_lr, momentum=arm.momentum)
+        global_t = {k: v.clone() for k, v in self.base.items()}
+        momentum: Tensors | None = None
+        errors: dict[int, Tensors | None] = {}
+        losses, merged = [], []
+        shapes = {name: tuple(t.shape) for name, t in self.base.items()}
+        honest = arm.miners - arm.adversaries
+        for r in range(self.s.rounds):
+            submissions: dict[int, Tensors] = {}
+            for i in range(honest):
+                insert(self.model, self.adapter, global_t)
+                rows = self.miner_rows(arm, i, r)
+                result = train_experts(self.model, self.adapter, self.group,
+                                       batches(rows, self.s.batch_size, r), self.train_cfg(self.s.inner_steps))
+                submissions[i] = result.tensors
+            for j, i in enumerate(range(honest, arm.miners)):
+                submissions[i] = self.adversary(j, global_t, submissions, r)
+            if arm.pgrad is not None:
+                for i, tensors in list(submissions.items()):
+                    blob, errors[i] = encode(pseudo_gradient(global_t, tensors), errors.get(i), arm.pgrad)
+                    decoded = decode(blob, shapes, arm.pgrad)
+                    submissions[i] = {name: global_t[name] - decoded[name] for name in global_t}
+            contributors = self.score_and_rank(global_t, submissions, r, arm.duplicate_cosine)[: arm.top_g]
+            if contributors:
+                utilities = [u for _, u in contributors]
+                global_t, momentum = outer_step(global_t, [submissions[i] for i, _ in contributors],
+                                                utilities, momentum, outer)
+            insert(self.model, self.adapter, self.base)
+            losses.append(round(self.loss(global_t), 4))
+            merged.append([i for i, _ in contributors])
+        general = self.loss(global_t, self.general)
+        out: dict[str, Any] = {**asdict(arm), "losses": losses, "merged": merged,
+                               "forgetting": round(general - self.base_general, 4)}
+        if arm.pgrad is not None:
+            out["pgrad"] = {**asdict(arm.pgrad), "payload_bytes": compressed_bytes(shapes, arm.pgrad),
+                            "bf16_bytes": sum(2 * math.prod(s) for s in shapes.values())}
+        return out
+
+    def adversary(self, j: int, global_t: Tensors, honest: dict[int, Tensors], r: int) -> Tensors:
+        if j % 2 == 0:
+            gen = torch.Generator().manual_seed(r * 7919 + j)
+            return {n: t + 0.05 * torch.randn(t.shape, generator=gen) for n, t in global_t.items()}
+        victim = honest[0]
+        return {n: t + 1e-6 * torch.ones_like(t) for n, t in victim.items()}
+
+    def score_and_rank(
+        self, global_t: Tensors, submissions: dict[int, Tensors], r: int, duplicate_cosine: float
+    ) -> list[tuple[int, float]]:
+        seed_hex = hashlib.sha256(f"learning-bench:{r}".encode()).hexdigest()
+        subset = heldout_subset(self.pool, seed_hex, self.s.subset)
+        base_loss = self.loss(global_t, subset)
+        scored = [(self.loss(t, subset), i) for i, t in submissions.items()]
+        useful = {i: base_loss - loss for loss, i in scored if loss < base_loss}
+        grads = {i: pseudo_gradient(global_t, submissions[i]) for i in useful}
+        flagged = near_duplicates(grads, duplicate_cosine) if len(grads) > 1 else set()
+        return [(i, useful[i]) for loss, i in sorted(scored) if i in useful and i not in flagged]
+
+
+def esft_steps(curve: list[tuple[int, float]], loss: float) -> float | None:
+    """ESFT steps at which the curve first reaches `loss`, linear between points; None if it never does."""
+    for (s0, l0), (s1, l1) in zip(curve, curve[1:], strict=False):
+        if l1 <= loss:
+            return float(s0) if l0 <= loss else s0 + (s1 - s0) * (l0 - loss) / (l0 - l1)
+    return None
+
+
+def curve_at(curve: list[tuple[int, float]], steps: int) -> float:
+    """ESFT loss after `steps` (a curve point)."""
+    return dict(curve)[steps]
+
+
+def summarise(bench: Bench, run: dict[str, Any], curve: list[tuple[int, float]], esft_forgetting: dict[int, float]) -> None:
+    s = bench.s
+    spent = run["miners"] - run["adversaries"]
+    steps_per_round = spent * s.inner_steps
+    equivalent = [esft_steps(curve, loss) for loss in run["losses"]]
+    run["esft_equivalent_steps"] = [None if e is None else round(e, 1) for e in equivalent]
+    total = steps_per_round * s.rounds
+    if total in dict(curve):
+        esft_drop = bench.base_loss - curve_at(curve, total)
+        run["network_vs_esft"] = round((bench.base_loss - run["losses"][-1]) / esft_drop, 4)
+    if total in esft_forgetting:
+        run["esft_forgetting_equal_tokens"] = round(esft_forgetting[total], 4)
+    final = equivalent[-1]
+    run["parallel_efficiency"] = None if final is None else round(final / total, 4)
+    run["lowered_every_round"] = all(b < a for a, b in zip([bench.base_loss, *run["losses"]], run["losses"], strict=False))
+
+
+def targets(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The issue's targets next to what this run measured."""
+    four, eight = runs["network_4"], runs["network_8"]
+    pgrad = {name: {"network_vs_esft": run.get("network_vs_esft"),
+                    "payload_vs_bf16": round(run["pgrad"]["bf16_bytes"] / run["pgrad"]["payload_bytes"], 1)}
+             for name, run in runs.items() if name.startswith("pgrad_")}
+    return {
+        "network_vs_esft_4 (>= 0.95)": four.get("network_vs_esft"),
+        "network_vs_esft_8 (>= 0.95)": eight.get("network_vs_esft"),
+        "parallel_efficiency_4 (>= 0.5)": four["parallel_efficiency"],
+        "8_ahead_of_4": eight["losses"][-1] < four["losses"][-1],
+        "forgetting_4_no_worse_than_esft": four["forgetting"] <= four.get("esft_forgetting_equal_tokens", math.inf),
+        "adversarial_lowers_every_round": runs["adversarial_4"]["lowered_every_round"],
+        "pgrad (payload >= 16x, network_vs_esft >= 0.9)": pgrad,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per network run (default 5)")
+    parser.add_argument("--inner-steps", type=int, default=20, help="H (default 20)")
+    parser.add_argument("--cache", type=Path, default=Path(".bench/cache"), help="pretrained-base cache directory")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the outer-optimizer sweep")
+    parser.add_argument("--out", type=Path, help="write the JSON here (default: stdout only)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # a tiny model on a shared CPU runs faster without intra-op threads
+    started = time.perf_counter()
+    settings = Settings(rounds=args.rounds, inner_steps=args.inner_steps)
+    bench = Bench(settings, args.cache)
+    tuned = Arm()
+    max_miners = 8
+    per_miner = settings.inner_steps * settings.rounds
+    curve, esft_forgetting = bench.esft_curve(max_miners * per_miner, settings.inner_steps, {m * per_miner for m in (1, 2, 4)})
+    arms: dict[str, Arm] = {
+        "network_1": replace(tuned, miners=1),
+        "network_4": tuned,
+        "network_8": replace(tuned, miners=8),
+        "adversarial_4": replace(tuned, adversaries=2),
+        "pgrad_2bit_k32_4": replace(tuned, pgrad=PgradConfig(chunk=1024, topk=32, quant="2bit")),
+        "pgrad_2bit_k48_4": replace(tuned, pgrad=PgradConfig(chunk=1024, topk=48, quant="2bit")),
+        "pgrad_int8_k32_4": replace(tuned, pgrad=PgradConfig(chunk=1024, topk=32, quant="int8")),
+    }
+    sweep = {
+        "old_defaults_dup0.99": Arm(outer_lr=0.7, momentum=0.9, top_g=3, duplicate_cosine=0.99),
+        "design_0.7_0.9": Arm(outer_lr=0.7, momentum=0.9, top_g=3),
+        "sim_0.5_0.5": Arm(outer_lr=0.5, momentum=0.5, top_g=3),
+        "top3_1.0_0": Arm(outer_lr=1.0, momentum=0.0, top_g=3),
+        "average_1.0_0": Arm(outer_lr=1.0, momentum=0.0),
+        "lr2_0": Arm(outer_lr=2.0, momentum=0.0),
+        "lr3_0": Arm(outer_lr=3.0, momentum=0.0),
+        "lr1_0.5": Arm(outer_lr=1.0, momentum=0.5),
+        "lr2_0.5": Arm(outer_lr=2.0, momentum=0.5),
+        "disjoint_lr2_0": Arm(outer_lr=2.0, momentum=0.0, shards="disjoint"),
+    }
+    runs: dict[str, dict[str, Any]] = {}
+    for name, arm in [*({} if args.no_sweep else sweep).items(), *arms.items()]:
+        runs[name] = bench.network(arm)
+        summarise(bench, runs[name], curve, esft_forgetting)
+        print(f"{name}: {runs[name]['losses']} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+    full = bench.full_finetune(4 * settings.inner_steps * settings.rounds)
+    report = {
+        "settings": {**asdict(settings), "group": bench.group, "base": asdict(PretrainConfig())},
+        "base_loss": round(bench.base_loss, 4),
+        "base_general_loss": round(bench.base_general, 4),
+        "esft": {"curve": [(s, round(loss, 4)) for s, loss in curve],
+                 "forgetting_at_steps": {s: round(f, 4) for s, f in sorted(esft_forgetting.items())}},
+        "full_finetune_4_miner_tokens": full,
+        "targets": targets(runs),
+        "arms": {name: runs[name] for name in arms},
+        "sweep": {name: runs[name] for name in sweep if name in runs},
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    emit(report, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,148 @@
+"""Checkpoint loading benchmark: memory and time of loading a >= 1 GB hub-format MoE checkpoint.
+
+The benchmark writes a Qwen3-MoE checkpoint of at least 1 GB (12 layers of 32 experts, hidden 768,
+fp32, per-expert hub keys, written by `save_pretrained`) into a temporary directory, then measures, each in its own subprocess so
+peak memory is its own:
+- `tessera`: `training.model.load_checkpoint` (transformers' `from_pretrained`, sdpa);
+- `hash`: `training.checkpoint.checkpoint_hash`, the streaming base hash;
+- `plain`: bare `AutoModelForCausalLM.from_pretrained` of the same directory, for reference;
+- `old`: the loader of commit 7069fea (reads every shard, converts hub keys by hand, builds a
+  second model), taken from git history into a temporary package, for the record.
+`peak_rss_ratio` = peak RSS (VmHWM) above the process's RSS once torch and transformers are
+imported, divided by the checkpoint's bytes; target <= 1.3. Seconds are wall-clock.
+Usage: python bench/load.py [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.report import emit  # noqa: E402
+
+OLD_COMMIT = "7069fea"
+OLD_FILES = ("training/__init__.py", "training/model.py", "training/adapters.py", "training/experts.py")
+CONFIG = {"hidden_size": 768, "num_hidden_layers": 12, "num_experts": 32, "moe_intermediate_size": 384,
+          "intermediate_size": 2048, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 96,
+          "vocab_size": 8192}
+
+
+def write_checkpoint(directory: Path) -> int:
+    """Write the benchmark checkpoint; returns its weight bytes."""
+    from training.model import build_tiny_model, tiny_config
+
+    model = build_tiny_model("qwen3_moe", tiny_config("qwen3_moe", **CONFIG), seed=0)
+    model.save_pretrained(str(directory))
+    size = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+    assert size >= 1 << 30, f"benchmark checkpoint is only {size} bytes; raise CONFIG"
+    return size
+
+
+def measure(mode: str, directory: Path, extra_path: str | None = None) -> dict[str, Any]:
+    """Run one mode in a fresh subprocess; returns its seconds and peak RSS above the runtime."""
+    command = [sys.executable, __file__, "--child", mode, str(directory)]
+    if extra_path:
+        command.append(extra_path)
+    result = subprocess.run(command, capture_output=True, text=True, check=False, cwd=ROOT)
+    if result.returncode != 0:
+        raise RuntimeError(f"{mode} failed: {result.stderr[-2000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def child(mode: str, directory: str, extra_path: str | None) -> None:
+    if extra_path:
+        sys.path.insert(0, extra_path)
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    runtime_kb = _rss_kb()
+    started = time.perf_counter()
+    if mode == "write":
+        print(json.dumps({"bytes": write_checkpoint(Path(directory))}))
+        return
+    if mode == "tessera":
+        from training.model import load_checkpoint
+
+        load_checkpoint(directory)
+    elif mode == "hash":
+        from training.checkpoint import checkpoint_hash
+
+        checkpoint_hash(directory)
+    elif mode == "plain":
+        transformers.AutoModelForCausalLM.from_pretrained(directory)
+    else:
+        from training.model import load_checkpoint as old_load  # the 7069fea module, first on sys.path
+
+        old_load("qwen3_moe", directory)
+    seconds = time.perf_counter() - started
+    print(json.dumps({"seconds": seconds, "peak_above_runtime_bytes": (_status_kb("VmHWM") - runtime_kb) * 1024}))
+
+
+def _rss_kb() -> int:
+    return _status_kb("VmRSS")
+
+
+def _status_kb(field: str) -> int:
+    """A memory figure of this process from /proc/self/status, in KiB.
+
+    VmHWM (peak RSS) belongs to the process image, so unlike getrusage's ru_maxrss it does not
+    carry over the parent's peak across fork + exec.
+    """
+    with open("/proc/self/status", encoding="ascii") as handle:
+        for line in handle:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def old_package(root: Path) -> Path:
+    """The 7069fea training modules the old loader needs, from git history, under `root`."""
+    for name in OLD_FILES:
+        text = subprocess.run(["git", "show", f"{OLD_COMMIT}:{name}"], capture_output=True, text=True,
+                              check=True, cwd=ROOT).stdout
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text, encoding="utf-8")
+    return root
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        child(sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else None)
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="also write the JSON report here")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="tessera-load-") as tmp:
+        directory = Path(tmp) / "checkpoint"
+        started = time.perf_counter()
+        size = measure("write", directory)["bytes"]
+        write_seconds = time.perf_counter() - started
+        runs = {mode: measure(mode, directory) for mode in ("tessera", "hash", "plain")}
+        runs["old"] = measure("old", directory, str(old_package(Path(tmp) / "old")))
+    report: dict[str, Any] = {
+        "checkpoint_bytes": size,
+        "write_seconds": round(write_seconds, 2),
+        "peak_rss_ratio": round(runs["tessera"]["peak_above_runtime_bytes"] / size, 3),
+        "load_seconds": round(runs["tessera"]["seconds"], 2),
+        "base_hash_seconds": round(runs["hash"]["seconds"], 2),
+        "base_hash_peak_rss_ratio": round(runs["hash"]["peak_above_runtime_bytes"] / size, 3),
+        "plain_from_pretrained": {"peak_rss_ratio": round(runs["plain"]["peak_above_runtime_bytes"] / size, 3),
+                                  "load_seconds": round(runs["plain"]["seconds"], 2)},
+        "old_loader_7069fea": {"peak_rss_ratio": round(runs["old"]["peak_above_runtime_bytes"] / size, 3),
+                               "load_seconds": round(runs["old"]["seconds"], 2)},
+        "target_peak_rss_ratio": 1.3,
+    }
+    emit(report, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""`tessera export`: the network's improved model as an HF checkpoint, or its experts as a pack.
+
+    tessera export --spec SPEC (--state HASH [--data-dir DIR] | --blob FILE) --out DIR
+                   [--experts-only] [--heldout FILE] [--seed HEX]
+
+`--state` names a global state in a node's blob store (`DIR/blobs`, the node's `data_dir`);
+`--blob` names any canonical blob file of this network (a global state or a miner's submission).
+Without `--experts-only` the base model is loaded, the blob's experts are written into it and the
+result is saved with `training.export.export_checkpoint`. With `--experts-only` only the group is
+written, as an expert pack; `--heldout` adds the held-out loss of the state to its manifest (and
+to the printed summary in either mode). Nothing is written when a check fails. This module only
+wires arguments; the export logic lives in `training.export`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+DEFAULT_SEED = "0" * 64
+EVAL_BATCH = 16
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `export` to the `tessera` command line."""
+    p = subparsers.add_parser("export", help="write the network's expert state as an HF checkpoint or an expert pack")
+    p.add_argument("--spec", required=True, type=Path, help="network spec")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--state", metavar="HASH", help="global state hash, read from the node's blob store")
+    source.add_argument("--blob", type=Path, metavar="FILE", help="a canonical blob file of this network")
+    p.add_argument("--data-dir", type=Path, default=Path("data"), metavar="DIR",
+                   help="the node's data_dir holding blobs/ (default ./data; with --state)")
+    p.add_argument("--out", required=True, type=Path, metavar="DIR", help="new directory to write")
+    p.add_argument("--experts-only", action="store_true", help="write just the expert group as a pack")
+    p.add_argument("--heldout", type=Path, metavar="FILE", help="held-out file: record the state's held-out loss")
+    p.add_argument("--seed", default=DEFAULT_SEED, help="round seed (hex) that picks the held-out subset")
+    p.set_defaults(run=run_export)
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from protocol.spec import load_spec, spec_dir_path
+    from training.experts import insert
+    from training.export import check_out_dir, export_checkpoint, write_expert_pack
+
+    check_out_dir(args.out)
+    spec = load_spec(args.spec)
+    data, meta, tensors = _read_state(args, spec)
+    state = hashlib.sha256(data).hexdigest()
+    model = adapter = loss = None
+    if args.heldout is not None or not args.experts_only:
+        from training.model import load_base
+
+        model, adapter = load_base(spec, args.spec)
+        insert(model, adapter, tensors)
+    if args.heldout is not None:
+        loss = _heldout_loss(spec, args, model)
+    if args.experts_only:
+        write_expert_pack(tensors, {"network": spec.network_id, "round": meta.round, "group": dict(spec.group),
+                                    "base_hash": spec.model.base_hash, "state": state, "heldout_loss": loss,
+                                    "family": spec.model.family}, args.out)
+    else:
+        tokenizer = None if spec.data.tokenizer == "byte" else spec_dir_path(args.spec, spec.data.tokenizer)
+        export_checkpoint(model, args.out, tokenizer)
+    print(json.dumps({"out": str(args.out), "state": state, "round": meta.round, "heldout_loss": loss,
+                      "experts_only": args.experts_only}, indent=2, sort_keys=True))
+    return 0
+
+
+def _read_state(args: argparse.Namespace, spec: Any) -> tuple[bytes, Any, dict[str, Any]]:
+    from protocol.encoding import is_hex_digest
+    from training.blob import BlobError, decode_blob
+
+    if args.state is not None:
+        if not is_hex_digest(args.state):
+            raise ValueError(f"--state must be 64 lower-case hex digits, got {args.state[:80]!r}")
+        path = args.data_dir / "blobs" / args.state[:2] / args.state
+    else:
+        path = args.blob
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the state: {exc.strerror or exc}") from exc
+    if args.state is not None and hashlib.sha256(data).hexdigest() != args.state:
+        raise ValueError(f"{path}: content does not hash to {args.state}; the blob store is damaged")
+    try:
+        meta, tensors = decode_blob(data, spec.limits.max_header_bytes)
+    except BlobError as exc:
+        raise ValueError(f"{path}: not a valid blob: {exc.reason}") from exc
+    if meta.network != spec.network_id:
+        raise ValueError(f"{path}: the blob is for network {meta.network[:16]}..., not this spec's network")
+    if {layer: sorted(ids) for layer, ids in meta.group.items()} != dict(spec.group):
+        raise ValueError(f"{path}: the blob's expert group differs from the spec's group")
+    return data, meta, tensors
+
+
+def _heldout_loss(spec: Any, args: argparse.Namespace, model: Any) -> float:
+    from training.data import file_sha256, heldout_subset, load_sequences
+    from training.evaluate import heldout_loss
+    from training.tokenizer import load_tokenizer
+
+    if file_sha256(args.heldout) != spec.data.heldout_sha256:
+        raise ValueError(f"{args.heldout}: SHA-256 differs from the spec's data.heldout_sha256; wrong held-out file")
+    tokenizer = load_tokenizer(spec.data.tokenizer, args.spec.parent)
+    sequences = heldout_subset(load_sequences([args.heldout], tokenizer, spec.data.seq_len), args.seed,
+                               spec.data.heldout_sequences)
+    return float(heldout_loss(model, sequences, batch_size=EVAL_BATCH, pad_id=tokenizer.pad_id).loss)

@@ -1,0 +1,278 @@
+"""Phase 1 operator commands: choose an expert group, judge it, and split a domain before choosing.
+
+    tessera select-experts ...    routing statistics -> expert group JSON (optionally into a spec)
+    tessera eval-subset ...       held-out loss of the pruned model at keep fractions, rule vs random
+    tessera cluster-data ...      split documents into clusters the base model tells apart
+
+The maths lives in `training.selection`, `training.stability`, `training.subset_eval` and
+`training.clustering`; this module reads files, checks what the user gave, and writes results only
+once everything has been computed. Nothing here touches the network. User mistakes raise ValueError,
+which the CLI prints as one `tessera: error:` line with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tomllib
+from pathlib import Path
+from typing import Any
+
+RULES = ("gate-mass", "token-freq", "differential", "activation-norm")
+MODES = ("global", "layerwise")
+FRACTIONS = (0.0625, 0.125, 0.25, 0.5, 1.0)
+DEFAULT_SEED = "0" * 64
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `select-experts`, `eval-subset` and `cluster-data` to the `tessera` parser."""
+    p = subparsers.add_parser("select-experts", help="Phase 1: pick the expert group from routing statistics")
+    p.add_argument("--spec", required=True, type=Path, help="network spec whose base model is measured")
+    p.add_argument("--data", required=True, nargs="+", type=Path, metavar="FILE", help="domain data files")
+    p.add_argument("--general", nargs="+", type=Path, metavar="FILE", help="general data (differential rule)")
+    p.add_argument("--rule", required=True, choices=RULES, help="statistic that ranks experts")
+    budget = p.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--top-d", type=int, metavar="N", help="experts per layer")
+    budget.add_argument("--mass", type=float, metavar="P", help="cumulative share of the score per layer")
+    p.add_argument("--examples", type=int, metavar="N",
+                   help="use the first N documents, pooled per document (default: packed rows, pooled per token)")
+    p.add_argument("--max-sequences", type=int, default=256,
+                   help="packed rows read without --examples; documents for --stability (default 256)")
+    p.add_argument("--mode", choices=MODES, default="global",
+                   help="layerwise: measure layer l with layers < l already pruned (default global)")
+    p.add_argument("--shared", choices=("keep",), default="keep",
+                   help="shared experts always run and are never in the group (the only policy)")
+    p.add_argument("--stability", type=Path, metavar="REPORT.json",
+                   help="also write a Jaccard stability report over seeds and 1/5/10/100 documents "
+                   "(of the first --max-sequences documents)")
+    p.add_argument("--into", type=Path, metavar="SPEC", help="write the group into this spec (its network id changes)")
+    p.add_argument("--out", required=True, type=Path, metavar="GROUP.json", help="where to write the selection")
+    p.set_defaults(run=run_select_experts)
+
+    p = subparsers.add_parser("eval-subset", help="held-out loss of the pruned model at keep fractions, rule vs random")
+    p.add_argument("--spec", required=True, type=Path, help="network spec whose base model is pruned")
+    p.add_argument("--group", required=True, type=Path, metavar="GROUP.json", help="output of select-experts")
+    p.add_argument("--fractions", nargs="+", type=_fraction, default=list(FRACTIONS), metavar="F",
+                   help="keep fractions in (0, 1] (default 0.0625 0.125 0.25 0.5 1)")
+    p.add_argument("--seeds", type=int, default=3, metavar="N", help="random selections per fraction (default 3)")
+    p.add_argument("--heldout", type=Path, help="held-out file (default: data/heldout.jsonl beside the spec)")
+    p.add_argument("--seed", default=DEFAULT_SEED, help="round seed (hex) that picks the held-out subset")
+    p.add_argument("--out", required=True, type=Path, metavar="REPORT.json", help="where to write the JSON report")
+    p.set_defaults(run=run_eval_subset)
+
+    p = subparsers.add_parser("cluster-data", help="split documents into clusters the base model tells apart")
+    p.add_argument("--spec", required=True, type=Path, help="network spec whose base model reads the data")
+    p.add_argument("--data", required=True, nargs="+", type=Path, metavar="FILE", help="data files to split")
+    p.add_argument("--k", type=int, help="number of clusters (default: best silhouette over 2..--max-k)")
+    p.add_argument("--max-k", type=int, default=8, help="largest k tried when choosing (default 8)")
+    p.add_argument("--out", required=True, type=Path, metavar="DIR", help="new directory for clusters and report")
+    p.set_defaults(run=run_cluster_data)
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"keep fractions must be in (0, 1], got {text}")
+    return value
+
+
+def _load(spec_path: Path) -> tuple[Any, Any, Any, Any]:
+    from protocol.spec import load_spec
+    from training.model import load_base
+    from training.tokenizer import load_tokenizer
+
+    spec = load_spec(spec_path)
+    model, adapter = load_base(spec, spec_path)
+    return spec, model, adapter, load_tokenizer(spec.data.tokenizer, spec_path.parent)
+
+
+def _documents(paths: list[Path]) -> list[str]:
+    """Every document of the files in order; an empty file is an error naming it."""
+    from training.data import read_documents
+
+    documents: list[str] = []
+    for path in paths:
+        found = read_documents(path)
+        if not found:
+            raise ValueError(f"{path}: the data file holds no documents")
+        documents.extend(found)
+    return documents
+
+
+def _file_record(paths: list[Path] | None) -> list[dict[str, str]] | None:
+    from training.data import file_sha256
+
+    return None if paths is None else [{"path": str(p), "sha256": file_sha256(p)} for p in paths]
+
+
+def _write_json(path: Path, value: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.tmp")
+    temp.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(temp, path)
+
+
+def run_select_experts(args: argparse.Namespace) -> int:
+    from training.data import pack
+    from training.selection import select_experts
+    from training.stability import stability_report
+
+    if args.max_sequences < 1:
+        raise ValueError("--max-sequences must be positive")
+    if args.examples is not None and args.examples < 1:
+        raise ValueError("--examples must be positive")
+    if args.rule == "differential" and not args.general:
+        raise ValueError("the differential rule needs general data (--general FILES)")
+    spec, model, adapter, tokenizer = _load(args.spec)
+    into = _check_into(args.into, spec) if args.into is not None else None
+    texts = _documents(args.data)
+    general_texts = _documents(args.general) if args.general else None
+
+    def as_documents(found: list[str]) -> list[Any]:
+        return [pack([text], tokenizer, spec.data.seq_len) for text in found]
+
+    if args.examples is not None:
+        if args.examples > len(texts):
+            raise ValueError(f"--examples {args.examples}: the data holds only {len(texts)} documents")
+        domain: Any = as_documents(texts[: args.examples])
+        general = as_documents(general_texts[: args.examples]) if general_texts else None
+    else:
+        domain = pack(texts, tokenizer, spec.data.seq_len)[: args.max_sequences]
+        general = pack(general_texts, tokenizer, spec.data.seq_len)[: args.max_sequences] if general_texts else None
+    selection = select_experts(model, adapter, domain, args.rule, top_d=args.top_d, mass=args.mass,
+                               general=general, pad_id=tokenizer.pad_id, mode=args.mode)
+    selection |= {"model": {"family": spec.model.family, "base_hash": spec.model.base_hash},
+                  "data": _file_record(args.data), "general": _file_record(args.general),
+                  "examples": args.examples, "shared": args.shared}
+    stability = None
+    if args.stability is not None:
+        documents = as_documents(texts[: args.max_sequences])
+        stability = stability_report(model, adapter, documents, args.rule, top_d=args.top_d, mass=args.mass,
+                                     general=general, mode=args.mode, pad_id=tokenizer.pad_id)
+    _write_json(args.out, selection)
+    summary: dict[str, Any] = {"group": selection["group"], "rule": args.rule, "mode": args.mode, "out": str(args.out)}
+    if stability is not None:
+        _write_json(args.stability, stability)
+        summary["stability"] = {n: round(c["pairwise_jaccard"], 4) for n, c in stability["counts"].items()}
+    if into is not None:
+        summary["into"] = _write_into(args.into, into, selection["group"])
+    print(json.dumps(summary, indent=2, sort_keys=True))
+    return 0
+
+
+def _check_into(path: Path, spec: Any) -> dict[str, Any]:
+    """The raw TOML of the spec the group goes into, refused if its base model is not the one measured."""
+    from protocol.spec import load_spec
+
+    target = load_spec(path)
+    if target.model.base_hash != spec.model.base_hash:
+        raise ValueError(f"--into {path}: its base model ({target.model.base_hash[:16]}...) is not the one "
+                         f"measured ({spec.model.base_hash[:16]}...)")
+    return tomllib.loads(path.read_text(encoding="utf-8"))
+
+
+def _write_into(path: Path, raw: dict[str, Any], group: dict[str, list[int]]) -> dict[str, str]:
+    from node.sim.layout import to_toml
+    from protocol.spec import load_spec, parse_spec
+
+    before = load_spec(path).network_id
+    updated = {**raw, "group": group}
+    after = parse_spec(updated).network_id
+    temp = path.with_name(f".{path.name}.tmp")
+    temp.write_text(to_toml(updated), encoding="utf-8")
+    os.replace(temp, path)
+    return {"spec": str(path), "network_id_before": before, "network_id": after,
+            "note": "the network id changed; nodes of the old network will not accept this spec"
+            if after != before else "the group was already this one; the network id is unchanged"}
+
+
+def run_eval_subset(args: argparse.Namespace) -> int:
+    from training.data import file_sha256, heldout_subset, load_sequences
+    from training.subset_eval import subset_report
+
+    if args.seeds < 1:
+        raise ValueError("--seeds must be positive")
+    selection = _read_selection(args.group)
+    spec, model, adapter, tokenizer = _load(args.spec)
+    measured = selection.get("model", {}).get("base_hash") if isinstance(selection.get("model"), dict) else None
+    if measured is not None and measured != spec.model.base_hash:
+        raise ValueError(f"{args.group}: selected on base model {str(measured)[:16]}..., not this spec's "
+                         f"({spec.model.base_hash[:16]}...); select again for this model")
+    heldout = args.heldout or args.spec.parent / "data" / "heldout.jsonl"
+    if not heldout.is_file():
+        raise ValueError(f"{heldout}: no held-out file; pass --heldout FILE")
+    if file_sha256(heldout) != spec.data.heldout_sha256:
+        raise ValueError(f"{heldout}: SHA-256 differs from the spec's data.heldout_sha256; wrong held-out file")
+    sequences = heldout_subset(load_sequences([heldout], tokenizer, spec.data.seq_len), args.seed,
+                               spec.data.heldout_sequences)
+    report = subset_report(model, adapter, selection, sequences, fractions=args.fractions,
+                           seeds=range(args.seeds), pad_id=tokenizer.pad_id)
+    report["group_file"] = str(args.group)
+    _write_json(args.out, report)
+    print(format_table(report))
+    return 0
+
+
+def _read_selection(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the group file: {exc.strerror}") from exc
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON: {exc.msg} at line {exc.lineno}") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: not a selection (expected a JSON object from select-experts)")
+    return value
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The keep-fraction curve as a terminal table: rule vs random (mean, min, max), then reference rows."""
+    lines = [f"{'keep':>8} {'experts':>7} {'rule':>9} {'random':>9} {'min':>9} {'max':>9}"]
+    for point in report["curve"]:
+        lines.append(f"{point['fraction']:>8.2%} {point['kept']:>7} {point['rule']:>9.4f} "
+                     f"{point['random_mean']:>9.4f} {min(point['random']):>9.4f} {max(point['random']):>9.4f}")
+    lines.append(f"full model: {report['full']:.4f}   pruned to the group: {report['group']['loss']:.4f}")
+    if report["without_group"] is not None:
+        lines.append(f"full model without the group's experts: {report['without_group']:.4f}")
+    return "\n".join(lines)
+
+
+def run_cluster_data(args: argparse.Namespace) -> int:
+    from training.clustering import cluster, cluster_report, sequence_features
+    from training.corpus import write_documents
+    from training.data import pack
+
+    if args.out.exists() and any(args.out.iterdir()):
+        raise ValueError(f"{args.out}: already exists and is not empty; give a new directory")
+    if args.max_k < 2:
+        raise ValueError("--max-k must be at least 2")
+    spec, model, adapter, tokenizer = _load(args.spec)
+    texts = _documents(args.data)
+    documents = [pack([text], tokenizer, spec.data.seq_len) for text in texts]
+    clustering = cluster(sequence_features(model, adapter, documents, pad_id=tokenizer.pad_id), k=args.k,
+                         max_k=args.max_k)
+    report = cluster_report(clustering, documents, pad_id=tokenizer.pad_id)
+    for entry in report["clusters"]:
+        entry["top_tokens"] = [[token, count, tokenizer.decode([token])] for token, count in entry["top_tokens"]]
+        entry["file"] = f"cluster-{entry['cluster']}.jsonl"
+    report["data"] = _file_record(args.data)
+    temp = args.out.with_name(f".{args.out.name}.tmp")
+    shutil.rmtree(temp, ignore_errors=True)
+    try:
+        for label in range(clustering.k):
+            members = [text for text, lab in zip(texts, clustering.labels, strict=True) if lab == label]
+            write_documents(temp / f"cluster-{label}.jsonl", members)
+        _write_json(temp / "report.json", report)
+        if args.out.exists():
+            args.out.rmdir()
+        os.replace(temp, args.out)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    print(json.dumps({"k": report["k"], "sizes": [c["documents"] for c in report["clusters"]],
+                      "out": str(args.out)}, indent=2))
+    return 0

@@ -1,0 +1,164 @@
+"""`tessera spec new` and `tessera spec hash-model`: start a network from a hub MoE checkpoint.
+
+    tessera spec hash-model DIR          print a checkpoint's base hash (streamed from its files)
+    tessera spec new --checkpoint DIR --train FILE... --heldout FILE --validator KEY[:WEIGHT]...
+                     [--rule R] [--top-d N | --mass P] [--timing PRESET] --out SPEC
+
+`spec new` hashes the base and the held-out file, takes the tokenizer from the checkpoint
+directory, runs Phase 1 selection (`training.selection.select_experts`) on the training data and
+writes a complete spec that `spec check` accepts; paths in it are relative to the spec file. It
+checks everything before it writes, and writes nothing when a check fails. This module knows no
+selection or hashing rules of its own; heavy imports happen when a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from node.cli.main import command_group
+
+RULES = ("gate-mass", "token-freq", "differential", "activation-norm")
+TIMING_PRESETS: dict[str, dict[str, float]] = {
+    "hour": {"train_s": 3600.0, "commit_s": 120.0, "reveal_s": 300.0, "evaluate_s": 600.0, "merge_s": 180.0},
+    "quick": {"train_s": 600.0, "commit_s": 30.0, "reveal_s": 60.0, "evaluate_s": 120.0, "merge_s": 60.0},
+    "sim": {"train_s": 40.0, "commit_s": 4.0, "reveal_s": 8.0, "evaluate_s": 8.0, "merge_s": 6.0},
+}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `spec new` and `spec hash-model` to the `tessera spec` group."""
+    spec = command_group(subparsers, "spec", "work with network spec files")
+    hash_model = spec.add_parser("hash-model", help="print a checkpoint directory's base hash")
+    hash_model.add_argument("directory", type=Path, metavar="DIR", help="HF checkpoint directory")
+    hash_model.set_defaults(run=run_hash_model)
+
+    new = spec.add_parser("new", help="write a network spec for a hub MoE checkpoint")
+    new.add_argument("--checkpoint", required=True, type=Path, metavar="DIR", help="HF checkpoint directory")
+    new.add_argument("--train", required=True, nargs="+", type=Path, metavar="FILE", help="miners' training files")
+    new.add_argument("--heldout", required=True, type=Path, metavar="FILE", help="validators' held-out file")
+    new.add_argument("--validator", required=True, action="append", metavar="KEY[:WEIGHT]",
+                     help="validator node id (64 hex) with an optional weight; repeat for each")
+    new.add_argument("--rule", choices=RULES, default="gate-mass", help="selection rule (default gate-mass)")
+    budget = new.add_mutually_exclusive_group()
+    budget.add_argument("--top-d", type=int, metavar="N", help="experts per layer (default 2)")
+    budget.add_argument("--mass", type=float, metavar="P", help="cumulative share of the score per layer")
+    new.add_argument("--timing", choices=sorted(TIMING_PRESETS), default="hour", help="phase lengths (default hour)")
+    new.add_argument("--name", help="network name (default: the checkpoint directory's name)")
+    new.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default 512)")
+    new.add_argument("--heldout-sequences", type=int, default=32, help="held-out sequences per round (default 32)")
+    new.add_argument("--max-sequences", type=int, default=256,
+                     help="training sequences the selection reads (default 256)")
+    new.add_argument("--genesis", help="UTC start of round 0, ISO 8601 (default: now)")
+    new.add_argument("--out", required=True, type=Path, metavar="SPEC", help="spec file to write; never overwritten")
+    new.set_defaults(run=run_spec_new)
+
+
+def run_hash_model(args: argparse.Namespace) -> int:
+    from training.adapters import family_of
+    from training.checkpoint import checkpoint_hash, read_config
+
+    family_of(read_config(args.directory))
+    print(checkpoint_hash(args.directory))
+    return 0
+
+
+def run_spec_new(args: argparse.Namespace) -> int:
+    from protocol.spec import parse_spec
+    from training.adapters import adapter_for
+    from training.checkpoint import checkpoint_hash
+    from training.data import file_sha256, load_sequences
+    from training.model import load_checkpoint
+    from training.selection import select_experts
+    from training.tokenizer import HFTokenizer, check_vocab
+
+    if args.out.exists():
+        raise ValueError(f"{args.out}: already exists; spec new never overwrites a spec")
+    if args.max_sequences < 1 or args.seq_len < 8:
+        raise ValueError("--max-sequences must be positive and --seq-len at least 8")
+    validators = [_validator(text) for text in args.validator]
+    genesis = _genesis(args.genesis)
+    top_d = args.top_d if args.top_d is not None or args.mass is not None else 2
+    for path in [*args.train, args.heldout]:
+        if not path.is_file():
+            raise ValueError(f"{path}: no such data file")
+    checkpoint = args.checkpoint.resolve()
+    base_hash = checkpoint_hash(checkpoint)
+    tokenizer = HFTokenizer(checkpoint)
+    model = load_checkpoint(checkpoint)
+    check_vocab(tokenizer, int(model.config.vocab_size), checkpoint)
+    adapter = adapter_for(model.config.model_type)
+    sequences = load_sequences(args.train, tokenizer, args.seq_len)[: args.max_sequences]
+    if sequences.shape[0] == 0:
+        raise ValueError(f"the training files hold no full sequence of {args.seq_len} tokens; lower --seq-len")
+    selection = select_experts(model, adapter, sequences, args.rule, top_d=top_d, mass=args.mass,
+                               pad_id=tokenizer.pad_id)
+    here = args.out.resolve().parent
+    spec: dict[str, Any] = {
+        "name": args.name or checkpoint.name,
+        "genesis": genesis,
+        "timing": TIMING_PRESETS[args.timing],
+        "model": {"family": adapter.family, "checkpoint": _relative(checkpoint, here), "base_hash": base_hash,
+                  "dtype": _blob_dtype(model)},
+        "group": selection["group"],
+        "data": {"train": [_relative(p.resolve(), here) for p in args.train],
+                 "heldout_sha256": file_sha256(args.heldout), "tokenizer": _relative(checkpoint, here),
+                 "seq_len": args.seq_len, "heldout_sequences": args.heldout_sequences},
+        "validators": [{"key": key, "weight": weight} for key, weight in validators],
+    }
+    parsed = parse_spec(spec)
+    _write_new(args.out, spec)
+    print(json.dumps({"spec": str(args.out), "network_id": parsed.network_id, "base_hash": base_hash,
+                      "group": selection["group"], "rule": args.rule}, indent=2, sort_keys=True))
+    return 0
+
+
+def _validator(text: str) -> tuple[str, float]:
+    from protocol.encoding import is_hex_digest
+
+    key, _, weight = text.partition(":")
+    if not is_hex_digest(key):
+        raise ValueError(f"--validator {text!r}: the key must be a node id of 64 lower-case hex digits")
+    try:
+        value = float(weight) if weight else 1.0
+    except ValueError:
+        raise ValueError(f"--validator {text!r}: the weight must be a number") from None
+    if not value > 0:
+        raise ValueError(f"--validator {text!r}: the weight must be positive")
+    return key, value
+
+
+def _genesis(text: str | None) -> datetime:
+    if text is None:
+        return datetime.now(UTC).replace(microsecond=0)
+    try:
+        value = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"--genesis {text!r}: not an ISO 8601 time like 2026-01-01T00:00:00Z") from None
+    if value.tzinfo is None:
+        raise ValueError(f"--genesis {text!r}: give a UTC offset, e.g. {text}Z")
+    return value.astimezone(UTC)
+
+
+def _blob_dtype(model: Any) -> str:
+    dtype = str(model.dtype).removeprefix("torch.")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"the checkpoint's dtype {dtype} cannot be a blob dtype (float32, bfloat16, float16)")
+    return dtype
+
+
+def _relative(path: Path, start: Path) -> str:
+    return Path(os.path.relpath(path, start)).as_posix()
+
+
+def _write_new(path: Path, spec: dict[str, Any]) -> None:
+    from node.sim.layout import to_toml
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.tmp")
+    temp.write_text(to_toml(spec), encoding="utf-8")
+    os.replace(temp, path)

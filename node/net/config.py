@@ -1,0 +1,61 @@
+"""`P2PConfig`: the one settings model of the network layer, the node config's `[p2p]` section.
+
+The node config (node.runtime.config) embeds it as is, so every field can be set in the node TOML
+and as `TESSERA_P2P__<FIELD>`; the judge (node.net.judge) reads the budget and penalty numbers,
+the libp2p host (node.net.p2p) the rest. It lives outside node.net.p2p so that loading a config
+does not import libp2p. This module knows nothing about sockets, messages or the node's roles.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class P2PConfig(BaseModel):
+    """Listening, finding peers, pacing gossip, moving blobs, and bounding what a peer may cost us."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = Field(default="127.0.0.1", description="Listen IP; 0.0.0.0 accepts peers from other hosts.")
+    port: int = Field(default=4001, ge=0, le=65535, description="Listen TCP port; 0 picks a free one.")
+    bootstrap: tuple[str, ...] = Field(
+        default=(), description="Bootstrap multiaddrs ending in /p2p/<peer id> (give several); redialled forever."
+    )
+    max_peers: int = Field(default=32, ge=1, le=1024, description="Stop dialling discovered peers at this many.")
+    publish_interval_s: float = Field(
+        default=0.005, ge=0, description="Gap between two of our publishes; bursts queue instead of being dropped."
+    )
+    supervise_interval_s: float = Field(
+        default=1.0, gt=0, description="How often lost peers are redialled and the peer list refreshed."
+    )
+    exchange_interval_s: float = Field(default=10.0, gt=0, description="How often each peer is asked for its peers.")
+    max_redial_backoff_s: float = Field(default=5.0, gt=0, description="Longest wait between two dials of a lost peer.")
+    dial_timeout_s: float = Field(default=5.0, gt=0, description="Give up one dial after this long.")
+    blob_idle_timeout_s: float = Field(default=30.0, gt=0, description="Abort a blob transfer idle this long.")
+    blob_chunk_bytes: int = Field(
+        default=1 << 20, ge=1, description="Bytes per write when serving a blob and per disk write when fetching."
+    )
+    start_timeout_s: float = Field(default=30.0, gt=0, description="Give up starting the host after this long.")
+    forget_after_failures: int = Field(
+        default=5, ge=1, description="Stop redialling a discovered (non-bootstrap) peer after this many failed dials."
+    )
+    serve_rate_bytes_s: float = Field(
+        default=0.0, ge=0, description="Upload cap per blob stream in bytes/s; 0 serves as fast as the link allows."
+    )
+    sender_budget: int = Field(
+        default=32, ge=8, description="Signed messages judged per sender per round; later ones are IGNOREd unread."
+    )
+    penalty_threshold: int = Field(
+        default=20, ge=1, description="REJECTs a peer may send in one round; past it, it is disconnected and barred."
+    )
+    penalty_backoff_s: float = Field(
+        default=300.0, gt=0, description="How long a penalised peer stays disconnected and is not redialled."
+    )
+
+    @field_validator("bootstrap")
+    @classmethod
+    def _multiaddrs(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for addr in value:
+            if not addr.startswith("/") or "/p2p/" not in addr:
+                raise ValueError(f"{addr!r} is not a multiaddr like /ip4/1.2.3.4/tcp/4001/p2p/<peer id>")
+        return value

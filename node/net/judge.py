@@ -1,0 +1,196 @@
+"""`GossipJudge`: every envelope a peer sends passes here before anyone sees it.
+
+It applies protocol.check with this node's clock and an in-memory seen-set, and adds what a
+pure check cannot keep: at most one heartbeat per sender per round (later ones IGNOREd), a
+budget of signed messages per sender per round (IGNOREd unread past it), and peer penalties: a
+peer that sends more than `penalty_threshold` REJECTed messages in one round is penalised for
+`penalty_backoff_s` (its messages are IGNOREd unread; the libp2p host disconnects it and does not
+redial it meanwhile). The seen-set can be seeded from storage after a restart. Thread-safe: the
+libp2p host judges on its own thread. This module knows nothing about transports or storage.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
+
+from node.net.config import P2PConfig
+from node.net.network import NetworkStats, PublishRefused
+from protocol.check import CheckContext, CheckResult, SeenKey, Verdict, check
+from protocol.messages import DecodeError, Envelope, decode_envelope
+from protocol.rounds import Schedule
+from protocol.spec import NetworkSpec
+
+SEEN_ROUNDS_KEPT = 3
+# Reasons protocol.check gives before it has verified the signature: such a message may carry any
+# sender, so it must not use up that sender's budget.
+UNSIGNED_REASONS = frozenset({"wrong network", "duplicate", "malformed body", "round mismatch", "bad signature"})
+SeenEntry = tuple[str, str, str, int]
+"""(message id, kind, sender, round) of an envelope accepted earlier, as storage keeps it."""
+
+REPEAT_HEARTBEAT = CheckResult(Verdict.IGNORE, "repeat heartbeat", "one heartbeat per sender per round")
+OVER_BUDGET = CheckResult(Verdict.IGNORE, "over budget")
+PENALISED = CheckResult(Verdict.IGNORE, "penalised peer")
+
+
+class GossipJudge:
+    """Judges incoming gossip and our own envelopes; counts verdicts, budgets senders, penalises peers.
+
+    `seen` holds ids of accepted envelopes and `first_seen` the first accepted id per
+    (kind, sender, round); both are pruned to the last few rounds.
+    """
+
+    def __init__(self, spec: NetworkSpec, now: Callable[[], float], config: P2PConfig | None = None) -> None:
+        config = config or P2PConfig()
+        self.network_id = spec.network_id
+        self.max_bytes = spec.limits.max_message_bytes
+        self.sender_budget = config.sender_budget
+        self.penalty_threshold = config.penalty_threshold
+        self.penalty_backoff_s = config.penalty_backoff_s
+        self._validators = spec.validator_weights
+        self._schedule = Schedule.from_spec(spec)
+        self._now = now
+        self._lock = threading.Lock()
+        self._seen: dict[str, int] = {}
+        self._first_seen: dict[SeenKey, str] = {}
+        self._pruned_below = 0
+        self._round = -1  # the round that `_spent` and the peer scores belong to
+        self._spent: Counter[str] = Counter()
+        self.stats = NetworkStats()
+
+    def _context(self, now: float) -> CheckContext:
+        return CheckContext(
+            network_id=self.network_id,
+            validators=self._validators,
+            schedule=self._schedule,
+            now=now,
+            seen=self._seen,
+            first_seen=self._first_seen,
+        )
+
+    def judge(self, data: bytes, peer: str) -> tuple[CheckResult, Envelope | None]:
+        """Judge bytes received from `peer`; records accepted envelopes, counts the verdict, penalises."""
+        with self._lock:
+            now = self._now()
+            self._roll(now)
+            self.stats.gossip_bytes_in += len(data)
+            result, envelope = self._judge(data, peer, now)
+            kind = envelope.kind if envelope is not None else "unknown"
+            self.stats.messages[(kind, result.verdict.value)] += 1
+            if result.verdict is Verdict.REJECT:
+                self._penalise(peer, now)
+            elif result.verdict is Verdict.ACCEPT:
+                assert envelope is not None
+                self._record(envelope)
+            return result, envelope
+
+    def _judge(self, data: bytes, peer: str, now: float) -> tuple[CheckResult, Envelope | None]:
+        if self.stats.penalised.get(peer, 0.0) > now:
+            return PENALISED, None
+        if len(data) > self.max_bytes:
+            return CheckResult(Verdict.REJECT, "oversized", f"{len(data)} > {self.max_bytes} bytes"), None
+        try:
+            envelope = decode_envelope(data, self.max_bytes)
+        except DecodeError as exc:
+            return CheckResult(Verdict.REJECT, "malformed envelope", str(exc)), None
+        if self._spent[envelope.sender] >= self.sender_budget:
+            return OVER_BUDGET, envelope
+        result = check(envelope, self._context(now))
+        if result.reason not in UNSIGNED_REASONS:
+            self._spent[envelope.sender] += 1
+        if result.accepted and envelope.kind == "heartbeat" and self._repeats_heartbeat(envelope):
+            return REPEAT_HEARTBEAT, envelope
+        return result, envelope
+
+    def admit_own(self, envelope: Envelope) -> bytes:
+        """Check and record an envelope we are about to publish; raises PublishRefused if peers would drop it."""
+        with self._lock:
+            if envelope.kind == "heartbeat" and self._repeats_heartbeat(envelope):
+                raise PublishRefused(f"heartbeat for round {envelope.round}: already sent one this round")
+            result = check(envelope, self._context(self._now()))
+            if result.verdict is not Verdict.ACCEPT:
+                raise PublishRefused(f"{envelope.kind} for round {envelope.round}: {result.reason} {result.detail}")
+            data = envelope.to_bytes()
+            if len(data) > self.max_bytes:
+                raise PublishRefused(f"{envelope.kind} envelope is {len(data)} bytes, over {self.max_bytes}")
+            self._record(envelope)
+            self.stats.gossip_bytes_out += len(data)
+            self.stats.messages[(envelope.kind, "published")] += 1
+            return data
+
+    def seed(self, entries: Iterable[SeenEntry]) -> None:
+        """Remember envelopes accepted before a restart, oldest first, as if they had just been judged."""
+        with self._lock:
+            for message_id, kind, sender, round in entries:
+                self._seen[message_id] = round
+                self._first_seen.setdefault((kind, sender, round), message_id)
+                self._prune(round)
+
+    def _repeats_heartbeat(self, envelope: Envelope) -> bool:
+        first = self._first_seen.get(("heartbeat", envelope.sender, envelope.round))
+        return first is not None and first != envelope.message_id
+
+    def _record(self, envelope: Envelope) -> None:
+        message_id = envelope.message_id
+        self._seen[message_id] = envelope.round
+        self._first_seen.setdefault((envelope.kind, envelope.sender, envelope.round), message_id)
+        self._prune(envelope.round)
+
+    def _prune(self, latest: int) -> None:
+        oldest = latest - SEEN_ROUNDS_KEPT
+        if oldest > self._pruned_below:
+            # protocol.check ignores rounds this old anyway, so their ids need not be remembered.
+            self._pruned_below = oldest
+            self._seen = {m: r for m, r in self._seen.items() if r >= oldest}
+            self._first_seen = {k: m for k, m in self._first_seen.items() if k[2] >= oldest}
+
+    def _roll(self, now: float) -> None:
+        """Start budgets and scores afresh when the round changes; forget penalties that ran out."""
+        current = self._schedule.round_at(now) if now >= self._schedule.genesis_ts else 0
+        if current != self._round:
+            self._round = current
+            self._spent.clear()
+            self.stats.peer_scores.clear()
+            self.stats.penalised = {p: t for p, t in self.stats.penalised.items() if t > now}
+
+    def _penalise(self, peer: str, now: float) -> None:
+        self.stats.rejects_by_peer[peer] += 1
+        score = self.stats.peer_scores.get(peer, 0) + 1
+        self.stats.peer_scores[peer] = score
+        if score > self.penalty_threshold:
+            self.stats.penalised[peer] = now + self.penalty_backoff_s
+            self.stats.peer_scores[peer] = 0
+            self.stats.penalties += 1
+
+    def is_penalised(self, peer: str) -> bool:
+        """Whether `peer` is serving a penalty now (disconnect it, do not dial it)."""
+        with self._lock:
+            return self.stats.penalised.get(peer, 0.0) > self._now()
+
+    @property
+    def remembered(self) -> int:
+        """How many accepted message ids are remembered for de-duplication."""
+        return len(self._seen)
+
+    def reject_counts(self) -> Mapping[str, int]:
+        with self._lock:
+            return dict(self.stats.rejects_by_peer)
+
+    def count_blob(self, bytes_in: int = 0, bytes_out: int = 0, fetched: int = 0, failed: int = 0) -> None:
+        """Add blob-transfer counts (called from whichever thread moves the bytes)."""
+        with self._lock:
+            self.stats.blob_bytes_in += bytes_in
+            self.stats.blob_bytes_out += bytes_out
+            self.stats.blobs_fetched += fetched
+            self.stats.blob_fetch_failures += failed
+
+    def snapshot(self) -> NetworkStats:
+        """A copy of the counters that another thread may read while this one keeps counting."""
+        with self._lock:
+            s = self.stats
+            now = self._now()
+            return replace(s, messages=Counter(s.messages), rejects_by_peer=Counter(s.rejects_by_peer),
+                           peer_scores=dict(s.peer_scores),
+                           penalised={p: t for p, t in s.penalised.items() if t > now})

@@ -1,0 +1,190 @@
+"""The JSON views a node serves (/status, /rounds, /rounds/{r}, /miners/{id}) and the status page polls.
+
+Read from storage on each request. A round's miners come from the node's own round report where it
+wrote one (a validator: it also lists miners that never committed), else from the leaderboard every
+node stores once the round settled (`storage.round_results`, ranked from the public score reports
+by node.duties.results), plus miners that committed without revealing. Each miner row carries every
+validator's score. The held-out loss of the state adopted after round r is the validator's report
+of it, else the median base loss of round r+1's score reports (measured against that state).
+`refresh_metrics` copies the same numbers into the node's Prometheus gauges. This module knows
+nothing about HTTP, computes no ranking, and never writes to storage.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from protocol.messages import ScoreReport
+from protocol.ranking import update_standing
+from protocol.rounds import PHASES
+
+if TYPE_CHECKING:
+    from node.runtime.daemon import Node
+
+ROUNDS_SHOWN = 32
+
+
+@dataclass(frozen=True)
+class RoundView:
+    """One round as this node knows it; `source` says whose numbers: "validator" (own report) or "public"."""
+
+    round: int
+    source: str
+    base: str | None
+    base_loss: float | None
+    global_hash: str | None
+    global_loss: float | None
+    miners: list[dict[str, Any]]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"round": self.round, "source": self.source, "base": self.base, "base_loss": self.base_loss,
+                "global_hash": self.global_hash, "global_loss": self.global_loss, "miners": self.miners}
+
+
+class StatusViews:
+    """The HTTP API's `StatusSource` for one running node: JSON-able views read from its storage."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.ctx = node.ctx
+
+    async def status(self) -> dict[str, Any]:
+        """The node's status plus the countdown, head round, validator agreement and (miners) own results."""
+        ctx = self.ctx
+        status = await self.node.status()
+        now = ctx.clock.now()
+        r, phase, start = ctx.schedule.next_phase_start(now)
+        status["next_phase"] = {"round": r, "phase": str(phase), "in_s": round(max(0.0, start - now), 1)}
+        status["phase_seconds"] = {str(p): length for p, length in zip(PHASES, ctx.schedule.lengths, strict=True)}
+        head = status.get("head")
+        states = await ctx.storage.global_states()
+        status["head_round"] = next((s.round for s in states if s.hash == head), None)
+        status["agreement"] = self._agreement(states)
+        status["me"] = await self.miner(ctx.identity.node_id) if ctx.config.node.role == "miner" else None
+        return status
+
+    async def rewards(self) -> dict[str, Any]:
+        """The rewards ledger; on a node without one (a miner), standings computed from public rankings."""
+        rewards = await self.node.rewards()
+        if not rewards.get("standings"):
+            rewards["standings"] = _standings(await self._views(), self.ctx.spec.rewards.ema_alpha)
+        return rewards
+
+    async def rounds(self) -> list[dict[str, Any]]:
+        """The last rounds this node has seen, oldest first."""
+        return [view.as_dict() for view in await self._views()]
+
+    async def round_report(self, round: int) -> dict[str, Any] | None:
+        """One round's view; None when this node knows nothing of it."""
+        view = await self._view(round, await self.ctx.storage.score_reports(round + 1))
+        return None if view is None else view.as_dict()
+
+    async def miner(self, miner: str) -> list[dict[str, Any]]:
+        """A miner's history, oldest first: its commitment, each validator's score, loss, rank and reward."""
+        history = []
+        for view in await self._views():
+            entry = next((m for m in view.miners if m["id"] == miner), None)
+            if entry is not None:
+                history.append({"round": view.round, **entry})
+        return history
+
+    def metrics_text(self) -> bytes:
+        return self.node.metrics_text()
+
+    async def refresh_metrics(self) -> None:
+        """Set the gauges that come from round results: losses, own rank and reward, agreement, verdicts."""
+        views = await self._views()
+        states = await self.ctx.storage.global_states()
+        me = self.ctx.identity.node_id
+        own = next((m for v in reversed(views) for m in v.miners if m["id"] == me and m["verdict"] != "missing"),
+                   None)
+        last = next((v for v in reversed(views) if v.miners), None)
+        self.ctx.metrics.round_results(
+            base_loss=next((v.base_loss for v in reversed(views) if v.base_loss is not None), None),
+            adopted_loss=next((v.global_loss for v in reversed(views) if v.global_loss is not None), None),
+            own=own, agreement=self._agreement(states),
+            verdicts=[] if last is None else [(m["verdict"], m["reason"]) for m in last.miners])
+
+    # -- building the views ---------------------------------------------------------------------
+
+    async def _views(self) -> list[RoundView]:
+        latest = await self.ctx.storage.latest_round()
+        if latest is None:
+            return []
+        views: list[RoundView] = []
+        next_reports = await self.ctx.storage.score_reports(latest + 1)
+        for r in range(latest, max(-1, latest - ROUNDS_SHOWN), -1):
+            reports = await self.ctx.storage.score_reports(r)
+            view = await self._view(r, next_reports, reports)
+            next_reports = reports
+            if view is not None:
+                views.append(view)
+        return views[::-1]
+
+    async def _view(self, round: int, next_reports: dict[str, ScoreReport],
+                    reports: dict[str, ScoreReport] | None = None) -> RoundView | None:
+        storage = self.ctx.storage
+        if reports is None:
+            reports = await storage.score_reports(round)
+        own = await self.node.round_report(round)
+        results = await storage.round_results(round)
+        public_loss = _median([rep.base_loss for rep in next_reports.values()])
+        scores = _scores_by_miner(reports)
+        if own is not None:
+            miners = [{**m, "scores": scores.get(m["id"], {})} for m in own.get("miners", [])]
+            loss = own.get("global_loss")
+            return RoundView(round, "validator", own.get("base"), own.get("base_loss"), own.get("global_hash"),
+                             loss if loss is not None else public_loss, miners)
+        if results is None:
+            return None
+        rows = {line["miner"]: _row(line) for line in results["miners"]}
+        for commit in await storage.commits_for(round):
+            rows.setdefault(commit.miner, {"id": commit.miner, "verdict": "missing", "loss": None, "rank": None,
+                                           "reward": 0.0, "reason": "no reveal matching its commitment",
+                                           "scores": {}})
+        return RoundView(round, "public", results["base"], results["base_loss"], None, public_loss,
+                         [rows[m] for m in sorted(rows)])
+
+    def _agreement(self, states: list[Any]) -> dict[str, Any] | None:
+        """The share of validator weight behind the most-voted state of the latest round with votes."""
+        if not states:
+            return None
+        latest = max(s.round for s in states)
+        weights = self.ctx.spec.validator_weights
+        total = sum(weights.values())
+        tally = {s.hash: sum(weights.get(v, 0.0) for v in s.voters) for s in states if s.round == latest}
+        best = max(sorted(tally), key=lambda h: tally[h])
+        voted = sum(tally.values())
+        return {"round": latest, "hash": best, "share": tally[best] / total if total else 0.0,
+                "voted": voted / total if total else 0.0, "states": len(tally)}
+
+
+def _row(line: dict[str, Any]) -> dict[str, Any]:
+    """A leaderboard line (node.duties.results) in the views' miner-row shape."""
+    reason = line["reason"]
+    verdict = "reject" if reason.startswith("rejected") else "missing" if line["loss"] is None else "accept"
+    return {"id": line["miner"], "verdict": verdict, "loss": line["loss"], "rank": line["rank"],
+            "reward": line["points"], "reason": reason, "scores": line["scores"]}
+
+
+def _scores_by_miner(reports: dict[str, ScoreReport]) -> dict[str, dict[str, dict[str, Any]]]:
+    """miner -> validator -> that validator's verdict, loss and reason."""
+    scores: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
+    for validator, report in sorted(reports.items()):
+        for e in report.entries:
+            scores[e.miner][validator] = {"verdict": e.verdict, "loss": e.loss, "reason": e.reason}
+    return scores
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _standings(views: list[RoundView], alpha: float) -> dict[str, float]:
+    standing: dict[str, float] = {}
+    for view in views:
+        standing = update_standing(standing, {m["id"]: m["reward"] for m in view.miners if m["reward"]}, alpha)
+    return dict(sorted(standing.items(), key=lambda kv: (-kv[1], kv[0])))

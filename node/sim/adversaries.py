@@ -1,0 +1,128 @@
+"""Simulation adversaries: miner strategies that misbehave, injected into the miner duty.
+
+`lazy` submits the global state unchanged, `noise` submits it with large random noise, `copier`
+commits the first other miner's commitment and reveals that miner's blob as its own, `late`
+commits only after the COMMIT window (its own node refuses to send it; the refusal is logged),
+`garbage` commits to random bytes. `miner_factory(behaviour)` gives the DutiesFactory of the miner
+that `miner.behaviour` names ("honest" included). Production code never imports this module's
+strategies except through that factory. This module knows nothing about scoring or merging.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from node.duties.consensus import wait_until
+from node.duties.miner import HonestStrategy, Job, MinerDuties
+from node.net.network import NetworkError
+from node.runtime.daemon import DutiesFactory
+from protocol.messages import Commit
+from protocol.rounds import Phase
+from training.blob import max_blob_bytes
+
+log = logging.getLogger(__name__)
+
+COPY_WAIT_SHARE = 0.6  # of COMMIT: how long a copier waits for a commitment to copy
+NOISE_SCALE = 5.0  # noise std as a multiple of each tensor's std: large enough to hurt the loss
+GARBAGE_BYTES = 4096
+
+
+class Lazy(HonestStrategy):
+    name = "lazy"
+
+    def build(self, job: Job) -> bytes:
+        return job.encode(dict(job.base.tensors))
+
+
+class Noise(HonestStrategy):
+    name = "noise"
+
+    def build(self, job: Job) -> bytes:
+        generator = torch.Generator().manual_seed(job.seed)
+        return job.encode({name: t + NOISE_SCALE * t.std() * torch.randn(t.shape, generator=generator)
+                           for name, t in job.base.tensors.items()})
+
+
+class Garbage(HonestStrategy):
+    name = "garbage"
+
+    def build(self, job: Job) -> bytes:
+        generator = torch.Generator().manual_seed(job.seed)
+        return torch.randint(0, 256, (GARBAGE_BYTES,), dtype=torch.uint8, generator=generator).numpy().tobytes()
+
+
+class Late(HonestStrategy):
+    """Builds honestly, commits nothing in COMMIT, and tries to commit once COMMIT is over."""
+
+    name = "late"
+
+    async def commitment(self, duty: MinerDuties, round: int) -> str | None:
+        return None
+
+    async def before_reveal(self, duty: MinerDuties, round: int, commitment: str | None) -> bool:
+        submission = await duty.ctx.storage.submission(round)
+        if submission is not None:
+            schedule = duty.ctx.schedule
+            await duty.ctx.clock.sleep_until(schedule.phase_window(round, Phase.COMMIT)[1] + schedule.clock_skew_s)
+            await duty.publish(Commit(round=round, commitment=submission.hash))
+        return False
+
+
+class Copier(HonestStrategy):
+    """Trains nothing; commits the first other miner's commitment and fetches its blob to reveal it."""
+
+    name = "copier"
+    trains = False
+
+    def __init__(self) -> None:
+        self._victims: dict[int, str] = {}
+
+    async def commitment(self, duty: MinerDuties, round: int) -> str | None:
+        start, end = duty.ctx.schedule.phase_window(round, Phase.COMMIT)
+        found: list[str] = []
+
+        async def other_commit() -> bool:
+            others = [c for c in await duty.ctx.storage.commits_for(round) if c.miner != duty.me]
+            if others:
+                first = min(others, key=lambda c: (c.received_at, c.miner))
+                found[:] = [first.commitment, first.miner]
+            return bool(found)
+
+        if not await wait_until(duty.ctx.clock, duty.arrivals, other_commit, start + COPY_WAIT_SHARE * (end - start)):
+            return None
+        commitment, self._victims[round] = found
+        log.info("round %d: copying the commitment %s of miner %s", round, commitment[:12], found[1][:12])
+        return commitment
+
+    async def before_reveal(self, duty: MinerDuties, round: int, commitment: str | None) -> bool:
+        victim = self._victims.pop(round, None)
+        if commitment is None or victim is None:
+            return False
+
+        async def revealed() -> bool:
+            return any(r.miner == victim for r in await duty.ctx.storage.reveals_for(round))
+
+        await wait_until(duty.ctx.clock, duty.arrivals, revealed, duty.ctx.schedule.phase_window(round, Phase.REVEAL)[1])
+        model = await duty.model.get()
+        spec = duty.ctx.spec
+        cap = max_blob_bytes(model.shapes, spec.model.dtype, spec.limits.max_header_bytes)
+        try:
+            await duty.ctx.network.fetch(commitment, [victim], cap)
+        except (NetworkError, OSError) as exc:
+            log.warning("round %d: cannot fetch the copied blob: %s", round, exc)
+            return False
+        return True
+
+
+STRATEGIES: dict[str, type[HonestStrategy]] = {
+    s.name: s for s in (HonestStrategy, Lazy, Noise, Garbage, Late, Copier)
+}
+
+
+def miner_factory(behaviour: str) -> DutiesFactory:
+    """The miner duties playing `behaviour` (a `miner.behaviour` value)."""
+    if behaviour not in STRATEGIES:
+        raise ValueError(f"miner.behaviour: unknown behaviour {behaviour!r}; one of {', '.join(STRATEGIES)}")
+    return MinerDuties.factory(STRATEGIES[behaviour]())

@@ -1,0 +1,82 @@
+"""NodeMetrics' methods for round work and results: what each sets, parsed back with prometheus-client's
+parser, and that free-text reasons stay a bounded set of labels."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from node.net.network import NetworkStats
+from node.runtime.metrics import MAX_REASONS, NodeMetrics
+
+
+def samples(metrics: NodeMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    parsed = text_string_to_metric_families(metrics.render().decode())
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in parsed for s in family.samples}
+
+
+def test_train_progress_counts_steps_and_tokens_and_sets_throughput() -> None:
+    metrics = NodeMetrics()
+    metrics.train_progress(steps=10, tokens=4000, seconds=2.0, last_loss=3.5)
+    metrics.train_progress(steps=5, tokens=1000, seconds=0.5, last_loss=None)
+    got = samples(metrics)
+    assert got[("tessera_train_steps_total", ())] == 15
+    assert got[("tessera_train_tokens_total", ())] == 5000
+    assert got[("tessera_train_tokens_per_second", ())] == 2000.0  # the last round's rate
+    assert got[("tessera_train_loss", ())] == 3.5  # kept when a round reports no loss
+
+
+def test_submissions_scored_observes_seconds_per_submission_and_counts_verdicts() -> None:
+    metrics = NodeMetrics()
+    metrics.submissions_scored(3.0, [("accept", ""), ("accept", ""), ("reject", "hash mismatch: got ab, want cd")])
+    got = samples(metrics)
+    assert got[("tessera_eval_seconds_count", ())] == 3
+    assert got[("tessera_eval_seconds_sum", ())] == 3.0
+    assert got[("tessera_eval_seconds_bucket", (("le", "1.0"),))] == 3  # 1 s each
+    assert got[("tessera_scored_total", (("reason", "ok"), ("verdict", "accept")))] == 2
+    assert got[("tessera_scored_total", (("reason", "hash mismatch"), ("verdict", "reject")))] == 1
+
+
+def test_round_results_set_losses_own_result_agreement_and_replace_verdicts() -> None:
+    metrics = NodeMetrics()
+    metrics.round_results(base_loss=3.0, adopted_loss=2.5, own={"loss": 2.4, "rank": 2, "reward": 0.5},
+                          agreement={"share": 0.75}, verdicts=[("accept", ""), ("reject", "rejected: bad")])
+    metrics.round_results(base_loss=None, adopted_loss=2.25, own={"loss": None, "rank": None, "reward": 0.0},
+                          agreement=None, verdicts=[("accept", ""), ("accept", "")])
+    got = samples(metrics)
+    assert got[("tessera_base_loss", ())] == 3.0  # unknown this time: the last known value stays
+    assert got[("tessera_adopted_loss", ())] == 2.25
+    assert got[("tessera_miner_loss", ())] == 2.4
+    assert got[("tessera_miner_rank", ())] == 0  # unranked
+    assert got[("tessera_miner_reward", ())] == 0.0
+    assert got[("tessera_validator_agreement", ())] == 0.75
+    verdicts = {labels: v for (name, labels), v in got.items() if name == "tessera_round_verdicts"}
+    assert verdicts == {(("reason", "ok"), ("verdict", "accept")): 2}  # the last round's, not a running sum
+
+
+def test_reasons_are_bounded_labels() -> None:
+    metrics = NodeMetrics()
+    metrics.submissions_scored(1.0, [("reject", f"reason {i}: detail") for i in range(MAX_REASONS + 5)])
+    reasons = {dict(labels)["reason"] for (name, labels) in samples(metrics) if name == "tessera_scored_total"}
+    assert len(reasons) == MAX_REASONS + 1 and "other" in reasons
+    assert "reason 0" in reasons and not any(":" in r for r in reasons)
+
+
+def test_phase_runs_count_overruns_and_skips() -> None:
+    metrics = NodeMetrics()
+    metrics.phase_run(4, "evaluate", 12.0, 0.1, ok=True, overran=True, skipped=2)
+    metrics.phase_run(4, "merge", 1.0, 0.0, ok=True)
+    got = samples(metrics)
+    assert got[("tessera_phase_overruns_total", (("phase", "evaluate"),))] == 1
+    assert got[("tessera_phase_overruns_total", (("phase", "merge"),))] == 0
+    assert got[("tessera_phases_skipped", ())] == 0  # the latest count the scheduler reported
+    assert got[("tessera_round", ())] == 4
+
+
+def test_network_penalties_are_exported() -> None:
+    metrics = NodeMetrics()
+    stats = NetworkStats(penalties=3, penalised={"a" * 64: 99.0})
+    metrics.bind_network(lambda: stats, lambda: 2)
+    got = samples(metrics)
+    assert got[("tessera_penalties_total", ())] == 3
+    assert got[("tessera_penalised_peers", ())] == 1
+    assert got[("tessera_peers", ())] == 2

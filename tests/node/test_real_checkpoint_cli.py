@@ -1,0 +1,152 @@
+"""A network from a hub-format checkpoint, every command an operator types: spec new -> export.
+
+Each family runs `spec new` -> `spec check` -> `train` -> `inspect blob` -> `eval` -> `export`
+in-process through the real `tessera` entry point; bad input is refused with exit code 2 and
+nothing written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from node.cli.main import main
+from protocol.identity import Identity, save_identity
+from protocol.spec import load_spec
+from tests.training.hub_checkpoint import write_data, write_hub_checkpoint, write_tokenizer
+from training.adapters import ADAPTERS
+from training.blob import decode_blob
+from training.checkpoint import checkpoint_hash
+from training.data import heldout_subset, load_sequences
+from training.evaluate import heldout_loss
+from training.experts import extract
+from training.export import read_expert_pack
+from training.model import build_tiny_model, tiny_config
+from training.tokenizer import HFTokenizer
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def new_network(tmp_path: Path, capsys: pytest.CaptureFixture[str], family: str) -> tuple[Path, Path, Path]:
+    checkpoint = write_hub_checkpoint(tmp_path / "ckpt", family)
+    train, heldout = write_data(tmp_path)
+    validator = Identity.from_seed(bytes(32)).node_id
+    spec = tmp_path / "net" / "spec.toml"
+    code, out, err = run(capsys, "spec", "new", "--checkpoint", checkpoint, "--train", train, "--heldout",
+                         heldout, "--validator", f"{validator}:2", "--top-d", "2", "--timing", "sim",
+                         "--seq-len", "32", "--heldout-sequences", "8", "--max-sequences", "64", "--out", spec)
+    assert code == 0, err
+    assert json.loads(out)["network_id"] == load_spec(spec).network_id
+    return checkpoint, spec, heldout
+
+
+@pytest.mark.parametrize("family", tuple(ADAPTERS))
+def test_spec_new_to_export(tmp_path: Path, capsys: pytest.CaptureFixture[str], family: str) -> None:
+    checkpoint, spec_path, heldout = new_network(tmp_path, capsys, family)
+    spec = load_spec(spec_path)
+    assert run(capsys, "spec", "check", spec_path)[1].strip() == spec.network_id
+    assert run(capsys, "spec", "hash-model", checkpoint)[1].strip() == spec.model.base_hash
+    assert all(len(ids) == 2 for ids in spec.group.values()) and spec.model.family == family
+
+    key = tmp_path / "miner.key"
+    save_identity(Identity.from_seed(bytes([7]) * 32), key)
+    blob = tmp_path / "miner.blob"
+    code, _, err = run(capsys, "train", "--spec", spec_path, "--key", key, "--round", "0", "--steps", "20",
+                       "--out", blob)
+    assert code == 0, err
+    code, out, _ = run(capsys, "inspect", "blob", blob, "--spec", spec_path)
+    assert code == 0 and json.loads(out)["verdict"] == "ACCEPT"
+    base_loss = json.loads(run(capsys, "eval", "--spec", spec_path, "--heldout", heldout)[1])["loss"]
+    trained_loss = json.loads(run(capsys, "eval", "--spec", spec_path, "--heldout", heldout, "--blob", blob)[1])["loss"]
+    assert trained_loss < base_loss
+
+    exported = tmp_path / "exported"
+    code, out, err = run(capsys, "export", "--spec", spec_path, "--blob", blob, "--heldout", heldout, "--out", exported)
+    assert code == 0, err
+    assert json.loads(out)["heldout_loss"] == pytest.approx(trained_loss, abs=1e-5)
+    model = AutoModelForCausalLM.from_pretrained(str(exported))
+    tokenizer = HFTokenizer(exported)
+    sequences = heldout_subset(load_sequences([heldout], tokenizer, spec.data.seq_len), "0" * 64,
+                               spec.data.heldout_sequences)
+    assert heldout_loss(model, sequences, batch_size=16, pad_id=tokenizer.pad_id).loss == pytest.approx(
+        trained_loss, abs=1e-5)
+    _, tensors = decode_blob(blob.read_bytes(), spec.limits.max_header_bytes)
+    written = extract(model, ADAPTERS[family], spec.group)
+    assert all(torch.equal(written[name], tensors[name]) for name in tensors)
+
+    state = hashlib.sha256(blob.read_bytes()).hexdigest()
+    stored = tmp_path / "node" / "blobs" / state[:2] / state
+    stored.parent.mkdir(parents=True)
+    stored.write_bytes(blob.read_bytes())
+    pack = tmp_path / "pack"
+    code, _, err = run(capsys, "export", "--spec", spec_path, "--state", state, "--data-dir", tmp_path / "node",
+                       "--experts-only", "--heldout", heldout, "--out", pack)
+    assert code == 0, err
+    manifest, packed = read_expert_pack(pack)
+    assert manifest["network"] == spec.network_id and manifest["base_hash"] == spec.model.base_hash
+    assert manifest["state"] == state and manifest["heldout_loss"] == pytest.approx(trained_loss, abs=1e-5)
+    assert {int(k): v for k, v in manifest["group"].items()} == dict(spec.group) and manifest["round"] == 0
+    assert packed.keys() == tensors.keys() and all(torch.equal(packed[n], tensors[n]) for n in tensors)
+
+
+def _refused(capsys: pytest.CaptureFixture[str], *argv: object, match: str) -> None:
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and match in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_bad_checkpoints_are_refused_and_nothing_is_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    train, heldout = write_data(tmp_path)
+    out = tmp_path / "spec.toml"
+    args = ("--train", train, "--heldout", heldout, "--validator", "ab" * 32, "--out", out)
+    (tmp_path / "empty").mkdir()
+    _refused(capsys, "spec", "new", "--checkpoint", tmp_path / "empty", *args, match="no config.json")
+    no_weights = tmp_path / "no-weights"
+    build_tiny_model("olmoe", tiny_config("olmoe"), 0).config.save_pretrained(str(no_weights))
+    _refused(capsys, "spec", "hash-model", no_weights, match="no *.safetensors")
+    torch.save({"w": torch.zeros(1)}, no_weights / "pytorch_model.bin")
+    _refused(capsys, "spec", "new", "--checkpoint", no_weights, *args, match="pickled")
+    dense = tmp_path / "dense"
+    LlamaForCausalLM(LlamaConfig(vocab_size=260, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2)).save_pretrained(str(dense))
+    _refused(capsys, "spec", "new", "--checkpoint", dense, *args, match="dense model")
+    wide = write_hub_checkpoint(tmp_path / "wide", "qwen3_moe")
+    write_tokenizer(wide, vocab_size=400)
+    _refused(capsys, "spec", "new", "--checkpoint", wide, *args, match="does not belong to this model")
+    assert not out.exists()
+
+
+def test_bad_groups_and_export_targets_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _, spec_path, heldout = new_network(tmp_path, capsys, "qwen2_moe")
+    text = spec_path.read_text(encoding="utf-8")
+    first = text.index("[group]")
+    for bad, match in (("0 = [1, 99]", "do not exist"), ("5 = [1]", "not an MoE layer")):
+        broken = spec_path.with_name(f"broken-{bad[0]}.toml")
+        lines = text[first:].splitlines()
+        broken.write_text(text[:first] + "\n".join([lines[0], bad, *lines[2:]]) + "\n", encoding="utf-8")
+        _refused(capsys, "eval", "--spec", broken, "--heldout", heldout, match=match)
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "keep.txt").write_text("mine", encoding="utf-8")
+    _refused(capsys, "export", "--spec", spec_path, "--blob", tmp_path / "none.blob", "--out", taken,
+             match="not an empty directory")
+    assert [p.name for p in taken.iterdir()] == ["keep.txt"]
+
+
+def test_real_processes_print_the_hash_and_refuse_with_exit_2(tmp_path: Path) -> None:
+    checkpoint = write_hub_checkpoint(tmp_path / "ckpt", "deepseek_v2")
+    command = [sys.executable, "-m", "node.cli", "spec", "hash-model"]
+    done = subprocess.run([*command, str(checkpoint)], capture_output=True, text=True, check=False)
+    assert done.returncode == 0 and done.stdout.strip() == checkpoint_hash(checkpoint)
+    done = subprocess.run([*command, str(tmp_path)], capture_output=True, text=True, check=False)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "no config.json" in done.stderr

@@ -1,0 +1,129 @@
+"""Restart anywhere, lose nothing (issue 11), on the in-memory twins: each test is a hole that the
+one-pass redesign closed. A miner restarted after its Reveal serves its blob again and is scored; a
+validator restarted after proposing serves its state again, and every node that adopted a state
+serves it; a crash right after the rewards write does not stop the next MERGE; a seed revealed late
+during EVALUATE cannot change the round plan; a deleted head blob is fetched again from its voters."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from node.runtime.daemon import Node
+from protocol.messages import SeedCommit, SeedReveal, seal
+from protocol.rounds import Phase
+from protocol.seeds import commitment, round_seed
+from tests.node.twins import Twins, identity
+
+pytestmark = pytest.mark.timeout(180)
+
+
+async def started(net: Twins, *names: str) -> list[Node]:
+    return [await net.start(name) for name in names]
+
+
+async def test_restarted_miner_and_validator_serve_what_they_revealed_and_proposed(tmp_path: Path) -> None:
+    net = Twins(tmp_path)
+    try:
+        await started(net, "validator-0", "validator-1", "miner-0", "miner-1")
+        for phase in (Phase.TRAIN, Phase.COMMIT, Phase.REVEAL):
+            await net.phase(0, phase)
+        await net.restart("miner-0")  # killed after its Reveal went out
+        await net.ran(0, Phase.REVEAL)
+        await net.phase(0, Phase.EVALUATE)
+        await net.phase(0, Phase.MERGE)
+        report = await net.nodes["validator-0"].round_report(0)
+        assert report is not None and report["proposed_hash"] is not None
+        miner0 = next(m for m in report["miners"] if m["id"] == net.id("miner-0"))
+        assert miner0["verdict"] == "accept" and miner0["reward"] > 0, miner0  # its reveal stood
+
+        await net.restart("validator-0")  # killed after proposing
+        await net.ran(0, Phase.MERGE)
+        await net.stop("validator-1")  # validator-0 alone must now serve the state it proposed
+        await net.phase(1, Phase.TRAIN)
+        state = report["proposed_hash"]
+        for name in ("miner-0", "miner-1"):
+            assert await net.nodes[name].ctx.storage.head() == state
+            assert net.hub.nodes[net.id(name)].read_served(state) is not None  # adopters serve it too
+    finally:
+        await net.close()
+
+
+async def test_a_crash_right_after_the_rewards_write_does_not_stop_the_next_merge(tmp_path: Path) -> None:
+    net = Twins(tmp_path)
+    try:
+        v0, _, _ = await started(net, "validator-0", "validator-1", "miner-0")
+        real = v0.ctx.storage.add_rewards
+
+        async def write_then_die(*args, **kwargs):  # the ledger write commits, then the process dies
+            await real(*args, **kwargs)
+            raise OSError("killed")
+
+        v0.ctx.storage.add_rewards = write_then_die  # type: ignore[method-assign]
+        for phase in (Phase.TRAIN, Phase.COMMIT, Phase.REVEAL, Phase.EVALUATE, Phase.MERGE):
+            await net.phase(0, phase)
+        assert await v0.round_report(0) is None and len((await v0.rewards())["entries"]) == 1
+        v0 = await net.restart("validator-0")
+        await net.ran(0, Phase.MERGE)
+        report = await v0.round_report(0)
+        assert report is not None and report["proposed_hash"] is not None
+        assert await v0.rewards() == await net.nodes["validator-1"].rewards()  # one ledger line, as v1 has
+        await net.phase(1, Phase.TRAIN)
+        states = await v0.ctx.storage.global_states(0)
+        assert [sorted(s.voters) for s in states] == [sorted([net.id("validator-0"), net.id("validator-1")])]
+    finally:
+        await net.close()
+
+
+async def test_a_seed_revealed_late_during_evaluate_cannot_change_the_round_plan(tmp_path: Path) -> None:
+    net = Twins(tmp_path, validators=3)  # validator-2 is in the spec, but only its key is here
+    try:
+        v0, v1, _, _ = await started(net, "validator-0", "validator-1", "miner-0", "miner-1")
+        absent, seed = identity("validator-2"), hashlib.sha256(b"late").hexdigest()
+        await net.phase(0, Phase.TRAIN)
+        net.hub.inject(seal(SeedCommit(round=0, commitment=commitment(seed)), net.spec.network_id, absent).to_bytes(),
+                       absent.node_id)
+        for phase in (Phase.COMMIT, Phase.REVEAL, Phase.EVALUATE):
+            await net.phase(0, phase)
+        plan = await v0.ctx.storage.round_plan(0)
+        assert plan is not None and plan.unrevealed_seeds == (absent.node_id,)
+        net.clock.advance(1.0)  # inside the clock-skew tolerance of REVEAL: the reveal is accepted
+        net.hub.inject(seal(SeedReveal(round=0, seed=seed), net.spec.network_id, absent).to_bytes(), absent.node_id)
+        await net.hub.settle()
+        seeds = await v0.ctx.storage.seeds_for(0)
+        assert any(s.validator == absent.node_id and s.seed == seed for s in seeds)  # it did arrive
+        late_seed = round_seed({s.validator: s.commitment for s in seeds if s.commitment},
+                               {s.validator: s.seed for s in seeds if s.seed})
+        assert late_seed != plan.seed
+        await net.phase(0, Phase.MERGE, after_s=net.spec.timing.merge_s / 2)  # past the wait for validator-2
+        for node in (v0, v1):
+            assert await node.ctx.storage.round_plan(0) == plan
+            assert await node.ctx.storage.round_seed(0) == plan.seed
+            report = await node.round_report(0)
+            assert report is not None and report["proposed_hash"] is not None
+    finally:
+        await net.close()
+
+
+async def test_a_deleted_head_blob_is_fetched_again_from_its_voters(tmp_path: Path) -> None:
+    net = Twins(tmp_path)
+    try:
+        v0, _, _ = await started(net, "validator-0", "validator-1", "miner-0")
+        await net.rounds(0, 0)  # round 0, then TRAIN of round 1 adopts its state
+        head = await v0.ctx.storage.head()
+        assert head is not None and head != net.spec.model.base_hash
+        await net.phase(1, Phase.COMMIT)
+        v0.ctx.blobs.delete(head)
+        v0 = await net.restart("validator-0")  # reloads its head from disk (no adoption outside TRAIN)
+        await net.ran(1, Phase.COMMIT)
+        assert v0.ctx.blobs.has(head)
+        for phase in (Phase.REVEAL, Phase.EVALUATE, Phase.MERGE):
+            await net.phase(1, phase)
+        await net.phase(2, Phase.TRAIN)
+        [state] = await v0.ctx.storage.global_states(1)
+        assert net.id("validator-0") in state.voters and state.parent == head  # it voted in the next round
+        assert all(run.ok for run in v0.scheduler.runs), v0.scheduler.runs
+    finally:
+        await net.close()

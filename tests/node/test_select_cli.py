@@ -1,0 +1,152 @@
+"""`tessera select-experts | eval-subset | cluster-data` on a network whose base model has planted routing.
+
+The base is the planted model of tests/training/planted.py saved as a checkpoint: arithmetic tokens
+route to experts {U, A}, prose tokens to {U, B}, and every other expert makes the loss much worse.
+Commands run in-process through `node.cli.main.main`, so each test pays for torch's import once.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from node.cli.main import main
+from node.sim.layout import to_toml
+from protocol.spec import load_spec
+from tests.conftest import make_spec_dict
+from tests.training.planted import A, U, planted_domains
+from training.checkpoint import checkpoint_hash
+from training.corpus import generate, write_documents
+from training.data import file_sha256
+
+PLANTED = sorted([U, A])
+
+
+def tessera(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as exc:  # argparse usage errors
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def net(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("select")
+    model, _ = planted_domains(harmful=True)
+    model.save_pretrained(root / "planted")
+    write_documents(root / "data/train.jsonl", generate("arithmetic", 12, seed=1))
+    write_documents(root / "data/prose.jsonl", generate("prose", 12, seed=2))
+    write_documents(root / "data/heldout.jsonl", generate("arithmetic", 24, seed=3))
+    (root / "data/empty.jsonl").write_text("\n", encoding="utf-8")
+    spec = make_spec_dict()
+    spec["model"] = {"family": "qwen3_moe", "checkpoint": "planted", "base_hash": checkpoint_hash(root / "planted")}
+    spec["data"] = {"train": ["data/train.jsonl"], "heldout_sha256": file_sha256(root / "data/heldout.jsonl"),
+                    "seq_len": 64, "heldout_sequences": 8, "tokenizer": "byte"}
+    (root / "spec.toml").write_text(to_toml(spec), encoding="utf-8")
+    return root
+
+
+def test_select_then_judge_the_group(net: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    group = tmp_path / "group.json"
+    code, out, err = tessera(capsys, "select-experts", "--spec", net / "spec.toml", "--data", net / "data/train.jsonl",
+                             "--rule", "gate-mass", "--top-d", "2", "--examples", "1", "--mode", "layerwise",
+                             "--out", group)
+    assert code == 0, err
+    assert json.loads(out)["group"] == {"0": PLANTED, "1": PLANTED}
+    selection = json.loads(group.read_text())
+    assert selection["examples"] == 1 and selection["documents"] == 1 and selection["mode"] == "layerwise"
+    assert selection["shared"] == "keep" and selection["model"]["base_hash"] == load_spec(net / "spec.toml").model.base_hash
+    assert selection["data"] == [{"path": str(net / "data/train.jsonl"), "sha256": file_sha256(net / "data/train.jsonl")}]
+
+    report = tmp_path / "subset.json"
+    code, out, err = tessera(capsys, "eval-subset", "--spec", net / "spec.toml", "--group", group,
+                             "--fractions", "0.25", "1", "--seeds", "2", "--out", report)
+    assert code == 0, err
+    assert out.splitlines()[0].split() == ["keep", "experts", "rule", "random", "min", "max"]
+    assert "25.00%" in out and "full model:" in out
+    result = json.loads(report.read_text())
+    quarter, everything = result["curve"]
+    assert quarter["kept"] == 2 and len(quarter["random"]) == 2
+    assert quarter["rule"] < quarter["random_mean"] - 1.0
+    assert everything["rule"] == pytest.approx(result["full"], rel=1e-6)
+    assert result["group"]["experts"] == {"0": PLANTED, "1": PLANTED}
+
+
+def test_into_rewrites_the_spec_group(net: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target = net / "into.toml"
+    shutil.copy(net / "spec.toml", target)
+    before = load_spec(target)
+    code, out, err = tessera(capsys, "select-experts", "--spec", net / "spec.toml", "--data", net / "data/train.jsonl",
+                             "--rule", "gate-mass", "--top-d", "2", "--examples", "5", "--into", target,
+                             "--stability", tmp_path / "stability.json", "--out", tmp_path / "g.json")
+    assert code == 0, err
+    stability = json.loads((tmp_path / "stability.json").read_text())
+    assert sorted(stability["counts"]) == ["1", "10", "5"] and stability["skipped"] == [100]
+    assert stability["reference"] == {"0": PLANTED, "1": PLANTED} and stability["documents"] == 12
+    assert json.loads(out)["stability"] == {"1": 1.0, "5": 1.0, "10": 1.0}
+    after = load_spec(target)
+    assert after.group == {0: PLANTED, 1: PLANTED} != before.group
+    into = json.loads(out)["into"]
+    assert into["network_id_before"] == before.network_id and into["network_id"] == after.network_id
+    assert after.network_id != before.network_id and "network id changed" in into["note"]
+    assert after.model_dump(exclude={"group"}) == before.model_dump(exclude={"group"})
+
+    other = make_spec_dict()
+    other["data"]["tokenizer"] = "byte"
+    (net / "other.toml").write_text(to_toml(other), encoding="utf-8")
+    untouched = (net / "other.toml").read_bytes()
+    code, _, err = tessera(capsys, "select-experts", "--spec", net / "spec.toml", "--data", net / "data/prose.jsonl",
+                           "--rule", "gate-mass", "--top-d", "2", "--into", net / "other.toml",
+                           "--out", tmp_path / "h.json")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "is not the one measured" in err
+    assert (net / "other.toml").read_bytes() == untouched and not (tmp_path / "h.json").exists()
+
+
+def test_cluster_data_separates_the_planted_domains(net: Path, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    out_dir = tmp_path / "clusters"
+    code, out, err = tessera(capsys, "cluster-data", "--spec", net / "spec.toml", "--data", net / "data/train.jsonl",
+                             net / "data/prose.jsonl", "--max-k", "4", "--out", out_dir)
+    assert code == 0, err
+    assert json.loads(out)["k"] == 2
+    report = json.loads((out_dir / "report.json").read_text())
+    assert sorted(c["documents"] for c in report["clusters"]) == [12, 12]
+    arithmetic = set(generate("arithmetic", 12, seed=1))
+    for entry in report["clusters"]:
+        texts = [json.loads(line)["text"] for line in (out_dir / entry["file"]).read_text().splitlines()]
+        share = sum(t in arithmetic for t in texts) / len(texts)
+        assert max(share, 1 - share) >= 0.9
+    code, _, err = tessera(capsys, "cluster-data", "--spec", net / "spec.toml", "--data", net / "data/train.jsonl",
+                           "--out", out_dir)
+    assert code == 2 and "already exists and is not empty" in err
+
+
+def test_bad_input_is_one_line_and_exit_2(net: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = net / "spec.toml"
+    select = ("select-experts", "--spec", spec, "--rule", "gate-mass", "--top-d", "2", "--out", tmp_path / "g.json")
+    wrong_model = tmp_path / "wrong.json"
+    wrong_model.write_text(json.dumps({"group": {"0": [1]}, "stats": {"0": [0.1] * 16}}))
+    other_base = tmp_path / "other.json"
+    other_base.write_text(json.dumps({"group": {"0": [1]}, "stats": {"0": [0.1] * 8},
+                                      "model": {"base_hash": "ef" * 32}}))
+    subset = ("eval-subset", "--spec", spec, "--out", tmp_path / "r.json")
+    cases = [
+        ((*select, "--data", net / "data/empty.jsonl"), "the data file holds no documents"),
+        ((*select, "--data", net / "data/train.jsonl", "--examples", "13"), "the data holds only 12 documents"),
+        ((*subset, "--group", wrong_model, "--fractions", "0"), "keep fractions must be in (0, 1], got 0"),
+        ((*subset, "--group", wrong_model, "--fractions", "1.5"), "keep fractions must be in (0, 1], got 1.5"),
+        ((*subset, "--group", wrong_model), "it was made for another model"),
+        ((*subset, "--group", other_base), "select again for this model"),
+        (("cluster-data", "--spec", spec, "--data", net / "data/empty.jsonl", "--out", tmp_path / "c"),
+         "the data file holds no documents"),
+    ]
+    for args, message in cases:
+        code, out, err = tessera(capsys, *args)
+        assert code == 2, (args, err)
+        assert len(err.strip().splitlines()) == 1 and message in err, (args, err)
+    assert not (tmp_path / "g.json").exists() and not (tmp_path / "r.json").exists() and not (tmp_path / "c").exists()

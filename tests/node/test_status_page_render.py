@@ -1,0 +1,113 @@
+"""The status page's script against a fake node in headless Chromium, in seconds: what peers chose (a
+reason, a network name) is shown as text and never run as markup, standings are ordered best first,
+a validator's page shows any miner's history from its link, and a failing node shows an error
+instead of stale numbers. The page on a real simulation is tests/integration/test_status_page.py."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from node.runtime.http import HttpApi
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--no-first-run"]
+EVIL = '<img src=x onerror="document.body.dataset.pwned=1">'
+A, B = "aa" * 32, "bb" * 32
+V = "cc" * 32
+ENTRY = {"verdict": "reject", "loss": None, "rank": None, "reward": 0.0, "reason": f"rejected: {EVIL}",
+         "scores": {V: {"verdict": "reject", "loss": None, "reason": EVIL}}}
+ROUNDS = [{"round": 0, "source": "validator", "base": "dd" * 32, "base_loss": 3.0, "global_hash": "ee" * 32,
+           "global_loss": 2.5, "miners": [{"id": A, "verdict": "accept", "loss": 2.4, "rank": 1, "reward": 1.0,
+                                           "reason": "", "scores": {V: {"verdict": "accept", "loss": 2.4}}},
+                                          {"id": B, **ENTRY}]}]
+
+
+class FakeValidator:
+    def __init__(self) -> None:
+        self.broken = False
+
+    async def status(self) -> dict[str, Any]:
+        if self.broken:
+            raise RuntimeError("storage is gone")
+        return {"role": "validator", "node_id": V, "network": EVIL, "network_id": "ff" * 32, "round": 1,
+                "phase": "train", "peers": 2, "head": "ee" * 32, "head_round": 0, "me": None,
+                "agreement": {"round": 0, "share": 1.0}, "next_phase": {"round": 1, "phase": "commit", "in_s": 65}}
+
+    async def rewards(self) -> dict[str, Any]:
+        return {"entries": [], "standings": {B: 0.1, A: 0.3}}
+
+    async def rounds(self) -> list[dict[str, Any]]:
+        return ROUNDS
+
+    async def round_report(self, round: int) -> dict[str, Any] | None:
+        return ROUNDS[0] if round == 0 else None
+
+    async def miner(self, miner: str) -> list[dict[str, Any]]:
+        return [{"round": 0, **m} for m in ROUNDS[0]["miners"] if m["id"] == miner]
+
+    def metrics_text(self) -> bytes:
+        return b""
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} is not installed (make test installs Debian's chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[HttpApi, FakeValidator]]:
+    """The API on an event loop of its own thread: Playwright's sync API runs its own loop in this one."""
+    node = FakeValidator()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    api = asyncio.run_coroutine_threadsafe(HttpApi.start(node), loop).result(10)
+    try:
+        yield api, node
+    finally:
+        asyncio.run_coroutine_threadsafe(api.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def test_the_page_renders_peer_text_as_text(browser: Any, served: tuple[HttpApi, FakeValidator]) -> None:
+    api, node = served
+    page = browser.new_page()
+    _ready(page, api.url)
+    assert page.locator("#subtitle").inner_text().endswith(f"network {EVIL} (ffffffffffff)")
+    row = page.locator(f"tr[data-miner='{B}'] td.reason")
+    assert row.inner_text() == f"rejected: {EVIL}"
+    assert page.locator("img").count() == 0 and page.evaluate("document.body.dataset.pwned") is None
+    assert page.eval_on_selector_all("#standings tr[data-miner]", "r => r.map(e => e.dataset.miner)") == [A, B]
+    assert page.locator("#countdown").inner_text().startswith("commit of round 1 in 1:0")
+    assert page.locator("#me").is_hidden()
+
+    page.locator(f"table.leaderboard tr[data-miner='{B}']").click()  # a miner's history on a validator
+    page.wait_for_selector("#me:not([hidden]) tr.my-round[data-round='0']")
+    assert page.locator("#me-title").inner_text() == f"Miner {B[:12]}"
+    assert page.locator("tr.my-round td.reason").inner_text() == f"rejected: {EVIL}"
+
+    node.broken = True
+    page.wait_for_selector("#error:not([hidden])", timeout=10_000)
+    assert page.locator("#error").inner_text().startswith("cannot reach the node: /status: HTTP 500")
+    page.close()
+
+
+def _ready(page: Any, url: str) -> None:
+    page.goto(url + "/")
+    page.wait_for_selector("body[data-ready='1']", timeout=10_000)

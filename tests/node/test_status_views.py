@@ -1,0 +1,147 @@
+"""Status views over a real state file: on a node that wrote no round report of its own (a miner), a
+round shows the leaderboard the node learnt from the public score reports (node.duties.results)
+with each validator's score per miner and the miners that committed without revealing; the adopted
+state's loss comes from the next round's reports; standings are computed; a validator's own report
+wins when it exists."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from node.duties.results import learn_results
+from node.runtime.metrics import NodeMetrics
+from node.runtime.status import StatusViews
+from node.store.db import Storage
+from protocol.assignment import assign
+from protocol.identity import Identity
+from protocol.messages import Commit, Reveal, ScoreEntry, ScoreReport, SeedCommit, SeedReveal, seal
+from protocol.ranking import rank_points
+from protocol.seeds import commitment, round_seed
+from protocol.spec import NetworkSpec
+
+BASE = "ee" * 32
+LOSSES = {0: 2.0, 1: 2.5}  # miners 0 and 1 by index; miner 2 is refused, miner 3 never reveals
+SEEDS = ["1" * 64, "2" * 64, "3" * 64]
+
+
+class FakeNode:
+    def __init__(self, ctx: SimpleNamespace, own_reports: dict[int, dict[str, Any]]) -> None:
+        self.ctx = ctx
+        self.own_reports = own_reports
+
+    async def status(self) -> dict[str, Any]:
+        return {"role": self.ctx.config.node.role, "node_id": self.ctx.identity.node_id, "head": None}
+
+    async def rewards(self) -> dict[str, Any]:
+        return {"entries": [], "standings": {}}
+
+    async def round_report(self, round: int) -> dict[str, Any] | None:
+        return self.own_reports.get(round)
+
+    def metrics_text(self) -> bytes:
+        return self.ctx.metrics.render()
+
+
+@pytest.fixture
+async def storage(tmp_path: Path) -> AsyncIterator[Storage]:
+    store = await Storage.open(tmp_path / "node.db")
+    yield store
+    await store.close()
+
+
+async def publish(storage: Storage, spec: NetworkSpec, who: Identity, message: Any) -> None:
+    assert await storage.record_accepted(seal(message, spec.network_id, who), message, 0.0)
+
+
+async def play_round_zero(storage: Storage, spec: NetworkSpec, validators: list[Identity],
+                          miners: list[Identity]) -> dict[str, tuple[str, ...]]:
+    """Seeds, commits, reveals and every validator's report of round 0; returns the assignment."""
+    for v, seed in zip(validators, SEEDS, strict=True):
+        await publish(storage, spec, v, SeedCommit(round=0, commitment=commitment(seed)))
+        await publish(storage, spec, v, SeedReveal(round=0, seed=seed))
+    commitments = {m.node_id: f"{i + 1:x}" * 64 for i, m in enumerate(miners)}
+    for m in miners:
+        await publish(storage, spec, m, Commit(round=0, commitment=commitments[m.node_id]))
+    revealed = {m.node_id: commitments[m.node_id] for m in miners[:3]}
+    for m in miners[:3]:
+        await publish(storage, spec, m, Reveal(round=0, commitment=commitments[m.node_id], size=100))
+    seed = round_seed({v.node_id: commitment(s) for v, s in zip(validators, SEEDS, strict=True)},
+                      {v.node_id: s for v, s in zip(validators, SEEDS, strict=True)})
+    assignment = assign(seed, revealed, [v.node_id for v in validators], spec.rewards.replication)
+    for v in validators:
+        entries = []
+        for i, m in enumerate(miners[:3]):
+            if v.node_id not in assignment[m.node_id]:
+                continue
+            if i in LOSSES:
+                entries.append(ScoreEntry(miner=m.node_id, commitment=revealed[m.node_id], loss=LOSSES[i],
+                                          verdict="accept"))
+            else:
+                entries.append(ScoreEntry(miner=m.node_id, commitment=revealed[m.node_id], verdict="reject",
+                                          reason="hash mismatch"))
+        await publish(storage, spec, v, ScoreReport(round=0, base=BASE, base_loss=3.0, entries=tuple(entries)))
+    return assignment
+
+
+def views_for(storage: Storage, spec: NetworkSpec, me: Identity, role: str,
+              own_reports: dict[int, dict[str, Any]] | None = None) -> StatusViews:
+    ctx = SimpleNamespace(storage=storage, spec=spec, identity=me, metrics=NodeMetrics(),
+                          config=SimpleNamespace(node=SimpleNamespace(role=role)))
+    return StatusViews(FakeNode(ctx, own_reports or {}))  # type: ignore[arg-type]
+
+
+async def test_a_miner_ranks_a_round_from_the_public_reports(storage: Storage, spec: NetworkSpec,
+                                                             validator_ids: list[Identity],
+                                                             miner_ids: list[Identity]) -> None:
+    assignment = await play_round_zero(storage, spec, validator_ids, miner_ids)
+    await storage.record_round(0, 0.0)
+    views = views_for(storage, spec, miner_ids[0], "miner")
+    assert await views.rounds() == []  # nothing learnt before the round settles
+    await storage.set_head(BASE)
+    await learn_results(storage, spec, 0)
+    await publish(storage, spec, validator_ids[0], ScoreReport(round=1, base="ff" * 32, base_loss=2.2, entries=()))
+
+    report = await views.round_report(0)
+    assert report is not None and report["source"] == "public"
+    assert (report["base"], report["base_loss"], report["global_loss"]) == (BASE, 3.0, 2.2)
+    by_id = {m["id"]: m for m in report["miners"]}
+    m0, m1, m2, m3 = (by_id[m.node_id] for m in miner_ids)
+    top_k = spec.rewards.top_k
+    assert (m0["rank"], m0["reward"], m0["loss"], m0["verdict"]) == (1, rank_points(1, top_k), 2.0, "accept")
+    assert (m1["rank"], m1["reward"], m1["loss"]) == (2, rank_points(2, top_k), 2.5)
+    assert (m2["verdict"], m2["rank"], m2["reward"]) == ("reject", None, 0.0)
+    assert m2["reason"] == "rejected: hash mismatch"
+    assert (m3["verdict"], m3["reason"]) == ("missing", "no reveal matching its commitment")
+    assert set(m0["scores"]) == set(assignment[miner_ids[0].node_id])
+    assert all(s == {"verdict": "accept", "loss": 2.0} for s in m0["scores"].values())
+
+    status = await views.rewards()
+    assert list(status["standings"]) == [miner_ids[0].node_id, miner_ids[1].node_id]  # best first
+    history = await views.miner(miner_ids[0].node_id)
+    assert [(h["round"], h["rank"], h["reward"]) for h in history] == [(0, 1, rank_points(1, top_k))]
+    assert await views.round_report(5) is None
+
+    await views.refresh_metrics()
+    text = views.metrics_text().decode()
+    assert "tessera_miner_rank 1.0" in text and "tessera_adopted_loss 2.2" in text
+    assert 'tessera_round_verdicts{reason="rejected",verdict="reject"} 1.0' in text
+
+
+async def test_a_validators_own_report_wins(storage: Storage, spec: NetworkSpec, validator_ids: list[Identity],
+                                            miner_ids: list[Identity]) -> None:
+    await play_round_zero(storage, spec, validator_ids, miner_ids)
+    await storage.record_round(0, 0.0)
+    own = {"round": 0, "base": BASE, "base_loss": 3.0, "global_hash": "ab" * 32, "global_loss": 2.1,
+           "miners": [{"id": miner_ids[0].node_id, "verdict": "accept", "loss": 2.0, "rank": 1, "reward": 1.0,
+                       "reason": ""}]}
+    views = views_for(storage, spec, validator_ids[0], "validator", {0: own})
+    [view] = await views.rounds()
+    assert view["source"] == "validator" and view["global_hash"] == own["global_hash"]
+    assert view["global_loss"] == 2.1
+    [entry] = view["miners"]
+    assert entry["rank"] == 1 and len(entry["scores"]) == spec.rewards.replication

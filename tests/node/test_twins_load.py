@@ -1,0 +1,25 @@
+"""A small run of bench/twins_load.py: 3 validators and 12 miners for one round on the in-memory twins.
+
+`run_load` raises unless every miner has a loss in every validator's round report and every
+validator voted for the one state of the round; this test runs it and checks the figures it returns.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.twins_load import run_load
+
+pytestmark = pytest.mark.timeout(180)
+
+
+async def test_every_miner_is_scored_and_the_validators_agree(tmp_path: Path) -> None:
+    report = await run_load(tmp_path, validators=3, miners=12, rounds=1)
+    assert report["every_miner_scored"] and report["validators_agree"]
+    (summary,) = report["per_round"]
+    assert summary["miners_scored"] == 12
+    assert summary["global_loss"] < summary["base_loss"]
+    assert report["evaluations"] == 12 * report["replication"]
+    assert report["evaluate_s_per_miner"] > 0

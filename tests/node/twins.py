@@ -1,0 +1,183 @@
+"""Whole rounds on the in-memory twins for tests: a tiny network fixed here, nodes on one MemoryHub and
+one ManualClock, moved phase by phase; a node can be stopped and started again on its own files.
+
+`write_network` writes a network directory whose model config, data and expert group are fixed in
+this file (not the simulation layout's), so recorded numbers stay valid while the layout changes.
+`Twins.phase(r, phase)` sets the clock to the phase start and waits until every running node ran
+that phase and consumed its gossip; nothing sleeps on the wall clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+
+from node.duties.validator import ValidatorDuties
+from node.net.judge import GossipJudge
+from node.net.twin import MemoryHub
+from node.runtime.clock import ManualClock
+from node.runtime.config import NodeConfig
+from node.runtime.daemon import Node
+from node.sim.adversaries import miner_factory
+from node.store.blobs import BlobStore
+from protocol.identity import Identity, save_identity
+from protocol.rounds import PHASES, Phase, Schedule
+from protocol.spec import load_spec
+from training.data import file_sha256
+from training.model import build_tiny_model, state_hash
+
+GENESIS = datetime(2026, 3, 1, tzinfo=UTC)
+MODEL = {
+    "vocab_size": 260, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 128, "tie_word_embeddings": False, "num_experts_per_tok": 2,
+    "pad_token_id": 256, "bos_token_id": 257, "eos_token_id": 258, "num_hidden_layers": 2,
+    "head_dim": 16, "intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 8,
+    "norm_topk_prob": True,
+}
+WAIT_S = 120.0
+
+
+def identity(name: str) -> Identity:
+    return Identity.from_seed(hashlib.sha256(f"tessera-golden:{name}".encode()).digest())
+
+
+def _arithmetic(count: int, offset: int) -> str:
+    lines = []
+    for i in range(offset, offset + count):
+        a, b = (i * 7919) % 97, (i * 104729) % 89
+        lines.append(json.dumps({"text": f"{a} + {b} = {a + b}; {a} * {b} = {a * b}."}))
+    return "\n".join(lines) + "\n"
+
+
+def write_network(root: Path, validators: int = 2) -> Path:
+    """The network directory: model config, data, and a spec naming a fixed expert group."""
+    root.mkdir(parents=True)
+    (root / "model.json").write_text(json.dumps(MODEL, sort_keys=True), encoding="utf-8")
+    (root / "train.jsonl").write_text(_arithmetic(400, 0), encoding="utf-8")
+    (root / "heldout.jsonl").write_text(_arithmetic(60, 100_000), encoding="utf-8")
+    base_hash = state_hash(build_tiny_model("qwen3_moe", dict(MODEL), 0))
+    validators = "\n".join(f'[[validators]]\nkey = "{identity(f"validator-{i}").node_id}"\nweight = 1.0\n'
+                           for i in range(validators))
+    spec = f"""name = "golden"
+genesis = {GENESIS.isoformat().replace("+00:00", "Z")}
+group = {{ "0" = [1, 5], "1" = [2, 6] }}
+
+[timing]
+train_s = 40.0
+commit_s = 4.0
+reveal_s = 8.0
+evaluate_s = 8.0
+merge_s = 6.0
+
+[model]
+family = "qwen3_moe"
+config = "model.json"
+init_seed = 0
+base_hash = "{base_hash}"
+
+[data]
+train = ["train.jsonl"]
+heldout_sha256 = "{file_sha256(root / "heldout.jsonl")}"
+tokenizer = "byte"
+seq_len = 32
+heldout_sequences = 16
+
+[training]
+inner_steps = 4
+batch_size = 4
+
+[aggregation]
+outer_lr = 0.5
+momentum = 0.5
+
+{validators}"""
+    (root / "spec.toml").write_text(spec, encoding="utf-8")
+    return root / "spec.toml"
+
+
+async def until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+def idle(node: Node) -> bool:
+    queue = node._subscription._queue
+    return queue.empty() and len(queue._getters) > 0  # the consumer waits on an empty queue
+
+
+
+class Twins:
+    """Nodes of one network written by `write_network`, on one MemoryHub and one ManualClock."""
+
+    def __init__(self, root: Path, validators: int = 2) -> None:
+        self.root = root
+        self.spec_path = write_network(root / "net", validators)
+        self.spec = load_spec(self.spec_path)
+        self.schedule = Schedule.from_spec(self.spec)
+        self.clock = ManualClock(self.spec.genesis_ts - 1)  # nodes started one by one all hear round 0
+        self.hub = MemoryHub()
+        self.nodes: dict[str, Node] = {}
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.behaviours: dict[str, str] = {}
+
+    async def start(self, name: str, behaviour: str = "honest") -> Node:
+        """Create and run node `name` ("validator-0", "miner-3") on its own files (kept across restarts)."""
+        role = name.split("-")[0]
+        self.behaviours[name] = behaviour
+        key = self.root / f"{name}.key"
+        if not key.exists():
+            save_identity(identity(name), key)
+        config = NodeConfig(node={"role": role, "spec": self.spec_path, "key": key, "data_dir": self.root / name},
+                            http={"enabled": False}, miner={"behaviour": behaviour},
+                            validator={"heldout": self.root / "net" / "heldout.jsonl"})
+        network = self.hub.join(identity(name).node_id, GossipJudge(self.spec, self.clock.now),
+                                BlobStore(config.blob_dir))
+        duties = miner_factory(behaviour) if role == "miner" else ValidatorDuties
+        node = await Node.create(config, network=network, clock=self.clock, duties=duties)
+        self.nodes[name] = node
+        self.tasks[name] = asyncio.create_task(node.run())
+        return node
+
+    async def stop(self, name: str) -> None:
+        """Stop one node (as a kill would, between phases) and take it off the hub."""
+        node = self.nodes.pop(name)
+        node.stop()
+        await asyncio.wait_for(self.tasks.pop(name), WAIT_S)
+        del self.hub.nodes[node.ctx.identity.node_id]
+
+    async def restart(self, name: str) -> Node:
+        await self.stop(name)
+        return await self.start(name, self.behaviours[name])
+
+    async def phase(self, r: int, phase: Phase, after_s: float = 0.0) -> None:
+        """Move the clock to `after_s` past the start of `phase` and wait until every node ran it and
+        took in its gossip."""
+        self.clock.set(max(self.clock.now(), self.schedule.phase_window(r, phase)[0] + after_s))
+        await self.ran(r, phase)
+
+    async def ran(self, r: int, phase: Phase) -> None:
+        await until(lambda: all(any((run.round, run.phase) == (r, str(phase)) for run in n.scheduler.runs)
+                                for n in self.nodes.values()), f"round {r} {phase}")
+        await until(lambda: all(idle(n) for n in self.nodes.values()), "gossip to be consumed")
+
+    async def rounds(self, first: int, last: int) -> None:
+        """Run every phase of rounds `first`..`last`, then TRAIN of the next (which settles `last`)."""
+        for r in range(first, last + 1):
+            for phase in PHASES:
+                await self.phase(r, phase)
+        await self.phase(last + 1, Phase.TRAIN)
+
+    def id(self, name: str) -> str:
+        return identity(name).node_id
+
+    async def close(self) -> None:
+        for name in list(self.nodes):
+            await self.stop(name)

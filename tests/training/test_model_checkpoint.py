@@ -1,0 +1,104 @@
+"""Loading hub checkpoints through transformers and the streaming base hash, on every family."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from training.adapters import ADAPTERS
+from training.checkpoint import checkpoint_hash, stored_tensors
+from training.model import build_tiny_model, load_checkpoint, meta_model, state_hash, tiny_config
+
+FAMILIES = tuple(ADAPTERS)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hub_checkpoint_loads_fused_and_hashes_the_same_streamed(family: str, tmp_path: Path) -> None:
+    model = build_tiny_model(family, tiny_config(family), 3)
+    model.save_pretrained(str(tmp_path))
+    assert any(".experts.0." in key for key in stored_tensors(tmp_path)), "save_pretrained writes per-expert keys"
+    loaded = load_checkpoint(tmp_path, attn_implementation="eager")
+    assert checkpoint_hash(tmp_path) == state_hash(loaded) == state_hash(model)
+    ids = torch.arange(24).reshape(2, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+    assert load_checkpoint(tmp_path).config._attn_implementation == "sdpa"
+
+
+def test_sharded_checkpoint_hash_and_dtype_override(tmp_path: Path) -> None:
+    model = build_tiny_model("mixtral", tiny_config("mixtral"), 1)
+    model.save_pretrained(str(tmp_path), max_shard_size="100KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    assert checkpoint_hash(tmp_path) == state_hash(model)
+    half = load_checkpoint(tmp_path, dtype=torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and state_hash(half) != state_hash(model)
+    stored_half = tmp_path / "bf16"
+    half.save_pretrained(str(stored_half))
+    reloaded = load_checkpoint(stored_half)
+    assert reloaded.dtype == torch.bfloat16 and checkpoint_hash(stored_half) == state_hash(reloaded) == state_hash(half)
+
+
+def test_streaming_hash_sees_every_byte(tmp_path: Path) -> None:
+    model = build_tiny_model("olmoe", tiny_config("olmoe"), 0)
+    model.save_pretrained(str(tmp_path))
+    before = checkpoint_hash(tmp_path)
+    with torch.no_grad():
+        model.model.layers[1].mlp.experts.down_proj[7, 3, 5] += 1e-3
+    model.save_pretrained(str(tmp_path))
+    assert checkpoint_hash(tmp_path) == state_hash(model) != before
+
+
+def test_meta_model_holds_no_weights(tmp_path: Path) -> None:
+    build_tiny_model("qwen3_moe", tiny_config("qwen3_moe"), 0).save_pretrained(str(tmp_path))
+    assert all(p.device.type == "meta" for p in meta_model(tmp_path).parameters())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_local_generator_matches_global_seeding_and_leaves_it_alone(family: str) -> None:
+    config = tiny_config(family)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(9)
+        old_way = AutoModelForCausalLM.from_config(
+            AutoConfig.for_model(family, **config), dtype=torch.float32, attn_implementation="eager"
+        )
+    rng = torch.random.get_rng_state()
+    built = build_tiny_model(family, config, 9)
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    assert state_hash(built) == state_hash(old_way)
+    assert state_hash(build_tiny_model(family, config, generator=torch.Generator().manual_seed(9))) == state_hash(built)
+
+
+def test_concurrent_builds_do_not_disturb_each_other() -> None:
+    config = tiny_config("olmoe")
+    expected = {seed: state_hash(build_tiny_model("olmoe", config, seed)) for seed in (1, 2)}
+    got: dict[int, str] = {}
+
+    def build(seed: int) -> None:
+        for _ in range(3):
+            got[seed] = state_hash(build_tiny_model("olmoe", config, seed))
+            torch.rand(1000)
+
+    threads = [threading.Thread(target=build, args=(seed,)) for seed in (1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert got == expected
+
+
+def test_bad_checkpoint_directories_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no config.json"):
+        load_checkpoint(tmp_path)
+    model = build_tiny_model("qwen3_moe", tiny_config("qwen3_moe"), 0)
+    model.config.save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match=r"no \*\.safetensors"):
+        checkpoint_hash(tmp_path)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="pickled"):
+        load_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match="pickled"):
+        checkpoint_hash(tmp_path)

@@ -1,0 +1,48 @@
+"""The pretrained tiny base: deterministic, cached by its settings, and it actually learned the general corpus."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import training.pretrain as pretrain_module
+from training.data import pack
+from training.evaluate import heldout_loss
+from training.model import build_tiny_model, state_hash, tiny_config
+from training.pretrain import PretrainConfig, general_corpus, load_pretrained, pretrain, pretrained_base
+from training.tokenizer import ByteTokenizer
+
+QUICK = PretrainConfig(steps=30, batch_size=4, docs_per_domain=40)
+
+
+def test_pretraining_is_deterministic_and_lowers_general_loss() -> None:
+    first, second = pretrain(QUICK), pretrain(QUICK)
+    assert state_hash(first) == state_hash(second)
+    untrained = build_tiny_model(QUICK.family, tiny_config(QUICK.family), seed=QUICK.seed)
+    sequences = pack(general_corpus(QUICK), ByteTokenizer(), QUICK.seq_len)[:16]
+    assert heldout_loss(first, sequences).loss < heldout_loss(untrained, sequences).loss - 1.0
+
+
+def test_the_cache_is_keyed_by_the_settings_and_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = pretrained_base(tmp_path, QUICK)
+    assert path.parent == tmp_path and (path / "config.json").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary directory left behind
+    assert state_hash(load_pretrained(tmp_path, QUICK)) == state_hash(pretrain(QUICK))
+
+    def refuse(cfg: PretrainConfig) -> None:
+        raise AssertionError("a cached base was trained again")
+
+    monkeypatch.setattr(pretrain_module, "pretrain", refuse)
+    assert pretrained_base(tmp_path, QUICK) == path
+    assert PretrainConfig(steps=31, batch_size=4, docs_per_domain=40).key() != QUICK.key()
+    assert PretrainConfig(family="mixtral").key() != PretrainConfig().key()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"steps": 0}, "positive"), ({"lr": 0.0}, "lr"), ({"domains": ("poetry",)}, "subset"), ({"domains": ()}, "subset")],
+)
+def test_bad_settings_are_refused(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        PretrainConfig(**kwargs)  # type: ignore[arg-type]

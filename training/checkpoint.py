@@ -1,0 +1,225 @@
+"""A hub checkpoint directory on disk: its weight files and the streaming base hash.
+
+The base hash pins a model's weights in one canonical form: the names, dtypes and shapes of the
+model's own `state_dict()` (fused experts, as transformers 5 holds them), framed as follows (all
+integers little-endian) after the ASCII tag `tessera-state/1\\n`, for every tensor sorted by name:
+    u32 len(name) | name (UTF-8) | u32 len(dtype) | dtype (e.g. "float32") | u32 ndim |
+    u64 dim for each dim | u64 nbytes | the tensor's bytes (C order, little-endian)
+and the hash is SHA-256 of that stream, as lower-case hex. `checkpoint_hash` computes it straight
+from the safetensors files, one source tensor at a time in small reads, using transformers' own
+conversion mapping to learn which hub keys make up which model tensor (per-expert keys stacked on
+dim 0, gate then up concatenated on dim 1), so it equals `training.model.state_hash` of the model
+loaded in the checkpoint's dtype. Each tensor is framed with the dtype it is stored in, so nodes
+compare the bytes they were given, whatever dtype they load them in. Checkpoint keys the model
+does not have (e.g. DeepSeek's MTP layer) are not part of the model and not hashed. This module never builds real weights, trains or
+knows about the network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STATE_TAG = b"tessera-state/1\n"
+_CHUNK = 8 << 20
+_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+           "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One tensor as stored in a safetensors file: where its bytes are, its dtype and shape."""
+
+    path: Path
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def tensor_frame(name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> bytes:
+    """The framing that precedes one tensor's bytes in the canonical stream (module docstring)."""
+    encoded, dt = name.encode("utf-8"), dtype.encode("ascii")
+    return (struct.pack("<I", len(encoded)) + encoded + struct.pack("<I", len(dt)) + dt
+            + struct.pack("<I", len(shape)) + b"".join(struct.pack("<Q", d) for d in shape)
+            + struct.pack("<Q", nbytes))
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    """The checkpoint's config.json as a dict; ValueError naming what is missing or wrong."""
+    path = directory / "config.json"
+    if not directory.is_dir():
+        raise ValueError(f"{directory}: not a checkpoint directory")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise ValueError(f"{directory}: no config.json in the checkpoint directory") from exc
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read the model config: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: the model config must be a JSON object")
+    return config
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The checkpoint's safetensors files (from the index when sharded); refuses pickled weights."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{index}: not a valid safetensors index: {exc}") from exc
+        files = sorted(directory / name for name in names)
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{index}: names shard {missing[0]}, which is not in the directory")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if files:
+        return files
+    if any(directory.glob("*.bin")) or any(directory.glob("*.pt")) or any(directory.glob("*.pth")):
+        raise ValueError(f"{directory}: pickled .bin/.pt weights are never loaded; convert them to safetensors")
+    raise ValueError(f"{directory}: no *.safetensors weights in the checkpoint directory")
+
+
+def stored_tensors(directory: Path) -> dict[str, Stored]:
+    """Every tensor of the checkpoint by its key in the files, from the safetensors headers alone."""
+    out: dict[str, Stored] = {}
+    for path in weight_files(directory):
+        for key, stored in _read_header(path).items():
+            if key in out:
+                raise ValueError(f"{path}: tensor {key} also appears in {out[key].path.name}")
+            out[key] = stored
+    return out
+
+
+def checkpoint_hash(directory: str | Path) -> str:
+    """The base hash of a checkpoint directory, streamed from its files (framing: module docstring)."""
+    directory = Path(directory)
+    digest = hashlib.sha256(STATE_TAG)
+    for name, dtype, shape, parts in _canonical_parts(directory):
+        digest.update(tensor_frame(name, dtype, shape, sum(p.nbytes for p in parts)))
+        for stored in parts:
+            for chunk in _read_bytes(stored):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _canonical_parts(directory: Path) -> Iterator[tuple[str, str, tuple[int, ...], list[Stored]]]:
+    """Each model tensor (name, dtype, shape), sorted, with the stored pieces whose bytes make it, in order.
+
+    A fused expert tensor [E, R, C] is, byte for byte, expert 0's pieces, then expert 1's, ...;
+    within an expert, the converter's source patterns in order (gate before up).
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (
+        Concatenate,
+        MergeModulelist,
+        WeightConverter,
+        WeightRenaming,
+        rename_source_key,
+    )
+
+    from training.model import meta_model
+
+    model = meta_model(directory)
+    expected = model.state_dict()
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    plain: dict[str, Stored] = {}
+    fused: dict[str, dict[tuple[int, int], Stored]] = {}
+    for key, stored in stored_tensors(directory).items():
+        target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, expected)
+        if target not in expected:
+            continue
+        if pattern is None:
+            plain[target] = stored
+            continue
+        converter = next(c for c in converters if pattern in c.source_patterns)
+        ops = [(type(op), getattr(op, "dim", None)) for op in converter.operations]
+        if ops not in ([(MergeModulelist, 0)], [(MergeModulelist, 0), (Concatenate, 1)]):
+            raise ValueError(f"{key}: transformers converts it with {ops}, which the base hash cannot stream")
+        match = _EXPERT_INDEX.search(key)
+        if match is None:
+            raise ValueError(f"{key}: a per-expert key without an expert index")
+        fused.setdefault(target, {})[(int(match[1]), converter.source_patterns.index(pattern))] = stored
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    for name in sorted(expected):
+        shape = tuple(expected[name].shape)
+        if name in fused:
+            parts = _fused_parts(directory, name, fused[name], shape)
+        elif name in plain or tied.get(name) in plain:
+            parts = [plain.get(name) or plain[tied[name]]]
+            if parts[0].shape != shape:
+                raise ValueError(f"{directory}: {name} has shape {parts[0].shape}, the config implies {shape}")
+        else:
+            raise ValueError(f"{directory}: the checkpoint has no weights for {name}")
+        yield name, parts[0].dtype, shape, parts
+
+
+def _fused_parts(
+    directory: Path, name: str, pieces: dict[tuple[int, int], Stored], shape: tuple[int, ...]
+) -> list[Stored]:
+    experts = sorted({e for e, _ in pieces})
+    sources = sorted({s for _, s in pieces})
+    if experts != list(range(shape[0])) or len(pieces) != len(experts) * len(sources):
+        raise ValueError(
+            f"{directory}: {name} needs all {shape[0]} experts of every projection; "
+            f"the checkpoint has experts {experts[:3]}...{experts[-3:]} ({len(pieces)} pieces)"
+        )
+    ordered = [pieces[(e, s)] for e in experts for s in sources]
+    kinds = {(p.dtype, p.shape[1:]) for p in ordered}
+    rows = sum(pieces[(0, s)].shape[0] for s in sources)
+    if len(kinds) != 1 or (shape[0], rows, *ordered[0].shape[1:]) != shape:
+        raise ValueError(f"{directory}: the per-expert pieces of {name} do not fuse to the shape {shape}")
+    return ordered
+
+
+def _read_header(path: Path) -> dict[str, Stored]:
+    try:
+        with path.open("rb") as handle:
+            size = struct.unpack("<Q", handle.read(8))[0]
+            if size > 100 << 20:
+                raise ValueError(f"{path}: safetensors header of {size} bytes is implausibly large")
+            header = json.loads(handle.read(size))
+    except (OSError, struct.error, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a readable safetensors file: {exc}") from exc
+    base = 8 + size
+    out: dict[str, Stored] = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        dtype = _DTYPES.get(info.get("dtype"))
+        if dtype is None:
+            raise ValueError(f"{path}: {key} has dtype {info.get('dtype')}, which Tessera does not load "
+                             "(FP8/quantized checkpoints are not supported)")
+        begin, end = info["data_offsets"]
+        out[key] = Stored(path, base + begin, end - begin, dtype, tuple(info["shape"]))
+    return out
+
+
+def _read_bytes(stored: Stored) -> Iterator[bytes]:
+    with stored.path.open("rb") as handle:
+        handle.seek(stored.offset)
+        left = stored.nbytes
+        while left:
+            chunk = handle.read(min(_CHUNK, left))
+            if not chunk:
+                raise ValueError(f"{stored.path}: file ends inside a tensor; the checkpoint is truncated")
+            left -= len(chunk)
+            yield chunk
+
+
+assert torch.tensor([1], dtype=torch.int32).numpy().tobytes() == b"\x01\x00\x00\x00", (
+    "the base hash frames tensor bytes as little-endian; big-endian hosts are not supported"
+)

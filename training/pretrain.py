@@ -1,0 +1,147 @@
+"""A pretrained tiny base: a tiny MoE trained briefly on a general corpus, cached on disk by its settings.
+
+A randomly initialised tiny model is a poor base for measuring learning: expert-only tuning of it
+plateaus within a few dozen steps, because attention and the router know nothing yet. `pretrain`
+trains every weight of a tiny model for a few hundred AdamW steps on the general corpus (prose and
+code from `training.corpus`), so the experts differ and the router routes; the target domains
+(`TARGET_DOMAINS`: arithmetic and records) stay unseen, so expert-only tuning can still lower their
+held-out loss a lot. Everything is seeded (model init from `seed`, batches from a local generator),
+so the same settings give the same weights on this machine.
+
+`pretrained_base(cache_dir, cfg)` returns an HF checkpoint directory (config.json + safetensors,
+written with `save_pretrained`) named by a hash of the settings, training it only when it is not
+there yet; `training.model.load_checkpoint` loads it. This module knows nothing about the network,
+specs or expert groups.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+from training.corpus import DOMAINS, generate
+from training.data import batches, pack
+from training.evaluate import token_loss_sum
+from training.model import build_tiny_model, load_checkpoint, tiny_config
+from training.tokenizer import ByteTokenizer
+
+GENERAL_DOMAINS = ("prose", "code")
+TARGET_DOMAINS = ("arithmetic", "records")
+_RECIPE = "tessera-pretrain/1"
+"""Bump when the training recipe below changes, so old cache entries are not reused."""
+
+
+@dataclass(frozen=True)
+class PretrainConfig:
+    """How the tiny base is made; every field is part of the cache key."""
+
+    family: str = "qwen3_moe"
+    """Transformers MoE family of the tiny model (`training.model.tiny_config`)."""
+    seed: int = 0
+    """Seeds the model init, the corpus and the batch order."""
+    steps: int = 600
+    """AdamW steps over all weights."""
+    batch_size: int = 16
+    """Sequences per step."""
+    seq_len: int = 64
+    """Tokens per packed sequence."""
+    lr: float = 3e-3
+    """Peak learning rate; linear warm-up over 5% of the steps, cosine decay to 10% after."""
+    docs_per_domain: int = 1500
+    """Documents generated per general domain."""
+    domains: tuple[str, ...] = GENERAL_DOMAINS
+    """The general corpus's domains."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.batch_size < 1 or self.docs_per_domain < 1:
+            raise ValueError("pretrain steps, batch_size and docs_per_domain must be positive")
+        if self.lr <= 0:
+            raise ValueError(f"pretrain lr must be positive, got {self.lr}")
+        unknown = set(self.domains) - set(DOMAINS)
+        if not self.domains or unknown:
+            raise ValueError(f"pretrain domains must be a non-empty subset of {', '.join(DOMAINS)}")
+
+    def key(self) -> str:
+        """16 hex digits of SHA-256 over the recipe tag and these settings: the cache entry's name."""
+        settings = json.dumps({"recipe": _RECIPE, **asdict(self)}, sort_keys=True)
+        return hashlib.sha256(settings.encode("utf-8")).hexdigest()[:16]
+
+
+def general_corpus(cfg: PretrainConfig) -> list[str]:
+    """The general documents the base is trained on, domain by domain, interleaved by position."""
+    per_domain = [generate(domain, cfg.docs_per_domain, cfg.seed) for domain in cfg.domains]
+    return [doc for row in zip(*per_domain, strict=True) for doc in row]
+
+
+def pretrain(cfg: PretrainConfig) -> PreTrainedModel:
+    """Train a freshly initialised tiny model on the general corpus; returns it in eval mode."""
+    tokenizer = ByteTokenizer()
+    sequences = pack(general_corpus(cfg), tokenizer, cfg.seq_len)
+    model = build_tiny_model(cfg.family, tiny_config(cfg.family), seed=cfg.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
+    warmup = max(1, cfg.steps // 20)
+
+    def schedule(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, cfg.steps - warmup)
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    stream = batches(sequences, cfg.batch_size, cfg.seed)
+    threads = torch.get_num_threads()
+    # Matrices this small gain nothing from intra-op threads, and on a busy CPU the threads' spinning
+    # makes each step about ten times slower; one thread also makes the result independent of the core count.
+    torch.set_num_threads(1)
+    try:
+        for _ in range(cfg.steps):
+            ids_BL = next(stream)
+            tokens = int((ids_BL[:, 1:] != tokenizer.pad_id).sum())
+            loss = token_loss_sum(model, ids_BL, tokenizer.pad_id) / tokens
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+    finally:
+        torch.set_num_threads(threads)
+    return model.eval()
+
+
+def pretrained_base(cache_dir: str | Path, cfg: PretrainConfig | None = None) -> Path:
+    """The checkpoint directory of the base `cfg` describes under `cache_dir`, trained on first use.
+
+    The directory is written in full under a temporary name and then renamed, so a reader never
+    sees a half-written checkpoint, and two processes racing to create it both end with one.
+    """
+    cfg = cfg or PretrainConfig()
+    cache_dir = Path(cache_dir)
+    target = cache_dir / f"{cfg.family}-{cfg.key()}"
+    if (target / "config.json").is_file():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cache_dir / f".{target.name}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        pretrain(cfg).save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_pretrained(cache_dir: str | Path, cfg: PretrainConfig | None = None) -> PreTrainedModel:
+    """The pretrained base as an fp32 model with eager attention (bit-exact on the CPU), in eval mode."""
+    return load_checkpoint(pretrained_base(cache_dir, cfg), dtype=torch.float32, attn_implementation="eager")

@@ -1,0 +1,136 @@
+"""The trainer's experts forward: selected experts from trainable fp32 copies, every other expert frozen.
+
+`LayerCopies` holds one MoE layer's trainable copies `w_gu_SIH` [S, 2I, H] and `w_down_SHI`
+[S, H, I] of the selected rows. Inside `trainable_experts(copies)` the layer's experts module
+dispatches, through transformers' experts interface (`tessera_trainable`, registered here on its
+own config copy, so other layers keep their implementation), to a forward that reads the selected
+experts from the copies and the rest from the frozen fused tensors: gradients reach the copies only.
+Two maths: the eager per-expert loop (the same operations as transformers' eager experts, so CPU
+results are bit-identical to it) and grouped GEMMs (transformers' `grouped_mm` on CUDA, its
+reference kernel elsewhere) with one pass over the selected experts' pairs and one over the rest.
+This module knows nothing about optimizers, data or blobs.
+Legend: T tokens, K experts per token, P routed (token, expert) pairs, S selected experts, E experts
+in the layer, I expert intermediate, H hidden.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers.integrations.moe import ExpertsInterface, _grouped_linear
+
+IMPLEMENTATION = "tessera_trainable"
+
+
+@dataclass
+class LayerCopies:
+    """Trainable fp32 copies of one layer's selected experts, and where they live in the fused tensors."""
+
+    layer: int
+    experts: torch.nn.Module
+    rows: list[int]
+    """Fused rows of the selected experts in `experts` (slots in a compressed layer)."""
+    ids: list[int]
+    """The selected experts' full ids, for tensor names (equal to `rows` in a full layer)."""
+    w_gu_SIH: torch.nn.Parameter
+    w_down_SHI: torch.nn.Parameter
+    grouped: bool
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """Copy the trained rows into the fused tensors, in their dtype."""
+        rows = torch.tensor(self.rows, device=self.experts.gate_up_proj.device)
+        self.experts.gate_up_proj[rows] = self.w_gu_SIH.to(self.experts.gate_up_proj.dtype)
+        self.experts.down_proj[rows] = self.w_down_SHI.to(self.experts.down_proj.dtype)
+
+
+def layer_copies(module: torch.nn.Module, layer: int, rows: list[int], ids: list[int], grouped: bool) -> LayerCopies:
+    """fp32 copies of `rows` of `module`'s fused experts; `ids` name them, `grouped` picks the maths."""
+    index = torch.tensor(rows, device=module.gate_up_proj.device)
+    w_gu = torch.nn.Parameter(module.gate_up_proj.detach()[index].to(torch.float32).clone())
+    w_down = torch.nn.Parameter(module.down_proj.detach()[index].to(torch.float32).clone())
+    return LayerCopies(layer, module, rows, ids, w_gu, w_down, grouped)
+
+
+@contextmanager
+def trainable_experts(copies: LayerCopies) -> Iterator[None]:
+    """Dispatch the layer's experts module to `tessera_trainable` (on its own config copy) with `copies`."""
+    module = copies.experts
+    original = module.config
+    module.config = copy.copy(original)
+    module.config._experts_implementation = IMPLEMENTATION
+    module.tessera_copies = copies
+    try:
+        yield
+    finally:
+        del module.tessera_copies
+        module.config = original
+
+
+def _trainable_forward(
+    module: torch.nn.Module, hidden_TH: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """Experts forward reading selected experts from the fp32 copies and the rest from the frozen rows."""
+    copies: LayerCopies = module.tessera_copies
+    if copies.grouped:
+        return _grouped_forward(module, copies, hidden_TH, top_k_index, top_k_weights)
+    slot_of = {row: slot for slot, row in enumerate(copies.rows)}
+    out_TH = torch.zeros_like(hidden_TH)
+    for expert in torch.unique(top_k_index).tolist():
+        token, slot = torch.where(top_k_index == expert)
+        if expert in slot_of:
+            w_gu = copies.w_gu_SIH[slot_of[expert]].to(module.gate_up_proj.dtype)
+            w_down = copies.w_down_SHI[slot_of[expert]].to(module.down_proj.dtype)
+        else:
+            w_gu, w_down = module.gate_up_proj[expert], module.down_proj[expert]
+        gate, up = F.linear(hidden_TH[token], w_gu).chunk(2, dim=-1)
+        y_TH = F.linear(module.act_fn(gate) * up, w_down) * top_k_weights[token, slot, None]
+        out_TH = out_TH.index_add(0, token, y_TH.to(out_TH.dtype))
+    return out_TH
+
+
+def _grouped_forward(
+    module: torch.nn.Module,
+    copies: LayerCopies,
+    hidden_TH: torch.Tensor,
+    index_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+) -> torch.Tensor:
+    """Grouped-GEMM experts: one pass over the selected experts' pairs, one over the frozen experts' pairs."""
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else module.gate_up_proj.dtype
+    n_experts, n_selected = module.gate_up_proj.shape[0], len(copies.rows)
+    slot_E = torch.full((n_experts,), -1, dtype=torch.long, device=index_TK.device)
+    slot_E[torch.tensor(copies.rows, device=index_TK.device)] = torch.arange(n_selected, device=index_TK.device)
+    token_P = torch.arange(index_TK.shape[0], device=index_TK.device).repeat_interleave(index_TK.shape[1])
+    expert_P, weight_P = index_TK.reshape(-1), weights_TK.reshape(-1)
+    mine_P = slot_E[expert_P] >= 0
+    out_TH = torch.zeros_like(hidden_TH)
+    passes = [(mine_P, slot_E[expert_P], copies.w_gu_SIH, copies.w_down_SHI, n_selected)]
+    if n_selected < n_experts:
+        passes.append((~mine_P, expert_P, module.gate_up_proj, module.down_proj, n_experts))
+    for keep_P, ids_P, w_gu_NIH, w_down_NHI, n in passes:
+        ids_P, tok_P, wt_P = ids_P[keep_P], token_P[keep_P], weight_P[keep_P]
+        if ids_P.numel() == 0:
+            continue
+        order = torch.argsort(ids_P, stable=True)
+        offsets = torch.cumsum(torch.bincount(ids_P, minlength=n), 0).to(torch.int32)
+        x_PH = hidden_TH[tok_P[order]].to(dtype)
+        gate, up = _gmm(x_PH, w_gu_NIH.to(dtype), offsets).chunk(2, dim=-1)
+        y_PH = _gmm(module.act_fn(gate) * up, w_down_NHI.to(dtype), offsets) * wt_P[order, None]
+        out_TH = out_TH.index_add(0, tok_P[order], y_PH.to(out_TH.dtype))
+    return out_TH
+
+
+def _gmm(x_PI: torch.Tensor, w_NOI: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x @ w[n].T for each group n of rows; transformers' grouped_mm on CUDA, its reference kernel elsewhere."""
+    if x_PI.device.type == "cuda":
+        return _grouped_linear(x_PI, w_NOI, offsets)
+    return torch.ops.transformers.grouped_mm_fallback(x_PI, w_NOI.transpose(-2, -1), offs=offsets)
+
+
+ExpertsInterface.register(IMPLEMENTATION, _trainable_forward)
