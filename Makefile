@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(PY) bench/transfer.py --out .bench/transfer.json
 	$(PY) bench/round.py --out .bench/round.json
 	$(PY) bench/selection.py --out .bench/selection.json
+	$(PY) bench/twins_load.py --out .bench/twins_load.json
 
 clean:
 	rm -rf $(VENV) .demo .bench

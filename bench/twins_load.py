@@ -8,7 +8,8 @@ It checks, and fails loudly otherwise, that
 - every miner is scored in every round (each validator's round report has a loss for it), and
 - the validators agree (one state per round, voted by every validator; every node ends on it).
 Reported:
-- `peak_rss_mib` (the process's peak RSS, all nodes together) and `rss_before_mib` (after imports);
+- `peak_rss_mib` (the process's peak RSS, all nodes together), `rss_before_mib` (after imports) and
+  `peak_rss_growth_per_node_mib` (the difference over the number of nodes);
 - `evaluate_s_per_miner`: seconds a validator's `Scorer.score_round` takes per miner it scores
   (all calls pooled), and `evaluate_phase_wall_s`: wall time of each round's EVALUATE phase (every
   validator fetching, checking and scoring its assigned miners, concurrently);
@@ -91,6 +92,7 @@ async def run_load(root: Path, validators: int, miners: int, rounds: int) -> dic
                     t0 = time.perf_counter()
                     await net.phase(r, phase)
                     walls[str(phase)] = round(time.perf_counter() - t0, 3)
+                    print(f"round {r} {phase}: {walls[str(phase)]:.1f} s", file=sys.stderr, flush=True)
                 phase_s.append(walls)
             await net.phase(rounds, Phase.TRAIN)  # settles the last round
         observed = await _observe(net, names, rounds)
@@ -154,8 +156,10 @@ def main() -> None:
     before = rss_mib()
     with tempfile.TemporaryDirectory(prefix="tessera-twins-load-") as tmp:
         report = asyncio.run(run_load(Path(tmp), args.validators, args.miners, args.rounds))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     report["rss_before_mib"] = round(before, 1)
-    report["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    report["peak_rss_mib"] = round(peak, 1)
+    report["peak_rss_growth_per_node_mib"] = round((peak - before) / (args.validators + args.miners), 2)
     emit(report, args.out)
 
 

@@ -14,7 +14,7 @@ from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from protocol.messages import VALIDATOR_KINDS, DecodeError, Envelope, decode_envelope
+from protocol.messages import VALIDATOR_KINDS, DecodeError, Envelope, Message, decode_envelope
 from protocol.rounds import Phase, Schedule
 
 
@@ -26,18 +26,20 @@ class Verdict(StrEnum):
 
 @dataclass(frozen=True)
 class CheckResult:
-    """A verdict, a short stable reason (used as a metric label) and an optional free-text detail."""
+    """A verdict, a short stable reason (used as a metric label) and an optional free-text detail.
+
+    An ACCEPT carries the message the check decoded, so nobody downstream decodes the body again.
+    """
 
     verdict: Verdict
     reason: str
     detail: str = ""
+    message: Message | None = field(default=None, compare=False)
 
     @property
     def accepted(self) -> bool:
         return self.verdict is Verdict.ACCEPT
 
-
-ACCEPTED = CheckResult(Verdict.ACCEPT, "ok")
 
 # (kind, sender, round) -> id of the first accepted message with that key.
 SeenKey = tuple[str, str, int]
@@ -96,10 +98,10 @@ def check(envelope: Envelope, ctx: CheckContext) -> CheckResult:
         return CheckResult(Verdict.REJECT, "bad signature")
     if envelope.kind in VALIDATOR_KINDS and envelope.sender not in ctx.validators:
         return CheckResult(Verdict.REJECT, "not a validator")
-    return _check_timing(envelope, message_id, ctx)
+    return _check_timing(envelope, message, message_id, ctx)
 
 
-def _check_timing(envelope: Envelope, message_id: str, ctx: CheckContext) -> CheckResult:
+def _check_timing(envelope: Envelope, message: Message, message_id: str, ctx: CheckContext) -> CheckResult:
     if envelope.round < ctx.current_round - 1:
         return CheckResult(Verdict.IGNORE, "old round")
     if envelope.kind != "heartbeat":
@@ -114,7 +116,7 @@ def _check_timing(envelope: Envelope, message_id: str, ctx: CheckContext) -> Che
         if envelope.kind == "heartbeat":
             return CheckResult(Verdict.IGNORE, "old heartbeat")
         return CheckResult(Verdict.REJECT, f"outside {envelope.kind} window", "too late")
-    return ACCEPTED
+    return CheckResult(Verdict.ACCEPT, "ok", message=message)
 
 
 def check_bytes(data: bytes, ctx: CheckContext, max_bytes: int) -> tuple[CheckResult, Envelope | None]:

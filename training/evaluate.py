@@ -9,10 +9,12 @@ where sequences come from or what a validator does with the loss.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from training.adapters import MoEAdapter
 from training.experts import ExpertGroup, Tensors, check_group, expert_names, insert, parse_name
@@ -46,8 +48,11 @@ def heldout_loss(
     batch_size: int = 16,
     device: str = "cpu",
     pad_id: int = 256,
+    progress: bool = False,
 ) -> LossResult:
-    """Mean token loss of `model` on `sequences` [N, L]; the model is moved to `device` (see `place`)."""
+    """Mean token loss of `model` on `sequences` [N, L]; the model is moved to `device` (see `place`).
+
+    `progress`: a tqdm bar over the batches when stderr is a terminal (the `tessera eval` command)."""
     if sequences.ndim != 2 or sequences.shape[0] == 0 or sequences.dtype != torch.long:
         raise ValueError(
             f"expected a non-empty LongTensor [N, L] of token ids, got {sequences.dtype} "
@@ -60,7 +65,8 @@ def heldout_loss(
     model.eval()
     total, tokens = 0.0, 0
     try:
-        for start in range(0, sequences.shape[0], batch_size):
+        starts = range(0, sequences.shape[0], batch_size)
+        for start in tqdm(starts, desc="eval", unit="batch", disable=not (progress and sys.stderr.isatty())):
             ids_BL = sequences[start : start + batch_size].to(input_device)
             total += float(token_loss_sum(model, ids_BL, pad_id))
             tokens += int((ids_BL[:, 1:] != pad_id).sum())
@@ -87,6 +93,7 @@ def loss_with_experts(
     batch_size: int = 16,
     device: str = "cpu",
     pad_id: int = 256,
+    progress: bool = False,
 ) -> LossResult:
     """Loss of Θ0[Φ_S ← Φ]: the model with `tensors` in its expert rows; the rows are restored after."""
     group: dict[int, set[int]] = {}
@@ -96,7 +103,7 @@ def loss_with_experts(
     original = _rows(model, adapter, {layer: sorted(e) for layer, e in group.items()})
     insert(model, adapter, tensors)
     try:
-        return heldout_loss(model, sequences, batch_size=batch_size, device=device, pad_id=pad_id)
+        return heldout_loss(model, sequences, batch_size=batch_size, device=device, pad_id=pad_id, progress=progress)
     finally:
         insert(model, adapter, original)
 

@@ -29,12 +29,14 @@ I expert intermediate size.
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from training.compressed import masked_routing
 
@@ -109,11 +111,13 @@ def routing_stats(
     batch_size: int = 8,
     pad_id: int = 256,
     groups: torch.Tensor | None = None,
+    progress: bool = False,
 ) -> RoutingStats:
     """Run `sequences` [N, S] through the model and gather routing statistics of every MoE layer.
 
     With `groups` [N] (each row's document index, 0..D-1, every index used) the statistics are taken
-    per document and then averaged over documents; without, over all tokens at once.
+    per document and then averaged over documents; without, over all tokens at once. `progress`: a
+    tqdm bar over the batches when stderr is a terminal (the `tessera select-experts` command).
     """
     if sequences.ndim != 2 or sequences.shape[0] == 0:
         raise ValueError(f"expected a non-empty [N, seq_len] tensor of token ids, got shape {tuple(sequences.shape)}")
@@ -134,7 +138,8 @@ def routing_stats(
     tokens_D = torch.zeros(n_groups, dtype=torch.float64)
     device = next(model.parameters()).device
     try:
-        for start in range(0, sequences.shape[0], batch_size):
+        starts = range(0, sequences.shape[0], batch_size)
+        for start in tqdm(starts, desc="routing", unit="batch", disable=not (progress and sys.stderr.isatty())):
             ids_BS = sequences[start : start + batch_size].to(device)
             mask_BS = ids_BS != pad_id
             group_BS = groups[start : start + batch_size, None].expand(ids_BS.shape)
@@ -205,15 +210,17 @@ def choose(scores_E: torch.Tensor, top_d: int | None = None, mass: float | None 
 
 
 def pooled_stats(
-    model: torch.nn.Module, adapter: Any, domain: Domain, batch_size: int = 8, pad_id: int = 256
+    model: torch.nn.Module, adapter: Any, domain: Domain, batch_size: int = 8, pad_id: int = 256,
+    progress: bool = False,
 ) -> RoutingStats:
     """Statistics of packed rows [N, S] over all tokens, or of documents: per document, then their mean."""
     if isinstance(domain, torch.Tensor):
-        return routing_stats(model, adapter, domain, batch_size, pad_id)
+        return routing_stats(model, adapter, domain, batch_size, pad_id, progress=progress)
     if not domain:
         raise ValueError("no documents to measure")
     groups = torch.cat([torch.full((doc.shape[0],), i, dtype=torch.long) for i, doc in enumerate(domain)])
-    return routing_stats(model, adapter, torch.cat(list(domain)), batch_size, pad_id, groups=groups)
+    return routing_stats(model, adapter, torch.cat(list(domain)), batch_size, pad_id, groups=groups,
+                         progress=progress)
 
 
 def data_sha256(domain: Domain) -> str:
@@ -236,6 +243,7 @@ def select_experts(
     batch_size: int = 8,
     pad_id: int = 256,
     mode: str = "global",
+    progress: bool = False,
 ) -> dict[str, Any]:
     """The JSON-able selection of every MoE layer's experts (see the module docstring for `domain`, `mode`).
 
@@ -258,8 +266,9 @@ def select_experts(
     passes = [moe_layers] if mode == "global" else [[layer] for layer in moe_layers]
     for layers in passes:
         with _pruned(model, adapter, group):
-            domain_stats = pooled_stats(model, adapter, domain, batch_size, pad_id)
-            general_stats = pooled_stats(model, adapter, general, batch_size, pad_id) if general is not None else None
+            domain_stats = pooled_stats(model, adapter, domain, batch_size, pad_id, progress)
+            general_stats = (pooled_stats(model, adapter, general, batch_size, pad_id, progress)
+                             if general is not None else None)
         layer_scores = rule_scores(rule, domain_stats, general_stats)
         tokens = domain_stats.tokens
         for layer in layers:

@@ -114,10 +114,10 @@ def run_eval(args: argparse.Namespace) -> int:
                                spec.data.heldout_sequences)
     started = time.perf_counter()
     if args.blob is None:
-        result = heldout_loss(model, sequences, batch_size=EVAL_BATCH, pad_id=tokenizer.pad_id)
+        result = heldout_loss(model, sequences, batch_size=EVAL_BATCH, pad_id=tokenizer.pad_id, progress=True)
     else:
         _, _, tensors = _read_blob(args.blob, spec)
         result = loss_with_experts(model, adapter, tensors, sequences, batch_size=EVAL_BATCH,
-                                   pad_id=tokenizer.pad_id)
+                                   pad_id=tokenizer.pad_id, progress=True)
     _print_json({"loss": result.loss, "tokens": result.tokens, "seconds": time.perf_counter() - started})
     return 0

@@ -145,7 +145,7 @@ def run_select_experts(args: argparse.Namespace) -> int:
         domain = pack(texts, tokenizer, spec.data.seq_len)[: args.max_sequences]
         general = pack(general_texts, tokenizer, spec.data.seq_len)[: args.max_sequences] if general_texts else None
     selection = select_experts(model, adapter, domain, args.rule, top_d=args.top_d, mass=args.mass,
-                               general=general, pad_id=tokenizer.pad_id, mode=args.mode)
+                               general=general, pad_id=tokenizer.pad_id, mode=args.mode, progress=True)
     selection |= {"model": {"family": spec.model.family, "base_hash": spec.model.base_hash},
                   "data": _file_record(args.data), "general": _file_record(args.general),
                   "examples": args.examples, "shared": args.shared}

@@ -56,7 +56,7 @@ def run_train(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.global_blob}: {exc}") from exc
         head = sha256_hex(data)
     blob, result = build_submission(model, identity.node_id, args.round, head, base, MinerSection(),
-                                    steps=args.steps)
+                                    steps=args.steps, progress=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_blob_file(args.out, blob)
     print(json.dumps({

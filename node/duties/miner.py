@@ -31,6 +31,7 @@ from node.duties.results import learn_results
 from node.net.network import PublishRefused
 from node.runtime.config import MinerSection
 from node.runtime.daemon import BuiltOnce, DutiesFactory, HeartbeatDuties, NodeContext
+from node.runtime.metrics import NodeMetrics
 from node.store.records import Submission
 from protocol.messages import Commit, Envelope, Message, Reveal
 from protocol.rounds import Phase
@@ -88,14 +89,17 @@ class MinerModel:
         return cls(spec, model, adapter, genesis, sequences, tokenizer.pad_id)
 
     def train(self, miner: str, round: int, base: Mapping[str, torch.Tensor], section: MinerSection,
-              keep_going: Callable[[], bool], steps: int | None = None) -> TrainResult:
-        """H inner steps (or `steps`) from `base` on this miner's shard; fewer when `keep_going` turns False."""
+              keep_going: Callable[[], bool], steps: int | None = None, progress: bool = False) -> TrainResult:
+        """H inner steps (or `steps`) from `base` on this miner's shard; fewer when `keep_going` turns False.
+
+        `progress`: a tqdm bar on a terminal (the `tessera train` command; the daemon logs instead)."""
         inner = self.spec.training
         insert(self.model, self.adapter, dict(base))
         cfg = TrainConfig(steps=steps or inner.inner_steps, lr=inner.lr, weight_decay=inner.weight_decay,
                           batch_size=inner.batch_size, micro_batch_size=section.micro_batch_size,
                           grad_clip=inner.grad_clip, forward=section.forward, device=section.device,
-                          pad_id=self.pad_id)
+                          checkpointing=section.checkpointing, autocast=section.autocast,
+                          pad_id=self.pad_id, progress=progress)
         rows = shard(self.sequences, miner, round)
         order = batches(rows, cfg.batch_size, miner_seed(miner, round))
         return train_experts(self.model, self.adapter, self.spec.group, _while(order, keep_going), cfg)
@@ -103,9 +107,9 @@ class MinerModel:
 
 def build_submission(model: MinerModel, miner: str, round: int, head: str, base: Mapping[str, torch.Tensor],
                      section: MinerSection, keep_going: Callable[[], bool] = lambda: True,
-                     steps: int | None = None) -> tuple[bytes, TrainResult]:
+                     steps: int | None = None, progress: bool = False) -> tuple[bytes, TrainResult]:
     """An honest miner's blob for `round`, trained from the state `head` (whose tensors are `base`)."""
-    result = model.train(miner, round, base, section, keep_going, steps)
+    result = model.train(miner, round, base, section, keep_going, steps, progress)
     return encode_submission(model.spec, round, miner, head, result.tensors), result
 
 
@@ -120,6 +124,7 @@ class Job:
     base: GlobalExperts
     section: MinerSection
     keep_going: Callable[[], bool]
+    metrics: NodeMetrics
 
     @property
     def seed(self) -> int:
@@ -140,8 +145,10 @@ class HonestStrategy:
         """The submission's bytes (runs in a worker thread: torch)."""
         data, result = build_submission(job.model, job.miner, job.round, job.head, job.base.tensors,
                                         job.section, job.keep_going)
-        log.info("round %d: trained %d steps in %.1f s, loss %.4f -> %.4f", job.round, len(result.losses),
-                 result.seconds, result.losses[0], result.losses[-1])
+        tokens_s = result.tokens / result.seconds if result.seconds > 0 else 0.0
+        log.info("round %d: trained %d steps in %.1f s (%.0f tokens/s), loss %.4f -> %.4f", job.round,
+                 len(result.losses), result.seconds, tokens_s, result.losses[0], result.losses[-1])
+        job.metrics.train_progress(len(result.losses), result.tokens, result.seconds, result.losses[-1])
         return data
 
     async def commitment(self, duty: MinerDuties, round: int) -> str | None:
@@ -202,7 +209,8 @@ class MinerDuties:
         head = await self.ctx.head()
         base = (await self.consensus.load(head, model.genesis, model.shapes)).state
         deadline = self._train_deadline(round)
-        job = Job(model, self.me, round, head, base, self.ctx.config.miner, lambda: self.ctx.clock.now() < deadline)
+        job = Job(model, self.me, round, head, base, self.ctx.config.miner, lambda: self.ctx.clock.now() < deadline,
+                  self.ctx.metrics)
         try:
             data = await asyncio.to_thread(self.strategy.build, job)
         except ValueError as exc:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import torch
 
@@ -159,8 +160,11 @@ class ValidatorDuties:
         fetched = await asyncio.gather(*(self._fetch(plan.revealed[m], m, loaded) for m in mine))
         submissions = {m: (plan.revealed[m], data) for m, data in zip(mine, fetched, strict=True)}
         head = await self.ctx.head()
+        started = time.perf_counter()
         result = await asyncio.to_thread(loaded.scorer.score_round, round, plan.seed, self.state.tensors,
                                          head, submissions)
+        self.ctx.metrics.submissions_scored(time.perf_counter() - started,
+                                            [(e.verdict, e.reason) for e in result.entries])
         self._checked.add(round, result.accepted)
         log.info("round %d: validator %s scored %d miner(s) against %s with seed %s: base loss %.4f", round,
                  self.me[:8], len(mine), head[:12], plan.seed[:12], result.base_loss)

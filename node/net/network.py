@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Protocol
 
 from protocol.check import CheckResult
-from protocol.messages import MESSAGE_TYPES, Envelope
+from protocol.messages import MESSAGE_TYPES, Envelope, Message
 
 SUBSCRIPTION_QUEUE = 4096
 
@@ -62,11 +62,17 @@ class NetworkStats:
 
 @dataclass(frozen=True)
 class Delivery:
-    """An accepted envelope, the peer it arrived from, and the check's result."""
+    """An accepted envelope, the peer it arrived from, and the check's result (with the decoded message)."""
 
     envelope: Envelope
     result: CheckResult
     peer: str
+
+    @property
+    def message(self) -> Message:
+        """The body as the judge decoded it; an accepted envelope is never decoded twice."""
+        assert self.result.message is not None, "a delivery is made only from an ACCEPT"
+        return self.result.message
 
 
 class Subscription:

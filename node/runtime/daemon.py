@@ -207,7 +207,7 @@ class Node:
 
     async def _consume(self, subscription: Subscription) -> None:
         async for delivery in subscription:
-            await self._handle(delivery.envelope, delivery.envelope.message())
+            await self._handle(delivery.envelope, delivery.message)
 
     async def _handle(self, envelope: Envelope, message: Message) -> None:
         """Record an accepted envelope, then hand it and its decoded message to the duties."""
@@ -231,8 +231,9 @@ class Node:
         overran = run.finished_at > self.ctx.schedule.phase_window(run.round, Phase(run.phase))[1]
         self.ctx.metrics.phase_run(run.round, run.phase, run.duration_s, run.late_s, run.ok, overran,
                                    self.scheduler.skipped)
+        log.info("round %d: %s %s in %.1f s%s", run.round, run.phase, "done" if run.ok else "failed", run.duration_s,
+                 ", past the end of its phase" if overran else "")
         await self.ctx.storage.record_phase_run(run)
-        await StatusViews(self).refresh_metrics()
         if run.phase == Phase.MERGE:
             await self.ctx.storage.export_rewards_jsonl(self.ctx.config.rewards_jsonl)
 

@@ -42,7 +42,7 @@ class StatusSource(Protocol):
 
     async def miner(self, miner: str) -> list[dict[str, Any]]: ...
 
-    def metrics_text(self) -> bytes: ...
+    async def metrics_text(self) -> bytes: ...
 
 
 class HttpApi:
@@ -144,7 +144,7 @@ def _miner(source: StatusSource) -> Handler:
 
 def _metrics(source: StatusSource) -> Handler:
     async def handler(request: web.Request) -> web.Response:
-        response = web.Response(body=source.metrics_text())
+        response = web.Response(body=await source.metrics_text())
         response.headers["Content-Type"] = CONTENT_TYPE
         return response
 

@@ -5,9 +5,9 @@ wrote one (a validator: it also lists miners that never committed), else from th
 node stores once the round settled (`storage.round_results`, ranked from the public score reports
 by node.duties.results), plus miners that committed without revealing. Each miner row carries every
 validator's score. The held-out loss of the state adopted after round r is the validator's report
-of it, else the median base loss of round r+1's score reports (measured against that state).
-`refresh_metrics` copies the same numbers into the node's Prometheus gauges. This module knows
-nothing about HTTP, computes no ranking, and never writes to storage.
+of it, else the median base loss of round r+1's score reports (measured against that state). At
+each scrape, `refresh_metrics` copies the same numbers into the node's Prometheus gauges. This
+module knows nothing about HTTP, computes no ranking, and never writes to storage.
 """
 
 from __future__ import annotations
@@ -91,7 +91,9 @@ class StatusViews:
                 history.append({"round": view.round, **entry})
         return history
 
-    def metrics_text(self) -> bytes:
+    async def metrics_text(self) -> bytes:
+        """The Prometheus text, with the round-result gauges read from storage just now."""
+        await self.refresh_metrics()
         return self.node.metrics_text()
 
     async def refresh_metrics(self) -> None:

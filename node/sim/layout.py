@@ -25,13 +25,16 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+import torch
+
 from protocol.identity import Identity, save_identity
 from protocol.spec import load_spec
 from training.adapters import adapter_for
 from training.checkpoint import checkpoint_hash
 from training.corpus import generate, write_documents
 from training.data import file_sha256, pack
-from training.pretrain import PretrainConfig, load_pretrained, pretrained_base
+from training.model import load_checkpoint
+from training.pretrain import PretrainConfig, pretrained_base
 from training.selection import select_experts
 from training.tokenizer import ByteTokenizer
 
@@ -109,10 +112,11 @@ def make_sim_network(
         },
         "training": {"inner_steps": 20},
         # From bench/learning.py's sweep on this base (4 miners, H 20, 5 rounds): plain averaging
-        # (lr 1, no momentum) ended lowest (2.10 nats against 2.25 for lr 0.5 / momentum 0.5 and 2.44
-        # for the DESIGN's 0.7 / 0.9); larger outer steps overshot. Honest miners starting from one
-        # state agree closely (cosine about 0.995 after 20 steps), so the 0.99 copy threshold dropped
-        # every one of them and nothing was merged; copies are exact (cosine 1) and still caught.
+        # (lr 1, no momentum) ended lowest (2.23-2.24 nats against 2.36 for lr 0.5 / momentum 0.5 and
+        # 2.40 for the DESIGN's 0.7 / 0.9, which also forgot most: +3.1 nats of general loss against
+        # +0.3); larger outer steps overshot. Honest miners starting from one state agree closely
+        # (cosine about 0.995 after 20 steps), so a 0.99 copy threshold dropped all of them in round 0
+        # and all but one in round 1; copied blobs are exact (cosine 1) and still caught.
         "aggregation": {"outer_lr": 1.0, "momentum": 0.0},
         "rewards": {"duplicate_cosine": 0.9999},
         "validators": [{"key": node_id, "weight": 1.0} for node_id in ids],
@@ -128,12 +132,19 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tessera"
 
 
+def prepare_base(family: str, cache_dir: str | Path | None = None) -> Path:
+    """The pretrained base's cached checkpoint for `family`, trained now if the cache lacks it.
+
+    Call it before fixing a genesis time: pretraining into a cold cache can take a minute on a busy CPU.
+    """
+    return pretrained_base(Path(cache_dir) if cache_dir is not None else default_cache_dir(), PretrainConfig(family=family))
+
+
 def _write_model_and_data(
     directory: Path, family: str, seed: int, experts_per_layer: int, cache_dir: str | Path | None
 ) -> tuple[str, dict[int, list[int]]]:
-    pretrain = PretrainConfig(family=family)
-    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    shutil.copytree(pretrained_base(cache, pretrain), directory / "base")
+    base = prepare_base(family, cache_dir)
+    shutil.copytree(base, directory / "base")
     train = generate("arithmetic", TRAIN_DOCS, seed)
     seen = set(train)
     heldout = [doc for doc in generate("arithmetic", HELDOUT_DOCS, seed + 1_000_003) if doc not in seen]
@@ -143,7 +154,7 @@ def _write_model_and_data(
     write_documents(data / "heldout.jsonl", heldout)
     write_documents(data / "general.jsonl", general)
 
-    model = load_pretrained(cache, pretrain)
+    model = load_checkpoint(directory / "base", dtype=torch.float32, attn_implementation="eager")
     adapter = adapter_for(family)
     sequences = pack(train, ByteTokenizer(), SEQ_LEN)[:SELECTION_SEQUENCES]
     selection = select_experts(model, adapter, sequences, "gate-mass", top_d=experts_per_layer)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from node.runtime.scheduler import PhaseRun
-from node.sim.layout import SimNetwork, make_sim_network, sim_identity, to_toml
+from node.sim.layout import SimNetwork, make_sim_network, prepare_base, sim_identity, to_toml
 from node.sim.process import ADVERSARY_KINDS, SimNode, SimSettings, SimulationError, free_port
 from node.store.db import Storage
 from protocol.identity import save_identity
@@ -57,6 +57,7 @@ class Simulation:
         if self.directory.exists() and any(self.directory.iterdir()):
             raise ValueError(f"{self.directory}: directory is not empty; remove it or choose another --dir")
         s = self.settings
+        prepare_base(s.family)  # a cold cache pretrains first, so genesis is not already past
         genesis = (datetime.now(UTC) + timedelta(seconds=s.delay_s())).replace(microsecond=0)
         self.network = make_sim_network(self.directory / "network", validators=s.validators, family=s.family,
                                         genesis=genesis, timing=s.timing(), seed=s.seed)

@@ -49,7 +49,7 @@ class FakeNode:
     async def miner(self, miner: str) -> list[dict[str, Any]]:
         return [{"round": 3, **ROUND["miners"][0]}] if miner == MINER else []
 
-    def metrics_text(self) -> bytes:
+    async def metrics_text(self) -> bytes:
         return self.metrics.render()
 
 

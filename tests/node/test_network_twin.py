@@ -52,6 +52,7 @@ async def test_published_envelopes_reach_every_other_node_but_not_the_sender(
         assert delivery.envelope == envelope
         assert delivery.peer == miner_ids[0].node_id
         assert delivery.result.accepted
+        assert delivery.message == envelope.message()
     with pytest.raises(asyncio.TimeoutError):
         await subs["m0"].get(timeout=0.05)
     assert nodes["v0"].stats.messages[("heartbeat", "accept")] == 1

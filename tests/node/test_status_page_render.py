@@ -52,7 +52,7 @@ class FakeValidator:
     async def miner(self, miner: str) -> list[dict[str, Any]]:
         return [{"round": 0, **m} for m in ROUNDS[0]["miners"] if m["id"] == miner]
 
-    def metrics_text(self) -> bytes:
+    async def metrics_text(self) -> bytes:
         return b""
 
 

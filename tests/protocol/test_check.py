@@ -82,7 +82,9 @@ def test_on_time_is_accepted(kind, spec, schedule, ctx_at, validator_ids, miner_
     env = seal(make_message(kind), spec.network_id, sender_for(kind, validator_ids, miner_ids))
     start, end = schedule.phase_window(*ON_TIME[kind])
     for now in (start, (start + end) / 2, end - 0.01):
-        assert check(env, ctx_at(now)).verdict is Verdict.ACCEPT, now
+        result = check(env, ctx_at(now))
+        assert result.verdict is Verdict.ACCEPT, now
+        assert result.message == make_message(kind)  # what the check decoded travels on with the verdict
 
 
 @pytest.mark.parametrize("kind", [k for k in KINDS if k != "heartbeat"])

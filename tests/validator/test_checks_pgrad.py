@@ -8,9 +8,11 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from protocol.spec import SpecError, parse_spec
+from tests.conftest import make_spec_dict
 from training.blob import BLOB_FORMAT, PGRAD_FORMAT, BlobMeta, blob_hash, encode_blob
 from training.pgrad import PgradConfig, encode, rebuild
-from validator.checks import Expectation, SubmissionVerdict, check_submission
+from validator.checks import Expectation, SubmissionVerdict, check_submission, pgrad_config
 
 GROUP = {0: [1], 1: [2]}
 SHAPES = {
@@ -108,3 +110,15 @@ def test_oversize_and_wrong_format_are_rejected() -> None:
 def test_full_experts_are_refused_where_the_spec_asks_for_pseudo_gradients() -> None:
     verdict = _check(_grads(), dataclasses.replace(META, format=PGRAD_FORMAT))
     assert not verdict.ok and verdict.reason.startswith("missing tensor")
+
+
+def test_the_spec_names_the_format_and_a_default_section_keeps_the_network_id() -> None:
+    plain = parse_spec(make_spec_dict())
+    assert pgrad_config(plain) is None
+    explicit = parse_spec({**make_spec_dict(), "submission": {"format": "experts"}})
+    assert explicit.network_id == plain.network_id
+    compressed = parse_spec({**make_spec_dict(), "submission": {"format": "pgrad", "chunk": 64, "topk": 8,
+                                                                 "quant": "int8"}})
+    assert pgrad_config(compressed) == CFG and compressed.network_id != plain.network_id
+    with pytest.raises(SpecError, match="submission: topk must be a multiple of 4"):
+        parse_spec({**make_spec_dict(), "submission": {"format": "pgrad", "topk": 6}})

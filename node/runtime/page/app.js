@@ -83,8 +83,12 @@ function renderChart(rounds, role) {
     return;
   }
   const W = 640, H = 220, L = 56, R = 16, T = 14, B = 30;
-  const base = rounds.length ? rounds[0].base_loss : null;
-  const values = points.map((p) => p.global_loss).concat(base === null ? [] : [base]);
+  const start = rounds.length ? rounds[0].base_loss : null;
+  const losses = points.map((p) => p.global_loss);
+  const spread = Math.max(...losses) - Math.min(...losses) + 0.05;
+  // The starting loss is drawn only when it would not squash the curve into a flat line.
+  const base = start !== null && Math.abs(start - Math.max(...losses)) <= 3 * spread ? start : null;
+  const values = losses.concat(base === null ? [] : [base]);
   let lo = Math.min(...values), hi = Math.max(...values);
   if (hi - lo < 1e-9) { lo -= 0.01; hi += 0.01; }
   const pad = (hi - lo) * 0.1;
@@ -109,7 +113,8 @@ function renderChart(rounds, role) {
     chart.append(svg("text", { x: x(i), y: H - B + 16, "text-anchor": "middle" }, p.round));
   });
   const lag = role === "validator" ? "" : "; a round's point appears once the next round's score reports are in";
-  figure.replaceChildren(chart, el("figcaption", `after each round (${points.length} completed); dashed: where it started${lag}`, "muted"));
+  const started = base !== null ? "dashed: where it started" : start !== null ? `it started at ${num(start)}` : "";
+  figure.replaceChildren(chart, el("figcaption", `after each round (${points.length} completed); ${started}${lag}`, "muted"));
 }
 
 function row(cells, attrs = {}) {
