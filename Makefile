@@ -41,6 +41,9 @@ bench: $(STAMP)
 	$(PY) bench/round.py --out .bench/round.json
 	$(PY) bench/selection.py --out .bench/selection.json
 	$(PY) bench/twins_load.py --out .bench/twins_load.json
+	$(PY) bench/load.py --out .bench/load.json
+	$(PY) bench/learning.py --out .bench/learning.json
+	$(PY) bench/gpu.py --out .bench/gpu.json
 
 clean:
 	rm -rf $(VENV) .demo .bench

@@ -20,6 +20,7 @@ import functools
 import hashlib
 import json
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -170,6 +171,7 @@ def load_checkpoint(
     dtype: torch.dtype | None = None,
     device_map: DeviceMap = None,
     attn_implementation: str = "sdpa",
+    progress: bool = False,
 ) -> PreTrainedModel:
     """Load a local HF checkpoint directory with transformers' `from_pretrained`, in eval mode.
 
@@ -178,12 +180,16 @@ def load_checkpoint(
     model plus about one fused tensor in flight (bench/load.py measures it).
 
     `dtype` None keeps the checkpoint's dtype; `device_map` is passed to transformers (e.g. "auto",
-    "cpu", {"": 0}); `attn_implementation` "sdpa" by default, "eager" where bit-exactness matters.
+    "cpu", {"": 0}); `attn_implementation` "sdpa" by default, "eager" where bit-exactness matters;
+    `progress` shows transformers' loading bar when stderr is a terminal (operator commands).
     """
     directory = Path(directory)
     config = _checkpoint_config(directory)
     files = weight_files(directory)
-    hf_logging.disable_progress_bar()
+    if progress and sys.stderr.isatty():
+        hf_logging.enable_progress_bar()
+    else:
+        hf_logging.disable_progress_bar()
     try:
         with ExitStack() as stack, _synchronous_loading():
             # pread, not mmap: mapped file pages would count against the process twice over.
@@ -212,12 +218,13 @@ def load_base(
     dtype: torch.dtype | None = None,
     device_map: DeviceMap = None,
     attn_implementation: str | None = None,
+    progress: bool = False,
 ) -> tuple[PreTrainedModel, MoEAdapter]:
     """The spec's base model and its adapter; refuses a base that does not hash to `base_hash`.
 
     A tiny model (`model.config`) is built in fp32 with eager attention on the CPU. A checkpoint is
     hashed from its files first, then loaded with `load_checkpoint(dtype, device_map,
-    attn_implementation or "sdpa")`.
+    attn_implementation or "sdpa", progress)`.
     """
     adapter = adapter_for(spec.model.family)
     if spec.model.config is not None:
@@ -240,7 +247,7 @@ def load_base(
             raise ValueError(f"{directory}: the checkpoint is {family!r}, but the spec's family is {spec.model.family!r}")
         _check_hash(checkpoint_hash(directory), spec.model.base_hash)
         model = load_checkpoint(directory, dtype=dtype, device_map=device_map,
-                                attn_implementation=attn_implementation or "sdpa")
+                                attn_implementation=attn_implementation or "sdpa", progress=progress)
     check_group(model, adapter, spec.group)
     return model, adapter
 

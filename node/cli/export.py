@@ -53,7 +53,7 @@ def run_export(args: argparse.Namespace) -> int:
     if args.heldout is not None or not args.experts_only:
         from training.model import load_base
 
-        model, adapter = load_base(spec, args.spec)
+        model, adapter = load_base(spec, args.spec, progress=True)
         insert(model, adapter, tensors)
     if args.heldout is not None:
         loss = _heldout_loss(spec, args, model)

@@ -87,7 +87,7 @@ def _load(spec_path: Path) -> tuple[Any, Any, Any, Any]:
     from training.tokenizer import load_tokenizer
 
     spec = load_spec(spec_path)
-    model, adapter = load_base(spec, spec_path)
+    model, adapter = load_base(spec, spec_path, progress=True)
     return spec, model, adapter, load_tokenizer(spec.data.tokenizer, spec_path.parent)
 
 

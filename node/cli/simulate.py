@@ -17,6 +17,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
+from tqdm import tqdm
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     sim = subparsers.add_parser("simulate", help="run bootstrap, validators and miners as local processes")
@@ -63,11 +65,14 @@ def run_simulate(args: argparse.Namespace) -> int:
               f"{sim.schedule.genesis_ts - time.time():.0f} s, rounds of {sim.schedule.round_seconds:.0f} s")
         sim.start()
         progress = Progress(sim, sys.stdout)
-        for r in range(args.rounds):
-            reports = sim.wait_round(r, on_poll=progress)
-            rounds.append(sim.round_entry(r, reports))
-            sim.write_report(rounds)
-            print(f"round {r} done: {_loss_line(rounds[-1])}", flush=True)
+        # A bar over the rounds on a terminal; the phase lines go above it (tqdm.write).
+        with tqdm(total=args.rounds, unit="round", disable=not sys.stdout.isatty(), file=sys.stdout) as bar:
+            for r in range(args.rounds):
+                reports = sim.wait_round(r, on_poll=progress)
+                rounds.append(sim.round_entry(r, reports))
+                sim.write_report(rounds)
+                _say(f"round {r} done: {_loss_line(rounds[-1])}", sys.stdout)
+                bar.update(1)
     except SimulationError as exc:
         failure = str(exc)
     except KeyboardInterrupt:
@@ -81,6 +86,12 @@ def run_simulate(args: argparse.Namespace) -> int:
     if failure:
         print(f"tessera simulate: {failure}", file=sys.stderr)
     return 1 if failure or len(rounds) < args.rounds else 0
+
+
+def _say(line: str, out: TextIO) -> None:
+    """One progress line, above the rounds bar when there is one; flushed, so a pipe sees it at once."""
+    tqdm.write(line, file=out)
+    out.flush()
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
@@ -110,8 +121,8 @@ class Progress:
             if self.answering != len(up):
                 self.answering = len(up)
                 wait = self.sim.schedule.genesis_ts - time.time()
-                print(f"[{self._elapsed()}] genesis in {wait:3.0f} s  answering {len(up)}/{len(statuses)}",
-                      file=self.out, flush=True)
+                _say(f"[{self._elapsed()}] genesis in {wait:3.0f} s  answering {len(up)}/{len(statuses)}",
+                     self.out)
             return
         self.shown = at
         peers = [s.get("peers", 0) for s in up]
@@ -120,10 +131,10 @@ class Progress:
             head = (s.get("head") or "base")[:8]
             heads[head] = heads.get(head, 0) + 1
         alive = sum(n.alive for n in self.sim.nodes.values())
-        print(f"[{self._elapsed()}] round {at[0]} {at[1]:<8} processes {alive}/"
-              f"{len(self.sim.nodes)}  answering {len(up)}/{len(statuses)}  peers {min(peers, default=0)}-"
-              f"{max(peers, default=0)}  heads {', '.join(f'{h}x{n}' for h, n in sorted(heads.items()))}",
-              file=self.out, flush=True)
+        _say(f"[{self._elapsed()}] round {at[0]} {at[1]:<8} processes {alive}/"
+             f"{len(self.sim.nodes)}  answering {len(up)}/{len(statuses)}  peers {min(peers, default=0)}-"
+             f"{max(peers, default=0)}  heads {', '.join(f'{h}x{n}' for h, n in sorted(heads.items()))}",
+             self.out)
 
 
 def _loss_line(entry: dict[str, Any]) -> str:

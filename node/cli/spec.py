@@ -89,7 +89,7 @@ def run_spec_new(args: argparse.Namespace) -> int:
     checkpoint = args.checkpoint.resolve()
     base_hash = checkpoint_hash(checkpoint)
     tokenizer = HFTokenizer(checkpoint)
-    model = load_checkpoint(checkpoint)
+    model = load_checkpoint(checkpoint, progress=True)
     check_vocab(tokenizer, int(model.config.vocab_size), checkpoint)
     adapter = adapter_for(model.config.model_type)
     sequences = load_sequences(args.train, tokenizer, args.seq_len)[: args.max_sequences]

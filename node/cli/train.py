@@ -43,7 +43,7 @@ def run_train(args: argparse.Namespace) -> int:
         raise ValueError("--steps must be positive")
     identity = load_identity(args.key)
     spec = load_spec(args.spec)
-    model = MinerModel.load(spec, args.spec, args.data or [])
+    model = MinerModel.load(spec, args.spec, args.data or [], progress=True)
     head, base = spec.model.base_hash, model.genesis.tensors
     if args.global_blob is not None:
         try:

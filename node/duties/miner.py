@@ -79,9 +79,9 @@ class MinerModel:
         self.pad_id = pad_id
 
     @classmethod
-    def load(cls, spec: NetworkSpec, spec_path: Path, data: Sequence[Path] = ()) -> MinerModel:
+    def load(cls, spec: NetworkSpec, spec_path: Path, data: Sequence[Path] = (), progress: bool = False) -> MinerModel:
         """Build the base model and pack the training files (`data`, else the spec's); blocking."""
-        model, adapter = load_base(spec, spec_path)
+        model, adapter = load_base(spec, spec_path, progress=progress)
         tokenizer = load_tokenizer(spec.data.tokenizer, spec_path.parent)
         files = list(data) or [spec_dir_path(spec_path, p) for p in spec.data.train]
         sequences = load_sequences(files, tokenizer, spec.data.seq_len)

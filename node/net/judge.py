@@ -178,12 +178,14 @@ class GossipJudge:
         with self._lock:
             return dict(self.stats.rejects_by_peer)
 
-    def count_blob(self, bytes_in: int = 0, bytes_out: int = 0, fetched: int = 0, failed: int = 0) -> None:
+    def count_blob(self, bytes_in: int = 0, bytes_out: int = 0, fetched: int = 0, failed: int = 0,
+                   served: int = 0) -> None:
         """Add blob-transfer counts (called from whichever thread moves the bytes)."""
         with self._lock:
             self.stats.blob_bytes_in += bytes_in
             self.stats.blob_bytes_out += bytes_out
             self.stats.blobs_fetched += fetched
+            self.stats.blobs_served += served
             self.stats.blob_fetch_failures += failed
 
     def snapshot(self) -> NetworkStats:

@@ -50,6 +50,7 @@ class NetworkStats:
     blob_bytes_in: int = 0
     blob_bytes_out: int = 0
     blobs_fetched: int = 0
+    blobs_served: int = 0
     blob_fetch_failures: int = 0
     dropped_deliveries: int = 0
     peer_scores: dict[str, int] = field(default_factory=dict)

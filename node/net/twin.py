@@ -117,7 +117,9 @@ class MemoryNetwork:
         """The blob's bytes if this node serves it, else None (what a provider answers)."""
         if self.closed or blob_hash not in self._served:
             return None
-        return self._store.path(blob_hash).read_bytes()
+        data = self._store.path(blob_hash).read_bytes()
+        self._judge.count_blob(bytes_out=len(data), served=1)
+        return data
 
     async def fetch(self, blob_hash: str, providers: Sequence[str], max_bytes: int) -> Path:
         if self._store.has(blob_hash):

@@ -160,6 +160,8 @@ class _NetworkCollector:
         fetches.add_metric(["ok"], s.blobs_fetched)
         fetches.add_metric(["failed"], s.blob_fetch_failures)
         yield fetches
+        yield CounterMetricFamily("tessera_blobs_served", "Blobs this node served to a peer in full.",
+                                  value=s.blobs_served)
         yield CounterMetricFamily("tessera_dropped_deliveries", "Accepted messages dropped on a full queue.",
                                   value=s.dropped_deliveries)
         yield GaugeMetricFamily("tessera_peers", "Connected peers.", value=peers)

@@ -155,3 +155,4 @@ def test_metrics_of_a_miner_and_a_validator_after_two_rounds(sim: Simulation, co
     assert value(m, "tessera_train_steps_total") >= ROUNDS
     assert value(m, "tessera_train_tokens_per_second") > 0
     assert value(m, "tessera_bytes_total", channel="blob", direction="out") > 0  # blobs served
+    assert value(m, "tessera_blobs_served_total") >= 1  # its submission, fetched by the validator

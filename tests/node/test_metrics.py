@@ -80,3 +80,14 @@ def test_network_penalties_are_exported() -> None:
     assert got[("tessera_penalties_total", ())] == 3
     assert got[("tessera_penalised_peers", ())] == 1
     assert got[("tessera_peers", ())] == 2
+
+
+
+def test_blob_counts_are_exported() -> None:
+    metrics = NodeMetrics()
+    stats = NetworkStats(blobs_fetched=4, blob_fetch_failures=1, blobs_served=2)
+    metrics.bind_network(lambda: stats, lambda: 0)
+    got = samples(metrics)
+    assert got[("tessera_blob_fetches_total", (("result", "ok"),))] == 4
+    assert got[("tessera_blob_fetches_total", (("result", "failed"),))] == 1
+    assert got[("tessera_blobs_served_total", ())] == 2

@@ -150,6 +150,8 @@ async def test_blobs_are_fetched_from_a_serving_provider_and_verified(
     path = await nodes["v0"].fetch(blob_hash, [nodes["m1"].node_id, nodes["m0"].node_id], len(data))
     assert hashlib.sha256(path.read_bytes()).hexdigest() == blob_hash
     assert list((tmp_path / "v0" / "tmp").iterdir()) == []
+    # m0 sent it twice (the first copy the fetcher refused as over its cap); v0 kept one
+    assert (nodes["m0"].stats.blobs_served, nodes["v0"].stats.blobs_fetched) == (2, 1)
     nodes["m0"].unserve(blob_hash)
     assert await nodes["v0"].fetch(blob_hash, [], len(data)) == path  # already stored: no transfer
 

@@ -62,6 +62,7 @@ class BlobStreams:
                     if rate > 0:
                         await trio.sleep(len(chunk) / rate)
             await stream.close()
+            self.judge.count_blob(served=1)
         except Exception as exc:
             log.info("p2p: serving a blob failed: %r", exc)
             await reset(stream)
