@@ -70,8 +70,8 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def _read_state(args: argparse.Namespace, spec: Any) -> tuple[bytes, Any, dict[str, Any]]:
+    from node.cli.common import decode_network_blob
     from protocol.encoding import is_hex_digest
-    from training.blob import BlobError, decode_blob
 
     if args.state is not None:
         if not is_hex_digest(args.state):
@@ -85,25 +85,15 @@ def _read_state(args: argparse.Namespace, spec: Any) -> tuple[bytes, Any, dict[s
         raise ValueError(f"{path}: cannot read the state: {exc.strerror or exc}") from exc
     if args.state is not None and hashlib.sha256(data).hexdigest() != args.state:
         raise ValueError(f"{path}: content does not hash to {args.state}; the blob store is damaged")
-    try:
-        meta, tensors = decode_blob(data, spec.limits.max_header_bytes)
-    except BlobError as exc:
-        raise ValueError(f"{path}: not a valid blob: {exc.reason}") from exc
-    if meta.network != spec.network_id:
-        raise ValueError(f"{path}: the blob is for network {meta.network[:16]}..., not this spec's network")
-    if {layer: sorted(ids) for layer, ids in meta.group.items()} != dict(spec.group):
-        raise ValueError(f"{path}: the blob's expert group differs from the spec's group")
+    meta, tensors = decode_network_blob(path, data, spec)
     return data, meta, tensors
 
 
 def _heldout_loss(spec: Any, args: argparse.Namespace, model: Any) -> float:
-    from training.data import file_sha256, heldout_subset, load_sequences
+    from node.cli.common import heldout_sequences
     from training.evaluate import heldout_loss
     from training.tokenizer import load_tokenizer
 
-    if file_sha256(args.heldout) != spec.data.heldout_sha256:
-        raise ValueError(f"{args.heldout}: SHA-256 differs from the spec's data.heldout_sha256; wrong held-out file")
     tokenizer = load_tokenizer(spec.data.tokenizer, args.spec.parent)
-    sequences = heldout_subset(load_sequences([args.heldout], tokenizer, spec.data.seq_len), args.seed,
-                               spec.data.heldout_sequences)
+    sequences = heldout_sequences(args.heldout, args.spec, spec, tokenizer, args.seed)
     return float(heldout_loss(model, sequences, batch_size=EVAL_BATCH, pad_id=tokenizer.pad_id).loss)

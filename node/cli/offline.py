@@ -71,52 +71,21 @@ def run_spec_init(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(spec_path: Path) -> tuple[Any, Any, Any, Any]:
-    from protocol.spec import load_spec
-    from training.model import load_base
-    from training.tokenizer import load_tokenizer
-
-    spec = load_spec(spec_path)
-    model, adapter = load_base(spec, spec_path, progress=True)
-    tokenizer = load_tokenizer(spec.data.tokenizer, spec_path.parent)
-    return spec, model, adapter, tokenizer
-
-
-def _read_blob(path: Path, spec: Any) -> tuple[bytes, Any, dict[str, Any]]:
-    from training.blob import BlobError, decode_blob
-
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read blob: {exc.strerror}") from exc
-    try:
-        meta, tensors = decode_blob(data, spec.limits.max_header_bytes)
-    except BlobError as exc:
-        raise ValueError(f"{path}: not a valid blob: {exc.reason}") from exc
-    if meta.network != spec.network_id:
-        raise ValueError(f"{path}: blob is for network {meta.network[:16]}..., not this spec's network")
-    if {layer: sorted(ids) for layer, ids in meta.group.items()} != dict(spec.group):
-        raise ValueError(f"{path}: blob's expert group differs from the spec's group")
-    return data, meta, tensors
-
-
 def run_eval(args: argparse.Namespace) -> int:
-    from training.data import file_sha256, heldout_subset, load_sequences
+    from node.cli.common import decode_network_blob, heldout_sequences, load_spec_model
     from training.evaluate import heldout_loss, loss_with_experts
 
-    spec, model, adapter, tokenizer = _load(args.spec)
-    heldout = args.heldout or args.spec.parent / "data" / "heldout.jsonl"
-    if not heldout.is_file():
-        raise ValueError(f"{heldout}: no held-out file; pass --heldout FILE")
-    if file_sha256(heldout) != spec.data.heldout_sha256:
-        raise ValueError(f"{heldout}: SHA-256 differs from the spec's data.heldout_sha256; wrong held-out file")
-    sequences = heldout_subset(load_sequences([heldout], tokenizer, spec.data.seq_len), args.seed,
-                               spec.data.heldout_sequences)
+    spec, model, adapter, tokenizer = load_spec_model(args.spec)
+    sequences = heldout_sequences(args.heldout, args.spec, spec, tokenizer, args.seed)
     started = time.perf_counter()
     if args.blob is None:
         result = heldout_loss(model, sequences, batch_size=EVAL_BATCH, pad_id=tokenizer.pad_id, progress=True)
     else:
-        _, _, tensors = _read_blob(args.blob, spec)
+        try:
+            data = args.blob.read_bytes()
+        except OSError as exc:
+            raise ValueError(f"{args.blob}: cannot read blob: {exc.strerror}") from exc
+        _, tensors = decode_network_blob(args.blob, data, spec)
         result = loss_with_experts(model, adapter, tensors, sequences, batch_size=EVAL_BATCH,
                                    pad_id=tokenizer.pad_id, progress=True)
     _print_json({"loss": result.loss, "tokens": result.tokens, "seconds": time.perf_counter() - started})

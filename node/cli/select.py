@@ -20,6 +20,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from node.cli.common import heldout_sequences, load_spec_model
+
 RULES = ("gate-mass", "token-freq", "differential", "activation-norm")
 MODES = ("global", "layerwise")
 FRACTIONS = (0.0625, 0.125, 0.25, 0.5, 1.0)
@@ -81,16 +83,6 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _load(spec_path: Path) -> tuple[Any, Any, Any, Any]:
-    from protocol.spec import load_spec
-    from training.model import load_base
-    from training.tokenizer import load_tokenizer
-
-    spec = load_spec(spec_path)
-    model, adapter = load_base(spec, spec_path, progress=True)
-    return spec, model, adapter, load_tokenizer(spec.data.tokenizer, spec_path.parent)
-
-
 def _documents(paths: list[Path]) -> list[str]:
     """Every document of the files in order; an empty file is an error naming it."""
     from training.data import read_documents
@@ -128,7 +120,7 @@ def run_select_experts(args: argparse.Namespace) -> int:
         raise ValueError("--examples must be positive")
     if args.rule == "differential" and not args.general:
         raise ValueError("the differential rule needs general data (--general FILES)")
-    spec, model, adapter, tokenizer = _load(args.spec)
+    spec, model, adapter, tokenizer = load_spec_model(args.spec)
     into = _check_into(args.into, spec) if args.into is not None else None
     texts = _documents(args.data)
     general_texts = _documents(args.general) if args.general else None
@@ -192,24 +184,17 @@ def _write_into(path: Path, raw: dict[str, Any], group: dict[str, list[int]]) ->
 
 
 def run_eval_subset(args: argparse.Namespace) -> int:
-    from training.data import file_sha256, heldout_subset, load_sequences
     from training.subset_eval import subset_report
 
     if args.seeds < 1:
         raise ValueError("--seeds must be positive")
     selection = _read_selection(args.group)
-    spec, model, adapter, tokenizer = _load(args.spec)
+    spec, model, adapter, tokenizer = load_spec_model(args.spec)
     measured = selection.get("model", {}).get("base_hash") if isinstance(selection.get("model"), dict) else None
     if measured is not None and measured != spec.model.base_hash:
         raise ValueError(f"{args.group}: selected on base model {str(measured)[:16]}..., not this spec's "
                          f"({spec.model.base_hash[:16]}...); select again for this model")
-    heldout = args.heldout or args.spec.parent / "data" / "heldout.jsonl"
-    if not heldout.is_file():
-        raise ValueError(f"{heldout}: no held-out file; pass --heldout FILE")
-    if file_sha256(heldout) != spec.data.heldout_sha256:
-        raise ValueError(f"{heldout}: SHA-256 differs from the spec's data.heldout_sha256; wrong held-out file")
-    sequences = heldout_subset(load_sequences([heldout], tokenizer, spec.data.seq_len), args.seed,
-                               spec.data.heldout_sequences)
+    sequences = heldout_sequences(args.heldout, args.spec, spec, tokenizer, args.seed)
     report = subset_report(model, adapter, selection, sequences, fractions=args.fractions,
                            seeds=range(args.seeds), pad_id=tokenizer.pad_id)
     report["group_file"] = str(args.group)
@@ -251,7 +236,7 @@ def run_cluster_data(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.out}: already exists and is not empty; give a new directory")
     if args.max_k < 2:
         raise ValueError("--max-k must be at least 2")
-    spec, model, adapter, tokenizer = _load(args.spec)
+    spec, model, adapter, tokenizer = load_spec_model(args.spec)
     texts = _documents(args.data)
     documents = [pack([text], tokenizer, spec.data.seq_len) for text in texts]
     clustering = cluster(sequence_features(model, adapter, documents, pad_id=tokenizer.pad_id), k=args.k,
