@@ -22,10 +22,12 @@ test-tools:
 	@if ! { command -v chromium && command -v docker-compose; } >/dev/null && command -v apt-get >/dev/null; then \
 		apt-get update -q && apt-get install -y -q chromium docker-compose; fi
 
+# Two pytest workers, a test file to one worker: the network simulation (tests/integration/test_network.py)
+# spends most of its time waiting for round phases, so the other files run beside it.
 test: $(STAMP) test-tools
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # The quick loop (at most 90 s): lint, types, unit and in-memory twin tests; no real node processes.
 check: $(STAMP)

@@ -99,6 +99,8 @@ class Heartbeat(_Message):
     kind: Literal["heartbeat"] = "heartbeat"
     role: Literal["miner", "validator", "bootstrap"]
     head: Hex32
+    momentum: Hex32 | None = Field(default=None, description="Validators: hash of the outer momentum blob of "
+                                   "`head`, so a node that missed the round's votes can follow and re-sync.")
 
 
 Message = SeedCommit | SeedReveal | Commit | Reveal | ScoreReport | GlobalState | Heartbeat

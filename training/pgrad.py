@@ -8,7 +8,8 @@ fp32 scale per chunk:
 - `int8`: q = round(v / s) with s = max|v| / 127, q in [-127, 127];
 - `2bit`: q in {0, 1, 2, 3} meaning s·(2q − 3)/3 with s = max|v|, four codes packed per byte,
   lowest bits first.
-The new buffer is e' = A − decode(sent), so nothing is lost, only delayed.
+The new buffer is e' = A − decode(sent), so nothing is lost, only delayed. `error_bytes` and
+`load_error` are the buffer's own file form (plain fp32 safetensors, for the miner's local storage).
 
 Blob tensors for an expert tensor named N with C chunks of k kept entries each:
     N.idx    I16 [C, k]            index of each kept entry inside its chunk, strictly ascending
@@ -27,6 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+import safetensors
+import safetensors.torch
 import torch
 
 from training.experts import Tensors
@@ -145,6 +148,26 @@ def check_compressed(blob: Tensors, shapes: Mapping[str, tuple[int, ...]], cfg: 
         if cfg.quant == "2bit" and k % 4 and bool((blob[f"{name}.q"][:, -1] >> (2 * (k % 4))).any()):
             return f"padding bits set in {name}.q"
     return ""
+
+
+def error_bytes(error: Tensors) -> bytes:
+    """The error-feedback buffer as fp32 safetensors bytes (a miner keeps it across rounds and restarts)."""
+    return safetensors.torch.save({name: error[name].detach().to("cpu", torch.float32).contiguous()
+                                   for name in sorted(error)})
+
+
+def load_error(data: bytes, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """A buffer written by `error_bytes`; ValueError unless it holds exactly `shapes` in fp32."""
+    try:
+        error = safetensors.torch.load(data)
+    except safetensors.SafetensorError as exc:
+        raise ValueError(f"not a safetensors error-feedback buffer: {exc}") from exc
+    if sorted(error) != sorted(shapes):
+        raise ValueError("the error-feedback buffer names other tensors than the expert group")
+    for name, shape in shapes.items():
+        if tuple(error[name].shape) != tuple(shape) or error[name].dtype != torch.float32:
+            raise ValueError(f"the error-feedback buffer's {name} is not fp32 of shape {list(shape)}")
+    return dict(sorted(error.items()))
 
 
 def _top_indices(acc_CN: torch.Tensor, k: int) -> torch.Tensor:

@@ -10,7 +10,9 @@ The steps:
    `base_loss` is the median of their base losses.
 2. Rank once without near-duplicate flags to find the candidates (a combined loss and u_i > 0);
    their pseudo-gradients G_i = global - Φ_i are compared and any pair with cosine >=
-   `rewards.duplicate_cosine` flags both miners. Lazy miners never reach this step: an unchanged
+   `rewards.duplicate_cosine` flags both miners. (A pgrad network's blobs arrive rebuilt,
+   Φ_i = global − decode(G_i) (validator.scoring), so this compares the decoded pseudo-gradients
+   up to fp32 rounding.) Lazy miners never reach this step: an unchanged
    blob scores exactly L_base, so u_i = 0 and their zero update is never compared.
 3. Rank again with the flags (`protocol.ranking`), which gives points; the top-G ranked miners are
    merged by `training.outer.outer_step` with the spec's aggregation settings.

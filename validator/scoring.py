@@ -3,12 +3,15 @@
 A `Scorer` holds the base model in memory for the validator's lifetime. Each round it picks the
 held-out subset from the round seed, puts the current global experts into the model and measures
 L_base, then for each submission in miner-id order: checks the blob (`validator.checks`), swaps the
-miner's experts in, measures L_i and restores the global experts. The model, the swapped rows and
-every batch live on the validator's device (`validator.device`; `auto` spreads a model too large
-for one GPU over all GPUs with accelerate's device map); batches hold `validator.batch_size`
-sequences. On CPU fp32 the losses are bit-for-bit reproducible; on a GPU they may differ from
-another validator's in the last bits, which the median over assigned validators absorbs. The
-model always holds the global experts when a call returns. This module knows nothing about
+miner's experts in, measures L_i and restores the global experts. A network that submits compressed
+pseudo-gradients (`[submission] format = "pgrad"`) has each checked blob rebuilt into the miner's
+experts, Φ_i = Φ_t − decode(G_i) in fp32 (`training.pgrad.rebuild`), so scoring and the merge see
+full expert tensors whatever the format. The model, the swapped rows and every batch live on the
+validator's device (`validator.device`; `auto` spreads a model too large for one GPU over all
+GPUs with accelerate's device map); batches hold `validator.batch_size` sequences. On CPU fp32
+the losses are bit-for-bit reproducible; on a GPU they may differ from another validator's in the
+last bits, which the median over assigned validators absorbs. The model always holds the global
+experts when a call returns. This module knows nothing about
 assignment, gossip or how the results are combined across validators.
 """
 
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -27,8 +30,9 @@ from training.adapters import MoEAdapter
 from training.data import heldout_subset
 from training.evaluate import heldout_loss, loss_with_experts
 from training.experts import expected_shapes, insert
+from training.pgrad import rebuild
 from training.tokenizer import BYTE_PAD
-from validator.checks import Expectation, SubmissionVerdict, check_submission
+from validator.checks import Expectation, SubmissionVerdict, check_submission, pgrad_config
 from validator.device import spread
 
 REASON_CHARS = 200
@@ -39,7 +43,7 @@ Submissions = Mapping[str, tuple[str, bytes | None]]
 
 @dataclass(frozen=True)
 class ScoreResult:
-    """L_base, one entry per submission (sorted by miner), and the tensors of accepted blobs."""
+    """L_base, one entry per submission (sorted by miner), and the expert tensors of accepted blobs."""
 
     base_loss: float
     entries: list[ScoreEntry]
@@ -94,11 +98,17 @@ class Scorer:
         self.heldout = heldout
         self.pad_id = pad_id
         self.shapes = expected_shapes(model, adapter, spec.group)
+        self.pgrad = pgrad_config(spec)
 
     def check(
-        self, round: int, miner: str, commitment: str, data: bytes, global_hash: str
+        self, round: int, miner: str, commitment: str, data: bytes, global_hash: str,
+        global_tensors: Mapping[str, torch.Tensor] | None = None,
     ) -> SubmissionVerdict:
-        """Run the submission checks on one blob (also for miners this validator does not score)."""
+        """Run the submission checks on one blob (also for miners this validator does not score).
+
+        An accepted verdict holds the miner's expert tensors: a pgrad blob is rebuilt against
+        `global_tensors`, the state `global_hash` (required in a pgrad network).
+        """
         expect = Expectation(
             network=self.spec.network_id,
             round=round,
@@ -109,8 +119,15 @@ class Scorer:
             dtype=self.spec.model.dtype,
             commitment=commitment,
             max_header_bytes=self.spec.limits.max_header_bytes,
+            pgrad=self.pgrad,
         )
-        return check_submission(data, expect)
+        verdict = check_submission(data, expect)
+        if self.pgrad is None or not verdict.ok:
+            return verdict
+        if global_tensors is None:
+            raise ValueError("a pgrad submission is rebuilt from the global state; pass global_tensors")
+        assert verdict.tensors is not None
+        return replace(verdict, tensors=rebuild(global_tensors, verdict.tensors, self.pgrad))
 
     def score_round(
         self,
@@ -135,7 +152,7 @@ class Scorer:
                     ScoreEntry(miner=miner, commitment=commitment, verdict="missing", reason="missing")
                 )
                 continue
-            verdict = self.check(round, miner, commitment, data, global_hash)
+            verdict = self.check(round, miner, commitment, data, global_hash, global_tensors)
             if not verdict.ok:
                 entries.append(_reject(miner, commitment, verdict.reason))
                 continue

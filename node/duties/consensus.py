@@ -9,7 +9,9 @@ values, and that it names the announced parent and round. Validators also need t
 momentum: its hash rides in GlobalState (`momentum`), is remembered per (state, voter), and a
 validator fetches and checks the momentum blob of the adopted state, so a validator that computed
 something else re-syncs. A node with no head past round 0 (a late joiner) learns it from the heads
-that validators' heartbeats announce, by the same weight rule. Every node serves the state it adopted
+that validators' heartbeats announce, by the same weight rule; so does a node whose head differs
+from the one a weight majority of validators announce in this round's heartbeats (it missed the
+votes while it was down): after TRAIN it follows them, with the momentum those heartbeats name. Every node serves the state it adopted
 (again after a restart), so a state outlives its proposers; a head blob that went missing or
 corrupt on disk is fetched again from the validators that voted for it.
 This module knows nothing about training, scoring or merging; it tallies, moves and checks blobs.
@@ -28,7 +30,7 @@ from node.net.network import NetworkError
 from node.runtime.clock import Clock
 from node.runtime.daemon import NodeContext
 from node.store.records import GlobalStateRecord
-from protocol.messages import Envelope, GlobalState, Message
+from protocol.messages import Envelope, GlobalState, Heartbeat, Message
 from protocol.rounds import Phase
 from protocol.spec import NetworkSpec
 from training.blob import BlobError, BlobMeta, decode_blob, max_blob_bytes
@@ -105,7 +107,12 @@ class Consensus:
         return max_blob_bytes(shapes, "float32", self.ctx.spec.limits.max_header_bytes)
 
     async def on_message(self, envelope: Envelope, message: Message) -> None:
-        """Remember the momentum hash a GlobalState announces; wake a tally waiting for votes."""
+        """Remember the momentum hash a GlobalState or a validator's Heartbeat announces; wake a tally
+        waiting for votes."""
+        if isinstance(message, Heartbeat):
+            if message.momentum is not None and envelope.sender in self.ctx.spec.validator_weights:
+                await self.ctx.storage.set_momentum_of(message.head, envelope.sender, message.momentum)
+            return
         if not isinstance(message, GlobalState):
             return
         if message.momentum is not None:
@@ -117,8 +124,8 @@ class Consensus:
         then serve the head (again after a restart)."""
         if phase is Phase.TRAIN:
             await self.settle(round, shapes)
-        else:
-            await self.ensure_head(round, shapes)
+        elif await self.ensure_head(round, shapes):
+            await self.follow(round, shapes)
         await self._serve_head()
 
     async def _serve_head(self) -> None:
@@ -170,6 +177,26 @@ class Consensus:
         await self.ctx.storage.set_head(head)
         log.info("round %d: learnt head %s from validators' heartbeats", round, head[:12])
         return True
+
+    async def follow(self, round: int, shapes: Shapes) -> None:
+        """Take the head a weight majority of validators announced in this round's heartbeats, when ours
+        differs: this node missed the votes that decided it (it was down, or joined the mesh late)."""
+        weights = self.ctx.spec.validator_weights
+        votes = {n.node_id: n.head for n in await self.ctx.storage.nodes() if n.node_id in weights and n.round >= round}
+        head = adopt(votes, weights)
+        if head is None or head == await self.ctx.storage.head():
+            return
+        voters = tuple(v for v, h in sorted(votes.items()) if h == head)
+        try:
+            meta, tensors = await self._fetch_checked(head, list(voters), shapes)
+        except SyncError as exc:
+            log.warning("round %d: cannot follow the head %s that validators announce: %s", round, head[:12], exc)
+            return
+        record = GlobalStateRecord(head, meta.base, meta.round, (), False, voters)
+        await self.ctx.storage.set_head(head)
+        log.warning("round %d: my head differed from the one validators announce; now following %s (voters %s)",
+                    round, head[:12], ", ".join(v[:8] for v in voters))
+        await self._take(round, record, meta, tensors, shapes)
 
     async def load(self, head: str, genesis: GlobalExperts, shapes: Shapes) -> LoadedState:
         """The state `head` names, from the blob store (and its momentum, when this node holds it)."""
@@ -232,6 +259,11 @@ class Consensus:
             await self.ctx.storage.mark_adopted(winner.hash)
             log.info("round %d: adopted global state %s (voters %s)", round, winner.hash[:12],
                      ", ".join(v[:8] for v in winner.voters))
+        await self._take(round, winner, meta, tensors, shapes)
+
+    async def _take(self, round: int, winner: GlobalStateRecord, meta: BlobMeta, tensors: dict[str, torch.Tensor],
+                    shapes: Shapes) -> None:
+        """Hold the decoded head `winner` names (a validator: with the momentum one of its voters announced)."""
         zeros = {name: torch.zeros(t.shape, dtype=torch.float32) for name, t in tensors.items()}
         loaded = LoadedState(GlobalExperts(spec=self.ctx.spec, round=meta.round, parent=meta.base, tensors=tensors,
                                            momentum=zeros), not self.need_momentum)

@@ -12,6 +12,11 @@ serves the blob it revealed again, so its reveal stands.
 What the miner submits and when is a `MinerStrategy`: `HonestStrategy` here; the simulation's
 adversaries (node.sim.adversaries) are other strategies injected through `MinerDuties.factory`.
 `build_submission` is THE honest build: the duty and `tessera train` both call it.
+
+A network whose spec says `[submission] format = "pgrad"` gets compressed pseudo-gradients
+(training.pgrad): G = Φ_t − Φ_i in fp32 plus the miner's error-feedback buffer, top-k per chunk and
+quantised; what was left unsent is the new buffer, kept across rounds and restarts by
+node.duties.feedback.
 This module knows nothing about scoring or merging.
 """
 
@@ -27,6 +32,7 @@ from pathlib import Path
 import torch
 
 from node.duties.consensus import Consensus
+from node.duties.feedback import ErrorFeedback, keep_feedback, load_feedback
 from node.duties.results import learn_results
 from node.net.network import PublishRefused
 from node.runtime.config import MinerSection
@@ -37,12 +43,14 @@ from protocol.messages import Commit, Envelope, Message, Reveal
 from protocol.rounds import Phase
 from protocol.spec import NetworkSpec, spec_dir_path
 from training.adapters import MoEAdapter
-from training.blob import BlobMeta, encode_blob
+from training.blob import BLOB_FORMAT, PGRAD_FORMAT, BlobMeta, encode_blob
 from training.data import batches, load_sequences, shard
-from training.experts import expected_shapes, extract, insert
+from training.experts import expected_shapes, extract, insert, pseudo_gradient
 from training.model import load_base
+from training.pgrad import encode as encode_pgrad
 from training.tokenizer import load_tokenizer
 from training.trainer import TrainConfig, TrainResult, train_experts
+from validator.checks import pgrad_config
 from validator.state import GlobalExperts
 
 log = logging.getLogger(__name__)
@@ -57,12 +65,26 @@ def miner_seed(miner: str, round: int) -> int:
     return int.from_bytes(hashlib.sha256(f"tessera-miner:{miner}:{round}".encode()).digest()[:8], "big") >> 1
 
 
-def encode_submission(spec: NetworkSpec, round: int, miner: str, head: str, tensors: Mapping[str, torch.Tensor]) -> bytes:
-    """The canonical blob of `tensors` in the spec's dtype, naming this round, miner and base."""
-    dtype = getattr(torch, spec.model.dtype)
+def encode_submission(spec: NetworkSpec, round: int, miner: str, head: str, tensors: Mapping[str, torch.Tensor],
+                      base: Mapping[str, torch.Tensor] | None = None, feedback: ErrorFeedback | None = None) -> bytes:
+    """The canonical blob of `tensors` in the spec's submission format, naming this round, miner and base.
+
+    `experts`: the tensors in the spec's dtype. `pgrad`: G = `base` − `tensors` plus `feedback.error`,
+    compressed; `feedback.error` becomes what was left unsent (without `feedback` nothing is kept).
+    """
+    cfg = pgrad_config(spec)
     meta = BlobMeta(network=spec.network_id, round=round, miner=miner, base=head,
-                    group={layer: list(ids) for layer, ids in spec.group.items()})
-    return encode_blob({name: t.to(dtype) for name, t in tensors.items()}, meta)
+                    group={layer: list(ids) for layer, ids in spec.group.items()},
+                    format=BLOB_FORMAT if cfg is None else PGRAD_FORMAT)
+    if cfg is None:
+        dtype = getattr(torch, spec.model.dtype)
+        return encode_blob({name: t.to(dtype) for name, t in tensors.items()}, meta)
+    if base is None:
+        raise ValueError("a pgrad submission needs the state it was trained from (base)")
+    blob, error = encode_pgrad(pseudo_gradient(base, tensors), None if feedback is None else feedback.error, cfg)
+    if feedback is not None:
+        feedback.error = error
+    return encode_blob(blob, meta)
 
 
 class MinerModel:
@@ -107,10 +129,12 @@ class MinerModel:
 
 def build_submission(model: MinerModel, miner: str, round: int, head: str, base: Mapping[str, torch.Tensor],
                      section: MinerSection, keep_going: Callable[[], bool] = lambda: True,
-                     steps: int | None = None, progress: bool = False) -> tuple[bytes, TrainResult]:
-    """An honest miner's blob for `round`, trained from the state `head` (whose tensors are `base`)."""
+                     steps: int | None = None, progress: bool = False,
+                     feedback: ErrorFeedback | None = None) -> tuple[bytes, TrainResult]:
+    """An honest miner's blob for `round`, trained from the state `head` (whose tensors are `base`);
+    a pgrad network's blob carries `feedback`'s buffer in and leaves the new one there."""
     result = model.train(miner, round, base, section, keep_going, steps, progress)
-    return encode_submission(model.spec, round, miner, head, result.tensors), result
+    return encode_submission(model.spec, round, miner, head, result.tensors, base, feedback), result
 
 
 @dataclass(frozen=True)
@@ -125,13 +149,16 @@ class Job:
     section: MinerSection
     keep_going: Callable[[], bool]
     metrics: NodeMetrics
+    feedback: ErrorFeedback | None = None
+    """A pgrad network's error-feedback buffer (None: full experts); honest builds update it."""
 
     @property
     def seed(self) -> int:
         return miner_seed(self.miner, self.round)
 
     def encode(self, tensors: Mapping[str, torch.Tensor]) -> bytes:
-        return encode_submission(self.model.spec, self.round, self.miner, self.head, tensors)
+        """`tensors` in the network's submission format (pgrad: against this round's base, no feedback)."""
+        return encode_submission(self.model.spec, self.round, self.miner, self.head, tensors, self.base.tensors)
 
 
 class HonestStrategy:
@@ -144,7 +171,7 @@ class HonestStrategy:
     def build(self, job: Job) -> bytes:
         """The submission's bytes (runs in a worker thread: torch)."""
         data, result = build_submission(job.model, job.miner, job.round, job.head, job.base.tensors,
-                                        job.section, job.keep_going)
+                                        job.section, job.keep_going, feedback=job.feedback)
         tokens_s = result.tokens / result.seconds if result.seconds > 0 else 0.0
         log.info("round %d: trained %d steps in %.1f s (%.0f tokens/s), loss %.4f -> %.4f", job.round,
                  len(result.losses), result.seconds, tokens_s, result.losses[0], result.losses[-1])
@@ -209,15 +236,22 @@ class MinerDuties:
         head = await self.ctx.head()
         base = (await self.consensus.load(head, model.genesis, model.shapes)).state
         deadline = self._train_deadline(round)
+        feedback = await load_feedback(self.ctx, model.shapes)
         job = Job(model, self.me, round, head, base, self.ctx.config.miner, lambda: self.ctx.clock.now() < deadline,
-                  self.ctx.metrics)
+                  self.ctx.metrics, feedback)
         try:
             data = await asyncio.to_thread(self.strategy.build, job)
         except ValueError as exc:
             log.error("round %d: no submission: %s", round, exc)
             return
-        blob_hash = await asyncio.to_thread(self.ctx.blobs.put_bytes, data)
-        await self.ctx.storage.set_submission(round, Submission(blob_hash, len(data)))
+        try:
+            blob_hash = await asyncio.to_thread(self.ctx.blobs.put_bytes, data)
+            error_hash = await keep_feedback(self.ctx, feedback)
+        except OSError as exc:  # a full or failing disk: no submission recorded, so nothing is committed
+            log.error("round %d: cannot store the submission (%d bytes) in the blob store (%s); "
+                      "no submission this round", round, len(data), exc)
+            return
+        await self.ctx.storage.set_submission(round, Submission(blob_hash, len(data)), error_hash)
         log.info("round %d: %s submission %s (%d bytes) from base %s", round, self.strategy.name, blob_hash[:12],
                  len(data), head[:12])
 

@@ -1,19 +1,20 @@
 """Validator duties: seeds, Proof-of-Loss scoring, and the merge that proposes the next global state.
 
 TRAIN of round r: settle round r-1's global state (node.duties.consensus; a validator in the minority
-re-syncs state and momentum), then commit to a fresh seed, persisted BEFORE it is published so a
-restart reuses it. REVEAL: reveal the seed. EVALUATE: the round plan (node.duties.plan: seed s_r from
-the validators that committed and revealed, the miners with a Commit and a matching Reveal, the
-assignment) is fixed and persisted; the blobs of the miners assigned to this validator are fetched
-(capped), checked and scored off the event loop, and a ScoreReport is published. MERGE: wait for
-the other validators' reports (or most of the phase), then `validator.merge.merge_round` on the
-SAME plan and the reports as stored whole; its MissingBlobError names the candidates this validator
-did not score, which are fetched and checked once into the round's checked-blob cache (`_Checked`,
-emptied after the merge). Rewards and their mark are one storage write; the new state and momentum
-are recorded as our proposal, served (again after any restart) and announced in GlobalState. The
-round report (node.duties.report) and leaderboard (node.duties.results) are stored; the loss of the
-ADOPTED state on round r's held-out subset is filled in once round r+1 has settled it. Each step
-checks storage first, so a restarted validator resumes without publishing anything twice.
+re-syncs state and momentum), then commit to a fresh seed, persisted BEFORE it is published so a restart
+reuses it. REVEAL: reveal the seed; each accepted Reveal of the round starts a background fetch of its
+blob (node.duties.prefetch), so a miner that goes down after revealing is still scored. EVALUATE: the
+round plan (node.duties.plan: seed s_r from the validators that committed and revealed, the miners with
+a Commit and a matching Reveal, the assignment) is fixed and persisted; the blobs of the miners assigned
+to this validator are fetched (capped), checked and scored off the event loop, and a ScoreReport is
+published. MERGE: wait for the other validators' reports (or most of the phase), then
+`validator.merge.merge_round` on the SAME plan and the reports as stored whole; its MissingBlobError
+names the candidates this validator did not score, which are fetched and checked once into the round's
+checked-blob cache (`_Checked`, emptied after the merge). Rewards and their mark are one storage write;
+the new state and momentum are recorded as our proposal, served (again after any restart) and announced
+in GlobalState. The round report (node.duties.report) and leaderboard (node.duties.results) are stored;
+the loss of the ADOPTED state on round r's held-out subset is filled in once round r+1 has settled it.
+Each step checks storage first, so a restarted validator resumes without publishing anything twice.
 This module knows nothing about libp2p; torch work runs in worker threads.
 """
 
@@ -27,12 +28,13 @@ import torch
 
 from node.duties.consensus import Consensus, wait_until
 from node.duties.plan import make_plan
+from node.duties.prefetch import Prefetcher
 from node.duties.report import round_report
 from node.duties.results import leaderboard, learn_results
 from node.net.network import NetworkError, PublishRefused
 from node.runtime.daemon import BuiltOnce, HeartbeatDuties, NodeContext
 from node.store.records import Proposal, RewardRecord, RoundPlan
-from protocol.messages import Envelope, GlobalState, Message, SeedCommit, SeedReveal
+from protocol.messages import Envelope, GlobalState, Message, Reveal, SeedCommit, SeedReveal
 from protocol.ranking import RoundRanking, update_standing
 from protocol.rounds import Phase
 from protocol.seeds import commitment, new_seed
@@ -80,15 +82,19 @@ class ValidatorDuties:
         self.synced = False
         self._loaded = BuiltOnce(lambda: _Loaded.create(ctx))
         self._checked = _Checked(-1)
+        self._prefetch = Prefetcher(ctx.network)
+        self._cap: int | None = None  # known once the model is loaded
 
     async def on_phase(self, round: int, phase: Phase) -> None:
         loaded = await self._loaded.get()
+        self._cap = loaded.cap
         await self.consensus.on_phase(round, phase, loaded.scorer.shapes)
         await self._load_head(loaded)
         await self.heartbeat.on_phase(round, phase)
         await self._serve_proposals(round)
         if phase is Phase.TRAIN:
             self._checked = _Checked(round)
+            self._prefetch.clear()
             await self._finish_report(round - 1, loaded)
             await learn_results(self.ctx.storage, self.ctx.spec, round - 1)  # a round it did not merge
             await self._commit_seed(round)
@@ -101,6 +107,10 @@ class ValidatorDuties:
 
     async def on_message(self, envelope: Envelope, message: Message) -> None:
         await self.consensus.on_message(envelope, message)
+        if isinstance(message, Reveal) and self._cap is not None:
+            current = self.ctx.schedule.round_at(self.ctx.clock.now())
+            if message.round == current:
+                self._prefetch.start(message.commitment, envelope.sender, self._cap)
         self.arrivals.set()
 
     async def _load_head(self, loaded: _Loaded) -> None:
@@ -174,6 +184,7 @@ class ValidatorDuties:
         await self._publish(result.report(round, head))
 
     async def _fetch(self, blob_hash: str, miner: str, loaded: _Loaded) -> bytes | None:
+        await self._prefetch.wait(blob_hash)  # in the local store now, unless that fetch failed
         try:
             path = await self.ctx.network.fetch(blob_hash, [miner], loaded.cap)
             return await asyncio.to_thread(path.read_bytes)
@@ -188,8 +199,9 @@ class ValidatorDuties:
             data = await self._fetch(plan.revealed[miner], miner, loaded)
             if data is None:
                 continue
+            state = None if self.state is None else self.state.tensors  # a pgrad blob is rebuilt against it
             verdict = await asyncio.to_thread(loaded.scorer.check, round, miner, plan.revealed[miner], data,
-                                              head)
+                                              head, state)
             if verdict.ok and verdict.tensors is not None:
                 self._checked.add(round, {miner: verdict.tensors})
             else:
@@ -251,8 +263,13 @@ class ValidatorDuties:
         proposal = self.state.child(round, result.new_global, result.new_momentum)
         state_bytes = await asyncio.to_thread(proposal.to_blob)
         momentum_bytes = await asyncio.to_thread(proposal.momentum_blob)
-        state_hash = await asyncio.to_thread(self.ctx.blobs.put_bytes, state_bytes)
-        momentum_hash = await asyncio.to_thread(self.ctx.blobs.put_bytes, momentum_bytes)
+        try:
+            state_hash = await asyncio.to_thread(self.ctx.blobs.put_bytes, state_bytes)
+            momentum_hash = await asyncio.to_thread(self.ctx.blobs.put_bytes, momentum_bytes)
+        except OSError as exc:  # a full or failing disk: nothing recorded, announced or served
+            log.error("round %d: cannot store the proposed state in the blob store (%s); not proposing a state",
+                      round, exc)
+            return None
         await self.ctx.storage.set_proposal(round, Proposal(state_hash, momentum_hash), self.me)
         self.ctx.network.serve(state_hash)
         self.ctx.network.serve(momentum_hash)
@@ -278,6 +295,7 @@ class ValidatorDuties:
                             proposed: str | None) -> None:
         heard = {n.node_id for n in await self.ctx.storage.nodes() if n.role == "miner" and n.round >= round}
         await self.ctx.storage.set_round_report(round, round_report(plan, head, ranking, proposed, heard))
+        self.ctx.metrics.seeds_withheld(plan.unrevealed_seeds, plan.excluded)
 
     async def _finish_report(self, round: int, loaded: _Loaded) -> None:
         """Fill in the state round `round` ended on and its loss on that round's held-out subset."""

@@ -116,7 +116,8 @@ class BuiltOnce(Generic[T]):
 
 
 class HeartbeatDuties:
-    """The minimal duty: at each phase start, announce our role and head unless already announced.
+    """The minimal duty: at each phase start, announce our role and head (a validator: and the outer
+    momentum it holds) unless already announced.
 
     Peers accept one heartbeat per sender per round (node.net.judge), so one goes out per round;
     after a restart in the same round the network refuses a second one, which is fine.
@@ -130,8 +131,10 @@ class HeartbeatDuties:
         if self._announced == round:
             return
         head = await self.ctx.head()
+        role = self.ctx.config.node.role
+        momentum = await self.ctx.storage.momentum() if role == "validator" else None
         try:
-            await self.ctx.publish(Heartbeat(round=round, role=self.ctx.config.node.role, head=head))
+            await self.ctx.publish(Heartbeat(round=round, role=role, head=head, momentum=momentum))
         except PublishRefused as exc:
             log.info("round %d: no heartbeat: %s", round, exc)
         self._announced = round

@@ -3,17 +3,18 @@
 Three sources: the network's counters (messages by kind and verdict, rejects per peer, bytes, blob
 fetches, peers), read at scrape time from `NetworkStats` so there is one count, not two; the
 scheduler's round and phase timings, pushed in by the node; and the work and results of the round,
-pushed in through small methods: `train_progress` (miner), `submissions_scored` (validator),
-`round_results` (any node, from the status views). Peer ids are unbounded and chosen by peers, so
-rejects per peer are exported for the top N only (labelled by the id's first 16 alphanumeric
-characters) plus one `other` series; verdict reasons are free text, so they are cut to their first
-clause and bounded in number. This module knows nothing about how the numbers are produced.
+pushed in through small methods: `train_progress` (miner), `submissions_scored` and
+`seeds_withheld` (validator), `round_results` (any node, from the status views). Peer ids are
+unbounded and chosen by peers, so rejects per peer are exported for the top N only (labelled by the
+id's first 16 alphanumeric characters) plus one `other` series; verdict reasons are free text, so
+they are cut to their first clause and bounded in number; validator labels come from the spec's
+validator set. This module knows nothing about how the numbers are produced.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -71,6 +72,10 @@ class NodeMetrics:
                               ["verdict", "reason"], registry=r)
         self.agreement = Gauge("tessera_validator_agreement", "Share of validator weight behind the most-voted "
                                "global state of the last round with votes.", registry=r)
+        self.seed_withheld = Counter("tessera_seed_withheld", "Rounds in which a validator committed a seed "
+                                     "and did not reveal it, by validator.", ["validator"], registry=r)
+        self.validators_excluded = Gauge("tessera_validators_excluded", "Validators left out of the last planned "
+                                         "round's assignment for withholding a seed.", registry=r)
         self._reasons: set[str] = set()
 
     def bind_network(self, stats: Callable[[], NetworkStats], peers: Callable[[], int]) -> None:
@@ -101,6 +106,12 @@ class NodeMetrics:
         for verdict, reason in verdicts:
             self.eval_seconds.observe(seconds / len(verdicts))
             self.scored.labels(verdict=verdict, reason=self._reason(reason)).inc()
+
+    def seeds_withheld(self, withheld: Sequence[str], excluded: Sequence[str]) -> None:
+        """A validator's round plan: validators that withheld their seed in it, and those it excluded."""
+        for validator in withheld:
+            self.seed_withheld.labels(validator=peer_label(validator)).inc()
+        self.validators_excluded.set(len(excluded))
 
     def round_results(self, base_loss: float | None, adopted_loss: float | None, own: dict[str, Any] | None,
                       agreement: dict[str, Any] | None, verdicts: list[tuple[str, str]]) -> None:

@@ -38,10 +38,16 @@ class RoundView:
     global_hash: str | None
     global_loss: float | None
     miners: list[dict[str, Any]]
+    seeds: dict[str, list[str]] | None = None
+    """Validators only, from the round plan: {"withheld": [validators that withheld their seed this round],
+    "excluded": [validators left out of its assignment for withholding one in a recent round]}."""
+    proposed_hash: str | None = None
+    """Validators only: the state this validator proposed for the round (None: it proposed none)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"round": self.round, "source": self.source, "base": self.base, "base_loss": self.base_loss,
-                "global_hash": self.global_hash, "global_loss": self.global_loss, "miners": self.miners}
+                "global_hash": self.global_hash, "global_loss": self.global_loss, "miners": self.miners,
+                "seeds": self.seeds, "proposed_hash": self.proposed_hash}
 
 
 class StatusViews:
@@ -139,7 +145,8 @@ class StatusViews:
             miners = [{**m, "scores": scores.get(m["id"], {})} for m in own.get("miners", [])]
             loss = own.get("global_loss")
             return RoundView(round, "validator", own.get("base"), own.get("base_loss"), own.get("global_hash"),
-                             loss if loss is not None else public_loss, miners)
+                             loss if loss is not None else public_loss, miners, await self._seeds(round),
+                             own.get("proposed_hash"))
         if results is None:
             return None
         rows = {line["miner"]: _row(line) for line in results["miners"]}
@@ -149,6 +156,11 @@ class StatusViews:
                                            "scores": {}})
         return RoundView(round, "public", results["base"], results["base_loss"], None, public_loss,
                          [rows[m] for m in sorted(rows)])
+
+    async def _seeds(self, round: int) -> dict[str, list[str]] | None:
+        """From the round plan this validator fixed: who withheld a seed, who was left out of the assignment."""
+        plan = await self.ctx.storage.round_plan(round)
+        return None if plan is None else {"withheld": list(plan.unrevealed_seeds), "excluded": list(plan.excluded)}
 
     def _agreement(self, states: list[Any]) -> dict[str, Any] | None:
         """The share of validator weight behind the most-voted state of the latest round with votes."""

@@ -2,12 +2,14 @@
 
 Every write goes to a temp file under `root/tmp/`, is hashed while it is written, and is renamed
 into place (os.replace) only once its hash and size are verified; a failed or aborted write
-deletes its temp file, and temp files left by a crash are removed when the store opens. This
+deletes its temp file (also when the disk refuses writes: the OSError reaches the caller and no
+partial blob stays), and temp files left by a crash are removed when the store opens. This
 module knows nothing about the network, messages or what a blob contains.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import time
@@ -88,20 +90,26 @@ class BlobWriter:
         if actual != self.expected_hash:
             self.abort()
             raise HashMismatch(f"blob {self.expected_hash[:12]}: received bytes hash to {actual[:12]}")
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        self._done = True
         final = self._store.path(self.expected_hash)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(self.tmp_path, final)
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            final.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(self.tmp_path, final)
+        except OSError:  # a full or failing disk: nothing half-written stays behind
+            self.abort()
+            raise
+        self._done = True
         return final
 
     def abort(self) -> None:
+        """Delete the temp file; safe to call on a disk that refuses writes (the close may fail again)."""
         if self._done:
             return
         self._done = True
-        self._file.close()
+        with contextlib.suppress(OSError):  # the close flushes what is buffered; the file closes regardless
+            self._file.close()
         self.tmp_path.unlink(missing_ok=True)
 
     def __enter__(self) -> BlobWriter:

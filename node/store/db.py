@@ -52,6 +52,7 @@ _HEAD = "head"
 _MOMENTUM = "momentum"  # hash of the blob holding a validator's outer-optimizer momentum
 _MOMENTUM_OF = "momentum_of:{}:{}"  # (state hash, voter) -> hash of the momentum blob it announced
 _SUBMISSION = "submission:{}"  # round -> JSON {hash, size} of the blob this miner submits
+_PGRAD_ERROR = "pgrad_error"  # hash of the blob holding the miner's error-feedback buffer after its last submission
 _SEED = "seed:{}"  # round -> this validator's own seed
 _REWARDED = "rewarded:{}"  # round -> "1" once the round's rewards are in the ledger
 _REPORT = "round_report:{}"  # round -> this validator's JSON report of the round
@@ -263,8 +264,18 @@ class Storage(SqliteWorker):
         return None if text is None else Submission(**json.loads(text))
 
     @write
-    def set_submission(self, conn: sqlite3.Connection, round: int, submission: Submission) -> None:
+    def set_submission(self, conn: sqlite3.Connection, round: int, submission: Submission,
+                       pgrad_error: str | None = None) -> None:
+        """Record this miner's blob for `round` and, when given, the hash of the error-feedback buffer
+        its encoding left (one transaction, so a restart never sees one without the other)."""
         put(conn, _SUBMISSION.format(round), json.dumps({"hash": submission.hash, "size": submission.size}))
+        if pgrad_error is not None:
+            put(conn, _PGRAD_ERROR, pgrad_error)
+
+    @read
+    def pgrad_error(self, conn: sqlite3.Connection) -> str | None:
+        """Hash of the blob holding this miner's error-feedback buffer (None before its first pgrad submission)."""
+        return get(conn, _PGRAD_ERROR)
 
     # -- what a validator keeps -----------------------------------------------------------------
 

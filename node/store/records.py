@@ -140,7 +140,8 @@ class RoundPlan:
 
     `revealed`: miner -> commitment of every miner with a Commit and a matching Reveal; `commits`:
     every miner's commitment; `assignment`: miner -> the validators that evaluate it;
-    `unrevealed_seeds`: validators that committed a seed and did not reveal it in time.
+    `unrevealed_seeds`: validators that committed a seed and did not reveal it in time; `excluded`:
+    validators left out of `assignment` for withholding a seed in a recent round (node.duties.plan).
     """
 
     round: int
@@ -149,14 +150,17 @@ class RoundPlan:
     commits: dict[str, str]
     assignment: dict[str, tuple[str, ...]]
     unrevealed_seeds: tuple[str, ...] = field(default=())
+    excluded: tuple[str, ...] = field(default=())
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "assignment": {m: list(v) for m, v in self.assignment.items()},
-                           "unrevealed_seeds": list(self.unrevealed_seeds)}, sort_keys=True)
+                           "unrevealed_seeds": list(self.unrevealed_seeds), "excluded": list(self.excluded)},
+                          sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> RoundPlan:
         data: dict[str, Any] = json.loads(text)
         return cls(round=data["round"], seed=data["seed"], revealed=data["revealed"], commits=data["commits"],
                     assignment={m: tuple(v) for m, v in data["assignment"].items()},
-                    unrevealed_seeds=tuple(data["unrevealed_seeds"]))
+                    unrevealed_seeds=tuple(data["unrevealed_seeds"]),
+                    excluded=tuple(data.get("excluded", ())))  # plans stored before exclusions existed

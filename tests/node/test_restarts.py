@@ -15,7 +15,7 @@ from node.runtime.daemon import Node
 from protocol.messages import SeedCommit, SeedReveal, seal
 from protocol.rounds import Phase
 from protocol.seeds import commitment, round_seed
-from tests.node.twins import Twins, identity
+from tests.node.twins import Twins, identity, until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -125,5 +125,55 @@ async def test_a_deleted_head_blob_is_fetched_again_from_its_voters(tmp_path: Pa
         [state] = await v0.ctx.storage.global_states(1)
         assert net.id("validator-0") in state.voters and state.parent == head  # it voted in the next round
         assert all(run.ok for run in v0.scheduler.runs), v0.scheduler.runs
+    finally:
+        await net.close()
+
+
+async def test_a_miner_down_for_all_of_evaluate_after_revealing_is_still_scored(tmp_path: Path) -> None:
+    net = Twins(tmp_path)
+    try:
+        await started(net, "validator-0", "validator-1", "miner-0", "miner-1")
+        for phase in (Phase.TRAIN, Phase.COMMIT, Phase.REVEAL):
+            await net.phase(0, phase)
+        validators = [net.nodes["validator-0"], net.nodes["validator-1"]]
+        [reveal] = [r for r in await validators[0].ctx.storage.reveals_for(0) if r.miner == net.id("miner-0")]
+        await until(lambda: all(v.ctx.blobs.has(reveal.commitment) for v in validators),
+                    "the validators to fetch miner-0's blob while REVEAL is open")
+        await net.stop("miner-0")  # killed after revealing; not back before the round ends
+        await net.phase(0, Phase.EVALUATE)
+        await net.phase(0, Phase.MERGE)
+        for validator in validators:
+            report = await validator.round_report(0)
+            assert report is not None
+            miner0 = next(m for m in report["miners"] if m["id"] == net.id("miner-0"))
+            assert miner0["verdict"] == "accept" and miner0["loss"] is not None, miner0
+    finally:
+        await net.close()
+
+
+async def test_a_validator_down_while_the_votes_went_out_follows_the_majority_and_votes_next_round(
+        tmp_path: Path) -> None:
+    net = Twins(tmp_path, validators=3)
+    try:
+        await started(net, "validator-0", "validator-1", "validator-2", "miner-0", "miner-1")
+        for phase in (Phase.TRAIN, Phase.COMMIT, Phase.REVEAL, Phase.EVALUATE):
+            await net.phase(0, phase)
+        await net.stop("validator-2")  # killed at MERGE: it never hears the others' votes of round 0
+        await net.phase(0, Phase.MERGE)
+        v2 = await net.start("validator-2")  # back before the round ends
+        await net.ran(0, Phase.MERGE)
+        await net.phase(1, Phase.TRAIN, after_s=net.spec.timing.train_s / 5)  # past its wait for missing votes
+        adopted = await net.nodes["validator-0"].ctx.storage.head()
+        assert adopted is not None and adopted != net.spec.model.base_hash
+        assert await v2.ctx.storage.head() == net.spec.model.base_hash  # no majority among the votes it holds
+        await net.phase(1, Phase.COMMIT)  # the others' heartbeats of round 1 announce the adopted head
+        assert await v2.ctx.storage.head() == adopted
+        for phase in (Phase.REVEAL, Phase.EVALUATE, Phase.MERGE):
+            await net.phase(1, phase)
+        await net.phase(2, Phase.TRAIN)
+        [state] = await v2.ctx.storage.global_states(1)
+        assert state.parent == adopted and sorted(state.voters) == sorted(
+            net.id(v) for v in ("validator-0", "validator-1", "validator-2"))  # it voted with the others
+        assert await v2.ctx.storage.head() == state.hash
     finally:
         await net.close()

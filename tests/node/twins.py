@@ -54,8 +54,9 @@ def _arithmetic(count: int, offset: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_network(root: Path, validators: int = 2) -> Path:
-    """The network directory: model config, data, and a spec naming a fixed expert group."""
+def write_network(root: Path, validators: int = 2, extra: str = "") -> Path:
+    """The network directory: model config, data, and a spec naming a fixed expert group (`extra`:
+    TOML tables appended to the spec, e.g. a `[submission]` section)."""
     root.mkdir(parents=True)
     (root / "model.json").write_text(json.dumps(MODEL, sort_keys=True), encoding="utf-8")
     (root / "train.jsonl").write_text(_arithmetic(400, 0), encoding="utf-8")
@@ -95,7 +96,7 @@ batch_size = 4
 outer_lr = 0.5
 momentum = 0.5
 
-{validators}"""
+{validators}{extra}"""
     (root / "spec.toml").write_text(spec, encoding="utf-8")
     return root / "spec.toml"
 
@@ -117,9 +118,9 @@ def idle(node: Node) -> bool:
 class Twins:
     """Nodes of one network written by `write_network`, on one MemoryHub and one ManualClock."""
 
-    def __init__(self, root: Path, validators: int = 2) -> None:
+    def __init__(self, root: Path, validators: int = 2, extra: str = "") -> None:
         self.root = root
-        self.spec_path = write_network(root / "net", validators)
+        self.spec_path = write_network(root / "net", validators, extra)
         self.spec = load_spec(self.spec_path)
         self.schedule = Schedule.from_spec(self.spec)
         self.clock = ManualClock(self.spec.genesis_ts - 1)  # nodes started one by one all hear round 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import safetensors.torch
 import torch
 
 from training.pgrad import (
@@ -12,7 +13,9 @@ from training.pgrad import (
     compressed_shapes,
     decode,
     encode,
+    error_bytes,
     layout,
+    load_error,
 )
 
 SHAPES = {"layers.0.experts.1.down_proj": (2, 4), "layers.0.experts.1.gate_up_proj": (4, 4)}
@@ -132,3 +135,17 @@ def test_2bit_padding_bits_of_a_short_tensor_must_be_zero() -> None:
 def test_config_refuses_bad_parameters(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         PgradConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_the_error_buffer_file_round_trips_and_refuses_another_group() -> None:
+    _, error = encode(grads(), None, PgradConfig(chunk=4, topk=4, quant="2bit"))
+    loaded = load_error(error_bytes(error), SHAPES)
+    assert all(torch.equal(loaded[name], error[name]) for name in SHAPES)
+    with pytest.raises(ValueError, match="other tensors"):
+        load_error(error_bytes(error), {"layers.0.experts.1.down_proj": (2, 4)})
+    with pytest.raises(ValueError, match="not fp32 of shape"):
+        load_error(error_bytes(error), {**SHAPES, "layers.0.experts.1.down_proj": (4, 2)})
+    with pytest.raises(ValueError, match="not fp32"):
+        load_error(safetensors.torch.save({name: t.to(torch.float16) for name, t in error.items()}), SHAPES)
+    with pytest.raises(ValueError, match="not a safetensors"):
+        load_error(b"\x00" * 8, SHAPES)
