@@ -7,7 +7,11 @@ peak memory is its own:
 - `hash`: `training.checkpoint.checkpoint_hash`, the streaming base hash;
 - `plain`: bare `AutoModelForCausalLM.from_pretrained` of the same directory, for reference;
 - `old`: the loader of commit 7069fea (reads every shard, converts hub keys by hand, builds a
-  second model), taken from git history into a temporary package, for the record.
+  second model), taken from git history into a temporary package, for the record;
+- `compressed_full_load` / `compressed_skip`: a compressed-mode miner's model Θ̃0 for GROUP (4 of the
+  32 experts in every layer, the share of OLMoE-1B-7B's 8 of 64), built the old way (`compress` of
+  the fully loaded model) and by `training.model.load_compressed`, which never reads unselected
+  experts. `compressed_miner_*` keys: their peak RSS in GiB, its ratio, seconds, the bytes Θ̃0 holds.
 `peak_rss_ratio` = peak RSS (VmHWM) above the process's RSS once torch and transformers are
 imported, divided by the checkpoint's bytes; target <= 1.3. Seconds are wall-clock.
 Usage: python bench/load.py [--out FILE.json]
@@ -34,6 +38,7 @@ OLD_FILES = ("training/__init__.py", "training/model.py", "training/adapters.py"
 CONFIG = {"hidden_size": 768, "num_hidden_layers": 12, "num_experts": 32, "moe_intermediate_size": 384,
           "intermediate_size": 2048, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 96,
           "vocab_size": 8192}
+GROUP = {layer: list(range(layer % 8, 32, 8)) for layer in range(12)}
 
 
 def write_checkpoint(directory: Path) -> int:
@@ -79,12 +84,29 @@ def child(mode: str, directory: str, extra_path: str | None) -> None:
         checkpoint_hash(directory)
     elif mode == "plain":
         transformers.AutoModelForCausalLM.from_pretrained(directory)
+    elif mode in ("compressed_full_load", "compressed_skip"):
+        from training.adapters import adapter_for
+        from training.compressed import compress
+        from training.model import load_checkpoint, load_compressed
+
+        if mode == "compressed_skip":
+            cut = load_compressed(directory, GROUP)
+        else:
+            cut = compress(load_checkpoint(directory), adapter_for("qwen3_moe"), GROUP)
+        held = sum(t.nbytes for t in (*cut.model.parameters(), *cut.model.buffers()))
     else:
         from training.model import load_checkpoint as old_load  # the 7069fea module, first on sys.path
 
         old_load("qwen3_moe", directory)
     seconds = time.perf_counter() - started
-    print(json.dumps({"seconds": seconds, "peak_above_runtime_bytes": (_status_kb("VmHWM") - runtime_kb) * 1024}))
+    report = {"seconds": seconds, "peak_above_runtime_bytes": (_status_kb("VmHWM") - runtime_kb) * 1024}
+    if mode.startswith("compressed"):
+        report["held_bytes"] = held
+    print(json.dumps(report))
+
+
+def _gib(nbytes: int) -> float:
+    return round(nbytes / (1 << 30), 3)
 
 
 def _rss_kb() -> int:
@@ -126,8 +148,11 @@ def main() -> None:
         started = time.perf_counter()
         size = measure("write", directory)["bytes"]
         write_seconds = time.perf_counter() - started
-        runs = {mode: measure(mode, directory) for mode in ("tessera", "hash", "plain")}
+        runs = {mode: measure(mode, directory)
+                for mode in ("tessera", "hash", "plain", "compressed_full_load", "compressed_skip")}
         runs["old"] = measure("old", directory, str(old_package(Path(tmp) / "old")))
+    full_load, skip = runs["compressed_full_load"], runs["compressed_skip"]
+    assert full_load["held_bytes"] == skip["held_bytes"], "both ways build the same compressed model"
     report: dict[str, Any] = {
         "checkpoint_bytes": size,
         "write_seconds": round(write_seconds, 2),
@@ -140,6 +165,14 @@ def main() -> None:
         "old_loader_7069fea": {"peak_rss_ratio": round(runs["old"]["peak_above_runtime_bytes"] / size, 3),
                                "load_seconds": round(runs["old"]["seconds"], 2)},
         "target_peak_rss_ratio": 1.3,
+        "compressed_miner_group": "4 of 32 experts in each of 12 MoE layers",
+        "compressed_miner_peak_rss_gib_full_load": _gib(full_load["peak_above_runtime_bytes"]),
+        "compressed_miner_peak_rss_gib_skip_unselected": _gib(skip["peak_above_runtime_bytes"]),
+        "compressed_miner_skip_vs_full_load_peak_ratio": round(
+            skip["peak_above_runtime_bytes"] / full_load["peak_above_runtime_bytes"], 3),
+        "compressed_miner_seconds_full_load": round(full_load["seconds"], 2),
+        "compressed_miner_seconds_skip_unselected": round(skip["seconds"], 2),
+        "compressed_miner_held_gib": _gib(skip["held_bytes"]),
     }
     emit(report, args.out)
 

@@ -11,8 +11,9 @@ conversion mapping to learn which hub keys make up which model tensor (per-exper
 dim 0, gate then up concatenated on dim 1), so it equals `training.model.state_hash` of the model
 loaded in the checkpoint's dtype. Each tensor is framed with the dtype it is stored in, so nodes
 compare the bytes they were given, whatever dtype they load them in. Checkpoint keys the model
-does not have (e.g. DeepSeek's MTP layer) are not part of the model and not hashed. This module never builds real weights, trains or
-knows about the network.
+does not have (e.g. DeepSeek's MTP layer) are not part of the model and not hashed. `read_rows` reads
+chosen rows (experts) of one model tensor and nothing else, so a compressed miner never reads the
+experts it does not train. This module never builds a model, trains or knows about the network.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import json
 import re
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,9 @@ _EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
 
 @dataclass(frozen=True)
 class Stored:
-    """One tensor as stored in a safetensors file: where its bytes are, its dtype and shape."""
+    """One tensor as stored in a safetensors file: its key, where its bytes are, its dtype and shape."""
 
+    key: str
     path: Path
     offset: int
     nbytes: int
@@ -112,6 +114,42 @@ def checkpoint_hash(directory: str | Path) -> str:
             for chunk in _read_bytes(stored):
                 digest.update(chunk)
     return digest.hexdigest()
+
+
+def model_sources(directory: str | Path) -> dict[str, list[Stored]]:
+    """Model tensor name -> the stored pieces whose bytes make it, in order (see `_canonical_parts`).
+
+    Reads the safetensors headers and config.json only; the pieces name their checkpoint keys.
+    """
+    return {name: parts for name, _, _, parts in _canonical_parts(Path(directory))}
+
+
+def read_rows(parts: list[Stored], shape: tuple[int, ...], rows: list[int]) -> torch.Tensor:
+    """Rows `rows` (dim 0, in that order) of the model tensor of `shape` made of `parts`, in the stored dtype.
+
+    Only those rows' bytes are read: from a fused stored tensor [E, ...] the rows' byte ranges, from
+    per-expert hub pieces just those experts' pieces (gate before up, as the converter concatenates).
+    """
+    per_row = len(parts) // shape[0]
+    wanted: list[Stored] = []
+    for row in rows:
+        assert 0 <= row < shape[0], f"row {row} of a tensor with {shape[0]} rows"
+        if len(parts) > 1:
+            wanted += parts[row * per_row : (row + 1) * per_row]
+        else:
+            size = parts[0].nbytes // shape[0]
+            wanted.append(replace(parts[0], offset=parts[0].offset + row * size, nbytes=size))
+    out = torch.empty((len(rows), *shape[1:]), dtype=getattr(torch, parts[0].dtype))
+    buffer = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    assert buffer.nbytes == sum(p.nbytes for p in wanted), f"the pieces of {parts[0].key} do not fill {shape}"
+    at = 0
+    for stored in wanted:
+        with stored.path.open("rb") as handle:
+            handle.seek(stored.offset)
+            if handle.readinto(buffer[at : at + stored.nbytes]) != stored.nbytes:
+                raise ValueError(f"{stored.path}: file ends inside {stored.key}; the checkpoint is truncated")
+        at += stored.nbytes
+    return out
 
 
 def _canonical_parts(directory: Path) -> Iterator[tuple[str, str, tuple[int, ...], list[Stored]]]:
@@ -204,7 +242,7 @@ def _read_header(path: Path) -> dict[str, Stored]:
             raise ValueError(f"{path}: {key} has dtype {info.get('dtype')}, which Tessera does not load "
                              "(FP8/quantized checkpoints are not supported)")
         begin, end = info["data_offsets"]
-        out[key] = Stored(path, base + begin, end - begin, dtype, tuple(info["shape"]))
+        out[key] = Stored(key, path, base + begin, end - begin, dtype, tuple(info["shape"]))
     return out
 
 

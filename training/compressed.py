@@ -7,7 +7,9 @@ holds expert `group[l][s]` (experts ascending). The router of a group layer rout
 experts alone, exactly as `MoEAdapter.route` does on the full model with the other experts masked:
 softmax over the kept logits (or DeepSeek-V3's sigmoid scores + correction bias), top-k capped at
 the number kept. Unselected expert weights are never copied, so they never reach `device`; MoE
-layers outside the group keep all their experts. `model` itself is never modified.
+layers outside the group keep all their experts. `model` itself is never modified. Given the kept
+rows (`rows`), `compress` also cuts a model whose group experts were never loaded
+(`training.model.load_compressed` reads just those rows from the checkpoint).
 
 Blob tensors are named by full expert ids (`layers.{l}.experts.{e}.{param}`); `CompressedModel`
 maps them to and from slots. This module knows nothing about training, data, blobs or the network.
@@ -112,35 +114,42 @@ def compress(
     adapter: MoEAdapter,
     group: ExpertGroup,
     device: str | torch.device | None = None,
+    rows: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
 ) -> CompressedModel:
     """A compressed copy of `model` on `device` (default: where `model` is) holding only `group`'s experts.
 
     Weights already on `device` are shared with `model`, not copied; `model` is left unchanged. The
     module tree is copied (`copy.deepcopy` with the weights pre-seeded), so hooks registered on
-    `model`'s modules come along.
+    `model`'s modules come along. `rows` (layer -> param -> [S, ...], experts ascending) gives the
+    kept experts' rows of a model that does not hold them (its group experts on the meta device,
+    `training.model.load_compressed`); they are used as they are, not copied.
     """
     check_group(model, adapter, group)
     kept = {layer: tuple(sorted(experts)) for layer, experts in sorted(group.items())}
     target = torch.device(device) if device is not None else next(model.parameters()).device
     memo: dict[int, object] = {}
     skipped: set[int] = set()
-    for layer, rows in kept.items():
+    for layer, ids in kept.items():
         experts, router = adapter.experts(model, layer), adapter.router(model, layer)
-        index = torch.tensor(rows, device=experts.gate_up_proj.device)
         for param in PARAMS:
             fused = getattr(experts, param)
-            memo[id(fused)] = torch.nn.Parameter(
-                fused.detach()[index].to(target).clone(), requires_grad=fused.requires_grad
-            )
-        memo[id(router)] = KeptRouter(adapter, router, rows, target)
+            if rows is None:
+                value = fused.detach()[torch.tensor(ids, device=fused.device)].to(target).clone()
+            else:
+                value = rows[layer][param].to(target)
+                assert value.shape == (len(ids), *fused.shape[1:]) and value.dtype == fused.dtype, (
+                    f"layer {layer} {param}: rows {value.dtype} {tuple(value.shape)} do not fit {fused.dtype} "
+                    f"{tuple(fused.shape)}")
+            memo[id(fused)] = torch.nn.Parameter(value, requires_grad=fused.requires_grad)
+        memo[id(router)] = KeptRouter(adapter, router, ids, target)
         skipped |= {id(t) for t in (*router.parameters(), *router.buffers())}
     for tensor in (*model.parameters(), *model.buffers()):
         if id(tensor) in memo or id(tensor) in skipped:
             continue
         memo[id(tensor)] = _on(tensor, target)
     out = copy.deepcopy(model, memo)
-    for layer, rows in kept.items():
-        adapter.experts(out, layer).num_experts = len(rows)
+    for layer, ids in kept.items():
+        adapter.experts(out, layer).num_experts = len(ids)
     return CompressedModel(out, adapter, kept)
 
 

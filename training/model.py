@@ -4,7 +4,9 @@ A network's base model is either a tiny model built from a config dict and an in
 or a local Hugging Face checkpoint directory, loaded by transformers' own `from_pretrained` (its
 conversion mapping fuses per-expert hub keys; safetensors only, pickle is never read). Tiny models
 use eager attention and eager experts so every node computes the same numbers the same way;
-checkpoints default to sdpa. `state_hash` is a loaded model's fingerprint and
+checkpoints default to sdpa. `load_compressed` (`load_compressed_base` for a spec) builds a
+compressed-mode miner's model Θ̃0 from a checkpoint without ever reading the group layers'
+unselected experts. `state_hash` is a loaded model's fingerprint and
 `training.checkpoint.checkpoint_hash` the same fingerprint streamed from a checkpoint's files; the
 spec pins it as `base_hash` (framing: training/checkpoint.py). Tiny models are initialised from a
 local `torch.Generator`, never torch's global RNG: on import this module wraps the random init
@@ -41,8 +43,17 @@ from transformers.utils import logging as hf_logging
 
 from protocol.spec import NetworkSpec, spec_dir_path
 from training.adapters import MoEAdapter, adapter_for, family_of
-from training.checkpoint import STATE_TAG, checkpoint_hash, read_config, tensor_frame, weight_files
-from training.experts import check_group
+from training.checkpoint import (
+    STATE_TAG,
+    checkpoint_hash,
+    model_sources,
+    read_config,
+    read_rows,
+    tensor_frame,
+    weight_files,
+)
+from training.compressed import CompressedModel, compress
+from training.experts import PARAMS, ExpertGroup, check_group
 
 DeviceMap = str | dict[str, Any] | None
 
@@ -184,31 +195,44 @@ def load_checkpoint(
     `progress` shows transformers' loading bar when stderr is a terminal (operator commands).
     """
     directory = Path(directory)
+    return _from_pretrained(directory, _checkpoint_config(directory), dtype, device_map, attn_implementation,
+                            progress, skip_keys=set(), placeholders={})
+
+
+def load_compressed(
+    directory: str | Path,
+    group: ExpertGroup,
+    *,
+    dtype: torch.dtype | None = None,
+    attn_implementation: str = "sdpa",
+    progress: bool = False,
+) -> CompressedModel:
+    """The compressed model Θ̃0 of `group` from a checkpoint, on the CPU, never holding an unselected expert.
+
+    Everything but the group layers' fused experts loads through `from_pretrained` as in
+    `load_checkpoint`; those come from `training.checkpoint.read_rows`, which reads just the group's
+    experts: from hub per-expert checkpoints (what transformers 5 `save_pretrained` writes) only
+    the selected experts' keys, from fused-key checkpoints only their rows. The unselected experts
+    are never read, so the process never holds them; the result equals `compress` of the full
+    model, tensor for tensor.
+    """
+    directory = Path(directory)
     config = _checkpoint_config(directory)
-    files = weight_files(directory)
-    if progress and sys.stderr.isatty():
-        hf_logging.enable_progress_bar()
-    else:
-        hf_logging.disable_progress_bar()
-    try:
-        with ExitStack() as stack, _synchronous_loading():
-            # pread, not mmap: mapped file pages would count against the process twice over.
-            slices: dict[str, Any] = {}
-            for path in files:
-                handle = stack.enter_context(safe_open(str(path), framework="pt", device="cpu", backend="pread"))
-                slices.update({key: handle.get_slice(key) for key in handle.keys()})
-            model, info = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(
-                None, config=config, state_dict=slices, dtype=dtype or _stored_dtype(config),
-                device_map=device_map, attn_implementation=attn_implementation,
-                experts_implementation="eager", output_loading_info=True,
-            )
-    except (OSError, RuntimeError, SafetensorError) as exc:
-        raise ValueError(f"{directory}: transformers cannot load this checkpoint: {exc}") from exc
-    problems = sorted(info["missing_keys"]) + sorted(str(m) for m in info["mismatched_keys"])
-    if problems:
-        raise ValueError(f"{directory}: weights do not match the config (missing or mismatched: {problems[:3]})")
-    adapter_for(config.model_type).check_layout(model)
-    return model.eval()
+    adapter = adapter_for(config.model_type)
+    meta = meta_model(directory)
+    check_group(meta, adapter, group)
+    names = {id(t): name for name, t in meta.named_parameters()}
+    fused = {(layer, param): names[id(getattr(adapter.experts(meta, layer), param))]
+             for layer in group for param in PARAMS}
+    shapes = {name: tuple(meta.get_parameter(name).shape) for name in fused.values()}
+    sources = model_sources(directory)
+    model = _from_pretrained(directory, config, dtype, None, attn_implementation, progress,
+                             skip_keys={part.key for name in shapes for part in sources[name]}, placeholders=shapes)
+    load_dtype = dtype or _stored_dtype(config)
+    rows = {layer: {param: read_rows(sources[fused[layer, param]], shapes[fused[layer, param]],
+                                     sorted(group[layer])).to(load_dtype) for param in PARAMS}
+            for layer in group}
+    return compress(model, adapter, group, rows=rows)
 
 
 def load_base(
@@ -228,28 +252,57 @@ def load_base(
     """
     adapter = adapter_for(spec.model.family)
     if spec.model.config is not None:
-        config_path = spec_dir_path(spec_path, spec.model.config)
-        try:
-            config = json.loads(config_path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(
-                f"{config_path}: cannot read the model config named by model.config: {exc}"
-            ) from exc
-        if not isinstance(config, dict):
-            raise ValueError(f"{config_path}: the model config must be a JSON object")
-        model = build_tiny_model(spec.model.family, config, spec.model.init_seed)
-        _check_hash(state_hash(model), spec.model.base_hash)
+        model = _tiny_base(spec, spec_path)
     else:
-        assert spec.model.checkpoint is not None, "the spec validator requires config or checkpoint"
-        directory = spec_dir_path(spec_path, spec.model.checkpoint)
-        family = family_of(read_config(directory))
-        if family != spec.model.family:
-            raise ValueError(f"{directory}: the checkpoint is {family!r}, but the spec's family is {spec.model.family!r}")
-        _check_hash(checkpoint_hash(directory), spec.model.base_hash)
-        model = load_checkpoint(directory, dtype=dtype, device_map=device_map,
+        model = load_checkpoint(_checked_checkpoint(spec, spec_path), dtype=dtype, device_map=device_map,
                                 attn_implementation=attn_implementation or "sdpa", progress=progress)
     check_group(model, adapter, spec.group)
     return model, adapter
+
+
+def load_compressed_base(
+    spec: NetworkSpec,
+    spec_path: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    attn_implementation: str | None = None,
+    progress: bool = False,
+) -> CompressedModel:
+    """The spec's compressed model Θ̃0 for its group, on the CPU; refuses a base that does not hash to `base_hash`.
+
+    A tiny model is built whole (it is small) and cut with `compress`. A checkpoint is hashed from
+    its files, then loaded with `load_compressed`, so its unselected experts are never held.
+    """
+    if spec.model.config is not None:
+        return compress(_tiny_base(spec, spec_path), adapter_for(spec.model.family), spec.group)
+    return load_compressed(_checked_checkpoint(spec, spec_path), spec.group, dtype=dtype,
+                           attn_implementation=attn_implementation or "sdpa", progress=progress)
+
+
+def _tiny_base(spec: NetworkSpec, spec_path: str | Path) -> PreTrainedModel:
+    """The spec's tiny model (`model.config` + `init_seed`), checked against `base_hash`."""
+    assert spec.model.config is not None, "only a spec with model.config has a tiny base"
+    config_path = spec_dir_path(spec_path, spec.model.config)
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{config_path}: cannot read the model config named by model.config: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path}: the model config must be a JSON object")
+    model = build_tiny_model(spec.model.family, config, spec.model.init_seed)
+    _check_hash(state_hash(model), spec.model.base_hash)
+    return model
+
+
+def _checked_checkpoint(spec: NetworkSpec, spec_path: str | Path) -> Path:
+    """The spec's checkpoint directory, once its family and streamed hash match the spec."""
+    assert spec.model.checkpoint is not None, "the spec validator requires config or checkpoint"
+    directory = spec_dir_path(spec_path, spec.model.checkpoint)
+    family = family_of(read_config(directory))
+    if family != spec.model.family:
+        raise ValueError(f"{directory}: the checkpoint is {family!r}, but the spec's family is {spec.model.family!r}")
+    _check_hash(checkpoint_hash(directory), spec.model.base_hash)
+    return directory
 
 
 def state_hash(model: torch.nn.Module) -> str:
@@ -267,6 +320,58 @@ def state_hash(model: torch.nn.Module) -> str:
 def _stored_dtype(config: PretrainedConfig) -> torch.dtype:
     dtype = getattr(config, "dtype", None) or torch.float32
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def _from_pretrained(
+    directory: Path,
+    config: PretrainedConfig,
+    dtype: torch.dtype | None,
+    device_map: DeviceMap,
+    attn_implementation: str,
+    progress: bool,
+    skip_keys: set[str],
+    placeholders: dict[str, tuple[int, ...]],
+) -> PreTrainedModel:
+    """`from_pretrained` over lazy pread slices of the checkpoint, never reading the keys in `skip_keys`.
+
+    The model tensors those keys make (`placeholders`, name -> shape) are handed to transformers as
+    zero-strided views of one scalar (no memory, nothing read) and replaced by empty tensors on the
+    meta device once the model is loaded.
+    """
+    files = weight_files(directory)
+    load_dtype = dtype or _stored_dtype(config)
+    if progress and sys.stderr.isatty():
+        hf_logging.enable_progress_bar()
+    else:
+        hf_logging.disable_progress_bar()
+    try:
+        with ExitStack() as stack, _synchronous_loading():
+            # pread, not mmap: mapped file pages would count against the process twice over.
+            slices: dict[str, Any] = {}
+            for path in files:
+                handle = stack.enter_context(safe_open(str(path), framework="pt", device="cpu", backend="pread"))
+                slices.update({key: handle.get_slice(key) for key in handle.keys() if key not in skip_keys})
+            for name, shape in placeholders.items():
+                slices[name] = torch.zeros((), dtype=load_dtype).expand(shape)
+            model, info = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(
+                None, config=config, state_dict=slices, dtype=load_dtype,
+                device_map=device_map, attn_implementation=attn_implementation,
+                experts_implementation="eager", output_loading_info=True,
+            )
+    except (OSError, RuntimeError, SafetensorError) as exc:
+        raise ValueError(f"{directory}: transformers cannot load this checkpoint: {exc}") from exc
+    problems = sorted(info["missing_keys"]) + sorted(str(m) for m in info["mismatched_keys"])
+    if problems:
+        raise ValueError(f"{directory}: weights do not match the config (missing or mismatched: {problems[:3]})")
+    for name in placeholders:
+        module, _, attr = name.rpartition(".")
+        placeholder = model.get_parameter(name)
+        assert placeholder.stride()[0] == 0, f"transformers copied the placeholder of {name}"
+        setattr(model.get_submodule(module), attr, torch.nn.Parameter(
+            torch.empty(placeholder.shape, dtype=placeholder.dtype, device="meta"),
+            requires_grad=placeholder.requires_grad))
+    adapter_for(config.model_type).check_layout(model)
+    return model.eval()
 
 
 @contextmanager

@@ -28,6 +28,7 @@ import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -44,9 +45,10 @@ from protocol.rounds import Phase
 from protocol.spec import NetworkSpec, spec_dir_path
 from training.adapters import MoEAdapter
 from training.blob import BLOB_FORMAT, PGRAD_FORMAT, BlobMeta, encode_blob
+from training.compressed import CompressedModel
 from training.data import batches, load_sequences, shard
-from training.experts import expected_shapes, extract, insert, pseudo_gradient
-from training.model import load_base
+from training.experts import extract, insert, pseudo_gradient
+from training.model import load_base, load_compressed_base
 from training.pgrad import encode as encode_pgrad
 from training.tokenizer import load_tokenizer
 from training.trainer import TrainConfig, TrainResult, train_experts
@@ -88,27 +90,36 @@ def encode_submission(spec: NetworkSpec, round: int, miner: str, head: str, tens
 
 
 class MinerModel:
-    """What a miner loads once: the base model, its genesis state and the training sequences."""
+    """What a miner loads once: the base model (compressed to its group in `compressed` mode), its genesis
+    state and the training sequences."""
 
-    def __init__(self, spec: NetworkSpec, model: torch.nn.Module, adapter: MoEAdapter, genesis: GlobalExperts,
-                 sequences: torch.Tensor, pad_id: int) -> None:
+    def __init__(self, spec: NetworkSpec, model: torch.nn.Module | CompressedModel, adapter: MoEAdapter,
+                 genesis: GlobalExperts, sequences: torch.Tensor, pad_id: int) -> None:
         self.spec = spec
         self.model = model
         self.adapter = adapter
         self.genesis = genesis
-        self.shapes = expected_shapes(model, adapter, spec.group)
+        self.shapes = {name: tuple(t.shape) for name, t in genesis.tensors.items()}
         self.sequences = sequences
         self.pad_id = pad_id
 
     @classmethod
-    def load(cls, spec: NetworkSpec, spec_path: Path, data: Sequence[Path] = (), progress: bool = False) -> MinerModel:
-        """Build the base model and pack the training files (`data`, else the spec's); blocking."""
-        model, adapter = load_base(spec, spec_path, progress=progress)
+    def load(cls, spec: NetworkSpec, spec_path: Path, data: Sequence[Path] = (), progress: bool = False,
+             forward: Literal["full", "compressed"] = "full") -> MinerModel:
+        """Build the base model and pack the training files (`data`, else the spec's); blocking.
+
+        `compressed`: the model is Θ̃0 alone (training.model.load_compressed_base), never holding the
+        unselected experts; it can then only train with `forward = "compressed"`."""
+        if forward == "compressed":
+            model: torch.nn.Module | CompressedModel = load_compressed_base(spec, spec_path, progress=progress)
+            adapter, experts = model.adapter, model.tensors()
+        else:
+            model, adapter = load_base(spec, spec_path, progress=progress)
+            experts = extract(model, adapter, spec.group)
         tokenizer = load_tokenizer(spec.data.tokenizer, spec_path.parent)
         files = list(data) or [spec_dir_path(spec_path, p) for p in spec.data.train]
         sequences = load_sequences(files, tokenizer, spec.data.seq_len)
-        genesis = GlobalExperts.genesis(spec, extract(model, adapter, spec.group))
-        return cls(spec, model, adapter, genesis, sequences, tokenizer.pad_id)
+        return cls(spec, model, adapter, GlobalExperts.genesis(spec, experts), sequences, tokenizer.pad_id)
 
     def train(self, miner: str, round: int, base: Mapping[str, torch.Tensor], section: MinerSection,
               keep_going: Callable[[], bool], steps: int | None = None, progress: bool = False) -> TrainResult:
@@ -116,7 +127,10 @@ class MinerModel:
 
         `progress`: a tqdm bar on a terminal (the `tessera train` command; the daemon logs instead)."""
         inner = self.spec.training
-        insert(self.model, self.adapter, dict(base))
+        if isinstance(self.model, CompressedModel):
+            self.model.load(dict(base))
+        else:
+            insert(self.model, self.adapter, dict(base))
         cfg = TrainConfig(steps=steps or inner.inner_steps, lr=inner.lr, weight_decay=inner.weight_decay,
                           batch_size=inner.batch_size, micro_batch_size=section.micro_batch_size,
                           grad_clip=inner.grad_clip, forward=section.forward, device=section.device,
@@ -200,7 +214,8 @@ class MinerDuties:
         self.arrivals = asyncio.Event()
         section = ctx.config.miner
         self.model = BuiltOnce(lambda: MinerModel.load(ctx.spec, ctx.config.node.spec,
-                                                       [section.data] if section.data else []))
+                                                       [section.data] if section.data else [],
+                                                       forward=section.forward))
         self._served: str | None = None
 
     @staticmethod

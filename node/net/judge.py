@@ -5,8 +5,11 @@ pure check cannot keep: at most one heartbeat per sender per round (later ones I
 budget of signed messages per sender per round (IGNOREd unread past it), and peer penalties: a
 peer that sends more than `penalty_threshold` REJECTed messages in one round is penalised for
 `penalty_backoff_s` (its messages are IGNOREd unread; the libp2p host disconnects it and does not
-redial it meanwhile). The seen-set can be seeded from storage after a restart. Thread-safe: the
-libp2p host judges on its own thread. This module knows nothing about transports or storage.
+redial it meanwhile). The seen-set can be seeded from storage after a restart. It also keeps the
+bytes of the envelopes it accepted in the current and the previous round (`recent`, capped at
+RECENT_BYTES_PER_ROUND), for a restarted peer to catch up on (`judge_replayed` judges those on
+the other side). Thread-safe: the libp2p host judges on its own thread. This module knows nothing
+about transports or storage.
 """
 
 from __future__ import annotations
@@ -18,12 +21,13 @@ from dataclasses import replace
 
 from node.net.config import P2PConfig
 from node.net.network import NetworkStats, PublishRefused
-from protocol.check import CheckContext, CheckResult, SeenKey, Verdict, check
+from protocol.check import CheckContext, CheckResult, SeenKey, Verdict, check, window
 from protocol.messages import DecodeError, Envelope, decode_envelope
 from protocol.rounds import Schedule
 from protocol.spec import NetworkSpec
 
 SEEN_ROUNDS_KEPT = 3
+RECENT_BYTES_PER_ROUND = 16 * 2**20
 # Reasons protocol.check gives before it has verified the signature: such a message may carry any
 # sender, so it must not use up that sender's budget.
 UNSIGNED_REASONS = frozenset({"wrong network", "duplicate", "malformed body", "round mismatch", "bad signature"})
@@ -58,6 +62,8 @@ class GossipJudge:
         self._pruned_below = 0
         self._round = -1  # the round that `_spent` and the peer scores belong to
         self._spent: Counter[str] = Counter()
+        self._recent: dict[int, list[bytes]] = {}
+        self._recent_bytes: Counter[int] = Counter()
         self.stats = NetworkStats()
 
     def _context(self, now: float) -> CheckContext:
@@ -72,21 +78,39 @@ class GossipJudge:
 
     def judge(self, data: bytes, peer: str) -> tuple[CheckResult, Envelope | None]:
         """Judge bytes received from `peer`; records accepted envelopes, counts the verdict, penalises."""
+        return self._verdict(data, peer, replayed=False)
+
+    def judge_replayed(self, data: bytes, peer: str) -> tuple[CheckResult, Envelope | None]:
+        """Judge an envelope that `peer` accepted earlier and hands on to us as we catch up after a restart.
+
+        As `judge`, but timed at the start of the envelope's own window once that has begun: a message
+        that was on time when the peer accepted it is on time here. Signature, network, sender's role,
+        duplicates and equivocation are checked as for gossip; a peer can make us take late messages
+        only if it lies about them, and then only messages their authors signed.
+        """
+        return self._verdict(data, peer, replayed=True)
+
+    def recent(self, round: int) -> list[bytes]:
+        """The envelopes accepted (and our own published) in `round`, if it is the current or the previous one."""
+        with self._lock:
+            return list(self._recent.get(round, ()))
+
+    def _verdict(self, data: bytes, peer: str, replayed: bool) -> tuple[CheckResult, Envelope | None]:
         with self._lock:
             now = self._now()
             self._roll(now)
             self.stats.gossip_bytes_in += len(data)
-            result, envelope = self._judge(data, peer, now)
+            result, envelope = self._judge(data, peer, now, replayed)
             kind = envelope.kind if envelope is not None else "unknown"
             self.stats.messages[(kind, result.verdict.value)] += 1
             if result.verdict is Verdict.REJECT:
                 self._penalise(peer, now)
             elif result.verdict is Verdict.ACCEPT:
                 assert envelope is not None
-                self._record(envelope)
+                self._record(envelope, data)
             return result, envelope
 
-    def _judge(self, data: bytes, peer: str, now: float) -> tuple[CheckResult, Envelope | None]:
+    def _judge(self, data: bytes, peer: str, now: float, replayed: bool = False) -> tuple[CheckResult, Envelope | None]:
         if self.stats.penalised.get(peer, 0.0) > now:
             return PENALISED, None
         if len(data) > self.max_bytes:
@@ -97,6 +121,8 @@ class GossipJudge:
             return CheckResult(Verdict.REJECT, "malformed envelope", str(exc)), None
         if self._spent[envelope.sender] >= self.sender_budget:
             return OVER_BUDGET, envelope
+        if replayed:  # every kind has a window (protocol.check.window)
+            now = min(now, window(envelope.kind, envelope.round, self._schedule)[0])
         result = check(envelope, self._context(now))
         if result.reason not in UNSIGNED_REASONS:
             self._spent[envelope.sender] += 1
@@ -115,7 +141,7 @@ class GossipJudge:
             data = envelope.to_bytes()
             if len(data) > self.max_bytes:
                 raise PublishRefused(f"{envelope.kind} envelope is {len(data)} bytes, over {self.max_bytes}")
-            self._record(envelope)
+            self._record(envelope, data)
             self.stats.gossip_bytes_out += len(data)
             self.stats.messages[(envelope.kind, "published")] += 1
             return data
@@ -132,11 +158,15 @@ class GossipJudge:
         first = self._first_seen.get(("heartbeat", envelope.sender, envelope.round))
         return first is not None and first != envelope.message_id
 
-    def _record(self, envelope: Envelope) -> None:
+    def _record(self, envelope: Envelope, data: bytes | None = None) -> None:
         message_id = envelope.message_id
         self._seen[message_id] = envelope.round
         self._first_seen.setdefault((envelope.kind, envelope.sender, envelope.round), message_id)
         self._prune(envelope.round)
+        if data is not None and envelope.round >= self._round - 1 \
+                and self._recent_bytes[envelope.round] + len(data) <= RECENT_BYTES_PER_ROUND:
+            self._recent.setdefault(envelope.round, []).append(data)
+            self._recent_bytes[envelope.round] += len(data)
 
     def _prune(self, latest: int) -> None:
         oldest = latest - SEEN_ROUNDS_KEPT
@@ -151,6 +181,8 @@ class GossipJudge:
         current = self._schedule.round_at(now) if now >= self._schedule.genesis_ts else 0
         if current != self._round:
             self._round = current
+            for old in [r for r in self._recent if r < current - 1]:
+                del self._recent[old], self._recent_bytes[old]
             self._spent.clear()
             self.stats.peer_scores.clear()
             self.stats.penalised = {p: t for p, t in self.stats.penalised.items() if t > now}

@@ -169,6 +169,15 @@ class Gossip(Protocol):
         """REJECT verdicts per peer node id since start."""
         ...
 
+    async def catch_up(self, round: int, providers: Sequence[str]) -> int:
+        """Ask `providers` in turn for the envelopes of `round` they accepted (the current or the previous
+        round), judge each again (`GossipJudge.judge_replayed`) and deliver the accepted ones like gossip.
+
+        For a node that was down while they went out. Returns how many were delivered; the first provider
+        that answers is the only one asked. Never raises for what a provider sends.
+        """
+        ...
+
 
 class BlobTransfer(Protocol):
     async def fetch(self, blob_hash: str, providers: Sequence[str], max_bytes: int) -> Path:

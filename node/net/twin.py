@@ -105,6 +105,21 @@ class MemoryNetwork:
             assert envelope is not None
             self._subscribers.deliver(Delivery(envelope, result, peer))
 
+    async def catch_up(self, round: int, providers: Sequence[str]) -> int:
+        for provider in providers:
+            net = self._hub.nodes.get(provider)
+            if net is None or net.closed or net is self:
+                continue
+            delivered = 0
+            for data in net._judge.recent(round):
+                result, envelope = self._judge.judge_replayed(data, provider)
+                if result.verdict is Verdict.ACCEPT:
+                    assert envelope is not None
+                    self._subscribers.deliver(Delivery(envelope, result, provider))
+                    delivered += 1
+            return delivered
+        return 0
+
     def serve(self, blob_hash: str) -> None:
         if not self._store.has(blob_hash):
             raise NetworkError(f"cannot serve blob {blob_hash[:12]}: not in the blob store")

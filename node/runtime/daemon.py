@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 from node.net.judge import GossipJudge
-from node.net.network import Network, PublishRefused, Subscription
+from node.net.network import Network, NetworkError, PublishRefused, Subscription
 from node.runtime.clock import Clock, SystemClock
 from node.runtime.config import NodeConfig
 from node.runtime.http import HttpApi
@@ -37,6 +37,8 @@ from protocol.rounds import Phase, Schedule
 from protocol.spec import NetworkSpec, load_spec
 
 log = logging.getLogger(__name__)
+
+CATCH_UP_WAIT_S = 10.0  # how long a node started after genesis waits for a peer to catch up from
 T = TypeVar("T")
 
 ROUNDS_LISTED = 32
@@ -191,8 +193,9 @@ class Node:
                                                 self.ctx.config.http.port)
                 log.info("http api on %s", self.http.url)
             async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self._consume(self._subscription), name="gossip-consumer"),
-                         tg.create_task(self.scheduler.run(), name="scheduler")]
+                tasks = [tg.create_task(self._consume(self._subscription), name="gossip-consumer")]
+                await self._catch_up()
+                tasks.append(tg.create_task(self.scheduler.run(), name="scheduler"))
                 await self._stop.wait()
                 for task in tasks:
                     task.cancel()
@@ -201,6 +204,29 @@ class Node:
 
     def stop(self) -> None:
         self._stop.set()
+
+    async def _catch_up(self) -> None:
+        """Started after genesis (a restart, a late join): before any phase runs, take in what a peer
+        accepted of this round and the last while we were away, validators asked first."""
+        ctx = self.ctx
+        if ctx.clock.now() < ctx.schedule.genesis_ts:
+            return
+        waited = 0.0
+        while not (peers := ctx.network.peers()) and waited < CATCH_UP_WAIT_S:
+            await asyncio.sleep(0.2)
+            waited += 0.2
+        providers = sorted(peers, key=lambda p: (p not in ctx.spec.validator_weights, p))
+        current = ctx.schedule.round_at(ctx.clock.now())
+        for round in (current - 1, current):
+            if round >= 0 and providers:
+                try:
+                    got = await ctx.network.catch_up(round, providers)
+                except NetworkError as exc:
+                    log.warning("round %d: could not catch up on missed messages: %s", round, exc)
+                    continue
+                log.info("round %d: caught up on %d message(s) accepted while this node was away", round, got)
+        while self._subscription.pending:  # let the consumer take them in before the first phase runs
+            await asyncio.sleep(0.05)
 
     async def _close(self) -> None:
         if self.http is not None:

@@ -106,6 +106,8 @@ class Peer:
             started = time.perf_counter()
             path = await self.net.fetch(command["hash"], command["providers"], int(command["max_bytes"]))
             return {"path": str(path), "seconds": time.perf_counter() - started}
+        if cmd == "catch_up":
+            return {"delivered": await self.net.catch_up(int(command["round"]), command["providers"])}
         if cmd == "has_blob":
             return {"has": self.store.has(command["hash"])}
         if cmd == "tmp_files":

@@ -4,9 +4,10 @@ loopback libp2p, 3 validators, honest miners and one miner of every adversary ki
 While it runs, the fault matrix is played: at the start of a phase the nodes `KILLS` names are
 SIGKILLed and restarted at once — a miner and a validator at each of TRAIN, COMMIT, REVEAL,
 EVALUATE and MERGE (10 cases) — and a miner that was not there at genesis joins at TRAIN of round 1.
-A validator restarted during COMMIT..MERGE has missed that round's gossip (commits, reveals,
-reports), so its plan and merge differ from the others' and only the validators that saw the whole
-round can agree. With 3 validators of equal weight two that agree are a majority: round 0 (one
+A restarted node takes in what it missed before its first phase (from GossipSub's message cache and
+by asking a peer for the round's history), but what went out while it was still starting can be
+lost to it: a validator restarted during COMMIT..MERGE may then plan and merge differently from the
+others, and only the validators that saw the whole round are sure to agree. With 3 validators of equal weight two that agree are a majority: round 0 (one
 validator killed, at EVALUATE) and round 2 (no kills) must move the state; round 1 takes the other
 four validator cases and may end without a majority, and then the state stays as it was. The miners
 killed after revealing (EVALUATE, MERGE) are killed in round 0, where two validators are whole.

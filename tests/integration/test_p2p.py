@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 FAILED_REDIALS = 3
+GOSSIP_HISTORY_S = 7  # GossipSub keeps 5 heartbeats (1 s each) of messages to offer peers
 
 
 def received_ids(peer: PeerProcess) -> set[str]:
@@ -42,6 +43,22 @@ def test_five_processes_form_a_mesh_and_gossip_reaches_all(cluster: Cluster) -> 
     assert sent not in received_ids(others[2]), "a node's own message is not delivered back to it"
     for peer in everyone:
         assert peer.call("rejects")["rejects"] == {}
+
+
+def test_a_node_that_was_away_catches_up_on_a_rounds_messages_from_a_peer(cluster: Cluster) -> None:
+    first = cluster.start("first", 1)
+    second = cluster.start("second", 2, [first.addr])
+    cluster.wait_for(lambda: connected(second, first), 20, "the second node to connect")
+    time.sleep(2)  # let GossipSub graft its mesh (heartbeat 1 s)
+    sent = first.call("publish")["message_id"]
+    cluster.wait_for(lambda: sent in received_ids(second), 20, "the heartbeat to reach the second node")
+    time.sleep(GOSSIP_HISTORY_S)  # past what GossipSub still offers a newcomer from its message cache
+    away = cluster.start("away", 3, [second.addr])  # it was not there when the heartbeat went out
+    cluster.wait_for(lambda: connected(away, second), 20, "the late node to connect")
+    assert sent not in received_ids(away)
+    assert away.call("catch_up", round=0, providers=[second.node_id])["delivered"] == 1
+    assert sent in received_ids(away)
+    assert away.call("catch_up", round=0, providers=[second.node_id])["delivered"] == 0  # nothing twice
 
 
 def test_a_50_mb_blob_transfers_and_is_verified(cluster: Cluster) -> None:

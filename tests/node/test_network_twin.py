@@ -245,3 +245,27 @@ def test_a_judge_seeded_from_storage_knows_what_it_accepted_before_a_restart(
     assert restarted.judge(other_head.to_bytes(), "relay")[0].reason == "repeat heartbeat"
     with pytest.raises(PublishRefused, match="already sent"):
         restarted.admit_own(other_head)
+
+
+def test_replayed_envelopes_are_judged_on_time_in_their_own_window_and_otherwise_as_gossip(
+    spec: NetworkSpec, clock: ManualClock, miner_ids: list[Identity], validator_ids: list[Identity]
+) -> None:
+    schedule = Schedule.from_spec(spec)
+    clock.set(schedule.phase_window(0, Phase.COMMIT)[0])
+    provider, late = GossipJudge(spec, clock.now), GossipJudge(spec, clock.now)
+    commit = seal(Commit(round=0, commitment="11" * 32), spec.network_id, miner_ids[0]).to_bytes()
+    assert provider.judge(commit, miner_ids[0].node_id)[0].accepted
+    assert provider.recent(0) == [commit] and provider.recent(1) == []
+
+    clock.set(schedule.phase_window(0, Phase.EVALUATE)[0])  # the restarted node is back after COMMIT
+    assert late.judge(commit, "peer")[0].reason == "outside commit window"  # as gossip: too late
+    result, envelope = late.judge_replayed(commit, validator_ids[0].node_id)
+    assert result.accepted and envelope is not None and late.recent(0) == [commit]
+    assert late.judge_replayed(commit, validator_ids[0].node_id)[0].reason == "duplicate"
+    forged = bytearray(seal(Commit(round=0, commitment="22" * 32), spec.network_id, miner_ids[1]).to_bytes())
+    forged[-5] ^= 1
+    assert not late.judge_replayed(bytes(forged), validator_ids[0].node_id)[0].accepted
+    equivocation = seal(Commit(round=0, commitment="33" * 32), spec.network_id, miner_ids[0]).to_bytes()
+    assert late.judge_replayed(equivocation, validator_ids[0].node_id)[0].reason == "equivocation"
+    future = seal(Commit(round=1, commitment="44" * 32), spec.network_id, miner_ids[1]).to_bytes()
+    assert late.judge_replayed(future, validator_ids[0].node_id)[0].reason == "outside commit window"

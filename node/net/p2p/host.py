@@ -4,12 +4,11 @@ py-libp2p is trio-only, so the host runs in its own thread under `trio.run`; asy
 `trio_token.run_sync_soon` and results come back with `loop.call_soon_threadsafe`, and neither
 loop ever blocks on the other. One GossipSub topic per network carries every message kind; its
 topic validator is `GossipJudge`, so only ACCEPTed envelopes are delivered and relayed. Publishes
-are queued and paced. Blobs travel over node.net.p2p.blobs, peers learn about each other through
-node.net.p2p.peers, and a supervisor redials bootstrap and known peers that went away. A peer the
-judge penalises is disconnected at once and neither redialled nor kept connected until its penalty
-runs out (py-libp2p 0.8.1's GossipSub v1.1 scorer only gates gossip and never disconnects, so the
-score is the judge's). This module knows nothing about rounds, duties or storage beyond the blob
-store.
+are queued and paced. Blobs travel over node.net.p2p.blobs, a round's history for a restarted node
+over node.net.p2p.history; peers learn about each other through node.net.p2p.peers, and a supervisor
+redials bootstrap and known peers that went away. A peer the judge penalises is disconnected at once
+and not redialled until its penalty runs out (py-libp2p 0.8.1's GossipSub v1.1 scorer only gates
+gossip and never disconnects). This module knows nothing about rounds, duties or storage but blobs.
 """
 
 from __future__ import annotations
@@ -42,6 +41,7 @@ from node.net.config import P2PConfig
 from node.net.judge import GossipJudge
 from node.net.network import Delivery, NetworkError, NetworkStats, Subscribers, Subscription
 from node.net.p2p.blobs import BLOB_PROTOCOL, BlobStreams
+from node.net.p2p.history import HISTORY_PROTOCOL, HistoryStreams
 from node.net.p2p.peers import PEX_PROTOCOL, PeerBook, keypair_for, node_id_for, parse_bootstrap, peer_id_for
 from node.net.p2p.wire import TunedNoise, keep_buffer_pages
 from node.store.blobs import BlobStore
@@ -67,6 +67,7 @@ class P2PNetwork:
         self._peer_id = ID.from_pubkey(self._key_pair.public_key)
         self._subscribers = Subscribers(judge.stats)
         self._blobs = BlobStreams(store, judge, config)
+        self._history = HistoryStreams(judge, config)
         self._book = PeerBook({info.peer_id: info for info in map(parse_bootstrap, config.bootstrap)})
         self._disconnecting: set[ID] = set()
         self._peer_snapshot: list[str] = []
@@ -156,6 +157,14 @@ class P2PNetwork:
     async def _fetch(self, blob_hash: str, providers: list[ID], max_bytes: int) -> Path:
         assert self._host is not None
         return await self._blobs.fetch(self._host, blob_hash, providers, max_bytes)
+
+    async def catch_up(self, round: int, providers: Sequence[str]) -> int:
+        return await self._call_trio(self._catch_up, round, [peer_id_for(p) for p in providers])
+
+    async def _catch_up(self, round: int, providers: list[ID]) -> int:
+        assert self._host is not None
+        deliver = self._subscribers.deliver
+        return await self._history.catch_up(self._host, round, providers, lambda d: self._to_asyncio(deliver, d))
 
     async def connect(self, addr: str) -> None:
         """Dial a peer by multiaddr now (the supervisor would only get to it on its next tick)."""
@@ -261,6 +270,7 @@ class P2PNetwork:
         pubsub = Pubsub(host, gossipsub, strict_signing=True)
         pubsub.set_topic_validator(self._topic, self._validate, False)
         host.set_stream_handler(BLOB_PROTOCOL, self._blobs.serve)
+        host.set_stream_handler(HISTORY_PROTOCOL, self._history.serve)
         host.set_stream_handler(PEX_PROTOCOL, lambda stream: self._book.serve_exchange(host, stream, self.config.dial_timeout_s))
         self._host, self._pubsub = host, pubsub
         outbox, inbox = trio.open_memory_channel[bytes](float("inf"))
@@ -349,9 +359,8 @@ class P2PNetwork:
 
     async def _redial(self, peer_id: ID) -> None:
         assert self._host is not None
-        # The swarm refuses to dial a peer for 60 s after all its addresses failed (a "negative
-        # cache"); a restarted bootstrap node would stay unreachable, so this supervisor keeps its
-        # own back-off instead.
+        # The swarm refuses a peer for 60 s after all its addresses failed; a restarted bootstrap
+        # node would stay unreachable, so this supervisor keeps its own back-off instead.
         network = self._host.get_network()
         if isinstance(network, Swarm):
             network.unblock_peer(peer_id)
@@ -382,16 +391,8 @@ class P2PNetwork:
         if peer_id not in self._disconnecting:
             self._disconnecting.add(peer_id)
             log.warning("p2p: disconnecting penalised peer %s", node_id_for(peer_id)[:12])
-            self._nursery.start_soon(self._disconnect, peer_id)
-
-    async def _disconnect(self, peer_id: ID) -> None:
-        assert self._host is not None
-        try:
-            await self._host.disconnect(peer_id)
-        except Exception as exc:
-            log.debug("p2p: disconnecting %s failed: %r", peer_id, exc)
-        finally:
-            self._disconnecting.discard(peer_id)
+            assert self._host is not None
+            self._nursery.start_soon(PeerBook.disconnect, self._host, peer_id, self._disconnecting)
 
 
 def _settle(future: asyncio.Future[Any], ok: bool, value: Any) -> None:

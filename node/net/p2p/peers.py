@@ -79,6 +79,17 @@ class PeerBook:
     def known(self) -> list[ID]:
         return list(self.bootstrap) + list(self.discovered)
 
+    @staticmethod
+    async def disconnect(host: IHost, peer_id: ID, disconnecting: set[ID]) -> None:
+        """Close our connection to `peer_id` (a penalised peer) and take it out of `disconnecting`; a
+        failure is only logged (the connection may already be gone)."""
+        try:
+            await host.disconnect(peer_id)
+        except Exception as exc:
+            log.debug("p2p: disconnecting %s failed: %r", peer_id, exc)
+        finally:
+            disconnecting.discard(peer_id)
+
     async def exchange(self, host: IHost, peer_id: ID, listen_addrs: list[str], timeout_s: float) -> None:
         """Ask `peer_id` for the peers it is connected to and remember the new ones."""
         try:
@@ -126,3 +137,4 @@ def _reachable(addr: multiaddr.Multiaddr, observed: tuple[str, int] | None) -> m
     if observed is None or not text.startswith("/ip4/0.0.0.0/"):
         return addr
     return multiaddr.Multiaddr(text.replace("/ip4/0.0.0.0/", f"/ip4/{observed[0]}/", 1))
+

@@ -1,0 +1,44 @@
+"""A compressed-mode miner of a checkpoint network loads only its group and submits the same blobs.
+
+`MinerModel.load(forward="compressed")` holds Θ̃0 alone (the unselected experts of the group layers
+are never loaded); its blobs must be byte for byte those of a miner that loads the full model and
+cuts it every round, as compressed mode did before.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from node.duties.miner import MinerModel, build_submission
+from node.runtime.config import MinerSection
+from protocol.identity import Identity
+from protocol.spec import load_spec
+from tests.node.test_real_checkpoint_cli import new_network
+from training.compressed import CompressedModel, count_expert_rows
+
+
+def test_compressed_miner_holds_only_its_group_and_submits_the_same_blobs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, spec_path, _ = new_network(tmp_path, capsys, "olmoe")
+    spec = load_spec(spec_path)
+    full = MinerModel.load(spec, spec_path, forward="full")
+    cut = MinerModel.load(spec, spec_path, forward="compressed")
+    assert isinstance(cut.model, CompressedModel)
+    rows = count_expert_rows(cut.model.model, cut.adapter)
+    assert {layer: rows[layer] for layer in spec.group} == {layer: len(ids) for layer, ids in spec.group.items()}
+    assert cut.shapes == full.shapes
+    assert all(torch.equal(cut.genesis.tensors[n], t) for n, t in full.genesis.tensors.items())
+
+    section = MinerSection(forward="compressed")
+    miner = Identity.from_seed(bytes([3]) * 32).node_id
+    head = spec.model.base_hash
+    for round in (0, 1):  # round 1 trains from genesis again: the trained rows must be replaced first
+        blob_full, result_full = build_submission(full, miner, round, head, full.genesis.tensors, section, steps=2)
+        blob_cut, result_cut = build_submission(cut, miner, round, head, cut.genesis.tensors, section, steps=2)
+        assert blob_cut == blob_full and result_cut.losses == result_full.losses
+    with pytest.raises(ValueError, match="forward = 'compressed'"):
+        build_submission(cut, miner, 2, head, cut.genesis.tensors, MinerSection(forward="full"), steps=1)
