@@ -7,12 +7,12 @@ miner's experts in, measures L_i and restores the global experts. A network that
 pseudo-gradients (`[submission] format = "pgrad"`) has each checked blob rebuilt into the miner's
 experts, Φ_i = Φ_t − decode(G_i) in fp32 (`training.pgrad.rebuild`), so scoring and the merge see
 full expert tensors whatever the format. The model, the swapped rows and every batch live on the
-validator's device (`validator.device`; `auto` spreads a model too large for one GPU over all
-GPUs with accelerate's device map); batches hold `validator.batch_size` sequences. On CPU fp32
-the losses are bit-for-bit reproducible; on a GPU they may differ from another validator's in the
-last bits, which the median over assigned validators absorbs. The model always holds the global
-experts when a call returns. This module knows nothing about
-assignment, gossip or how the results are combined across validators.
+validator's device (`validator.device`; `auto` spreads a model too large for one GPU over all GPUs
+with accelerate's device map); batches hold `validator.batch_size` sequences. On CPU fp32 the losses
+are bit-for-bit reproducible; on a GPU they may differ from another validator's in the last bits,
+which the median over assigned validators absorbs. The model always holds the global experts when a
+call returns. This module knows nothing about assignment, gossip or how the results are combined
+across validators.
 """
 
 from __future__ import annotations
