@@ -7,7 +7,9 @@ with the simulator. This module knows nothing about what the nodes do; node.sim.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -51,7 +53,7 @@ class SimSettings:
     start_delay_s: float | None = None
     """Seconds from writing the spec to genesis; None = 20 s + 4 s per node (torch loads slowly)."""
     base_port: int = 0
-    """First TCP port (each node takes two: p2p, http); 0 picks free ports."""
+    """First TCP port (each node takes two: p2p, http); 0 picks free ports below the ephemeral range."""
     seed: int = 0
     """Seed of the model, data and keys."""
     family: str = "qwen3_moe"
@@ -161,8 +163,27 @@ def _die_with_parent() -> None:
 
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def first_listen_port() -> int:
+    """Where a simulation starts looking for listening ports: a random port below the kernel's
+    ephemeral range.
+
+    Ports for outgoing connections (every libp2p dial) and for binds to port 0 come from that range,
+    so a port picked there now could be taken before its node listens on it, seconds later; below it,
+    only another listener can take it."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    return random.randrange(10_000, max(10_001, low - 2_000))
+
+
+def next_free_port(port: int) -> int:
+    """The first TCP port from `port` on that 127.0.0.1 lets us bind now."""
+    while port < 65_536:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                port += 1
+                continue
+            return port
+    raise SimulationError("no free TCP port left on 127.0.0.1")

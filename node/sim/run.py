@@ -29,7 +29,14 @@ from typing import Any
 
 from node.runtime.scheduler import PhaseRun
 from node.sim.layout import SimNetwork, make_sim_network, prepare_base, sim_identity, to_toml
-from node.sim.process import ADVERSARY_KINDS, SimNode, SimSettings, SimulationError, free_port
+from node.sim.process import (
+    ADVERSARY_KINDS,
+    SimNode,
+    SimSettings,
+    SimulationError,
+    first_listen_port,
+    next_free_port,
+)
 from node.store.db import Storage
 from protocol.identity import save_identity
 from protocol.rounds import PHASES, Phase, Schedule
@@ -47,7 +54,7 @@ class Simulation:
         self.nodes: dict[str, SimNode] = {}
         self.network: SimNetwork | None = None
         self.schedule: Schedule | None = None
-        self._next_port = self.settings.base_port
+        self._next_port = self.settings.base_port or first_listen_port()
         self._bootstrap: list[str] = []
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -144,8 +151,11 @@ class Simulation:
         return directory
 
     def _ports(self) -> tuple[int, int]:
-        if self.settings.base_port == 0:
-            return free_port(), free_port()
+        if self.settings.base_port == 0:  # free now, and outside the range outgoing connections use
+            first = next_free_port(self._next_port)
+            second = next_free_port(first + 1)
+            self._next_port = second + 1
+            return first, second
         self._next_port += 2
         return self._next_port - 2, self._next_port - 1
 
