@@ -1,20 +1,20 @@
 """Global-state consensus, shared by miners and validators: which state each round ended on.
 
-At the start of TRAIN of round r (the end of round r-1's MERGE) a node tallies round r-1's
-GlobalState votes from storage and adopts the hash endorsed by a strict majority of validator
-weight (`validator.state.adopt`); with no majority the head stays. Adopting means holding the
-state blob (fetched from validators that voted for it when missing) after checking it: its hash
-(the fetch verifies it), that it is a global state of this network and expert group with finite
-values, and that it names the announced parent and round. Validators also need the outer
-momentum: its hash rides in GlobalState (`momentum`), is remembered per (state, voter), and a
-validator fetches and checks the momentum blob of the adopted state, so a validator that computed
-something else re-syncs. A node with no head past round 0 (a late joiner) learns it from the heads
-that validators' heartbeats announce, by the same weight rule; so does a node whose head differs
-from the one a weight majority of validators announce in this round's heartbeats (it missed the
-votes while it was down): after TRAIN it follows them, with the momentum those heartbeats name. Every node serves the state it adopted
-(again after a restart), so a state outlives its proposers; a head blob that went missing or
-corrupt on disk is fetched again from the validators that voted for it.
-This module knows nothing about training, scoring or merging; it tallies, moves and checks blobs.
+At the start of TRAIN of round r (the end of round r-1's MERGE) a node tallies round r-1's GlobalState
+votes from storage and adopts the hash endorsed by a strict majority of validator weight
+(`validator.state.adopt`); with no majority the head stays. Adopting means holding the state blob
+(fetched from validators that voted for it when missing) after checking it: its hash (the fetch
+verifies it), that it is a global state of this network and expert group with finite values, and that
+it names the announced parent and round. Validators also need the outer momentum: its hash rides in
+GlobalState (`momentum`), is remembered per (state, voter), and a validator fetches and checks the
+momentum blob of the adopted state, so a validator that computed something else re-syncs. A node with
+no head past round 0 (a late joiner) learns it from the heads that validators' heartbeats announce, by
+the same weight rule; so does a node whose head differs from the one a weight majority of validators
+announce in this round's heartbeats (it missed the votes while it was down): after TRAIN it follows
+them, with the momentum those heartbeats name. Every node serves the state it adopted (again after a
+restart), so a state outlives its proposers; a head blob that went missing or corrupt on disk is
+fetched again from the validators that voted for it. This module knows nothing about training, scoring
+or merging; it tallies, moves and checks blobs.
 """
 
 from __future__ import annotations
@@ -182,7 +182,8 @@ class Consensus:
         """Take the head a weight majority of validators announced in this round's heartbeats, when ours
         differs: this node missed the votes that decided it (it was down, or joined the mesh late)."""
         weights = self.ctx.spec.validator_weights
-        votes = {n.node_id: n.head for n in await self.ctx.storage.nodes() if n.node_id in weights and n.round >= round}
+        votes = {n.node_id: n.head for n in await self.ctx.storage.nodes()
+                 if n.node_id in weights and n.round >= round}
         head = adopt(votes, weights)
         if head is None or head == await self.ctx.storage.head():
             return
@@ -190,7 +191,8 @@ class Consensus:
         try:
             meta, tensors = await self._fetch_checked(head, list(voters), shapes)
         except SyncError as exc:
-            log.warning("round %d: cannot follow the head %s that validators announce: %s", round, head[:12], exc)
+            log.warning("round %d: cannot follow the head %s that validators announce: %s", round, head[:12],
+                        exc)
             return
         record = GlobalStateRecord(head, meta.base, meta.round, (), False, voters)
         await self.ctx.storage.set_head(head)

@@ -92,10 +92,10 @@ class ValidatorDuties:
         await self._load_head(loaded)
         await self.heartbeat.on_phase(round, phase)
         await self._serve_proposals(round)
+        await self._finish_report(round - 1, loaded)
         if phase is Phase.TRAIN:
             self._checked = _Checked(round)
             self._prefetch.clear()
-            await self._finish_report(round - 1, loaded)
             await learn_results(self.ctx.storage, self.ctx.spec, round - 1)  # a round it did not merge
             await self._commit_seed(round)
         elif phase is Phase.REVEAL:
@@ -298,12 +298,14 @@ class ValidatorDuties:
         self.ctx.metrics.seeds_withheld(plan.unrevealed_seeds, plan.excluded)
 
     async def _finish_report(self, round: int, loaded: _Loaded) -> None:
-        """Fill in the state round `round` ended on and its loss on that round's held-out subset."""
+        """Fill in the state round `round` ended on and its loss on that round's held-out subset; again
+        when this node later follows another head (node.duties.consensus `follow`)."""
         report = await self.ctx.storage.round_report(round) if round >= 0 else None
         plan = await self.ctx.storage.round_plan(round) if report is not None else None
-        if report is None or plan is None or report["global_hash"] is not None or self.state is None:
+        head = await self.ctx.head()
+        if report is None or plan is None or report["global_hash"] == head or self.state is None:
             return
-        report["global_hash"] = await self.ctx.head()
+        report["global_hash"] = head
         report["global_loss"] = await asyncio.to_thread(loaded.loss, dict(self.state.tensors), plan.seed)
         await self.ctx.storage.set_round_report(round, report)
 

@@ -37,6 +37,7 @@ SeenEntry = tuple[str, str, str, int]
 REPEAT_HEARTBEAT = CheckResult(Verdict.IGNORE, "repeat heartbeat", "one heartbeat per sender per round")
 OVER_BUDGET = CheckResult(Verdict.IGNORE, "over budget")
 PENALISED = CheckResult(Verdict.IGNORE, "penalised peer")
+NOT_ASKED_FOR = CheckResult(Verdict.IGNORE, "not the round asked for")
 
 
 class GossipJudge:
@@ -78,24 +79,25 @@ class GossipJudge:
 
     def judge(self, data: bytes, peer: str) -> tuple[CheckResult, Envelope | None]:
         """Judge bytes received from `peer`; records accepted envelopes, counts the verdict, penalises."""
-        return self._verdict(data, peer, replayed=False)
+        return self._verdict(data, peer, replayed=None)
 
-    def judge_replayed(self, data: bytes, peer: str) -> tuple[CheckResult, Envelope | None]:
-        """Judge an envelope that `peer` accepted earlier and hands on to us as we catch up after a restart.
+    def judge_replayed(self, data: bytes, peer: str, round: int) -> tuple[CheckResult, Envelope | None]:
+        """Judge an envelope of `round` that `peer` accepted earlier and hands on to us as we catch up.
 
         As `judge`, but timed at the start of the envelope's own window once that has begun: a message
         that was on time when the peer accepted it is on time here. Signature, network, sender's role,
         duplicates and equivocation are checked as for gossip; a peer can make us take late messages
-        only if it lies about them, and then only messages their authors signed.
+        only if it lies about them, and then only messages their authors signed. An envelope of another
+        round than the one asked for is IGNOREd.
         """
-        return self._verdict(data, peer, replayed=True)
+        return self._verdict(data, peer, replayed=round)
 
     def recent(self, round: int) -> list[bytes]:
         """The envelopes accepted (and our own published) in `round`, if it is the current or the previous one."""
         with self._lock:
             return list(self._recent.get(round, ()))
 
-    def _verdict(self, data: bytes, peer: str, replayed: bool) -> tuple[CheckResult, Envelope | None]:
+    def _verdict(self, data: bytes, peer: str, replayed: int | None) -> tuple[CheckResult, Envelope | None]:
         with self._lock:
             now = self._now()
             self._roll(now)
@@ -110,7 +112,8 @@ class GossipJudge:
                 self._record(envelope, data)
             return result, envelope
 
-    def _judge(self, data: bytes, peer: str, now: float, replayed: bool = False) -> tuple[CheckResult, Envelope | None]:
+    def _judge(self, data: bytes, peer: str, now: float, replayed: int | None = None) -> tuple[CheckResult, Envelope | None]:
+        """`replayed`: the round a catch-up asked for (None for gossip)."""
         if self.stats.penalised.get(peer, 0.0) > now:
             return PENALISED, None
         if len(data) > self.max_bytes:
@@ -121,7 +124,9 @@ class GossipJudge:
             return CheckResult(Verdict.REJECT, "malformed envelope", str(exc)), None
         if self._spent[envelope.sender] >= self.sender_budget:
             return OVER_BUDGET, envelope
-        if replayed:  # every kind has a window (protocol.check.window)
+        if replayed is not None:
+            if envelope.round != replayed:
+                return NOT_ASKED_FOR, envelope
             now = min(now, window(envelope.kind, envelope.round, self._schedule)[0])
         result = check(envelope, self._context(now))
         if result.reason not in UNSIGNED_REASONS:

@@ -112,7 +112,7 @@ class MemoryNetwork:
                 continue
             delivered = 0
             for data in net._judge.recent(round):
-                result, envelope = self._judge.judge_replayed(data, provider)
+                result, envelope = self._judge.judge_replayed(data, provider, round)
                 if result.verdict is Verdict.ACCEPT:
                     assert envelope is not None
                     self._subscribers.deliver(Delivery(envelope, result, provider))

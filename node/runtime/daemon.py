@@ -5,7 +5,9 @@ every background task (the scheduler, the gossip consumer) until `stop()`, then 
 network and storage in that order. Gossip arrives already judged by the network's check (only
 ACCEPTed envelopes are delivered); each is recorded in storage BEFORE the duties see it, so a node
 killed at any point restarts knowing every message its duties acted on. Our own published envelopes
-take the same path (`_handle`): recorded, then handed to the duties with the decoded message.
+take the same path (`_handle`): recorded, then handed to the duties with the decoded message. A
+node started after genesis first catches up: before the scheduler starts, it asks a peer for what
+that peer accepted in the previous and the current round (`Network.catch_up`) and takes it in.
 
 Miner and validator work plugs in through `Duties` (`on_phase`, `on_message`), built from a
 `NodeContext`; the built-in `HeartbeatDuties` only announces liveness and head, once a round.
@@ -37,9 +39,9 @@ from protocol.rounds import Phase, Schedule
 from protocol.spec import NetworkSpec, load_spec
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 CATCH_UP_WAIT_S = 10.0  # how long a node started after genesis waits for a peer to catch up from
-T = TypeVar("T")
 
 ROUNDS_LISTED = 32
 

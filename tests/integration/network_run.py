@@ -61,7 +61,7 @@ OBSERVED = "miner-5"
 class NetworkRun:
     sim: Simulation
     reports: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)
-    """round -> validator name -> its /rounds/{round} report."""
+    """round -> validator name -> its own report of the round (/rounds/{round}), where it made one."""
     late: str = ""
     """The name of the miner that joined at LATE_JOIN."""
 
@@ -103,7 +103,9 @@ def run_network(directory: Path) -> NetworkRun:
         for r in range(ROUNDS):
             sim.wait_round(r)
         for r in range(ROUNDS):
-            run.reports[r] = {v: report for v in VALIDATORS if isinstance(report := sim.get(v, f"/rounds/{r}"), dict)}
+            # Its own report: a validator killed before merging a round shows only the public view of it.
+            run.reports[r] = {v: report for v in VALIDATORS if isinstance(report := sim.get(v, f"/rounds/{r}"), dict)
+                              and report.get("source") == "validator"}
     except BaseException:
         sim.close()
         raise

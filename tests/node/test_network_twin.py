@@ -259,13 +259,14 @@ def test_replayed_envelopes_are_judged_on_time_in_their_own_window_and_otherwise
 
     clock.set(schedule.phase_window(0, Phase.EVALUATE)[0])  # the restarted node is back after COMMIT
     assert late.judge(commit, "peer")[0].reason == "outside commit window"  # as gossip: too late
-    result, envelope = late.judge_replayed(commit, validator_ids[0].node_id)
+    result, envelope = late.judge_replayed(commit, validator_ids[0].node_id, 0)
     assert result.accepted and envelope is not None and late.recent(0) == [commit]
-    assert late.judge_replayed(commit, validator_ids[0].node_id)[0].reason == "duplicate"
+    assert late.judge_replayed(commit, validator_ids[0].node_id, 0)[0].reason == "duplicate"
     forged = bytearray(seal(Commit(round=0, commitment="22" * 32), spec.network_id, miner_ids[1]).to_bytes())
     forged[-5] ^= 1
-    assert not late.judge_replayed(bytes(forged), validator_ids[0].node_id)[0].accepted
+    assert not late.judge_replayed(bytes(forged), validator_ids[0].node_id, 0)[0].accepted
     equivocation = seal(Commit(round=0, commitment="33" * 32), spec.network_id, miner_ids[0]).to_bytes()
-    assert late.judge_replayed(equivocation, validator_ids[0].node_id)[0].reason == "equivocation"
+    assert late.judge_replayed(equivocation, validator_ids[0].node_id, 0)[0].reason == "equivocation"
     future = seal(Commit(round=1, commitment="44" * 32), spec.network_id, miner_ids[1]).to_bytes()
-    assert late.judge_replayed(future, validator_ids[0].node_id)[0].reason == "outside commit window"
+    assert late.judge_replayed(future, validator_ids[0].node_id, 1)[0].reason == "outside commit window"
+    assert late.judge_replayed(future, validator_ids[0].node_id, 0)[0].reason == "not the round asked for"

@@ -195,8 +195,10 @@ async def test_a_validator_down_while_the_votes_went_out_follows_the_majority_an
         adopted = await net.nodes["validator-0"].ctx.storage.head()
         assert adopted is not None and adopted != net.spec.model.base_hash
         assert await v2.ctx.storage.head() == net.spec.model.base_hash  # no majority among the votes it holds
+        assert (await v2.round_report(0))["global_hash"] == net.spec.model.base_hash
         await net.phase(1, Phase.COMMIT)  # the others' heartbeats of round 1 announce the adopted head
         assert await v2.ctx.storage.head() == adopted
+        assert (await v2.round_report(0))["global_hash"] == adopted  # its report of round 0 says so too
         for phase in (Phase.REVEAL, Phase.EVALUATE, Phase.MERGE):
             await net.phase(1, phase)
         await net.phase(2, Phase.TRAIN)

@@ -60,7 +60,7 @@ class HistoryStreams:
                 continue
             peer, delivered = node_id_for(peer_id), 0
             for data in frames:
-                result, envelope = self.judge.judge_replayed(data, peer)
+                result, envelope = self.judge.judge_replayed(data, peer, round)
                 if result.verdict is Verdict.ACCEPT and envelope is not None:
                     deliver(Delivery(envelope, result, peer))
                     delivered += 1
