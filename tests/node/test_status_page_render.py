@@ -1,7 +1,7 @@
 """The status page's script against a fake node in headless Chromium, in seconds: what peers chose (a
 reason, a network name) is shown as text and never run as markup, standings are ordered best first,
 a validator's page shows any miner's history from its link, and a failing node shows an error
-instead of stale numbers. The page on a real simulation is tests/integration/test_status_page.py."""
+instead of stale numbers. The page on a real simulation is checked in tests/integration/test_network.py."""
 
 from __future__ import annotations
 
