@@ -279,8 +279,8 @@ def load_compressed_base(
                            attn_implementation=attn_implementation or "sdpa", progress=progress)
 
 
-def _tiny_base(spec: NetworkSpec, spec_path: str | Path) -> PreTrainedModel:
-    """The spec's tiny model (`model.config` + `init_seed`), checked against `base_hash`."""
+def spec_model_config(spec: NetworkSpec, spec_path: str | Path) -> dict[str, Any]:
+    """The JSON object the spec's `model.config` names; ValueError naming the file when it is not one."""
     assert spec.model.config is not None, "only a spec with model.config has a tiny base"
     config_path = spec_dir_path(spec_path, spec.model.config)
     try:
@@ -289,7 +289,12 @@ def _tiny_base(spec: NetworkSpec, spec_path: str | Path) -> PreTrainedModel:
         raise ValueError(f"{config_path}: cannot read the model config named by model.config: {exc}") from exc
     if not isinstance(config, dict):
         raise ValueError(f"{config_path}: the model config must be a JSON object")
-    model = build_tiny_model(spec.model.family, config, spec.model.init_seed)
+    return config
+
+
+def _tiny_base(spec: NetworkSpec, spec_path: str | Path) -> PreTrainedModel:
+    """The spec's tiny model (`model.config` + `init_seed`), checked against `base_hash`."""
+    model = build_tiny_model(spec.model.family, spec_model_config(spec, spec_path), spec.model.init_seed)
     _check_hash(state_hash(model), spec.model.base_hash)
     return model
 

@@ -94,7 +94,7 @@ def _meta_base(spec: NetworkSpec, spec_path: Path) -> torch.nn.Module:
     import torch
 
     from protocol.spec import spec_dir_path
-    from training.model import build_tiny_model, meta_model
+    from training.model import build_tiny_model, meta_model, spec_model_config
 
     if spec.model.checkpoint is not None:
         directory = spec_dir_path(spec_path, spec.model.checkpoint)
@@ -103,14 +103,7 @@ def _meta_base(spec: NetworkSpec, spec_path: Path) -> torch.nn.Module:
             raise ValueError(f"{directory}: the checkpoint is {model.config.model_type!r}, "
                              f"but the spec's family is {spec.model.family!r}")
         return model
-    assert spec.model.config is not None, "the spec validator requires config or checkpoint"
-    config_path = spec_dir_path(spec_path, spec.model.config)
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{config_path}: cannot read the model config named by model.config: {exc}") from exc
-    if not isinstance(config, dict):
-        raise ValueError(f"{config_path}: the model config must be a JSON object")
+    config = spec_model_config(spec, spec_path)
     with torch.device("meta"):
         return build_tiny_model(spec.model.family, config, spec.model.init_seed)
 

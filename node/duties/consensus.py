@@ -161,16 +161,13 @@ class Consensus:
 
     async def learn_head(self, round: int, shapes: Shapes) -> bool:
         """Take the head that validators holding a weight majority announced in recent heartbeats."""
-        weights = self.ctx.spec.validator_weights
-        votes = {n.node_id: n.head for n in await self.ctx.storage.nodes()
-                 if n.node_id in weights and n.round >= round - 1}
-        head = adopt(votes, weights)
+        head, voters = await self._announced(round - 1)
         if head is None:
             log.info("round %d: head unknown; waiting for validators' heartbeats or global states", round)
             return False
         if head != self.ctx.spec.model.base_hash:
             try:
-                await self._fetch_checked(head, [v for v, h in sorted(votes.items()) if h == head], shapes)
+                await self._fetch_checked(head, list(voters), shapes)
             except SyncError as exc:
                 log.warning("round %d: cannot take the announced head %s: %s", round, head[:12], exc)
                 return False
@@ -181,13 +178,9 @@ class Consensus:
     async def follow(self, round: int, shapes: Shapes) -> None:
         """Take the head a weight majority of validators announced in this round's heartbeats, when ours
         differs: this node missed the votes that decided it (it was down, or joined the mesh late)."""
-        weights = self.ctx.spec.validator_weights
-        votes = {n.node_id: n.head for n in await self.ctx.storage.nodes()
-                 if n.node_id in weights and n.round >= round}
-        head = adopt(votes, weights)
+        head, voters = await self._announced(round)
         if head is None or head == await self.ctx.storage.head():
             return
-        voters = tuple(v for v, h in sorted(votes.items()) if h == head)
         try:
             meta, tensors = await self._fetch_checked(head, list(voters), shapes)
         except SyncError as exc:
@@ -199,6 +192,14 @@ class Consensus:
         log.warning("round %d: my head differed from the one validators announce; now following %s (voters %s)",
                     round, head[:12], ", ".join(v[:8] for v in voters))
         await self._take(round, record, meta, tensors, shapes)
+
+    async def _announced(self, since: int) -> tuple[str | None, tuple[str, ...]]:
+        """The head a weight majority of validators announce in heartbeats of round `since` or later, and
+        those validators; (None, ()) without a majority."""
+        weights = self.ctx.spec.validator_weights
+        votes = {n.node_id: n.head for n in await self.ctx.storage.nodes() if n.node_id in weights and n.round >= since}
+        head = adopt(votes, weights)
+        return head, tuple(v for v, h in sorted(votes.items()) if h == head) if head is not None else ()
 
     async def load(self, head: str, genesis: GlobalExperts, shapes: Shapes) -> LoadedState:
         """The state `head` names, from the blob store (and its momentum, when this node holds it)."""

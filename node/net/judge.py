@@ -79,7 +79,7 @@ class GossipJudge:
 
     def judge(self, data: bytes, peer: str) -> tuple[CheckResult, Envelope | None]:
         """Judge bytes received from `peer`; records accepted envelopes, counts the verdict, penalises."""
-        return self._verdict(data, peer, replayed=None)
+        return self._verdict(data, peer, asked=None)
 
     def judge_replayed(self, data: bytes, peer: str, round: int) -> tuple[CheckResult, Envelope | None]:
         """Judge an envelope of `round` that `peer` accepted earlier and hands on to us as we catch up.
@@ -90,19 +90,19 @@ class GossipJudge:
         only if it lies about them, and then only messages their authors signed. An envelope of another
         round than the one asked for is IGNOREd.
         """
-        return self._verdict(data, peer, replayed=round)
+        return self._verdict(data, peer, asked=round)
 
     def recent(self, round: int) -> list[bytes]:
         """The envelopes accepted (and our own published) in `round`, if it is the current or the previous one."""
         with self._lock:
             return list(self._recent.get(round, ()))
 
-    def _verdict(self, data: bytes, peer: str, replayed: int | None) -> tuple[CheckResult, Envelope | None]:
+    def _verdict(self, data: bytes, peer: str, asked: int | None) -> tuple[CheckResult, Envelope | None]:
         with self._lock:
             now = self._now()
             self._roll(now)
             self.stats.gossip_bytes_in += len(data)
-            result, envelope = self._judge(data, peer, now, replayed)
+            result, envelope = self._judge(data, peer, now, asked)
             kind = envelope.kind if envelope is not None else "unknown"
             self.stats.messages[(kind, result.verdict.value)] += 1
             if result.verdict is Verdict.REJECT:
@@ -112,8 +112,8 @@ class GossipJudge:
                 self._record(envelope, data)
             return result, envelope
 
-    def _judge(self, data: bytes, peer: str, now: float, replayed: int | None = None) -> tuple[CheckResult, Envelope | None]:
-        """`replayed`: the round a catch-up asked for (None for gossip)."""
+    def _judge(self, data: bytes, peer: str, now: float, asked: int | None = None) -> tuple[CheckResult, Envelope | None]:
+        """`asked`: the round a catch-up asked a peer for (None for gossip)."""
         if self.stats.penalised.get(peer, 0.0) > now:
             return PENALISED, None
         if len(data) > self.max_bytes:
@@ -124,8 +124,8 @@ class GossipJudge:
             return CheckResult(Verdict.REJECT, "malformed envelope", str(exc)), None
         if self._spent[envelope.sender] >= self.sender_budget:
             return OVER_BUDGET, envelope
-        if replayed is not None:
-            if envelope.round != replayed:
+        if asked is not None:
+            if envelope.round != asked:
                 return NOT_ASKED_FOR, envelope
             now = min(now, window(envelope.kind, envelope.round, self._schedule)[0])
         result = check(envelope, self._context(now))

@@ -38,9 +38,6 @@ from tests.integration.network_run import (
 # `make test` runs this file on one pytest-xdist worker (--dist loadfile) and the other files beside it.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 NOTES = Path("/work/notes")
 PAGE_VALIDATOR = "validator-1"  # killed once, in round 0: its page and counters cover rounds 1 and 2
 
@@ -139,20 +136,6 @@ def value(samples: dict[str, list[tuple[dict[str, str], float]]], name: str, **l
     matching = [v for got, v in samples.get(name, []) if all(got.get(k) == want for k, want in labels.items())]
     assert matching, f"{name}{labels or ''} missing; have {sorted(samples)}"
     return sum(matching)
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"{CHROMIUM} is not installed (make test installs Debian's chromium)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
-        try:
-            yield chromium
-        finally:
-            chromium.close()
 
 
 def test_the_status_pages_show_the_network_learning_and_a_miners_results(net: NetworkRun, browser: Any,
