@@ -45,6 +45,8 @@ bench: $(STAMP)
 	$(PY) bench/twins_load.py --out .bench/twins_load.json
 	$(PY) bench/load.py --out .bench/load.json
 	$(PY) bench/learning.py --out .bench/learning.json
+	$(PY) bench/learning.py --domain records --out .bench/learning-records.json
+	$(PY) bench/simulation.py --out .bench/simulation.json
 	$(PY) bench/gpu.py --out .bench/gpu.json
 
 clean:

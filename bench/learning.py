@@ -12,8 +12,12 @@ Arms: the network with M = 1, 4, 8 miners; single-node expert tuning (ESFT) of t
 as many steps as the largest network spends, evaluated every H steps (the ESFT curve; equal tokens
 for every M, and one miner's tokens, are points on it); full fine-tuning of all weights with the
 4-miner network's tokens as a reference; the 4-miner network with half its miners adversarial
-(one adds noise, one copies an honest miner); the 4-miner network sending compressed
-pseudo-gradients; and a sweep of outer-optimizer settings and data shards on the 4-miner network.
+(one adds noise, one copies an honest miner); the 4- and 8-miner networks sending compressed
+pseudo-gradients, whole (every miner every chunk) and partitioned (each miner a quarter of the
+chunks, drawn from its id and the round, `training.pgrad`); a sweep of outer-optimizer settings and data shards on the
+4-miner network; and the data-parallel ceiling: ESFT with M times the miners' batch for one miner's
+steps (as if M miners averaged gradients after every step), which bounds what any averaging of M
+miners' updates can reach.
 Reported per arm: held-out loss after every round, general-domain loss change (forgetting),
 `network_vs_esft` (loss drop / ESFT's drop at equal total tokens), `esft_equivalent_steps` after
 each round (ESFT steps that reach the same loss, linear between curve points) and
@@ -22,7 +26,7 @@ arm). The tuned arms merge every useful submission (top-G 8) by plain averaging 
 momentum) with a copy threshold of cosine 0.9999: honest miners starting from one state agree to
 about 0.995 after 20 steps, so the old 0.99 dropped them all (the sweep's `old_defaults_dup0.99`).
 `targets` sets the issue's targets next to what was measured.
-Usage: python bench/learning.py [--rounds R] [--inner-steps H] [--out FILE.json]
+Usage: python bench/learning.py [--domain D] [--rounds R] [--inner-steps H] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -49,8 +53,8 @@ from training.data import batches, heldout_subset, pack, shard  # noqa: E402
 from training.evaluate import heldout_loss, loss_with_experts, token_loss_sum  # noqa: E402
 from training.experts import extract, insert, pseudo_gradient  # noqa: E402
 from training.outer import OuterConfig, near_duplicates, outer_step  # noqa: E402
-from training.pgrad import PgradConfig, compressed_bytes, decode, encode  # noqa: E402
-from training.pretrain import GENERAL_DOMAINS, PretrainConfig, load_pretrained  # noqa: E402
+from training.pgrad import PgradConfig, chunk_draw, compressed_bytes, coverage, decode, encode  # noqa: E402
+from training.pretrain import GENERAL_DOMAINS, TARGET_DOMAINS, PretrainConfig, load_pretrained  # noqa: E402
 from training.selection import select_experts  # noqa: E402
 from training.tokenizer import ByteTokenizer  # noqa: E402
 from training.trainer import TrainConfig, train_experts  # noqa: E402
@@ -115,15 +119,21 @@ class Bench:
         seqs = self.report_set if sequences is None else sequences
         return loss_with_experts(self.model, self.adapter, tensors, seqs, batch_size=32).loss
 
-    def train_cfg(self, steps: int) -> TrainConfig:
-        return TrainConfig(steps=steps, lr=self.s.inner_lr, batch_size=self.s.batch_size)
+    def train_cfg(self, steps: int, batch_size: int | None = None) -> TrainConfig:
+        return TrainConfig(steps=steps, lr=self.s.inner_lr, batch_size=batch_size or self.s.batch_size)
 
-    def esft_curve(self, steps: int, every: int, general_at: set[int]) -> tuple[list[tuple[int, float]], dict[int, float]]:
-        """ESFT loss every `every` steps of one continuous run (one optimizer), and its general loss at `general_at`."""
+    def esft_curve(
+        self, steps: int, every: int, general_at: set[int], batch_size: int | None = None
+    ) -> tuple[list[tuple[int, float]], dict[int, float]]:
+        """ESFT loss every `every` steps of one continuous run (one optimizer), and its general loss at `general_at`.
+
+        `batch_size` (default the miners') sets the sequences per step: M times the miners' batch is
+        synchronous data parallelism over M nodes, the most any averaging of M miners' work can reach.
+        """
         insert(self.model, self.adapter, self.base)
         curve = [(0, self.base_loss)]
         general: dict[int, float] = {}
-        stream = batches(self.train, self.s.batch_size, 1)
+        stream = batches(self.train, batch_size or self.s.batch_size, 1)
 
         def evaluated() -> Iterator[torch.Tensor]:
             # The trainer writes its copies back after every step, so the model holds step k's weights
@@ -135,7 +145,7 @@ class Bench:
                     general[k] = heldout_loss(self.model, self.general, batch_size=32).loss - self.base_general
                 yield next(stream)
 
-        train_experts(self.model, self.adapter, self.group, evaluated(), self.train_cfg(steps))
+        train_experts(self.model, self.adapter, self.group, evaluated(), self.train_cfg(steps, batch_size))
         curve.append((steps, heldout_loss(self.model, self.report_set, batch_size=32).loss))
         general[steps] = heldout_loss(self.model, self.general, batch_size=32).loss - self.base_general
         insert(self.model, self.adapter, self.base)
@@ -181,16 +191,21 @@ class Bench:
                 submissions[i] = result.tensors
             for j, i in enumerate(range(honest, arm.miners)):
                 submissions[i] = self.adversary(j, global_t, submissions, r)
+            masks: dict[int, Tensors] = {}
             if arm.pgrad is not None:
                 for i, tensors in list(submissions.items()):
-                    blob, errors[i] = encode(pseudo_gradient(global_t, tensors), errors.get(i), arm.pgrad)
-                    decoded = decode(blob, shapes, arm.pgrad)
+                    draw = chunk_draw("learning-bench", r, f"miner-{i}")
+                    blob, errors[i] = encode(pseudo_gradient(global_t, tensors), errors.get(i), arm.pgrad, draw)
+                    decoded = decode(blob, shapes, arm.pgrad, draw)
                     submissions[i] = {name: global_t[name] - decoded[name] for name in global_t}
+                    masks[i] = coverage(shapes, arm.pgrad, draw)
             contributors = self.score_and_rank(global_t, submissions, r, arm.duplicate_cosine)[: arm.top_g]
             if contributors:
                 utilities = [u for _, u in contributors]
+                partitioned = arm.pgrad is not None and arm.pgrad.partitions > 1
                 global_t, momentum = outer_step(global_t, [submissions[i] for i, _ in contributors],
-                                                utilities, momentum, outer)
+                                                utilities, momentum, outer,
+                                                [masks[i] for i, _ in contributors] if partitioned else None)
             insert(self.model, self.adapter, self.base)
             losses.append(round(self.loss(global_t), 4))
             merged.append([i for i, _ in contributors])
@@ -253,8 +268,26 @@ def summarise(bench: Bench, run: dict[str, Any], curve: list[tuple[int, float]],
     run["lowered_every_round"] = all(b < a for a, b in zip(before, run["losses"], strict=False))
 
 
-def targets(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The issue's targets next to what this run measured."""
+def data_parallel(bench: Bench, curve: list[tuple[int, float]], miners: int) -> dict[str, Any]:
+    """ESFT at `miners` times the miners' batch for one miner's steps: the most M miners' averaged work can reach.
+
+    Every step sees M batches at once, as if the M miners averaged gradients after every step instead
+    of after H; a network that averages after H steps can at best match it.
+    """
+    s = bench.s
+    steps = s.inner_steps * s.rounds
+    wide, _ = bench.esft_curve(steps, s.inner_steps, set(), batch_size=miners * s.batch_size)
+    losses = [round(loss, 4) for _, loss in wide[1:]]
+    equivalent = [esft_steps(curve, loss) for loss in losses]
+    final = equivalent[-1]
+    return {"miners": miners, "batch_size": miners * s.batch_size, "losses": losses,
+            "esft_equivalent_steps": [None if e is None else round(e, 1) for e in equivalent],
+            "parallel_efficiency": None if final is None else round(final / (miners * steps), 4),
+            "network_vs_esft": round((bench.base_loss - losses[-1]) / (bench.base_loss - curve_at(curve, miners * steps)), 4)}
+
+
+def targets(runs: dict[str, dict[str, Any]], ceilings: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The issue's targets next to what this run measured (and the data-parallel ceiling they are bounded by)."""
     four, eight = runs["network_4"], runs["network_8"]
     pgrad = {name: {"network_vs_esft": run.get("network_vs_esft"),
                     "payload_vs_bf16": round(run["pgrad"]["bf16_bytes"] / run["pgrad"]["payload_bytes"], 1)}
@@ -263,7 +296,11 @@ def targets(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "network_vs_esft_4 (>= 0.95)": four.get("network_vs_esft"),
         "network_vs_esft_8 (>= 0.95)": eight.get("network_vs_esft"),
         "parallel_efficiency_4 (>= 0.5)": four["parallel_efficiency"],
+        "parallel_efficiency_4_ceiling (synchronous data parallel)": ceilings["4"]["parallel_efficiency"],
+        "network_vs_esft_4_ceiling (synchronous data parallel)": ceilings["4"]["network_vs_esft"],
         "8_ahead_of_4": eight["losses"][-1] < four["losses"][-1],
+        "8_ahead_of_4_pgrad_partitions_2": runs["pgrad_2bit_c256_k40_p2_8"]["losses"][-1]
+        < runs["pgrad_2bit_c256_k40_p2_4"]["losses"][-1],
         "forgetting_4_no_worse_than_esft": four["forgetting"] <= four.get("esft_forgetting_equal_tokens", math.inf),
         "adversarial_lowers_every_round": runs["adversarial_4"]["lowered_every_round"],
         "pgrad (payload >= 16x, network_vs_esft >= 0.9)": pgrad,
@@ -272,6 +309,7 @@ def targets(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--domain", choices=TARGET_DOMAINS, default="arithmetic", help="target domain (default arithmetic)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds per network run (default 5)")
     parser.add_argument("--inner-steps", type=int, default=20, help="H (default 20)")
     parser.add_argument("--cache", type=Path, default=Path(".bench/cache"), help="pretrained-base cache directory")
@@ -280,7 +318,7 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)  # a tiny model on a shared CPU runs faster without intra-op threads
     started = time.perf_counter()
-    settings = Settings(rounds=args.rounds, inner_steps=args.inner_steps)
+    settings = Settings(domain=args.domain, rounds=args.rounds, inner_steps=args.inner_steps)
     bench = Bench(settings, args.cache)
     tuned = Arm()
     max_miners = 8
@@ -294,6 +332,12 @@ def main() -> int:
         "pgrad_2bit_k32_4": replace(tuned, pgrad=PgradConfig(chunk=1024, topk=32, quant="2bit")),
         "pgrad_2bit_k48_4": replace(tuned, pgrad=PgradConfig(chunk=1024, topk=48, quant="2bit")),
         "pgrad_int8_k32_4": replace(tuned, pgrad=PgradConfig(chunk=1024, topk=32, quant="int8")),
+        "pgrad_2bit_c256_k16_4": replace(tuned, pgrad=PgradConfig(chunk=256, topk=16, quant="2bit")),
+        "pgrad_2bit_c256_k32_p2_4": replace(tuned, pgrad=PgradConfig(chunk=256, topk=32, partitions=2)),
+        **{f"pgrad_2bit_c256_k40_p2_{m}": replace(tuned, miners=m, pgrad=PgradConfig(chunk=256, topk=40, partitions=2))
+           for m in (1, 4, 8)},
+        **{f"pgrad_2bit_c256_k64_p4_{m}": replace(tuned, miners=m, pgrad=PgradConfig(chunk=256, topk=64, partitions=4))
+           for m in (4, 8)},
     }
     sweep = {
         "old_defaults_dup0.99": Arm(outer_lr=0.7, momentum=0.9, top_g=3, duplicate_cosine=0.99),
@@ -312,6 +356,7 @@ def main() -> int:
         runs[name] = bench.network(arm)
         summarise(bench, runs[name], curve, esft_forgetting)
         print(f"{name}: {runs[name]['losses']} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+    ceilings = {str(m): data_parallel(bench, curve, m) for m in (4, 8)}
     full = bench.full_finetune(4 * settings.inner_steps * settings.rounds)
     report = {
         "settings": {**asdict(settings), "group": bench.group, "base": asdict(PretrainConfig())},
@@ -320,7 +365,8 @@ def main() -> int:
         "esft": {"curve": [(s, round(loss, 4)) for s, loss in curve],
                  "forgetting_at_steps": {s: round(f, 4) for s, f in sorted(esft_forgetting.items())}},
         "full_finetune_4_miner_tokens": full,
-        "targets": targets(runs),
+        "data_parallel_ceiling": ceilings,
+        "targets": targets(runs, ceilings),
         "arms": {name: runs[name] for name in arms},
         "sweep": {name: runs[name] for name in sweep if name in runs},
         "seconds": round(time.perf_counter() - started, 1),

@@ -5,6 +5,9 @@ Given the global expert tensors Φ_t and miners' tensors Φ_i:
     with clip_to_median, G_i ← G_i · min(1, median(n) / n_i);
     a_i = 1/n (uniform) or u_i / Σu (utility);  G = Σ_i a_i G_i, summed in the given miner order;
     m ← μ·m + G;  Φ_{t+1} = Φ_t − lr·(G + μ·m).
+With `coverage` (partitioned compressed submissions, training.pgrad), each miner's G_i speaks only
+for the entries its mask c_i covers, and each entry averages over the miners that cover it:
+    G = Σ_i a_i c_i G_i / Σ_i a_i c_i  (0 where no miner covers the entry).
 Determinism: everything runs on the CPU in fp32 with one rounded operation at a time (no fused
 multiply-add); the only reductions, norms and dot products, square or multiply fp32 values exactly
 in float64 and sum them with numpy's fixed pairwise order, tensor by tensor in sorted-name order,
@@ -61,15 +64,22 @@ def outer_step(
     utilities: Sequence[float],
     momentum: Tensors | None,
     cfg: OuterConfig,
+    coverage: Sequence[Tensors] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """One outer step; returns (new global tensors, new momentum), both fp32 CPU, sorted by name."""
+    """One outer step; returns (new global tensors, new momentum), both fp32 CPU, sorted by name.
+
+    `coverage`: per miner, a 0/1 mask per tensor of the entries its submission speaks for (module docstring).
+    """
     if not miner_tensors:
         raise ValueError("an outer step needs at least one miner's tensors")
     if len(utilities) != len(miner_tensors):
         raise ValueError(f"{len(utilities)} utilities for {len(miner_tensors)} miners")
+    if coverage is not None and len(coverage) != len(miner_tensors):
+        raise ValueError(f"{len(coverage)} coverage masks for {len(miner_tensors)} miners")
     grads = [pseudo_gradient(global_tensors, tensors) for tensors in miner_tensors]
     scales = _clip_scales(grads) if cfg.clip_to_median else [1.0] * len(grads)
-    coefficients = [a * s for a, s in zip(_weights(utilities, cfg), scales, strict=True)]
+    weights = _weights(utilities, cfg)
+    coefficients = [a * s for a, s in zip(weights, scales, strict=True)]
     names = sorted(global_tensors)
     if momentum is not None:
         check_same_names(global_tensors, momentum, "momentum")
@@ -81,7 +91,9 @@ def outer_step(
             g = torch.zeros_like(phi)
             for grad, coefficient in zip(grads, coefficients, strict=True):
                 g = g + grad[name] * coefficient
-            m_prev = torch.zeros_like(phi) if momentum is None else _fp32(momentum[name], phi.shape, name)
+            if coverage is not None:
+                g = _covered_mean(g, [c[name] for c in coverage], weights, phi.shape, name)
+            m_prev = torch.zeros_like(phi) if momentum is None else _fp32(momentum[name], phi.shape, f"momentum {name}")
             m = m_prev * cfg.momentum + g
             new_momentum[name] = m
             new_global[name] = phi - (g + m * cfg.momentum) * cfg.lr
@@ -129,6 +141,16 @@ def _weights(utilities: Sequence[float], cfg: OuterConfig) -> list[float]:
     return [u / total for u in utilities]
 
 
+def _covered_mean(
+    g: torch.Tensor, masks: list[torch.Tensor], weights: list[float], shape: torch.Size, name: str
+) -> torch.Tensor:
+    # Off its mask a miner's pseudo-gradient is 0, so g already holds Σ a_i c_i G_i; divide by Σ a_i c_i.
+    total = torch.zeros(shape, dtype=torch.float32)
+    for mask, weight in zip(masks, weights, strict=True):
+        total = total + _fp32(mask, shape, f"coverage of {name}") * weight
+    return torch.where(total > 0, g / torch.where(total > 0, total, torch.ones_like(total)), torch.zeros_like(g))
+
+
 def _clip_scales(grads: list[dict[str, torch.Tensor]]) -> list[float]:
     norms = [norm(g) for g in grads]
     median = statistics.median(norms)
@@ -144,5 +166,5 @@ def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _fp32(tensor: torch.Tensor, shape: torch.Size, name: str) -> torch.Tensor:
     if tensor.shape != shape:
-        raise ValueError(f"momentum {name}: shape {tuple(tensor.shape)} differs from global {tuple(shape)}")
+        raise ValueError(f"{name}: shape {tuple(tensor.shape)} differs from global {tuple(shape)}")
     return tensor.detach().to("cpu", torch.float32)

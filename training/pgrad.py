@@ -8,26 +8,37 @@ fp32 scale per chunk:
 - `int8`: q = round(v / s) with s = max|v| / 127, q in [-127, 127];
 - `2bit`: q in {0, 1, 2, 3} meaning s·(2q − 3)/3 with s = max|v|, four codes packed per byte,
   lowest bits first.
-The new buffer is e' = A − decode(sent), so nothing is lost, only delayed. `error_bytes` and
-`load_error` are the buffer's own file form (plain fp32 safetensors, for the miner's local storage).
+Partitions: with `partitions` P > 1 a blob carries 1/P of the group's chunks (rounded up), the
+ones a draw picks (`chunk_draw`: SHA-256 of network, round and miner; `drawn_chunks`: a fixed
+permutation of the chunks, numbered across the tensors in sorted-name order, seeded by it). Honest
+miners move the experts nearly the same way, so miners that draw different chunks add entries
+where the same chunks would repeat them, at the same payload each; the merge averages each entry
+over the miners that sent its chunk (`coverage`). A miner keeps as error feedback only what its own
+chunks left unsent, e' = A − decode(sent) on them and 0 elsewhere: the other chunks were for other
+miners to send. With P = 1 every blob carries every chunk and nothing is lost, only delayed.
+`error_bytes` and `load_error` are the buffer's own file form (plain fp32 safetensors, for the
+miner's local storage).
 
-Blob tensors for an expert tensor named N with C chunks of k kept entries each:
-    N.idx    I16 [C, k]            index of each kept entry inside its chunk, strictly ascending
-    N.q      I8  [C, k] in [-127, 127] (int8)  or  U8 [C, ceil(k/4)] (2bit; unused codes zero)
+Blob tensors for an expert tensor named N with C of its chunks drawn, K kept each:
+    N.idx    U8 [C, K] if chunk <= 256, else I16   index of each kept entry inside its chunk, strictly ascending
+    N.q      I8  [C, K] in [-127, 127] (int8)  or  U8 [C, ceil(K/4)] (2bit; unused codes zero)
     N.scale  F32 [C]               finite, non-negative
-A tensor smaller than `chunk` is one chunk of its own size; otherwise its size must be a multiple
-of `chunk`. `check_compressed` refuses every other value a peer could send, with a distinct reason.
+A tensor with no chunk drawn has no blob tensors. A tensor smaller than `chunk` is one
+chunk of its own size; otherwise its size must be a multiple of `chunk`. `check_compressed` refuses
+every other value a peer could send, with a distinct reason.
 This module knows nothing about blobs' metadata, the network or how the decoded update is used.
 Legend: C chunks, K kept entries per chunk, N chunk length.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import safetensors
 import safetensors.torch
 import torch
@@ -48,6 +59,8 @@ class PgradConfig:
     """Entries kept per chunk (fewer only in a tensor smaller than `topk`); a multiple of 4."""
     quant: Quant = "2bit"
     """How kept values are quantised: `int8` or `2bit` (both with one fp32 scale per chunk)."""
+    partitions: int = 1
+    """P: each blob carries 1/P of the group's chunks, drawn per miner and round (module docstring)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.chunk <= 32768:
@@ -56,6 +69,19 @@ class PgradConfig:
             raise ValueError(f"pgrad topk must be a multiple of 4 between 4 and chunk, got {self.topk}")
         if self.quant not in ("int8", "2bit"):
             raise ValueError(f"pgrad quant must be 'int8' or '2bit', got {self.quant!r}")
+        if not 1 <= self.partitions <= 64:
+            raise ValueError(f"pgrad partitions must be between 1 and 64, got {self.partitions}")
+
+    @property
+    def index_code(self) -> str:
+        """The safetensors dtype of in-chunk indices: U8 when they fit a byte, else I16."""
+        return "U8" if self.chunk <= 256 else "I16"
+
+
+def chunk_draw(network_id: str, round: int, miner: str) -> int:
+    """The draw that picks a miner's chunks in a round: 32 bits of SHA-256 of (network, round, miner)."""
+    digest = hashlib.sha256(f"tessera-pgrad-chunks:{network_id}:{round}:{miner}".encode()).digest()
+    return int.from_bytes(digest[:4], "big")
 
 
 def layout(shape: tuple[int, ...], cfg: PgradConfig) -> tuple[int, int, int]:
@@ -68,25 +94,81 @@ def layout(shape: tuple[int, ...], cfg: PgradConfig) -> tuple[int, int, int]:
     return numel // cfg.chunk, cfg.chunk, cfg.topk
 
 
-def compressed_shapes(shapes: Mapping[str, tuple[int, ...]], cfg: PgradConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+def drawn_chunks(shapes: Mapping[str, tuple[int, ...]], cfg: PgradConfig, draw: int = 0) -> dict[str, list[int]]:
+    """Expert tensor name -> its chunks that `draw` picks, ascending; tensors with none are left out.
+
+    Every chunk when P = 1. Otherwise the first ceil(C/P) of numpy's legacy `RandomState(draw)`
+    permutation of the group's C chunks: that stream is frozen across numpy versions, so every
+    validator draws the same chunks.
+    """
+    if not 0 <= draw < 1 << 32:
+        raise ValueError(f"a chunk draw is a 32-bit number, got {draw}")
+    sizes = {name: layout(shapes[name], cfg)[0] for name in sorted(shapes)}
+    total = sum(sizes.values())
+    if cfg.partitions == 1:
+        picked = range(total)
+    else:
+        picked = sorted(np.random.RandomState(draw).permutation(total)[: -(-total // cfg.partitions)].tolist())
+    out: dict[str, list[int]] = {}
+    first, names = 0, iter(sizes)
+    name = next(names, None)
+    for number in picked:  # ascending group-wide chunk numbers -> (tensor, chunk in tensor)
+        while name is not None and number >= first + sizes[name]:
+            first += sizes[name]
+            name = next(names, None)
+        assert name is not None
+        out.setdefault(name, []).append(number - first)
+    return out
+
+
+def compressed_shapes(
+    shapes: Mapping[str, tuple[int, ...]], cfg: PgradConfig, draw: int = 0
+) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Blob tensor name -> (safetensors dtype code, shape) for expert tensors of the given shapes."""
     out: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for name, shape in shapes.items():
-        c, _, k = layout(shape, cfg)
-        out[f"{name}.idx"] = ("I16", (c, k))
+    for name, chunks in drawn_chunks(shapes, cfg, draw).items():
+        c, (_, _, k) = len(chunks), layout(shapes[name], cfg)
+        out[f"{name}.idx"] = (cfg.index_code, (c, k))
         out[f"{name}.q"] = ("I8", (c, k)) if cfg.quant == "int8" else ("U8", (c, math.ceil(k / 4)))
         out[f"{name}.scale"] = ("F32", (c,))
     return dict(sorted(out.items()))
 
 
-def compressed_bytes(shapes: Mapping[str, tuple[int, ...]], cfg: PgradConfig) -> int:
-    """Bytes of tensor data in a compressed submission for expert tensors of these shapes."""
-    itemsize = {"I16": 2, "I8": 1, "U8": 1, "F32": 4}
-    return sum(itemsize[code] * math.prod(shape) for code, shape in compressed_shapes(shapes, cfg).values())
+def compressed_bytes(shapes: Mapping[str, tuple[int, ...]], cfg: PgradConfig, draw: int | None = None) -> int:
+    """Bytes of tensor data in a compressed submission of `draw`; None: the most any draw can give."""
+    if draw is not None:
+        itemsize = {"I16": 2, "I8": 1, "U8": 1, "F32": 4}
+        return sum(itemsize[code] * math.prod(shape) for code, shape in compressed_shapes(shapes, cfg, draw).values())
+    index_bytes = 1 if cfg.index_code == "U8" else 2
+    per_chunk: list[int] = []
+    for shape in shapes.values():
+        c, _, k = layout(shape, cfg)
+        q_bytes = k if cfg.quant == "int8" else math.ceil(k / 4)
+        per_chunk += [index_bytes * k + q_bytes + 4] * c
+    return sum(sorted(per_chunk, reverse=True)[: -(-len(per_chunk) // cfg.partitions)])
 
 
-def encode(grads: Tensors, error: Tensors | None, cfg: PgradConfig) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Compress G + e; returns (blob tensors, the new error-feedback buffer e' = G + e − decode)."""
+def coverage(shapes: Mapping[str, tuple[int, ...]], cfg: PgradConfig, draw: int = 0) -> dict[str, torch.Tensor]:
+    """Expert tensor name -> fp32 mask, 1 on the entries of the chunks `draw` picks and 0 elsewhere."""
+    chunks = drawn_chunks(shapes, cfg, draw)
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted(shapes):
+        c, n, _ = layout(shapes[name], cfg)
+        mask_CN = torch.zeros(c, n, dtype=torch.float32)
+        mask_CN[chunks.get(name, [])] = 1.0
+        out[name] = mask_CN.reshape(shapes[name])
+    return out
+
+
+def encode(
+    grads: Tensors, error: Tensors | None, cfg: PgradConfig, draw: int = 0
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Compress G + e on the chunks `draw` picks; returns (blob tensors, the new error-feedback buffer).
+
+    The new buffer is G + e − decode(blob) on the drawn chunks and 0 on the others.
+    """
+    shapes = {name: tuple(t.shape) for name, t in grads.items()}
+    chunks = drawn_chunks(shapes, cfg, draw)
     blob: dict[str, torch.Tensor] = {}
     new_error: dict[str, torch.Tensor] = {}
     for name in sorted(grads):
@@ -94,41 +176,48 @@ def encode(grads: Tensors, error: Tensors | None, cfg: PgradConfig) -> tuple[dic
         if error is not None:
             acc = acc + error[name].detach().to("cpu", torch.float32)
         c, n, k = layout(tuple(acc.shape), cfg)
-        acc_CN = acc.reshape(c, n)
-        idx_CK = _top_indices(acc_CN, k)
-        values_CK = torch.gather(acc_CN, 1, idx_CK)
-        q_CK, scale_C = _quantize(values_CK, cfg.quant)
-        blob[f"{name}.idx"] = idx_CK.to(torch.int16)
-        blob[f"{name}.q"] = q_CK if cfg.quant == "int8" else _pack2(q_CK)
-        blob[f"{name}.scale"] = scale_C
-        sent_CN = torch.zeros_like(acc_CN).scatter_(1, idx_CK, _dequantize(q_CK, scale_C, cfg.quant))
-        new_error[name] = (acc_CN - sent_CN).reshape(acc.shape)
+        residual_CN = torch.zeros(c, n, dtype=torch.float32)
+        if name in chunks:
+            rows = chunks[name]
+            acc_RN = acc.reshape(c, n)[rows]
+            idx_RK = _top_indices(acc_RN, k)
+            q_RK, scale_R = _quantize(torch.gather(acc_RN, 1, idx_RK), cfg.quant)
+            blob[f"{name}.idx"] = idx_RK.to(torch.uint8 if cfg.index_code == "U8" else torch.int16)
+            blob[f"{name}.q"] = q_RK if cfg.quant == "int8" else _pack2(q_RK)
+            blob[f"{name}.scale"] = scale_R
+            sent_RN = torch.zeros_like(acc_RN).scatter_(1, idx_RK, _dequantize(q_RK, scale_R, cfg.quant))
+            residual_CN[rows] = acc_RN - sent_RN
+        new_error[name] = residual_CN.reshape(acc.shape)
     return dict(sorted(blob.items())), new_error
 
 
-def decode(blob: Tensors, shapes: Mapping[str, tuple[int, ...]], cfg: PgradConfig) -> dict[str, torch.Tensor]:
-    """The dense fp32 pseudo-gradient a checked compressed blob stands for, by expert tensor name."""
+def decode(blob: Tensors, shapes: Mapping[str, tuple[int, ...]], cfg: PgradConfig, draw: int = 0) -> dict[str, torch.Tensor]:
+    """The dense fp32 pseudo-gradient a checked compressed blob of `draw` stands for (0 off its chunks)."""
+    chunks = drawn_chunks(shapes, cfg, draw)
     out: dict[str, torch.Tensor] = {}
     for name in sorted(shapes):
         c, n, k = layout(shapes[name], cfg)
-        q = blob[f"{name}.q"]
-        q_CK = q.to(torch.float32) if cfg.quant == "int8" else _unpack2(q, k)
-        values_CK = _dequantize(q_CK, blob[f"{name}.scale"].to(torch.float32), cfg.quant)
-        dense_CN = torch.zeros(c, n, dtype=torch.float32).scatter_(1, blob[f"{name}.idx"].long(), values_CK)
+        dense_CN = torch.zeros(c, n, dtype=torch.float32)
+        if name in chunks:
+            q = blob[f"{name}.q"]
+            q_RK = q.to(torch.float32) if cfg.quant == "int8" else _unpack2(q, k)
+            values_RK = _dequantize(q_RK, blob[f"{name}.scale"].to(torch.float32), cfg.quant)
+            dense_RN = torch.zeros(len(chunks[name]), n, dtype=torch.float32)
+            dense_CN[chunks[name]] = dense_RN.scatter_(1, blob[f"{name}.idx"].long(), values_RK)
         out[name] = dense_CN.reshape(shapes[name])
     return out
 
 
-def rebuild(global_tensors: Tensors, blob: Tensors, cfg: PgradConfig) -> dict[str, torch.Tensor]:
+def rebuild(global_tensors: Tensors, blob: Tensors, cfg: PgradConfig, draw: int = 0) -> dict[str, torch.Tensor]:
     """The miner's experts a validator scores and merges: Φ_i = Φ_t − decode(G_i), fp32, by name."""
     shapes = {name: tuple(t.shape) for name, t in global_tensors.items()}
-    dense = decode(blob, shapes, cfg)
+    dense = decode(blob, shapes, cfg, draw)
     return {name: global_tensors[name].detach().to("cpu", torch.float32) - dense[name] for name in sorted(shapes)}
 
 
-def check_compressed(blob: Tensors, shapes: Mapping[str, tuple[int, ...]], cfg: PgradConfig) -> str:
+def check_compressed(blob: Tensors, shapes: Mapping[str, tuple[int, ...]], cfg: PgradConfig, draw: int = 0) -> str:
     """'' if the values of a compressed blob (names, dtypes, shapes already checked) are valid, else why not."""
-    for name in sorted(shapes):
+    for name in drawn_chunks(shapes, cfg, draw):
         _, n, k = layout(shapes[name], cfg)
         idx_CK = blob[f"{name}.idx"].long()
         if bool(((idx_CK < 0) | (idx_CK >= n)).any()):

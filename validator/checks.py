@@ -4,7 +4,8 @@
 failure with a short, distinct reason a validator logs and reports. A network whose spec asks for
 compressed pseudo-gradients (`[submission] format = "pgrad"`) gets the same checks over that
 format's tensors (training.pgrad: names, dtypes and shapes follow from the expert shapes), then
-`check_compressed` on their values instead of the finiteness check. It is pure: no I/O, no clock,
+`check_compressed` on their values instead of the finiteness check. `submission_cap` is the size cap
+of the network's own format, the most a validator fetches for one blob. It is pure: no I/O, no clock,
 and it never unpickles; any bytes a peer sends give a verdict, never an exception. It does not
 know where the blob came from or how its loss will be measured.
 """
@@ -29,7 +30,7 @@ from training.blob import (
     max_blob_bytes,
     read_tensor,
 )
-from training.pgrad import PgradConfig, check_compressed, compressed_bytes, compressed_shapes
+from training.pgrad import PgradConfig, check_compressed, chunk_draw, compressed_bytes, compressed_shapes
 
 
 @dataclass(frozen=True)
@@ -48,18 +49,21 @@ class Expectation:
     pgrad: PgradConfig | None = None
     """The compressed format's parameters when the network submits pseudo-gradients; None: full experts."""
 
+    @property
+    def draw(self) -> int:
+        """The draw that picks the chunks this miner's pgrad blob carries this round."""
+        return chunk_draw(self.network, self.round, self.miner)
+
     def tensor_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """Blob tensor name -> (dtype code, shape) a valid submission holds."""
         if self.pgrad is not None:
-            return compressed_shapes(self.shapes, self.pgrad)
+            return compressed_shapes(self.shapes, self.pgrad, self.draw)
         code = blob_dtype(self.dtype)
         return {name: (code, tuple(shape)) for name, shape in self.shapes.items()}
 
     def max_bytes(self) -> int:
         """The size cap: length prefix, header cap and the format's tensor data."""
-        if self.pgrad is not None:
-            return 8 + self.max_header_bytes + compressed_bytes(self.shapes, self.pgrad)
-        return max_blob_bytes(self.shapes, self.dtype, self.max_header_bytes)
+        return _max_bytes(self.shapes, self.dtype, self.max_header_bytes, self.pgrad)
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,7 @@ def check_submission(data: bytes, expect: Expectation) -> SubmissionVerdict:
         return _reject(reason, header.meta)
     tensors = {name: read_tensor(data, header, name) for name in header.tensors}
     if expect.pgrad is not None:
-        reason = check_compressed(tensors, expect.shapes, expect.pgrad)
+        reason = check_compressed(tensors, expect.shapes, expect.pgrad, expect.draw)
         if reason:
             return _reject(reason, header.meta)
         return SubmissionVerdict(ok=True, reason="", meta=header.meta, tensors=tensors)
@@ -101,7 +105,21 @@ def check_submission(data: bytes, expect: Expectation) -> SubmissionVerdict:
 def pgrad_config(spec: NetworkSpec) -> PgradConfig | None:
     """The compressed format's parameters if the spec's miners submit pseudo-gradients, else None."""
     sub = spec.submission
-    return PgradConfig(chunk=sub.chunk, topk=sub.topk, quant=sub.quant) if sub.format == "pgrad" else None
+    if sub.format != "pgrad":
+        return None
+    return PgradConfig(chunk=sub.chunk, topk=sub.topk, quant=sub.quant, partitions=sub.partitions)
+
+
+def submission_cap(spec: NetworkSpec, shapes: Mapping[str, tuple[int, ...]]) -> int:
+    """The largest a valid submission of `spec`'s network can be, in its own format: the fetch limit."""
+    return _max_bytes(shapes, spec.model.dtype, spec.limits.max_header_bytes, pgrad_config(spec))
+
+
+def _max_bytes(shapes: Mapping[str, tuple[int, ...]], dtype: str, max_header_bytes: int,
+               pgrad: PgradConfig | None) -> int:
+    if pgrad is not None:
+        return 8 + max_header_bytes + compressed_bytes(shapes, pgrad)
+    return max_blob_bytes(shapes, dtype, max_header_bytes)
 
 
 def _reject(reason: str, meta: BlobMeta | None = None) -> SubmissionVerdict:

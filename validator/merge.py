@@ -15,7 +15,9 @@ The steps:
    up to fp32 rounding.) Lazy miners never reach this step: an unchanged
    blob scores exactly L_base, so u_i = 0 and their zero update is never compared.
 3. Rank again with the flags (`protocol.ranking`), which gives points; the top-G ranked miners are
-   merged by `training.outer.outer_step` with the spec's aggregation settings.
+   merged by `training.outer.outer_step` with the spec's aggregation settings. In a pgrad network
+   with partitions, each entry averages over the contributors whose partition covers it
+   (`training.pgrad.coverage`; a miner's chunks are drawn from the reports' round and its id).
 When no miner qualifies no outer step is taken: the global tensors AND the momentum are returned
 as the very same objects, so the state keeps its bytes and its hash (momentum is not decayed either,
 since a decayed momentum would give validators that saw different rounds different states).
@@ -34,6 +36,8 @@ from protocol.ranking import RoundRanking, Score, median, rank_round, scores_fro
 from protocol.spec import NetworkSpec
 from training.experts import pseudo_gradient
 from training.outer import OuterConfig, near_duplicates, outer_step
+from training.pgrad import chunk_draw, coverage
+from validator.checks import pgrad_config
 
 Tensors = Mapping[str, torch.Tensor]
 
@@ -126,9 +130,25 @@ def merge_round(
 
     utilities = [ranking.result(miner).utility for miner in contributors]
     new_global, new_momentum = outer_step(
-        global_tensors, [blobs[miner] for miner in contributors], utilities, momentum, outer_config(spec)
+        global_tensors, [blobs[miner] for miner in contributors], utilities, momentum, outer_config(spec),
+        _coverage(reports, contributors, global_tensors, spec),
     )
     return MergeResult(ranking, ranking.points(), contributors, new_global, new_momentum, duplicates)
+
+
+def _coverage(
+    reports: Mapping[str, ScoreReport], contributors: list[str], global_tensors: Tensors, spec: NetworkSpec
+) -> list[dict[str, torch.Tensor]] | None:
+    """Each contributor's chunk mask in a partitioned pgrad network; None when every blob covers everything."""
+    cfg = pgrad_config(spec)
+    if cfg is None or cfg.partitions == 1:
+        return None
+    rounds = {report.round for report in reports.values()}
+    if len(rounds) != 1:
+        raise MergeInputError(f"score reports of rounds {sorted(rounds)} cannot be merged together")
+    (round,) = rounds
+    shapes = {name: tuple(t.shape) for name, t in global_tensors.items()}
+    return [coverage(shapes, cfg, chunk_draw(spec.network_id, round, miner)) for miner in contributors]
 
 
 def _scores(

@@ -127,7 +127,7 @@ class Scorer:
         if global_tensors is None:
             raise ValueError("a pgrad submission is rebuilt from the global state; pass global_tensors")
         assert verdict.tensors is not None
-        return replace(verdict, tensors=rebuild(global_tensors, verdict.tensors, self.pgrad))
+        return replace(verdict, tensors=rebuild(global_tensors, verdict.tensors, self.pgrad, expect.draw))
 
     def score_round(
         self,

@@ -36,7 +36,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="TRAIN's share of the round (default 0.9)")
     sim.add_argument("--start-delay", type=float, default=None, metavar="S",
                      help="seconds until genesis (default: 20 + 4 per node)")
+    sim.add_argument("--inner-steps", type=int, default=30, metavar="H",
+                     help="inner AdamW steps each miner takes per round (default 30)")
     sim.add_argument("--seed", type=int, default=0, help="seed of model, data and keys (default 0)")
+    sim.add_argument("--format", choices=("experts", "pgrad"), default="experts",
+                     help="what miners submit: full experts, or compressed pseudo-gradients (top-k per chunk, "
+                          "2-bit, with error feedback; the spec's default [submission] parameters) (default experts)")
     sim.set_defaults(run=run_simulate)
 
 
@@ -49,7 +54,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     adversaries = tuple(k.strip() for k in args.adversaries.split(",") if k.strip())
     settings = SimSettings(validators=args.validators, miners=args.miners, adversaries=adversaries,
                            round_seconds=args.round_seconds, train_share=args.train_share,
-                           start_delay_s=args.start_delay, base_port=args.base_port, seed=args.seed)
+                           start_delay_s=args.start_delay, base_port=args.base_port, seed=args.seed,
+                           inner_steps=args.inner_steps, submission_format=args.format)
     if args.force and args.dir.exists():
         if any(args.dir.iterdir()) and not (args.dir / "network" / "spec.toml").exists():
             raise ValueError(f"{args.dir}: --force only replaces an earlier simulation directory, and this "
@@ -62,7 +68,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     try:
         sim.prepare()
         print(f"simulation in {sim.directory}: {len(sim.nodes)} processes, genesis in "
-              f"{sim.schedule.genesis_ts - time.time():.0f} s, rounds of {sim.schedule.round_seconds:.0f} s")
+              f"{sim.schedule.genesis_ts - time.time():.0f} s, rounds of {sim.schedule.round_seconds:.0f} s, "
+              f"{args.format} submissions")
         sim.start()
         progress = Progress(sim, sys.stdout)
         # A bar over the rounds on a terminal; the phase lines go above it (tqdm.write).

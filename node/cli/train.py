@@ -1,18 +1,28 @@
 """`tessera train`: one miner's local run, offline -> the canonical blob it would submit.
 
-    tessera train --spec SPEC --key KEY --round R [--global STATE_BLOB] [--steps H] [--data FILE...] --out BLOB
+    tessera train --spec SPEC --key KEY --round R [--global STATE_BLOB] [--steps H] [--data FILE...]
+                  [--feedback FILE] --out BLOB
 
 It calls `node.duties.miner.build_submission`, the function the miner duty calls, with the same
 seed derivation, shard, dtype and metadata, so for the same key, round and starting state it
 writes the bytes the miner would commit to. `--global` names a global-state blob of this network
-(the base model's experts when absent). This module knows nothing about the network.
+(the base model's experts when absent). In a pgrad network `--feedback` is the miner's
+error-feedback buffer (the fp32 safetensors form of `training.pgrad.error_bytes`, the bytes a miner
+keeps in its blob store): read when the file exists (else the buffer starts empty), checked before
+training, and atomically replaced by what the round left unsent once the blob is written. Without
+it the build starts from an empty buffer and keeps nothing. This module knows nothing about the network.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -24,18 +34,25 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--steps", type=int, default=None, help="inner steps H (default: the spec's)")
     p.add_argument("--data", nargs="+", type=Path, metavar="FILE", help="training files (default: the spec's)")
     p.add_argument("--global", dest="global_blob", type=Path, metavar="BLOB", help="global state to train from")
+    p.add_argument("--feedback", type=Path, metavar="FILE",
+                   help="pgrad networks: the error-feedback buffer (fp32 safetensors) to start from if FILE "
+                        "exists; replaced atomically with the new buffer after the blob is written "
+                        "(default: an empty buffer, nothing kept)")
     p.add_argument("--out", required=True, type=Path, metavar="BLOB", help="where to write the blob")
     p.set_defaults(run=run_train)
 
 
 def run_train(args: argparse.Namespace) -> int:
     from node.duties.consensus import SyncError, decode_state
+    from node.duties.feedback import ErrorFeedback
     from node.duties.miner import MinerModel, build_submission
     from node.runtime.config import MinerSection
     from protocol.encoding import sha256_hex
     from protocol.identity import load_identity
     from protocol.spec import load_spec
     from training.blob import write_blob_file
+    from training.pgrad import error_bytes
+    from validator.checks import pgrad_config
 
     if args.round < 0:
         raise ValueError("--round must be non-negative")
@@ -43,7 +60,10 @@ def run_train(args: argparse.Namespace) -> int:
         raise ValueError("--steps must be positive")
     identity = load_identity(args.key)
     spec = load_spec(args.spec)
+    if args.feedback is not None and pgrad_config(spec) is None:
+        raise ValueError("--feedback: this network submits full experts, which keep no error-feedback buffer")
     model = MinerModel.load(spec, args.spec, args.data or [], progress=True)
+    feedback = None if args.feedback is None else ErrorFeedback(_read_feedback(args.feedback, model.shapes))
     head, base = spec.model.base_hash, model.genesis.tensors
     if args.global_blob is not None:
         try:
@@ -56,9 +76,12 @@ def run_train(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.global_blob}: {exc}") from exc
         head = sha256_hex(data)
     blob, result = build_submission(model, identity.node_id, args.round, head, base, MinerSection(),
-                                    steps=args.steps, progress=True)
+                                    steps=args.steps, progress=True, feedback=feedback)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_blob_file(args.out, blob)
+    if feedback is not None and feedback.error is not None:
+        args.feedback.parent.mkdir(parents=True, exist_ok=True)
+        write_blob_file(args.feedback, error_bytes(feedback.error))
     print(json.dumps({
         "steps": len(result.losses),
         "first_loss": result.losses[0],
@@ -69,5 +92,26 @@ def run_train(args: argparse.Namespace) -> int:
         "blob_sha256": sha256_hex(blob),
         "bytes": len(blob),
         "base": head,
+        "feedback": None if args.feedback is None else str(args.feedback),
     }, indent=2, sort_keys=True))
     return 0
+
+
+def _read_feedback(path: Path, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor] | None:
+    """The buffer in `path` (None when there is no such file yet); ValueError naming the file if it is unusable."""
+    import torch
+
+    from training.pgrad import load_error
+
+    if not path.exists():
+        return None
+    try:
+        error = load_error(path.read_bytes(), shapes)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the error-feedback buffer: {exc.strerror}") from exc
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+    for name, tensor in error.items():
+        if not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{path}: the error-feedback buffer's {name} holds non-finite values")
+    return error

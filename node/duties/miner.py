@@ -49,6 +49,7 @@ from training.compressed import CompressedModel
 from training.data import batches, load_sequences, shard
 from training.experts import extract, insert, pseudo_gradient
 from training.model import load_base, load_compressed_base
+from training.pgrad import chunk_draw
 from training.pgrad import encode as encode_pgrad
 from training.tokenizer import load_tokenizer
 from training.trainer import TrainConfig, TrainResult, train_experts
@@ -72,7 +73,8 @@ def encode_submission(spec: NetworkSpec, round: int, miner: str, head: str, tens
     """The canonical blob of `tensors` in the spec's submission format, naming this round, miner and base.
 
     `experts`: the tensors in the spec's dtype. `pgrad`: G = `base` − `tensors` plus `feedback.error`,
-    compressed; `feedback.error` becomes what was left unsent (without `feedback` nothing is kept).
+    compressed on the chunks this round and miner draw; `feedback.error` becomes what those
+    chunks left unsent (without `feedback` nothing is kept).
     """
     cfg = pgrad_config(spec)
     meta = BlobMeta(network=spec.network_id, round=round, miner=miner, base=head,
@@ -83,7 +85,8 @@ def encode_submission(spec: NetworkSpec, round: int, miner: str, head: str, tens
         return encode_blob({name: t.to(dtype) for name, t in tensors.items()}, meta)
     if base is None:
         raise ValueError("a pgrad submission needs the state it was trained from (base)")
-    blob, error = encode_pgrad(pseudo_gradient(base, tensors), None if feedback is None else feedback.error, cfg)
+    draw = chunk_draw(spec.network_id, round, miner)
+    blob, error = encode_pgrad(pseudo_gradient(base, tensors), None if feedback is None else feedback.error, cfg, draw)
     if feedback is not None:
         feedback.error = error
     return encode_blob(blob, meta)
@@ -146,7 +149,11 @@ def build_submission(model: MinerModel, miner: str, round: int, head: str, base:
                      steps: int | None = None, progress: bool = False,
                      feedback: ErrorFeedback | None = None) -> tuple[bytes, TrainResult]:
     """An honest miner's blob for `round`, trained from the state `head` (whose tensors are `base`);
-    a pgrad network's blob carries `feedback`'s buffer in and leaves the new one there."""
+    a pgrad network's blob carries `feedback`'s buffer in and leaves the new one there.
+
+    ValueError when `keep_going` is already False: the TRAIN deadline passed before training began."""
+    if not keep_going():  # the trainer would get no batch and blame the data
+        raise ValueError("no time left to train: the TRAIN deadline had already passed when training would start")
     result = model.train(miner, round, base, section, keep_going, steps, progress)
     return encode_submission(model.spec, round, miner, head, result.tensors, base, feedback), result
 

@@ -29,7 +29,8 @@ class Prefetcher:
         self._slots = asyncio.Semaphore(CONCURRENT_FETCHES)
 
     def start(self, blob_hash: str, miner: str, max_bytes: int) -> None:
-        """Begin fetching `blob_hash` from `miner` unless a fetch of it was already started."""
+        """Begin fetching `blob_hash` from `miner` unless a fetch of it was already started; a blob over
+        `max_bytes` (the format's cap, validator.checks.submission_cap) is refused as it arrives."""
         if blob_hash not in self._tasks:
             self._tasks[blob_hash] = asyncio.create_task(self._fetch(blob_hash, miner, max_bytes),
                                                          name=f"prefetch-{blob_hash[:12]}")

@@ -39,11 +39,11 @@ from protocol.ranking import RoundRanking, update_standing
 from protocol.rounds import Phase
 from protocol.seeds import commitment, new_seed
 from protocol.spec import spec_dir_path
-from training.blob import max_blob_bytes
 from training.data import check_disjoint, file_sha256, heldout_subset, load_sequences, read_documents
 from training.experts import extract
 from training.model import load_base
 from training.tokenizer import load_tokenizer
+from validator.checks import submission_cap
 from validator.device import check_device, skeleton
 from validator.merge import MergeInputError, MergeResult, MissingBlobError, merge_round
 from validator.scoring import Scorer, apply_global
@@ -357,7 +357,7 @@ class _Loaded:
         check_device(section.device, model, section.batch_size, spec.data.seq_len)
         scorer = Scorer(model, adapter, spec, heldout, tokenizer.pad_id, section.device, section.batch_size)
         genesis = GlobalExperts.genesis(spec, extract(model, adapter, spec.group))
-        cap = max_blob_bytes(scorer.shapes, spec.model.dtype, spec.limits.max_header_bytes)
+        cap = submission_cap(spec, scorer.shapes)  # the format's own cap: a pgrad blob is far smaller
         return cls(scorer, genesis, cap)
 
     def loss(self, tensors: dict[str, torch.Tensor], seed: str) -> float:

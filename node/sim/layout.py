@@ -8,7 +8,10 @@
     data/heldout.jsonl        validators' held-out data (same domain, another seed, disjoint)
     data/general.jsonl        mixed code and prose, for `select-experts --rule differential`
     keys/validator-{i}.key    the validator keys (mode 0600), derived from the seed
-The expert group is chosen by running gate-mass selection on the training data. The base is the
+The expert group is chosen by running gate-mass selection on the training data. The spec's
+`[submission]` section is written only for compressed pseudo-gradients (`submission_format="pgrad"`,
+protocol.spec's default chunk, top-k and quantisation); a full-experts spec keeps the network id it
+had before that section existed. The base is the
 same for every seed (pretraining costs seconds, once per cache directory); everything else is
 derived from `seed` and `genesis`, so the same arguments write the same bytes. This module knows
 nothing about running the network; `tessera simulate` and the tests start processes from it.
@@ -24,11 +27,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from protocol.identity import Identity, save_identity
-from protocol.spec import load_spec
+from protocol.spec import SubmissionSpec, load_spec
 from training.adapters import adapter_for
 from training.checkpoint import checkpoint_hash
 from training.corpus import generate, write_documents
@@ -72,16 +76,20 @@ def make_sim_network(
     seed: int = 0,
     experts_per_layer: int = 2,
     cache_dir: str | Path | None = None,
+    submission_format: Literal["experts", "pgrad"] = "experts",
 ) -> SimNetwork:
     """Create the directory (which must be empty or absent) and write a simulation network into it.
 
-    The pretrained base is cached under `cache_dir` (default: `default_cache_dir()`).
+    The pretrained base is cached under `cache_dir` (default: `default_cache_dir()`); miners submit
+    full experts or compressed pseudo-gradients as `submission_format` says.
     """
     directory = Path(directory).resolve()
     if directory.exists() and any(directory.iterdir()):
         raise ValueError(f"{directory}: directory is not empty; choose a new directory for the simulation")
     if validators < 1:
         raise ValueError(f"a network needs at least one validator, got {validators}")
+    if submission_format not in ("experts", "pgrad"):
+        raise ValueError(f"submission format must be 'experts' or 'pgrad', got {submission_format!r}")
     unknown = set(timing or {}) - set(DEFAULT_TIMING) - {"clock_skew_s"}
     if unknown:
         raise ValueError(f"unknown timing field(s): {', '.join(sorted(unknown))}")
@@ -121,6 +129,8 @@ def make_sim_network(
         "rewards": {"duplicate_cosine": 0.9999},
         "validators": [{"key": node_id, "weight": 1.0} for node_id in ids],
     }
+    if submission_format == "pgrad":
+        spec["submission"] = SubmissionSpec(format="pgrad").model_dump()
     spec_path = directory / "spec.toml"
     spec_path.write_text(to_toml(spec), encoding="utf-8")
     loaded = load_spec(spec_path)

@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import get_args
+from typing import Literal, get_args
 
 from node.runtime.config import MinerSection
 
@@ -48,8 +48,10 @@ class SimSettings:
     """Length of a round."""
     train_share: float = 0.9
     """TRAIN's share of the round; the rest goes to COMMIT, REVEAL, EVALUATE, MERGE."""
-    inner_steps: int = 100_000
-    """H written into the spec; larger than fits, so miners train until TRAIN is about to end."""
+    inner_steps: int = 30
+    """H written into the spec. Miners that trained until TRAIN ended (thousands of steps on a small shard)
+    overfit it, and after round 1 no submission beat the state (bench/results/simulation.json); at 30 steps a
+    round, the pace of bench/learning.py, every round still gains."""
     start_delay_s: float | None = None
     """Seconds from writing the spec to genesis; None = 20 s + 4 s per node (torch loads slowly)."""
     base_port: int = 0
@@ -58,6 +60,8 @@ class SimSettings:
     """Seed of the model, data and keys."""
     family: str = "qwen3_moe"
     """Tiny model family."""
+    submission_format: Literal["experts", "pgrad"] = "experts"
+    """What miners submit: full experts, or compressed pseudo-gradients (the spec's `[submission]`)."""
     stop_timeout_s: float = 20.0
     """How long a node may take to stop after SIGTERM before it gets SIGKILL."""
 

@@ -67,7 +67,8 @@ class Simulation:
         prepare_base(s.family)  # a cold cache pretrains first, so genesis is not already past
         genesis = (datetime.now(UTC) + timedelta(seconds=s.delay_s())).replace(microsecond=0)
         self.network = make_sim_network(self.directory / "network", validators=s.validators, family=s.family,
-                                        genesis=genesis, timing=s.timing(), seed=s.seed)
+                                        genesis=genesis, timing=s.timing(), seed=s.seed,
+                                        submission_format=s.submission_format)
         _set_inner_steps(self.network.spec_path, s.inner_steps)
         spec = load_spec(self.network.spec_path)
         self.schedule = Schedule.from_spec(spec)

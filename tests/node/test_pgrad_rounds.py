@@ -6,7 +6,8 @@ bf16 full experts), the validators rebuild, score and merge them, agree on the s
 state lowers the held-out loss. The honest miner restarted between the rounds resumes with the
 error-feedback buffer its round-0 submission left: its round-1 blob is byte for byte the one that
 buffer gives, and not the one an empty buffer gives; its round-0 blob is the one `tessera train`'s
-build (no buffer) gives.
+build (no buffer) gives. A network with partitions has each miner send the chunks its id and the round
+draw, and the merge moves each entry by the mean of the miners that sent it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from node.duties.consensus import decode_state
 from node.duties.feedback import ErrorFeedback
@@ -23,9 +25,11 @@ from node.runtime.config import MinerSection
 from node.runtime.daemon import Node
 from protocol.rounds import PHASES
 from tests.node.twins import Twins
-from training.blob import PGRAD_FORMAT, decode_header
-from training.pgrad import compressed_bytes, load_error
+from training.blob import PGRAD_FORMAT, decode_blob, decode_header
+from training.outer import norm
+from training.pgrad import chunk_draw, compressed_bytes, coverage, decode, load_error
 from validator.checks import pgrad_config
+from validator.merge import outer_config
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -103,5 +107,60 @@ async def test_pgrad_rounds_score_merge_agree_and_keep_the_error_buffer_across_a
         first, _ = build_submission(model, net.id("miner-0"), 0, net.spec.model.base_hash, model.genesis.tensors,
                                     MinerSection())
         assert first == await _submission(net.nodes["miner-0"], 0)
+    finally:
+        await net.close()
+
+
+PARTITIONED = '\n[submission]\nformat = "pgrad"\nchunk = 256\ntopk = 64\nquant = "2bit"\npartitions = 3\n'
+
+
+async def test_a_partitioned_network_moves_each_entry_by_the_miners_that_sent_it(tmp_path: Path) -> None:
+    net = Twins(tmp_path, extra=PARTITIONED)
+    cfg = pgrad_config(net.spec)
+    assert cfg is not None and cfg.partitions == 3
+    honest = ("miner-0", "miner-1", "miner-2")
+    try:
+        for name in ("validator-0", "validator-1"):
+            await net.start(name)
+        for name in honest:
+            await net.start(name)
+        for phase in PHASES:
+            await net.phase(0, phase)
+        await net.phase(1, PHASES[0])  # round 0's votes are counted as round 1 opens
+        model = MinerModel.load(net.spec, net.spec_path)
+        genesis = model.genesis.tensors
+        sent, masks = [], []
+        for name in honest:
+            draw = chunk_draw(net.spec.network_id, 0, net.id(name))
+            data = await _submission(net.nodes[name], 0)
+            _, blob = decode_blob(data, net.spec.limits.max_header_bytes)
+            assert sum(t.numel() * t.element_size() for t in blob.values()) == compressed_bytes(model.shapes, cfg, draw)
+            sent.append(decode(blob, model.shapes, cfg, draw))
+            masks.append(coverage(model.shapes, cfg, draw))
+        heads = {await net.nodes[name].ctx.storage.head() for name in net.nodes}
+        assert len(heads) == 1
+        report = await net.nodes["validator-0"].round_report(0)
+        assert report is not None, report
+        assert report["global_loss"] < report["base_loss"], report
+        assert all(m["reward"] > 0 for m in report["miners"]) and net.spec.aggregation.top_g >= 3  # all merged
+        state = net.nodes["validator-0"].ctx.blobs.read_checked(heads.pop())
+        assert state is not None
+        _, merged = decode_state(state, net.spec, model.shapes)
+
+        # First outer step: Φ' = Φ − lr (1 + μ) g, with each G_i clipped to the median norm first.
+        outer = outer_config(net.spec)
+        norms = sorted(norm(g) for g in sent)
+        scales = [min(1.0, norms[1] / norm(g)) for g in sent]
+        checked = 0
+        for name in model.shapes:
+            count = sum(m[name] for m in masks)
+            moved = genesis[name] - merged[name]
+            assert bool((moved[count == 0] == 0).all())  # nobody sent these entries: they keep their bytes
+            for g, scale, mask in zip(sent, scales, masks, strict=True):
+                alone = (count == 1) & (mask[name] == 1)  # this miner alone sent these: no dilution by the others
+                expected = outer.lr * (1 + outer.momentum) * scale * g[name][alone]
+                assert torch.allclose(moved[alone], expected, atol=1e-6)
+                checked += int(alone.sum()) + int((count == 0).sum())
+        assert checked > 0
     finally:
         await net.close()

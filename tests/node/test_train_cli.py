@@ -1,15 +1,23 @@
 """`tessera train` is the miner: for the same key, round and starting state it writes the very bytes
-the miner duty commits to, for round 0 (the base) and for a later round (a global state blob)."""
+the miner duty commits to, for round 0 (the base) and for a later round (a global state blob). In a
+pgrad network `--feedback FILE` carries the miner's error-feedback buffer from one round to the next
+as the duty does; a bad buffer file (or one in a full-experts network) is one error line, exit 2,
+with nothing written."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 
 from node.cli.main import main
+from node.duties.feedback import ErrorFeedback
+from node.duties.miner import MinerModel, build_submission, encode_submission
+from node.runtime.config import MinerSection
 from protocol.identity import save_identity
 from tests.node.twins import Twins, identity
+from training.pgrad import error_bytes
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -48,3 +56,73 @@ def test_tessera_train_refuses_a_global_blob_that_is_not_a_state(tmp_path: Path,
     assert code == 2 and not (tmp_path / "out.blob").exists()
     err = capsys.readouterr().err
     assert err.startswith(f"tessera: error: {junk}: state blob: ") and err.count("\n") == 1, err
+
+
+PGRAD = '\n[submission]\nformat = "pgrad"\n'
+
+
+def _train(spec: Path, key: Path, round: int, out: Path, *extra: str) -> int:
+    return main(["train", "--spec", str(spec), "--key", str(key), "--round", str(round), "--steps", "2",
+                 "--out", str(out), *extra])
+
+
+def test_tessera_train_carries_the_error_feedback_buffer_across_rounds(tmp_path: Path, capsys) -> None:
+    net = Twins(tmp_path, extra=PGRAD)
+    key, feedback_file = tmp_path / "miner.key", tmp_path / "state" / "feedback.safetensors"
+    save_identity(identity("miner-0"), key)
+    for r in (0, 1):
+        assert _train(net.spec_path, key, r, tmp_path / f"train-{r}.blob", "--feedback", str(feedback_file)) == 0
+    capsys.readouterr()
+
+    model = MinerModel.load(net.spec, net.spec_path)
+    head, base, me = net.spec.model.base_hash, model.genesis.tensors, identity("miner-0").node_id
+    feedback = ErrorFeedback()
+    for r in (0, 1):
+        kept, result = build_submission(model, me, r, head, base, MinerSection(), steps=2, feedback=feedback)
+        assert (tmp_path / f"train-{r}.blob").read_bytes() == kept, f"round {r}: not the duty's buffered build"
+    assert feedback.error is not None and feedback_file.read_bytes() == error_bytes(feedback.error)
+    fresh = encode_submission(net.spec, 1, me, head, result.tensors, base)  # round 1 from an empty buffer
+    assert (tmp_path / "train-1.blob").read_bytes() != fresh
+
+
+def _buffer(shapes: dict[str, tuple[int, ...]], damage: str) -> bytes:
+    error = {name: torch.zeros(shape) for name, shape in shapes.items()}
+    first = sorted(shapes)[0]
+    if damage == "junk":
+        return b"not a safetensors file"
+    if damage == "names":
+        error[f"{first}.extra"] = torch.zeros(2)
+    elif damage == "shape":
+        error[first] = torch.zeros(3, 3)
+    elif damage == "nan":
+        error[first][0, 0] = float("nan")
+    return error_bytes(error)
+
+
+@pytest.mark.parametrize(("damage", "says"), [
+    ("junk", "not a safetensors error-feedback buffer"),
+    ("names", "names other tensors than the expert group"),
+    ("shape", "is not fp32 of shape"),
+    ("nan", "holds non-finite values"),
+])
+def test_tessera_train_refuses_a_bad_feedback_file(tmp_path: Path, capsys, damage: str, says: str) -> None:
+    net = Twins(tmp_path, extra=PGRAD)
+    save_identity(identity("miner-0"), tmp_path / "miner.key")
+    shapes = MinerModel.load(net.spec, net.spec_path).shapes
+    feedback_file, out = tmp_path / "feedback.safetensors", tmp_path / "out.blob"
+    feedback_file.write_bytes(_buffer(shapes, damage))
+    before = feedback_file.read_bytes()
+    assert _train(net.spec_path, tmp_path / "miner.key", 0, out, "--feedback", str(feedback_file)) == 2
+    assert not out.exists() and feedback_file.read_bytes() == before
+    err = capsys.readouterr().err
+    assert err.startswith(f"tessera: error: {feedback_file}: ") and says in err and err.count("\n") == 1, err
+
+
+def test_tessera_train_refuses_feedback_in_a_full_experts_network(tmp_path: Path, capsys) -> None:
+    net = Twins(tmp_path)
+    save_identity(identity("miner-0"), tmp_path / "miner.key")
+    feedback_file, out = tmp_path / "feedback.safetensors", tmp_path / "out.blob"
+    assert _train(net.spec_path, tmp_path / "miner.key", 0, out, "--feedback", str(feedback_file)) == 2
+    assert not out.exists() and not feedback_file.exists()
+    err = capsys.readouterr().err
+    assert err == "tessera: error: --feedback: this network submits full experts, which keep no error-feedback buffer\n"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,25 @@ def test_no_clipping_keeps_large_updates() -> None:
     new, _ = outer_step(GLOBAL, MINERS, [1.0, 1.0, 1.0], None, cfg)
     # G = (a [1/3, 2/3], b [4/3]); with μ = 0 and lr 1, Φ' = Φ - G.
     close(new, {"a": [2 / 3, 4 / 3], "b": [0.5 - 4 / 3]})
+
+
+def test_coverage_averages_each_entry_over_the_miners_that_cover_it() -> None:
+    cfg = OuterConfig(lr=1.0, momentum=0.0, clip_to_median=False)
+    # Miner 1 covers a[0] and b, miner 2 covers a[1] and b, miner 3 covers only b: nobody covers a twice.
+    masks = [
+        {"a": torch.tensor([1.0, 0.0]), "b": torch.tensor([1.0])},
+        {"a": torch.tensor([0.0, 1.0]), "b": torch.tensor([1.0])},
+        {"a": torch.tensor([0.0, 0.0]), "b": torch.tensor([1.0])},
+    ]
+    new, _ = outer_step(GLOBAL, MINERS, [1.0, 1.0, 1.0], None, cfg, coverage=masks)
+    # a[0] is miner 1's G alone (1), a[1] miner 2's alone (2); b averages all three: (0 + 0 + 4) / 3.
+    close(new, {"a": [0.0, 0.0], "b": [0.5 - 4 / 3]})
+    # An entry no miner covers does not move; utility weights apply among the covering miners.
+    masks[1]["a"] = torch.tensor([0.0, 0.0])
+    new, _ = outer_step(GLOBAL, MINERS, [1.0, 1.0, 2.0], None, replace(cfg, weighting="utility"), coverage=masks)
+    close(new, {"a": [0.0, 2.0], "b": [0.5 - 2.0]})  # b: (0.25·0 + 0.25·0 + 0.5·4) / 1
+    with pytest.raises(ValueError, match="2 coverage masks for 3 miners"):
+        outer_step(GLOBAL, MINERS, [1.0, 1.0, 1.0], None, cfg, coverage=masks[:2])
 
 
 def test_even_count_clips_to_mean_of_middle_norms() -> None:

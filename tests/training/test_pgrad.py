@@ -9,9 +9,12 @@ import torch
 from training.pgrad import (
     PgradConfig,
     check_compressed,
+    chunk_draw,
     compressed_bytes,
     compressed_shapes,
+    coverage,
     decode,
+    drawn_chunks,
     encode,
     error_bytes,
     layout,
@@ -84,10 +87,13 @@ def test_shapes_and_bytes_follow_the_layout() -> None:
     cfg = PgradConfig(chunk=8, topk=4, quant="2bit")
     shapes = compressed_shapes({"a": (4, 4), "b": (2, 2)}, cfg)
     assert shapes == {
-        "a.idx": ("I16", (2, 4)), "a.q": ("U8", (2, 1)), "a.scale": ("F32", (2,)),
-        "b.idx": ("I16", (1, 4)), "b.q": ("U8", (1, 1)), "b.scale": ("F32", (1,)),
+        "a.idx": ("U8", (2, 4)), "a.q": ("U8", (2, 1)), "a.scale": ("F32", (2,)),
+        "b.idx": ("U8", (1, 4)), "b.q": ("U8", (1, 1)), "b.scale": ("F32", (1,)),
     }
-    assert compressed_bytes({"a": (4, 4), "b": (2, 2)}, cfg) == (16 + 2 + 8) + (8 + 1 + 4)
+    assert compressed_bytes({"a": (4, 4), "b": (2, 2)}, cfg) == (8 + 2 + 8) + (4 + 1 + 4)
+    # In-chunk indices take a byte up to chunks of 256 entries, two bytes beyond.
+    assert compressed_shapes({"a": (512,)}, PgradConfig(chunk=256, topk=4))["a.idx"] == ("U8", (2, 4))
+    assert compressed_shapes({"a": (514,)}, PgradConfig(chunk=514, topk=4))["a.idx"] == ("I16", (1, 4))
     with pytest.raises(ValueError, match="does not split into chunks of 8"):
         layout((3, 5), cfg)
 
@@ -130,7 +136,8 @@ def test_2bit_padding_bits_of_a_short_tensor_must_be_zero() -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"chunk": 40000}, "chunk"), ({"topk": 6}, "multiple of 4"), ({"quant": "4bit"}, "quant")],
+    [({"chunk": 40000}, "chunk"), ({"topk": 6}, "multiple of 4"), ({"quant": "4bit"}, "quant"),
+     ({"partitions": 0}, "partitions")],
 )
 def test_config_refuses_bad_parameters(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -149,3 +156,60 @@ def test_the_error_buffer_file_round_trips_and_refuses_another_group() -> None:
         load_error(safetensors.torch.save({name: t.to(torch.float16) for name, t in error.items()}), SHAPES)
     with pytest.raises(ValueError, match="not a safetensors"):
         load_error(b"\x00" * 8, SHAPES)
+
+
+PARTS = {"a": (4, 4), "b": (2, 2), "c": (8,)}  # chunks of 4: a has 4, b 1, c 2; group-wide numbers 0-3, 4, 5-6
+
+
+def test_a_draw_picks_a_fixed_share_of_the_groups_chunks() -> None:
+    cfg = PgradConfig(chunk=4, topk=4, quant="int8", partitions=3)
+    draws = [drawn_chunks(PARTS, cfg, draw) for draw in range(60)]
+    picked = [{(name, j) for name, chunks in d.items() for j in chunks} for d in draws]
+    assert all(len(chunks) == 3 for chunks in picked)  # ceil(7 / 3) of the 7 chunks
+    assert all(chunks == sorted(chunks) for d in draws for chunks in d.values())
+    assert set().union(*picked) == {("a", 0), ("a", 1), ("a", 2), ("a", 3), ("b", 0), ("c", 0), ("c", 1)}
+    assert drawn_chunks(PARTS, cfg, 7) == draws[7] and len({frozenset(c) for c in picked}) > 10
+    # numpy's legacy RandomState stream is frozen, so this draw is the same on every validator, for good.
+    assert drawn_chunks(PARTS, cfg, 12345) == {"a": [3], "b": [0], "c": [1]}
+    assert drawn_chunks(PARTS, PgradConfig(chunk=4, topk=4), 99) == {"a": [0, 1, 2, 3], "b": [0], "c": [0, 1]}
+    masks = coverage(PARTS, cfg, 12345)
+    assert masks["a"].tolist() == [[0.0] * 4, [0.0] * 4, [0.0] * 4, [1.0] * 4] and bool(masks["b"].all())
+    with pytest.raises(ValueError, match="32-bit"):
+        drawn_chunks(PARTS, cfg, 1 << 32)
+
+
+def test_a_drawn_blob_decodes_to_its_chunks_and_keeps_only_its_own_leftover() -> None:
+    cfg = PgradConfig(chunk=4, topk=4, quant="int8", partitions=3)
+    g = {name: torch.arange(1, 1 + torch.Size(shape).numel(), dtype=torch.float32).reshape(shape) / 7
+         for name, shape in PARTS.items()}
+    earlier = {name: torch.full(shape, 0.5) for name, shape in PARTS.items()}
+    blob, error = encode(g, earlier, cfg, draw=12345)
+    assert sorted(blob) == [f"{name}.{part}" for name in "abc" for part in ("idx", "q", "scale")]
+    assert blob["a.idx"].shape == (1, 4) and blob["c.idx"].shape == (1, 4)
+    assert check_compressed(blob, PARTS, cfg, draw=12345) == ""
+    assert compressed_bytes(PARTS, cfg, 12345) == sum(t.numel() * t.element_size() for t in blob.values())
+    dense = decode(blob, PARTS, cfg, draw=12345)
+    mask = coverage(PARTS, cfg, 12345)
+    for name in PARTS:
+        acc = g[name] + earlier[name]
+        assert torch.equal(dense[name] * (1 - mask[name]), torch.zeros(PARTS[name]))  # nothing off the drawn chunks
+        # On them everything is kept (topk = chunk), up to int8 rounding, and the rounding is owed.
+        assert torch.allclose(dense[name] + error[name], acc * mask[name], atol=1e-6)
+        assert torch.equal(error[name] * (1 - mask[name]), torch.zeros(PARTS[name]))  # others' chunks are not owed
+
+
+def test_the_size_cap_bounds_every_draw() -> None:
+    cfg = PgradConfig(chunk=4, topk=4, quant="int8", partitions=3)
+    sizes = {compressed_bytes(PARTS, cfg, draw) for draw in range(60)}
+    # The three largest chunks: a's and c's cost 4 + 4 + 4 bytes each, b's (one chunk of its own size) too.
+    assert compressed_bytes(PARTS, cfg) == max(sizes) == 3 * 12
+    ragged = {"a": (8,), "b": (2,)}  # b is one chunk of 2 entries: 2 + 2 + 4 bytes against a chunk of a's 12
+    assert {compressed_bytes(ragged, cfg, d) for d in range(20)} == {8, 12} and compressed_bytes(ragged, cfg) == 12
+
+
+def test_chunk_draw_is_a_deterministic_32_bit_number_per_miner_and_round() -> None:
+    draws = [chunk_draw("net", 3, f"miner-{i}") for i in range(64)]
+    assert draws == [chunk_draw("net", 3, f"miner-{i}") for i in range(64)]
+    assert all(0 <= d < 1 << 32 for d in draws) and len(set(draws)) == 64
+    assert draws != [chunk_draw("net", 4, f"miner-{i}") for i in range(64)]
+    assert chunk_draw("net", 3, "miner-0") != chunk_draw("other", 3, "miner-0")

@@ -11,7 +11,7 @@ import torch
 from protocol.spec import SpecError, parse_spec
 from tests.conftest import make_spec_dict
 from training.blob import BLOB_FORMAT, PGRAD_FORMAT, BlobMeta, blob_hash, encode_blob
-from training.pgrad import PgradConfig, encode, rebuild
+from training.pgrad import PgradConfig, chunk_draw, coverage, drawn_chunks, encode, rebuild
 from validator.checks import Expectation, SubmissionVerdict, check_submission, pgrad_config
 
 GROUP = {0: [1], 1: [2]}
@@ -35,11 +35,11 @@ def _blob_tensors() -> dict[str, torch.Tensor]:
     return encode(_grads(), None, CFG)[0]
 
 
-def _check(tensors: dict[str, torch.Tensor], meta: BlobMeta = META) -> SubmissionVerdict:
+def _check(tensors: dict[str, torch.Tensor], meta: BlobMeta = META, cfg: PgradConfig = CFG) -> SubmissionVerdict:
     data = encode_blob(tensors, meta)
     expect = Expectation(network=META.network, round=META.round, miner=META.miner, base=META.base, group=GROUP,
                          shapes=SHAPES, dtype="float32", commitment=blob_hash(data), max_header_bytes=4096,
-                         pgrad=CFG)
+                         pgrad=cfg)
     return check_submission(data, expect)
 
 
@@ -55,6 +55,25 @@ def test_a_valid_compressed_blob_is_accepted_and_rebuilds_the_miner_experts() ->
         changed = (phi[name] != 0.5).reshape(-1)
         assert int(changed.sum()) == blob[f"{name}.idx"].numel()
     assert bool((phi[GATE].reshape(2, 64) != 0.5).gather(1, kept).all())
+
+
+def test_a_partitioned_network_accepts_only_the_chunks_the_miner_drew() -> None:
+    cfg = dataclasses.replace(CFG, partitions=2)
+    draw = chunk_draw(META.network, META.round, META.miner)
+    own = encode(_grads(), None, cfg, draw)[0]
+    verdict = _check(own, cfg=cfg)
+    assert verdict.ok, verdict.reason
+    assert verdict.tensors is not None
+    global_t = {name: torch.full(shape, 0.5) for name, shape in SHAPES.items()}
+    phi = rebuild(global_t, verdict.tensors, cfg, draw)
+    mask = coverage(SHAPES, cfg, draw)
+    for name in SHAPES:  # only the drawn chunks move
+        assert bool((phi[name][mask[name] == 0] == 0.5).all())
+        assert int((phi[name] != 0.5).sum()) == (own[f"{name}.idx"].numel() if f"{name}.idx" in own else 0)
+    # Chunks another draw picks, however well formed, are not this miner's to send.
+    other = next(d for d in range(100) if drawn_chunks(SHAPES, cfg, d) != drawn_chunks(SHAPES, cfg, draw))
+    verdict = _check(encode(_grads(), None, cfg, other)[0], cfg=cfg)
+    assert not verdict.ok and verdict.reason.startswith(("missing tensor", "unexpected tensor", "wrong shape"))
 
 
 def _set(name: str, index: tuple[int, ...], value: float) -> Callable[[dict[str, torch.Tensor]], None]:
@@ -88,7 +107,7 @@ def _dup(blob: dict[str, torch.Tensor]) -> None:
         (_replace(f"{GATE}.idx", lambda t: t[:, :7].contiguous()), f"wrong shape for {GATE}.idx: [2, 7], expected [2, 8]"),
         (_replace(f"{GATE}.q", lambda t: torch.cat([t, t[:, :1]], 1)), f"wrong shape for {GATE}.q: [2, 9], expected [2, 8]"),
         (_replace(f"{GATE}.scale", lambda t: t[:1].contiguous()), f"wrong shape for {GATE}.scale: [1], expected [2]"),
-        (_replace(f"{GATE}.idx", lambda t: t.to(torch.int8)), f"wrong dtype for {GATE}.idx: I8, expected I16"),
+        (_replace(f"{GATE}.idx", lambda t: t.to(torch.int8)), f"wrong dtype for {GATE}.idx: I8, expected U8"),
         (lambda b: b.pop(f"{GATE}.scale"), f"missing tensor {GATE}.scale"),
     ],
 )
@@ -118,7 +137,7 @@ def test_the_spec_names_the_format_and_a_default_section_keeps_the_network_id() 
     explicit = parse_spec({**make_spec_dict(), "submission": {"format": "experts"}})
     assert explicit.network_id == plain.network_id
     compressed = parse_spec({**make_spec_dict(), "submission": {"format": "pgrad", "chunk": 64, "topk": 8,
-                                                                 "quant": "int8"}})
+                                                                 "quant": "int8", "partitions": 1}})
     assert pgrad_config(compressed) == CFG and compressed.network_id != plain.network_id
     with pytest.raises(SpecError, match="submission: topk must be a multiple of 4"):
         parse_spec({**make_spec_dict(), "submission": {"format": "pgrad", "topk": 6}})

@@ -34,7 +34,8 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def setup() -> Setup:
-    submission = {"format": "pgrad", "chunk": CFG.chunk, "topk": CFG.topk, "quant": CFG.quant}
+    submission = {"format": "pgrad", "chunk": CFG.chunk, "topk": CFG.topk, "quant": CFG.quant,
+                  "partitions": CFG.partitions}
     return Setup("qwen3_moe", parse_spec({**make_spec_dict(), "submission": submission}))
 
 
