@@ -8,6 +8,7 @@ Given the global expert tensors Φ_t and miners' tensors Φ_i:
 With `coverage` (partitioned compressed submissions, training.pgrad), each miner's G_i speaks only
 for the entries its mask c_i covers, and each entry averages over the miners that cover it:
     G = Σ_i a_i c_i G_i / Σ_i a_i c_i  (0 where no miner covers the entry).
+A mask holds one 0/1 weight per block: B equal, contiguous blocks of the flattened tensor.
 Determinism: everything runs on the CPU in fp32 with one rounded operation at a time (no fused
 multiply-add); the only reductions, norms and dot products, square or multiply fp32 values exactly
 in float64 and sum them with numpy's fixed pairwise order, tensor by tensor in sorted-name order,
@@ -68,7 +69,8 @@ def outer_step(
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """One outer step; returns (new global tensors, new momentum), both fp32 CPU, sorted by name.
 
-    `coverage`: per miner, a 0/1 mask per tensor of the entries its submission speaks for (module docstring).
+    `coverage`: per miner and tensor, a 0/1 weight per block of the entries its submission speaks for
+    (a vector of B entries; B equal contiguous blocks of the flattened tensor; module docstring).
     """
     if not miner_tensors:
         raise ValueError("an outer step needs at least one miner's tensors")
@@ -144,11 +146,17 @@ def _weights(utilities: Sequence[float], cfg: OuterConfig) -> list[float]:
 def _covered_mean(
     g: torch.Tensor, masks: list[torch.Tensor], weights: list[float], shape: torch.Size, name: str
 ) -> torch.Tensor:
-    # Off its mask a miner's pseudo-gradient is 0, so g already holds Σ a_i c_i G_i; divide by Σ a_i c_i.
-    total = torch.zeros(shape, dtype=torch.float32)
+    # Off its blocks a miner's pseudo-gradient is 0, so g already holds Σ a_i c_i G_i; divide by Σ a_i c_i.
+    blocks = masks[0].numel()
+    if any(m.ndim != 1 or m.numel() != blocks for m in masks) or blocks == 0 or g.numel() % blocks:
+        raise ValueError(f"coverage of {name}: expected one vector per miner, all of one length dividing "
+                         f"{g.numel()}, got shapes {[tuple(m.shape) for m in masks]}")
+    total_B = torch.zeros(blocks, dtype=torch.float32)
     for mask, weight in zip(masks, weights, strict=True):
-        total = total + _fp32(mask, shape, f"coverage of {name}") * weight
-    return torch.where(total > 0, g / torch.where(total > 0, total, torch.ones_like(total)), torch.zeros_like(g))
+        total_B = total_B + mask.detach().to("cpu", torch.float32) * weight
+    g_BN = g.reshape(blocks, -1)
+    safe_B = torch.where(total_B > 0, total_B, torch.ones_like(total_B))
+    return torch.where(total_B[:, None] > 0, g_BN / safe_B[:, None], torch.zeros_like(g_BN)).reshape(shape)
 
 
 def _clip_scales(grads: list[dict[str, torch.Tensor]]) -> list[float]:

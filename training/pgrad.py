@@ -103,21 +103,20 @@ def drawn_chunks(shapes: Mapping[str, tuple[int, ...]], cfg: PgradConfig, draw: 
     """
     if not 0 <= draw < 1 << 32:
         raise ValueError(f"a chunk draw is a 32-bit number, got {draw}")
-    sizes = {name: layout(shapes[name], cfg)[0] for name in sorted(shapes)}
-    total = sum(sizes.values())
+    names = sorted(shapes)
+    sizes = np.array([layout(shapes[name], cfg)[0] for name in names], dtype=np.int64)
+    total = int(sizes.sum())
     if cfg.partitions == 1:
-        picked = range(total)
-    else:
-        picked = sorted(np.random.RandomState(draw).permutation(total)[: -(-total // cfg.partitions)].tolist())
+        return {name: list(range(int(c))) for name, c in zip(names, sizes, strict=True)}
+    picked = np.sort(np.random.RandomState(draw).permutation(total)[: -(-total // cfg.partitions)])
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])  # group-wide number of each tensor's first chunk
+    tensor_of = np.searchsorted(starts, picked, side="right") - 1  # nondecreasing, as `picked` is sorted
+    bounds = np.searchsorted(tensor_of, np.arange(len(names) + 1))
     out: dict[str, list[int]] = {}
-    first, names = 0, iter(sizes)
-    name = next(names, None)
-    for number in picked:  # ascending group-wide chunk numbers -> (tensor, chunk in tensor)
-        while name is not None and number >= first + sizes[name]:
-            first += sizes[name]
-            name = next(names, None)
-        assert name is not None
-        out.setdefault(name, []).append(number - first)
+    for t, name in enumerate(names):
+        local = (picked[bounds[t] : bounds[t + 1]] - starts[t]).tolist()
+        if local:
+            out[name] = local
     return out
 
 
@@ -149,14 +148,17 @@ def compressed_bytes(shapes: Mapping[str, tuple[int, ...]], cfg: PgradConfig, dr
 
 
 def coverage(shapes: Mapping[str, tuple[int, ...]], cfg: PgradConfig, draw: int = 0) -> dict[str, torch.Tensor]:
-    """Expert tensor name -> fp32 mask, 1 on the entries of the chunks `draw` picks and 0 elsewhere."""
+    """Expert tensor name -> fp32 [C], 1 for each of its chunks `draw` picks and 0 for the others.
+
+    Chunk c is entries c·N to (c+1)·N − 1 of the flattened tensor: the block mask
+    `training.outer.outer_step` takes as coverage.
+    """
     chunks = drawn_chunks(shapes, cfg, draw)
     out: dict[str, torch.Tensor] = {}
     for name in sorted(shapes):
-        c, n, _ = layout(shapes[name], cfg)
-        mask_CN = torch.zeros(c, n, dtype=torch.float32)
-        mask_CN[chunks.get(name, [])] = 1.0
-        out[name] = mask_CN.reshape(shapes[name])
+        mask_C = torch.zeros(layout(shapes[name], cfg)[0], dtype=torch.float32)
+        mask_C[chunks.get(name, [])] = 1.0
+        out[name] = mask_C
     return out
 
 

@@ -136,7 +136,8 @@ async def test_a_partitioned_network_moves_each_entry_by_the_miners_that_sent_it
             _, blob = decode_blob(data, net.spec.limits.max_header_bytes)
             assert sum(t.numel() * t.element_size() for t in blob.values()) == compressed_bytes(model.shapes, cfg, draw)
             sent.append(decode(blob, model.shapes, cfg, draw))
-            masks.append(coverage(model.shapes, cfg, draw))
+            masks.append({n: m.repeat_interleave(math.prod(model.shapes[n]) // m.numel()).reshape(model.shapes[n])
+                          for n, m in coverage(model.shapes, cfg, draw).items()})  # per chunk -> per entry
         heads = {await net.nodes[name].ctx.storage.head() for name in net.nodes}
         assert len(heads) == 1
         report = await net.nodes["validator-0"].round_report(0)

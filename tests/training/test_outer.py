@@ -73,6 +73,18 @@ def test_coverage_averages_each_entry_over_the_miners_that_cover_it() -> None:
         outer_step(GLOBAL, MINERS, [1.0, 1.0, 1.0], None, cfg, coverage=masks[:2])
 
 
+def test_coverage_masks_weigh_contiguous_blocks() -> None:
+    cfg = OuterConfig(lr=1.0, momentum=0.0, clip_to_median=False)
+    start = {"w": torch.zeros(2, 2)}
+    miners = [{"w": -torch.tensor([[1.0, 2.0], [3.0, 4.0]])}, {"w": -torch.tensor([[5.0, 6.0], [0.0, 0.0]])}]
+    # Two blocks of the flattened tensor: [w00, w01] and [w10, w11]; miner 1 covers both, miner 2 the first.
+    masks = [{"w": torch.tensor([1.0, 1.0])}, {"w": torch.tensor([1.0, 0.0])}]
+    new, _ = outer_step(start, miners, [1.0, 1.0], None, cfg, coverage=masks)
+    close(new, {"w": [[-3.0, -4.0], [-3.0, -4.0]]})  # first block: mean of both; second: miner 1 alone
+    with pytest.raises(ValueError, match="coverage of w"):
+        outer_step(start, miners, [1.0, 1.0], None, cfg, coverage=[{"w": torch.ones(3)}, {"w": torch.ones(3)}])
+
+
 def test_even_count_clips_to_mean_of_middle_norms() -> None:
     cfg = OuterConfig(lr=1.0, momentum=0.0)
     new, _ = outer_step(GLOBAL, [MINERS[0], MINERS[2]], [1.0, 1.0], None, cfg)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import pytest
@@ -66,7 +67,8 @@ def test_a_partitioned_network_accepts_only_the_chunks_the_miner_drew() -> None:
     assert verdict.tensors is not None
     global_t = {name: torch.full(shape, 0.5) for name, shape in SHAPES.items()}
     phi = rebuild(global_t, verdict.tensors, cfg, draw)
-    mask = coverage(SHAPES, cfg, draw)
+    mask = {name: m.repeat_interleave(math.prod(SHAPES[name]) // m.numel()).reshape(SHAPES[name])  # chunk -> entries
+            for name, m in coverage(SHAPES, cfg, draw).items()}
     for name in SHAPES:  # only the drawn chunks move
         assert bool((phi[name][mask[name] == 0] == 0.5).all())
         assert int((phi[name] != 0.5).sum()) == (own[f"{name}.idx"].numel() if f"{name}.idx" in own else 0)
