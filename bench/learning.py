@@ -12,10 +12,10 @@ Arms: the network with M = 1, 4, 8 miners; single-node expert tuning (ESFT) of t
 as many steps as the largest network spends, evaluated every H steps (the ESFT curve; equal tokens
 for every M, and one miner's tokens, are points on it); full fine-tuning of all weights with the
 4-miner network's tokens as a reference; the 4-miner network with half its miners adversarial
-(one adds noise, one copies an honest miner); the 4- and 8-miner networks sending compressed
-pseudo-gradients, whole (every miner every chunk) and partitioned (each miner a quarter of the
-chunks, drawn from its id and the round, `training.pgrad`); a sweep of outer-optimizer settings and data shards on the
-4-miner network; and the data-parallel ceiling: ESFT with M times the miners' batch for one miner's
+(one adds noise, one copies an honest miner); networks of 1, 4 and 8 miners sending compressed
+pseudo-gradients, whole (every miner every chunk) and partitioned (each miner a half or a quarter
+of the chunks, drawn from its id and the round, `training.pgrad`); a sweep of outer-optimizer
+settings and data shards on the 4-miner network; and the data-parallel ceiling: ESFT with M times the miners' batch for one miner's
 steps (as if M miners averaged gradients after every step), which bounds what any averaging of M
 miners' updates can reach.
 Reported per arm: held-out loss after every round, general-domain loss change (forgetting),

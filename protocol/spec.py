@@ -131,7 +131,7 @@ class SubmissionSpec(_Strict):
     topk: int = Field(default=40, ge=4, description="pgrad: entries kept per chunk, a multiple of 4.")
     quant: Literal["int8", "2bit"] = Field(default="2bit", description="pgrad: how kept values are quantised.")
     partitions: int = Field(default=2, ge=1, le=64,
-                            description="pgrad: the group's chunks are dealt into this many partitions; a blob carries one.")
+                            description="pgrad: a blob carries 1/partitions of the chunks, drawn per miner and round.")
 
     @model_validator(mode="after")
     def _topk_fits(self) -> SubmissionSpec:

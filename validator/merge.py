@@ -16,7 +16,7 @@ The steps:
    blob scores exactly L_base, so u_i = 0 and their zero update is never compared.
 3. Rank again with the flags (`protocol.ranking`), which gives points; the top-G ranked miners are
    merged by `training.outer.outer_step` with the spec's aggregation settings. In a pgrad network
-   with partitions, each entry averages over the contributors whose partition covers it
+   with partitions, each entry averages over the contributors that drew its chunk
    (`training.pgrad.coverage`; a miner's chunks are drawn from the reports' round and its id).
 When no miner qualifies no outer step is taken: the global tensors AND the momentum are returned
 as the very same objects, so the state keeps its bytes and its hash (momentum is not decayed either,
