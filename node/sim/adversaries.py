@@ -20,7 +20,7 @@ from node.net.network import NetworkError
 from node.runtime.daemon import DutiesFactory
 from protocol.messages import Commit
 from protocol.rounds import Phase
-from training.blob import max_blob_bytes
+from validator.checks import submission_cap
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +106,7 @@ class Copier(HonestStrategy):
 
         await wait_until(duty.ctx.clock, duty.arrivals, revealed, duty.ctx.schedule.phase_window(round, Phase.REVEAL)[1])
         model = await duty.model.get()
-        spec = duty.ctx.spec
-        cap = max_blob_bytes(model.shapes, spec.model.dtype, spec.limits.max_header_bytes)
+        cap = submission_cap(duty.ctx.spec, model.shapes)
         try:
             await duty.ctx.network.fetch(commitment, [victim], cap)
         except (NetworkError, OSError) as exc:
