@@ -33,7 +33,7 @@ from validator.merge import outer_config
 
 pytestmark = pytest.mark.timeout(240)
 
-SUBMISSION = '\n[submission]\nformat = "pgrad"\nchunk = 1024\ntopk = 32\nquant = "2bit"\n'
+SUBMISSION = '\n[submission]\nformat = "pgrad"\nchunk = 1024\ntopk = 32\nquant = "2bit"\npartitions = 1\n'
 MINERS = {"miner-0": "honest", "miner-1": "honest", "miner-2": "lazy"}
 
 
