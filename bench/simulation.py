@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -56,7 +55,7 @@ from node.store.db import Storage  # noqa: E402
 from protocol.spec import load_spec  # noqa: E402
 from training.blob import decode_blob  # noqa: E402
 from training.data import heldout_subset, load_sequences  # noqa: E402
-from training.evaluate import heldout_loss  # noqa: E402
+from training.evaluate import heldout_loss, token_loss_sum  # noqa: E402
 from training.experts import extract, insert  # noqa: E402
 from training.model import load_base  # noqa: E402
 from training.tokenizer import load_tokenizer  # noqa: E402
@@ -171,21 +170,12 @@ def round_seeds(directory: Path, rounds: int) -> dict[int, str]:
 
 
 @torch.no_grad()
-def sequence_losses(model: torch.nn.Module, sequences_NL: torch.Tensor, pad_id: int,
-                    batch_size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per sequence: summed next-token loss (float64) and scored-token count, as training.evaluate counts them."""
+def sequence_losses(model: torch.nn.Module, sequences_NL: torch.Tensor, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence: summed next-token loss (float64) and scored-token count, by `training.evaluate`'s own sum."""
     model.eval()
-    sums, counts = [], []
-    for start in range(0, sequences_NL.shape[0], batch_size):
-        ids_BL = sequences_NL[start:start + batch_size]
-        mask_BL = ids_BL != pad_id
-        logits_BLV = model(input_ids=ids_BL, attention_mask=mask_BL.long(), use_cache=False).logits
-        targets_BL = ids_BL[:, 1:].masked_fill(~mask_BL[:, 1:], -100)
-        loss_BL = F.cross_entropy(logits_BLV[:, :-1].float().transpose(1, 2), targets_BL,
-                                  ignore_index=-100, reduction="none")
-        sums.append(loss_BL.double().sum(1))
-        counts.append((targets_BL != -100).sum(1))
-    return torch.cat(sums), torch.cat(counts)
+    sums = [float(token_loss_sum(model, ids_1L, pad_id)) for ids_1L in sequences_NL.split(1)]
+    counts = (sequences_NL[:, 1:] != pad_id).sum(1)
+    return torch.tensor(sums, dtype=torch.float64), counts
 
 
 def evaluate_states(directory: Path, hashes: list[str], states: Path) -> dict[str, Any]:

@@ -78,7 +78,7 @@ def test_per_sequence_losses_add_up_to_evaluate_loss(sim: ModuleType) -> None:
     ids = torch.randint(0, 256, (7, 16), generator=torch.Generator().manual_seed(0))
     ids[2, 10:] = PAD
     ids[5, 4:] = PAD
-    sums, tokens = sim.sequence_losses(model, ids, PAD, batch_size=3)
+    sums, tokens = sim.sequence_losses(model, ids, PAD)
     assert tokens.tolist() == [15, 15, 9, 15, 15, 3, 15]
     assert float(sums.sum() / tokens.sum()) == pytest.approx(heldout_loss(model, ids, pad_id=PAD).loss, abs=1e-5)
     rows = torch.tensor([[1, 2, 5]])
