@@ -46,6 +46,7 @@ bench: $(STAMP)
 	$(PY) bench/load.py --out .bench/load.json
 	$(PY) bench/learning.py --out .bench/learning.json
 	$(PY) bench/learning.py --domain records --out .bench/learning-records.json
+	$(PY) bench/learning.py --domain facts --out .bench/learning-facts.json
 	$(PY) bench/simulation.py --out .bench/simulation.json
 	$(PY) bench/gpu.py --out .bench/gpu.json
 

@@ -1,8 +1,11 @@
 """Learning benchmark: does the network learn as well as one node tuning the same experts, and faster with more miners?
 
 In-process, one run, CPU, on the pretrained tiny base (`training.pretrain`) and a target domain it
-never saw. The network arms run the protocol's own pieces each round: every miner trains the group
-from the global state (`training.trainer`, H steps on its shard), submits full experts or a
+never saw: a skill (arithmetic, records: rules learned once, so a step's progress hardly depends on
+how much data it sees) or knowledge (facts: many independent facts about people, tuned from a base
+that knows the sentence form from other people, `training.pretrain.base_config`; more data per step
+learns more facts). The network arms run the protocol's own pieces each round: every miner trains
+the group from the global state (`training.trainer`, H steps on its shard), submits full experts or a
 compressed pseudo-gradient (`training.pgrad`, error feedback kept per miner), validators score each
 submission by Proof-of-Loss on a held-out subset the round seed picks, drop near-duplicates, merge
 the top-G with positive utility by the outer step (`training.outer`). Ranking is by loss with
@@ -54,7 +57,7 @@ from training.evaluate import heldout_loss, loss_with_experts, token_loss_sum  #
 from training.experts import extract, insert, pseudo_gradient  # noqa: E402
 from training.outer import OuterConfig, near_duplicates, outer_step  # noqa: E402
 from training.pgrad import PgradConfig, chunk_draw, compressed_bytes, coverage, decode, encode  # noqa: E402
-from training.pretrain import GENERAL_DOMAINS, TARGET_DOMAINS, PretrainConfig, load_pretrained  # noqa: E402
+from training.pretrain import GENERAL_DOMAINS, TARGET_DOMAINS, base_config, load_pretrained  # noqa: E402
 from training.selection import select_experts  # noqa: E402
 from training.tokenizer import ByteTokenizer  # noqa: E402
 from training.trainer import TrainConfig, train_experts  # noqa: E402
@@ -90,7 +93,7 @@ class Settings:
     experts_per_layer: int = 2
     subset: int = 32
     """Held-out sequences the round seed picks for Proof-of-Loss."""
-    report_sequences: int = 64
+    report_sequences: int = 128
     """Held-out sequences every reported loss is measured on (disjoint from the subset pool)."""
 
 
@@ -100,7 +103,7 @@ class Bench:
     def __init__(self, settings: Settings, cache: Path) -> None:
         self.s = settings
         self.tokenizer = ByteTokenizer()
-        self.model = load_pretrained(cache, PretrainConfig())
+        self.model = load_pretrained(cache, base_config(settings.domain))
         self.adapter = adapter_for("qwen3_moe")
         tok = self.tokenizer
         self.train = pack(generate(settings.domain, 3000, 11), tok, 64)
@@ -199,10 +202,11 @@ class Bench:
                     decoded = decode(blob, shapes, arm.pgrad, draw)
                     submissions[i] = {name: global_t[name] - decoded[name] for name in global_t}
                     masks[i] = coverage(shapes, arm.pgrad, draw)
-            contributors = self.score_and_rank(global_t, submissions, r, arm.duplicate_cosine)[: arm.top_g]
+            partitioned = arm.pgrad is not None and arm.pgrad.partitions > 1
+            ranked = self.score_and_rank(global_t, submissions, r, arm.duplicate_cosine, masks if partitioned else None)
+            contributors = ranked[: arm.top_g]
             if contributors:
                 utilities = [u for _, u in contributors]
-                partitioned = arm.pgrad is not None and arm.pgrad.partitions > 1
                 global_t, momentum = outer_step(global_t, [submissions[i] for i, _ in contributors],
                                                 utilities, momentum, outer,
                                                 [masks[i] for i, _ in contributors] if partitioned else None)
@@ -225,7 +229,8 @@ class Bench:
         return {n: t + 1e-6 * torch.ones_like(t) for n, t in victim.items()}
 
     def score_and_rank(
-        self, global_t: Tensors, submissions: dict[int, Tensors], r: int, duplicate_cosine: float
+        self, global_t: Tensors, submissions: dict[int, Tensors], r: int, duplicate_cosine: float,
+        coverage: dict[int, Tensors] | None = None,
     ) -> list[tuple[int, float]]:
         seed_hex = hashlib.sha256(f"learning-bench:{r}".encode()).hexdigest()
         subset = heldout_subset(self.pool, seed_hex, self.s.subset)
@@ -233,7 +238,8 @@ class Bench:
         scored = [(self.loss(t, subset), i) for i, t in submissions.items()]
         useful = {i: base_loss - loss for loss, i in scored if loss < base_loss}
         grads = {i: pseudo_gradient(global_t, submissions[i]) for i in useful}
-        flagged = near_duplicates(grads, duplicate_cosine) if len(grads) > 1 else set()
+        covered = None if coverage is None else {i: coverage[i] for i in grads}
+        flagged = near_duplicates(grads, duplicate_cosine, covered) if len(grads) > 1 else set()
         return [(i, useful[i]) for loss, i in sorted(scored) if i in useful and i not in flagged]
 
 
@@ -296,6 +302,7 @@ def targets(runs: dict[str, dict[str, Any]], ceilings: dict[str, dict[str, Any]]
         "network_vs_esft_4 (>= 0.95)": four.get("network_vs_esft"),
         "network_vs_esft_8 (>= 0.95)": eight.get("network_vs_esft"),
         "parallel_efficiency_4 (>= 0.5)": four["parallel_efficiency"],
+        "progress_4_over_1 (ESFT-equivalent steps of 4 miners / of 1)": _ratio(four, runs["network_1"]),
         "parallel_efficiency_4_ceiling (synchronous data parallel)": ceilings["4"]["parallel_efficiency"],
         "network_vs_esft_4_ceiling (synchronous data parallel)": ceilings["4"]["network_vs_esft"],
         "8_ahead_of_4": eight["losses"][-1] < four["losses"][-1],
@@ -305,6 +312,12 @@ def targets(runs: dict[str, dict[str, Any]], ceilings: dict[str, dict[str, Any]]
         "adversarial_lowers_every_round": runs["adversarial_4"]["lowered_every_round"],
         "pgrad (payload >= 16x, network_vs_esft >= 0.9)": pgrad,
     }
+
+
+def _ratio(run: dict[str, Any], baseline: dict[str, Any]) -> float | None:
+    """Final ESFT-equivalent steps of `run` over `baseline`'s: how many times one network's progress the other makes."""
+    a, b = run["esft_equivalent_steps"][-1], baseline["esft_equivalent_steps"][-1]
+    return None if a is None or not b else round(a / b, 2)
 
 
 def main() -> int:
@@ -359,7 +372,7 @@ def main() -> int:
     ceilings = {str(m): data_parallel(bench, curve, m) for m in (4, 8)}
     full = bench.full_finetune(4 * settings.inner_steps * settings.rounds)
     report = {
-        "settings": {**asdict(settings), "group": bench.group, "base": asdict(PretrainConfig())},
+        "settings": {**asdict(settings), "group": bench.group, "base": asdict(base_config(settings.domain))},
         "base_loss": round(bench.base_loss, 4),
         "base_general_loss": round(bench.base_general, 4),
         "esft": {"curve": [(s, round(loss, 4)) for s, loss in curve],

@@ -1,10 +1,15 @@
 """Synthetic domain corpora for simulations and tests, deterministic from a seed.
 
-Four domains a byte-level model can tell apart: "arithmetic" (lines such as `12+7=19` and
+Domains a byte-level model can tell apart: "arithmetic" (lines such as `12+7=19` and
 `(3*4)-5=7`, always correct), "code" (small Python-like function definitions), "prose"
 (plain sentences from a fixed vocabulary) and "records" (key=value log lines whose fields
-agree with each other, e.g. `qty=3 price=12 total=36`). The same (domain, n_docs, seed) always gives the
-same documents. This module knows nothing about tokenizers, models or the network.
+agree with each other, e.g. `qty=3 price=12 total=36`) are skills: a model learns their rules once.
+"facts" and "gazette" are knowledge: lines such as `tikaro lives in riga, works as a pilot and is 47.`
+about a fixed population of people, the same facts in every document that names a person. The two
+domains share the sentence but not the people, so a base trained on "gazette" knows the form and
+none of "facts"' people: lowering "facts"' loss means learning many independent facts, which more
+data per step speeds up (unlike the skills). The same (domain, n_docs, seed) always gives the same
+documents. This module knows nothing about tokenizers, models or the network.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-DOMAINS = ("arithmetic", "code", "prose", "records")
+DOMAINS = ("arithmetic", "code", "prose", "records", "facts", "gazette")
 FORMATS = ("jsonl", "txt", "parquet")
 
 _NAMES = ("total", "count", "value", "item", "index", "size", "left", "right", "acc", "step")
@@ -25,6 +30,10 @@ _OBJECTS = ("the market", "a green door", "the quiet hills", "an empty boat", "t
 _TAILS = ("before noon", "in the rain", "without a word", "with great care", "after supper", "once again")
 _USERS = ("ada", "bo", "cyd", "dee", "eli", "fay", "gus", "hal")
 _ITEMS = ("bolt", "gear", "lamp", "rope", "tile", "wire")
+_TOWNS = ("oslo", "lima", "riga", "kyiv", "baku", "nice", "bern", "doha", "rome", "pisa")
+_TRADES = ("baker", "smith", "nurse", "pilot", "clerk", "tailor", "miner", "judge")
+_PEOPLE = 240
+"""People in each of the two knowledge domains' populations."""
 
 
 def _arithmetic_line(rng: random.Random) -> str:
@@ -74,11 +83,43 @@ def _records_doc(rng: random.Random) -> str:
     return "\n".join(lines)
 
 
+Person = tuple[str, str, str, int]
+"""Name, town, trade, age."""
+
+
+def _populations() -> tuple[list[Person], list[Person]]:
+    """Two disjoint populations of `_PEOPLE`, drawn once from a fixed seed: "facts"' and "gazette"'s."""
+    rng = random.Random("tessera-people")
+    consonants, vowels = "bdfgklmnprstvz", "aeiou"
+    names: set[str] = set()
+    while len(names) < 2 * _PEOPLE:
+        names.add("".join(rng.choice(consonants) + rng.choice(vowels) for _ in range(3)))
+    people = [(name, rng.choice(_TOWNS), rng.choice(_TRADES), rng.randint(20, 79)) for name in sorted(names)]
+    rng.shuffle(people)
+    return people[:_PEOPLE], people[_PEOPLE:]
+
+
+_FACTS, _GAZETTE = _populations()
+
+
+def _people_doc(population: list[Person]) -> Callable[[random.Random], str]:
+    def doc(rng: random.Random) -> str:
+        lines = []
+        for _ in range(rng.randint(3, 6)):
+            name, town, trade, age = rng.choice(population)
+            lines.append(f"{name} lives in {town}, works as a {trade} and is {age}.")
+        return "\n".join(lines)
+
+    return doc
+
+
 _GENERATORS: dict[str, Callable[[random.Random], str]] = {
     "arithmetic": _arithmetic_doc,
     "code": _code_doc,
     "prose": _prose_doc,
     "records": _records_doc,
+    "facts": _people_doc(_FACTS),
+    "gazette": _people_doc(_GAZETTE),
 }
 
 

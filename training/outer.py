@@ -16,7 +16,10 @@ so thread count and SIMD width cannot change a bit. The same inputs give the sam
 
 Near-duplicates: every pair of pseudo-gradients with cosine >= threshold flags BOTH miners, since
 neither can prove it did not copy the other. The cosine with a zero vector is defined as 0, so
-lazy (unchanged) submissions are never flagged as each other's copies here.
+lazy (unchanged) submissions are never flagged as each other's copies here. With coverage, a pair's
+cosine is taken over the blocks both miners cover: two identities sending one run's update, each
+on its own drawn chunks, agree exactly where their draws overlap and nowhere else, so their cosine
+over whole tensors is only about the overlap's share.
 This module knows nothing about ranking, rewards or where tensors come from.
 """
 
@@ -115,21 +118,58 @@ def cosine(a: Tensors, b: Tensors) -> float:
     return 0.0 if norms == 0.0 else dot / norms
 
 
-def near_duplicates(pseudo_grads: Mapping[Miner, Tensors], threshold: float) -> set[Miner]:
-    """Every miner whose pseudo-gradient has cosine >= `threshold` with another miner's (both flagged)."""
+def near_duplicates(
+    pseudo_grads: Mapping[Miner, Tensors], threshold: float, coverage: Mapping[Miner, Tensors] | None = None
+) -> set[Miner]:
+    """Every miner whose pseudo-gradient has cosine >= `threshold` with another miner's (both flagged).
+
+    `coverage`: per miner and tensor, its block weights (as `outer_step`'s), for pseudo-gradients
+    that are 0 off their blocks (decoded partitioned submissions are); each pair is then compared
+    over the blocks both cover, and a pair that shares none is not compared.
+    """
     if not 0 < threshold <= 1:
         raise ValueError(f"the duplicate threshold must be in (0, 1], got {threshold}")
     miners = list(pseudo_grads)
-    norms = {miner: norm(pseudo_grads[miner]) for miner in miners}
+    if coverage is not None and set(coverage) != set(miners):
+        raise ValueError("coverage must name exactly the miners whose pseudo-gradients are compared")
+    squares = {miner: _block_squares(pseudo_grads[miner], None if coverage is None else coverage[miner])
+               for miner in miners}
     flagged: set[Miner] = set()
     for x, y in combinations(miners, 2):
-        if norms[x] == 0.0 or norms[y] == 0.0:
-            continue
         check_same_names(pseudo_grads[x], pseudo_grads[y], "compared")
-        dot = sum(_dot(pseudo_grads[x][n], pseudo_grads[y][n]) for n in sorted(pseudo_grads[x]))
-        if dot / (norms[x] * norms[y]) >= threshold:
+        names = sorted(pseudo_grads[x])
+        if coverage is None:
+            shared = dict.fromkeys(names, np.ones(1))
+        else:
+            shared = {n: _blocks(coverage[x][n], squares[x][n].size) * _blocks(coverage[y][n], squares[y][n].size)
+                      for n in names}
+        norm_x = math.sqrt(sum(float(np.multiply(squares[x][n], shared[n]).sum()) for n in names))
+        norm_y = math.sqrt(sum(float(np.multiply(squares[y][n], shared[n]).sum()) for n in names))
+        if norm_x == 0.0 or norm_y == 0.0:
+            continue
+        # Off its blocks a pseudo-gradient is 0, so the whole-tensor dot product is already the shared blocks' one.
+        dot = sum(_dot(pseudo_grads[x][n], pseudo_grads[y][n]) for n in names)
+        if dot / (norm_x * norm_y) >= threshold:
             flagged.update((x, y))
     return flagged
+
+
+def _block_squares(grads: Tensors, coverage: Tensors | None) -> dict[str, np.ndarray]:
+    """Per tensor, the float64 sum of squares of each coverage block (one block without coverage)."""
+    out = {}
+    for name, t in grads.items():
+        blocks = 1 if coverage is None else coverage[name].numel()
+        x = t.detach().to("cpu", torch.float32).numpy().astype(np.float64).reshape(-1)
+        if x.size % blocks:
+            raise ValueError(f"coverage of {name}: {blocks} blocks do not divide its {x.size} entries")
+        out[name] = np.square(x).reshape(blocks, -1).sum(axis=1)
+    return out
+
+
+def _blocks(mask: torch.Tensor, blocks: int) -> np.ndarray:
+    if mask.ndim != 1 or mask.numel() != blocks:
+        raise ValueError(f"a coverage mask must be a vector of {blocks} block weights, got shape {tuple(mask.shape)}")
+    return (mask.detach().to("cpu", torch.float32).numpy() > 0).astype(np.float64)
 
 
 def _weights(utilities: Sequence[float], cfg: OuterConfig) -> list[float]:

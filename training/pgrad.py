@@ -36,6 +36,7 @@ import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
 import numpy as np
@@ -108,7 +109,7 @@ def drawn_chunks(shapes: Mapping[str, tuple[int, ...]], cfg: PgradConfig, draw: 
     total = int(sizes.sum())
     if cfg.partitions == 1:
         return {name: list(range(int(c))) for name, c in zip(names, sizes, strict=True)}
-    picked = np.sort(np.random.RandomState(draw).permutation(total)[: -(-total // cfg.partitions)])
+    picked = _picked(total, cfg.partitions, draw)
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])  # group-wide number of each tensor's first chunk
     tensor_of = np.searchsorted(starts, picked, side="right") - 1  # nondecreasing, as `picked` is sorted
     bounds = np.searchsorted(tensor_of, np.arange(len(names) + 1))
@@ -118,6 +119,18 @@ def drawn_chunks(shapes: Mapping[str, tuple[int, ...]], cfg: PgradConfig, draw: 
         if local:
             out[name] = local
     return out
+
+
+@lru_cache(maxsize=16)
+def _picked(total: int, partitions: int, draw: int) -> np.ndarray:
+    """The group-wide chunk numbers `draw` picks, ascending (read-only).
+
+    Cached: a validator draws the same chunks to check, rebuild and merge one submission, and a
+    permutation of an OLMoE-sized group's 3.1M chunks takes a quarter of a second.
+    """
+    picked = np.sort(np.random.RandomState(draw).permutation(total)[: -(-total // partitions)])
+    picked.flags.writeable = False
+    return picked
 
 
 def compressed_shapes(

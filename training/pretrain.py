@@ -4,9 +4,11 @@ A randomly initialised tiny model is a poor base for measuring learning: expert-
 plateaus within a few dozen steps, because attention and the router know nothing yet. `pretrain`
 trains every weight of a tiny model for a few hundred AdamW steps on the general corpus (prose and
 code from `training.corpus`), so the experts differ and the router routes; the target domains
-(`TARGET_DOMAINS`: arithmetic and records) stay unseen, so expert-only tuning can still lower their
-held-out loss a lot. Everything is seeded (model init from `seed`, batches from a local generator),
-so the same settings give the same weights on this machine.
+(`TARGET_DOMAINS`) stay unseen, so expert-only tuning can still lower their held-out loss a lot.
+The skills (arithmetic, records) are tuned from that base; the knowledge domain (facts) from one
+whose corpus also holds "gazette", the same sentences about other people (`base_config`), so that
+tuning it is learning facts rather than a new form. Everything is seeded (model init from `seed`,
+batches from a local generator), so the same settings give the same weights on this machine.
 
 `pretrained_base(cache_dir, cfg)` returns an HF checkpoint directory (config.json + safetensors,
 written with `save_pretrained`) named by a hash of the settings, training it only when it is not
@@ -34,7 +36,7 @@ from training.model import build_tiny_model, load_checkpoint, tiny_config
 from training.tokenizer import ByteTokenizer
 
 GENERAL_DOMAINS = ("prose", "code")
-TARGET_DOMAINS = ("arithmetic", "records")
+TARGET_DOMAINS = ("arithmetic", "records", "facts")
 _RECIPE = "tessera-pretrain/1"
 """Bump when the training recipe below changes, so old cache entries are not reused."""
 
@@ -73,6 +75,13 @@ class PretrainConfig:
         """16 hex digits of SHA-256 over the recipe tag and these settings: the cache entry's name."""
         settings = json.dumps({"recipe": _RECIPE, **asdict(self)}, sort_keys=True)
         return hashlib.sha256(settings.encode("utf-8")).hexdigest()[:16]
+
+
+def base_config(target_domain: str) -> PretrainConfig:
+    """The base a target domain is tuned from: the general corpus, plus "gazette" for "facts"."""
+    if target_domain not in TARGET_DOMAINS:
+        raise ValueError(f"unknown target domain {target_domain!r}; choose one of {', '.join(TARGET_DOMAINS)}")
+    return PretrainConfig(domains=(*GENERAL_DOMAINS, "gazette")) if target_domain == "facts" else PretrainConfig()
 
 
 def general_corpus(cfg: PretrainConfig) -> list[str]:

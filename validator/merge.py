@@ -12,7 +12,8 @@ The steps:
    their pseudo-gradients G_i = global - Φ_i are compared and any pair with cosine >=
    `rewards.duplicate_cosine` flags both miners. (A pgrad network's blobs arrive rebuilt,
    Φ_i = global − decode(G_i) (validator.scoring), so this compares the decoded pseudo-gradients
-   up to fp32 rounding.) Lazy miners never reach this step: an unchanged
+   up to fp32 rounding; with partitions, over the chunks both miners drew, so one run's update sent
+   by two identities on their own draws is caught.) Lazy miners never reach this step: an unchanged
    blob scores exactly L_base, so u_i = 0 and their zero update is never compared.
 3. Rank again with the flags (`protocol.ranking`), which gives points; the top-G ranked miners are
    merged by `training.outer.outer_step` with the spec's aggregation settings. In a pgrad network
@@ -122,7 +123,8 @@ def merge_round(
         raise MissingBlobError(missing)
 
     grads = {miner: pseudo_gradient(global_tensors, blobs[miner]) for miner in needed}
-    duplicates = near_duplicates(grads, spec.rewards.duplicate_cosine)
+    masks = _coverage(reports, needed, global_tensors, spec)
+    duplicates = near_duplicates(grads, spec.rewards.duplicate_cosine, masks)
     ranking = rank_reports(reports, assignment, commitments, head, spec, duplicates)
     contributors = list(ranking.ranked()[: spec.aggregation.top_g])
     if not contributors:
@@ -131,15 +133,15 @@ def merge_round(
     utilities = [ranking.result(miner).utility for miner in contributors]
     new_global, new_momentum = outer_step(
         global_tensors, [blobs[miner] for miner in contributors], utilities, momentum, outer_config(spec),
-        _coverage(reports, contributors, global_tensors, spec),
+        None if masks is None else [masks[miner] for miner in contributors],
     )
     return MergeResult(ranking, ranking.points(), contributors, new_global, new_momentum, duplicates)
 
 
 def _coverage(
-    reports: Mapping[str, ScoreReport], contributors: list[str], global_tensors: Tensors, spec: NetworkSpec
-) -> list[dict[str, torch.Tensor]] | None:
-    """Each contributor's chunk mask in a partitioned pgrad network; None when every blob covers everything."""
+    reports: Mapping[str, ScoreReport], miners: list[str], global_tensors: Tensors, spec: NetworkSpec
+) -> dict[str, dict[str, torch.Tensor]] | None:
+    """Each miner's chunk weights in a partitioned pgrad network; None when every blob covers everything."""
     cfg = pgrad_config(spec)
     if cfg is None or cfg.partitions == 1:
         return None
@@ -148,7 +150,7 @@ def _coverage(
         raise MergeInputError(f"score reports of rounds {sorted(rounds)} cannot be merged together")
     (round,) = rounds
     shapes = {name: tuple(t.shape) for name, t in global_tensors.items()}
-    return [coverage(shapes, cfg, chunk_draw(spec.network_id, round, miner)) for miner in contributors]
+    return {miner: coverage(shapes, cfg, chunk_draw(spec.network_id, round, miner)) for miner in miners}
 
 
 def _scores(

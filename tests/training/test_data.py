@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -164,6 +165,25 @@ def test_arithmetic_lines_are_correct() -> None:
         for line in doc.splitlines():
             lhs, rhs = line.split("=")
             assert eval(lhs) == int(rhs), line  # noqa: S307 - generated arithmetic only
+
+
+def _people(domain: str) -> dict[str, str]:
+    """Name -> the rest of its sentence, over many documents; fails if one person's facts ever differ."""
+    facts: dict[str, str] = {}
+    for seed in (0, 1):
+        for doc in generate(domain, 200, seed):
+            for line in doc.splitlines():
+                name, rest = line.split(" lives in ")
+                assert facts.setdefault(name, rest) == rest, f"{name} has two sets of facts"
+    return facts
+
+
+def test_knowledge_domains_repeat_each_persons_facts_and_share_no_people() -> None:
+    facts, gazette = _people("facts"), _people("gazette")
+    assert len(facts) > 200 and len(gazette) > 200  # documents draw from populations of 240
+    assert not facts.keys() & gazette.keys()
+    line = generate("facts", 1, 0)[0].splitlines()[0]
+    assert re.fullmatch(r"[a-z]{6} lives in [a-z]+, works as a [a-z]+ and is \d\d\.", line), line
 
 
 def test_domains_are_distinguishable_by_byte_statistics() -> None:

@@ -156,3 +156,28 @@ def test_near_duplicates_flags_both_members_of_a_pair() -> None:
     assert near_duplicates(grads, 0.99) == {"m1", "m3"}
     assert near_duplicates({"m1": original, "m2": honest}, 0.99) == set()
     assert near_duplicates({"m1": original, "m2": {"x": -original["x"]}}, 0.99) == set()
+
+
+def test_near_duplicates_of_partitioned_updates_compare_the_blocks_both_cover() -> None:
+    gen = torch.Generator().manual_seed(4)
+    update = torch.randn(4, 25, generator=gen)
+
+    def sent(blocks: list[int], values: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        mask = torch.zeros(4)
+        mask[blocks] = 1.0
+        return {"x": (values * mask[:, None]).reshape(-1)}, {"x": mask}
+
+    one, one_cover = sent([0, 1], update)  # one run's update, sent by two identities on their own draws
+    two, two_cover = sent([1, 2], update * (1 + 1e-6))
+    honest, honest_cover = sent([1, 3], torch.randn(4, 25, generator=gen))
+    apart, apart_cover = sent([2, 3], update)  # shares no block with `one`
+    grads = {"one": one, "two": two, "honest": honest}
+    covers = {"one": one_cover, "two": two_cover, "honest": honest_cover}
+    assert cosine(one, two) < 0.6  # over whole tensors the pair agrees only on the shared block
+    assert near_duplicates(grads, 0.9999) == set()
+    assert near_duplicates(grads, 0.9999, covers) == {"one", "two"}
+    assert near_duplicates({"one": one, "apart": apart}, 0.5, {"one": one_cover, "apart": apart_cover}) == set()
+    with pytest.raises(ValueError, match="exactly the miners"):
+        near_duplicates(grads, 0.9999, {"one": one_cover})
+    with pytest.raises(ValueError, match="do not divide"):
+        near_duplicates(grads, 0.9999, {**covers, "honest": {"x": torch.ones(3)}})

@@ -10,7 +10,16 @@ import training.pretrain as pretrain_module
 from training.data import pack
 from training.evaluate import heldout_loss
 from training.model import build_tiny_model, state_hash, tiny_config
-from training.pretrain import PretrainConfig, general_corpus, load_pretrained, pretrain, pretrained_base
+from training.pretrain import (
+    GENERAL_DOMAINS,
+    TARGET_DOMAINS,
+    PretrainConfig,
+    base_config,
+    general_corpus,
+    load_pretrained,
+    pretrain,
+    pretrained_base,
+)
 from training.tokenizer import ByteTokenizer
 
 QUICK = PretrainConfig(steps=30, batch_size=4, docs_per_domain=40)
@@ -37,6 +46,15 @@ def test_the_cache_is_keyed_by_the_settings_and_reused(tmp_path: Path, monkeypat
     assert pretrained_base(tmp_path, QUICK) == path
     assert PretrainConfig(steps=31, batch_size=4, docs_per_domain=40).key() != QUICK.key()
     assert PretrainConfig(family="mixtral").key() != PretrainConfig().key()
+
+
+def test_each_target_domain_has_a_base_that_never_saw_it() -> None:
+    for domain in TARGET_DOMAINS:
+        assert domain not in base_config(domain).domains
+    assert base_config("facts").domains == (*GENERAL_DOMAINS, "gazette")  # the sentence form, other people
+    assert base_config("arithmetic") == base_config("records") == PretrainConfig()
+    with pytest.raises(ValueError, match="unknown target domain 'prose'"):
+        base_config("prose")
 
 
 @pytest.mark.parametrize(

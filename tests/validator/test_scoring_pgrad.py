@@ -1,6 +1,7 @@
 """Compressed pseudo-gradients in the validator: a checked pgrad blob is scored and merged as the
 miner's experts rebuilt from it (Φ_i = Φ_t − decode(G_i)), a full-experts blob is refused in a pgrad
-network, and near-duplicates are found on the decoded pseudo-gradients. Tiny CPU model."""
+network, and near-duplicates are found on the decoded pseudo-gradients (with partitions, over the
+chunks both miners drew). Tiny CPU model."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ from tests.conftest import make_spec_dict
 from tests.validator.test_scoring import GOOD, LAZY, NOISE, ROUND, SEED, STALE, Setup
 from training.blob import PGRAD_FORMAT, BlobMeta, blob_hash, encode_blob
 from training.experts import pseudo_gradient
-from training.pgrad import PgradConfig, encode, rebuild
-from validator.merge import merge_round
+from training.pgrad import PgradConfig, chunk_draw, encode, rebuild
+from validator.merge import MergeResult, merge_round
 
 COPIER = STALE
 CFG = PgradConfig(chunk=1024, topk=64, quant="int8")
+PARTITIONED = PgradConfig(chunk=256, topk=32, quant="2bit", partitions=2)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -32,15 +34,19 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def setup() -> Setup:
-    submission = {"format": "pgrad", "chunk": CFG.chunk, "topk": CFG.topk, "quant": CFG.quant,
-                  "partitions": CFG.partitions}
+def _setup(cfg: PgradConfig) -> Setup:
+    submission = {"format": "pgrad", "chunk": cfg.chunk, "topk": cfg.topk, "quant": cfg.quant,
+                  "partitions": cfg.partitions}
     return Setup("qwen3_moe", parse_spec({**make_spec_dict(), "submission": submission}))
 
 
-def _pgrad_blob(setup: Setup, miner: str, grads: dict[str, torch.Tensor]) -> tuple[str, bytes]:
-    tensors, _ = encode(grads, None, CFG)
+@pytest.fixture(scope="module")
+def setup() -> Setup:
+    return _setup(CFG)
+
+
+def _pgrad_blob(setup: Setup, miner: str, grads: dict[str, torch.Tensor], cfg: PgradConfig = CFG) -> tuple[str, bytes]:
+    tensors, _ = encode(grads, None, cfg, chunk_draw(setup.spec.network_id, ROUND, miner))
     meta = BlobMeta(network=setup.spec.network_id, round=ROUND, miner=miner, base=setup.head,
                     group=setup.spec.group, format=PGRAD_FORMAT)
     data = encode_blob(tensors, meta)
@@ -72,6 +78,25 @@ def test_near_duplicates_are_found_on_the_decoded_pseudo_gradients(setup: Setup)
         NOISE: _pgrad_blob(setup, NOISE, other),
     }
     assert blobs[GOOD][1] != blobs[COPIER][1]  # the copier re-signs the same update as its own blob
+    merged = _scored_and_merged(setup, blobs)
+    assert merged.duplicates == {GOOD, COPIER}
+    assert merged.contributors == []  # the only improving updates are the duplicated pair
+
+
+def test_one_update_sent_by_two_identities_on_their_own_chunks_is_a_near_duplicate() -> None:
+    setup = _setup(PARTITIONED)
+    grads = pseudo_gradient(setup.global_tensors, setup.trained(steps=12))
+    other = pseudo_gradient(setup.global_tensors, setup.trained(steps=6))
+    blobs: dict[str, tuple[str, bytes | None]] = {
+        GOOD: _pgrad_blob(setup, GOOD, grads, PARTITIONED), COPIER: _pgrad_blob(setup, COPIER, grads, PARTITIONED),
+        NOISE: _pgrad_blob(setup, NOISE, other, PARTITIONED),
+    }
+    merged = _scored_and_merged(setup, blobs)
+    assert merged.duplicates == {GOOD, COPIER}  # they agree exactly on the chunks both drew
+    assert merged.contributors == [NOISE]  # an honest update of the same data is not a copy
+
+
+def _scored_and_merged(setup: Setup, blobs: dict[str, tuple[str, bytes | None]]) -> MergeResult:
     result = setup.score(blobs)
     assert set(result.accepted) == set(blobs)
     validators = [v.key for v in setup.spec.validators]
@@ -82,7 +107,5 @@ def test_near_duplicates_are_found_on_the_decoded_pseudo_gradients(setup: Setup)
                for v in validators}
     momentum = {name: torch.zeros_like(t) for name, t in setup.global_tensors.items()}
     commitments = {m: blobs[m][0] for m in blobs}
-    merged = merge_round(reports, assignment, commitments, result.accepted, dict(setup.global_tensors), momentum,
-                         setup.spec, setup.head)
-    assert merged.duplicates == {GOOD, COPIER}
-    assert merged.contributors == []  # the only improving updates are the duplicated pair
+    return merge_round(reports, assignment, commitments, result.accepted, dict(setup.global_tensors), momentum,
+                       setup.spec, setup.head)
