@@ -18,9 +18,10 @@ for every M, and one miner's tokens, are points on it); full fine-tuning of all 
 (one adds noise, one copies an honest miner); networks of 1, 4 and 8 miners sending compressed
 pseudo-gradients, whole (every miner every chunk) and partitioned (each miner a half or a quarter
 of the chunks, drawn from its id and the round, `training.pgrad`); a sweep of outer-optimizer
-settings and data shards on the 4-miner network; and the data-parallel ceiling: ESFT with M times the miners' batch for one miner's
-steps (as if M miners averaged gradients after every step), which bounds what any averaging of M
-miners' updates can reach.
+settings and data shards on the 4-miner network, and of merge gates other than Proof-of-Loss on
+each submission (`Arm.gate`) on 4 and 8 miners; and the data-parallel ceiling: ESFT with M times
+the miners' batch for one miner's steps (as if M miners averaged gradients after every step),
+which bounds what any averaging of M miners' updates can reach.
 Reported per arm: held-out loss after every round, general-domain loss change (forgetting),
 `network_vs_esft` (loss drop / ESFT's drop at equal total tokens), `esft_equivalent_steps` after
 each round (ESFT steps that reach the same loss, linear between curve points) and
@@ -79,6 +80,11 @@ class Arm:
     pgrad: PgradConfig | None = None
     duplicate_cosine: float = 0.9999
     """Cosine at which two pseudo-gradients count as copies (both dropped)."""
+    gate: str = "each"
+    """Which submissions may be merged. `each`: the protocol's Proof-of-Loss gate, each must lower the
+    round's subset loss alone. Alternatives the sweep measures, not the protocol's: `marginal`, each
+    must lower the subset loss of the plain mean of every non-copy (leaving it out raises it), ranked
+    by that; `none`: every non-copy."""
 
 
 @dataclass(frozen=True)
@@ -203,7 +209,7 @@ class Bench:
                     submissions[i] = {name: global_t[name] - decoded[name] for name in global_t}
                     masks[i] = coverage(shapes, arm.pgrad, draw)
             partitioned = arm.pgrad is not None and arm.pgrad.partitions > 1
-            ranked = self.score_and_rank(global_t, submissions, r, arm.duplicate_cosine, masks if partitioned else None)
+            ranked = self.score_and_rank(global_t, submissions, r, arm, masks if partitioned else None)
             contributors = ranked[: arm.top_g]
             if contributors:
                 utilities = [u for _, u in contributors]
@@ -229,18 +235,42 @@ class Bench:
         return {n: t + 1e-6 * torch.ones_like(t) for n, t in victim.items()}
 
     def score_and_rank(
-        self, global_t: Tensors, submissions: dict[int, Tensors], r: int, duplicate_cosine: float,
+        self, global_t: Tensors, submissions: dict[int, Tensors], r: int, arm: Arm,
         coverage: dict[int, Tensors] | None = None,
     ) -> list[tuple[int, float]]:
+        """The round's contributors with their utilities, best first, by the arm's gate (`Arm.gate`)."""
         seed_hex = hashlib.sha256(f"learning-bench:{r}".encode()).hexdigest()
         subset = heldout_subset(self.pool, seed_hex, self.s.subset)
         base_loss = self.loss(global_t, subset)
-        scored = [(self.loss(t, subset), i) for i, t in submissions.items()]
-        useful = {i: base_loss - loss for loss, i in scored if loss < base_loss}
-        grads = {i: pseudo_gradient(global_t, submissions[i]) for i in useful}
+        scored = sorted((self.loss(t, subset), i) for i, t in submissions.items())
+        gains = {i: base_loss - loss for loss, i in scored if arm.gate != "each" or loss < base_loss}
+        grads = {i: pseudo_gradient(global_t, submissions[i]) for i in gains}
         covered = None if coverage is None else {i: coverage[i] for i in grads}
-        flagged = near_duplicates(grads, duplicate_cosine, covered) if len(grads) > 1 else set()
-        return [(i, useful[i]) for loss, i in sorted(scored) if i in useful and i not in flagged]
+        flagged = near_duplicates(grads, arm.duplicate_cosine, covered) if len(grads) > 1 else set()
+        kept = [i for _, i in scored if i in gains and i not in flagged]
+        if arm.gate == "marginal":
+            return self.marginal(global_t, submissions, kept, subset, coverage)
+        return [(i, max(gains[i], 0.0)) for i in kept]
+
+    def marginal(
+        self, global_t: Tensors, submissions: dict[int, Tensors], kept: list[int], subset: torch.Tensor,
+        coverage: dict[int, Tensors] | None,
+    ) -> list[tuple[int, float]]:
+        """Each miner's marginal gain: the subset loss of the mean without it minus that of the mean of all."""
+
+        def merged_loss(ids: list[int]) -> float:
+            if not ids:
+                return self.loss(global_t, subset)
+            masks = None if coverage is None else [coverage[i] for i in ids]
+            state, _ = outer_step(global_t, [submissions[i] for i in ids], [1.0] * len(ids), None,
+                                  OuterConfig(lr=1.0, momentum=0.0), masks)
+            return self.loss(state, subset)
+
+        whole = merged_loss(kept)
+        if whole >= merged_loss([]):
+            return []
+        gains = {i: merged_loss([j for j in kept if j != i]) - whole for i in kept}
+        return sorted(((i, g) for i, g in gains.items() if g > 0), key=lambda pair: -pair[1])
 
 
 def esft_steps(curve: list[tuple[int, float]], loss: float) -> float | None:
@@ -363,6 +393,7 @@ def main() -> int:
         "lr1_0.5": Arm(outer_lr=1.0, momentum=0.5),
         "lr2_0.5": Arm(outer_lr=2.0, momentum=0.5),
         "disjoint_lr2_0": Arm(outer_lr=2.0, momentum=0.0, shards="disjoint"),
+        **{f"gate_{gate}_{m}": Arm(miners=m, gate=gate) for gate in ("none", "marginal") for m in (4, 8)},
     }
     runs: dict[str, dict[str, Any]] = {}
     for name, arm in [*({} if args.no_sweep else sweep).items(), *arms.items()]:
