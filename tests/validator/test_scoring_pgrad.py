@@ -86,14 +86,15 @@ def test_near_duplicates_are_found_on_the_decoded_pseudo_gradients(setup: Setup)
 def test_one_update_sent_by_two_identities_on_their_own_chunks_is_a_near_duplicate() -> None:
     setup = _setup(PARTITIONED)
     grads = pseudo_gradient(setup.global_tensors, setup.trained(steps=12))
-    other = pseudo_gradient(setup.global_tensors, setup.trained(steps=6))
+    own_run = pseudo_gradient(setup.global_tensors, setup.trained(steps=6))
+    trainer = NOISE  # this identity sends its own run's update
     blobs: dict[str, tuple[str, bytes | None]] = {
         GOOD: _pgrad_blob(setup, GOOD, grads, PARTITIONED), COPIER: _pgrad_blob(setup, COPIER, grads, PARTITIONED),
-        NOISE: _pgrad_blob(setup, NOISE, other, PARTITIONED),
+        trainer: _pgrad_blob(setup, trainer, own_run, PARTITIONED),
     }
     merged = _scored_and_merged(setup, blobs)
     assert merged.duplicates == {GOOD, COPIER}  # they agree exactly on the chunks both drew
-    assert merged.contributors == [NOISE]  # an honest update of the same data is not a copy
+    assert merged.contributors == [trainer]  # an update of the same data from another run is no copy
 
 
 def _scored_and_merged(setup: Setup, blobs: dict[str, tuple[str, bytes | None]]) -> MergeResult:
