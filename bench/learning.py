@@ -249,25 +249,25 @@ class Bench:
         flagged = near_duplicates(grads, arm.duplicate_cosine, covered) if len(grads) > 1 else set()
         kept = [i for _, i in scored if i in gains and i not in flagged]
         if arm.gate == "marginal":
-            return self.marginal(global_t, submissions, kept, subset, coverage)
+            return self.marginal(global_t, submissions, kept, subset, base_loss, coverage)
         return [(i, max(gains[i], 0.0)) for i in kept]
 
     def marginal(
         self, global_t: Tensors, submissions: dict[int, Tensors], kept: list[int], subset: torch.Tensor,
-        coverage: dict[int, Tensors] | None,
+        base_loss: float, coverage: dict[int, Tensors] | None,
     ) -> list[tuple[int, float]]:
         """Each miner's marginal gain: the subset loss of the mean without it minus that of the mean of all."""
 
         def merged_loss(ids: list[int]) -> float:
             if not ids:
-                return self.loss(global_t, subset)
+                return base_loss
             masks = None if coverage is None else [coverage[i] for i in ids]
             state, _ = outer_step(global_t, [submissions[i] for i in ids], [1.0] * len(ids), None,
                                   OuterConfig(lr=1.0, momentum=0.0), masks)
             return self.loss(state, subset)
 
         whole = merged_loss(kept)
-        if whole >= merged_loss([]):
+        if whole >= base_loss:
             return []
         gains = {i: merged_loss([j for j in kept if j != i]) - whole for i in kept}
         return sorted(((i, g) for i, g in gains.items() if g > 0), key=lambda pair: -pair[1])

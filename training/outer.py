@@ -134,15 +134,13 @@ def near_duplicates(
         raise ValueError("coverage must name exactly the miners whose pseudo-gradients are compared")
     squares = {miner: _block_squares(pseudo_grads[miner], None if coverage is None else coverage[miner])
                for miner in miners}
+    blocks = {miner: {n: np.ones(1) if coverage is None else _blocks(coverage[miner][n], b.size)
+                      for n, b in squares[miner].items()} for miner in miners}
     flagged: set[Miner] = set()
     for x, y in combinations(miners, 2):
         check_same_names(pseudo_grads[x], pseudo_grads[y], "compared")
         names = sorted(pseudo_grads[x])
-        if coverage is None:
-            shared = dict.fromkeys(names, np.ones(1))
-        else:
-            shared = {n: _blocks(coverage[x][n], squares[x][n].size) * _blocks(coverage[y][n], squares[y][n].size)
-                      for n in names}
+        shared = {n: blocks[x][n] * blocks[y][n] for n in names}
         norm_x = math.sqrt(sum(float(np.multiply(squares[x][n], shared[n]).sum()) for n in names))
         norm_y = math.sqrt(sum(float(np.multiply(squares[y][n], shared[n]).sum()) for n in names))
         if norm_x == 0.0 or norm_y == 0.0:
