@@ -21,7 +21,9 @@ of the chunks, drawn from its id and the round, `training.pgrad`); a sweep of ou
 settings and data shards on the 4-miner network, and of merge gates other than Proof-of-Loss on
 each submission (`Arm.gate`) on 4 and 8 miners; and the data-parallel ceiling: ESFT with M times
 the miners' batch for one miner's steps (as if M miners averaged gradients after every step),
-which bounds what any averaging of M miners' updates can reach.
+which bounds what any averaging of M miners' updates can reach; and, to show whether the shared
+inner lr is fair to the baseline, ESFT for the 4-miner network's tokens and that network again at
+half and at double the lr.
 Reported per arm: held-out loss after every round, general-domain loss change (forgetting),
 `network_vs_esft` (loss drop / ESFT's drop at equal total tokens), `esft_equivalent_steps` after
 each round (ESFT steps that reach the same loss, linear between curve points) and
@@ -322,6 +324,27 @@ def data_parallel(bench: Bench, curve: list[tuple[int, float]], miners: int) -> 
             "network_vs_esft": round((bench.base_loss - losses[-1]) / (bench.base_loss - curve_at(curve, miners * steps)), 4)}
 
 
+def at_learning_rate(bench: Bench, factor: float) -> dict[str, Any]:
+    """ESFT for the 4-miner network's tokens and that network, both with the inner lr scaled by `factor`.
+
+    Whether the shared lr is fair to the baseline: a higher lr can lower ESFT's target loss at the
+    price of forgetting, and the network is then compared against that ESFT curve.
+    """
+    shared = bench.s
+    bench.s = replace(shared, inner_lr=shared.inner_lr * factor)
+    try:
+        steps = 4 * shared.inner_steps * shared.rounds
+        curve, forgetting = bench.esft_curve(steps, shared.inner_steps, {steps})
+        run = bench.network(Arm())
+        summarise(bench, run, curve, forgetting)
+    finally:
+        bench.s = shared
+    return {"inner_lr": shared.inner_lr * factor, "esft_loss": round(curve[-1][1], 4),
+            "esft_forgetting": round(forgetting[steps], 4),
+            "network_4": {key: run[key] for key in ("losses", "merged", "forgetting", "network_vs_esft",
+                                                    "esft_equivalent_steps", "parallel_efficiency")}}
+
+
 def targets(runs: dict[str, dict[str, Any]], ceilings: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The issue's targets next to what this run measured (and the data-parallel ceiling they are bounded by)."""
     four, eight = runs["network_4"], runs["network_8"]
@@ -402,6 +425,7 @@ def main() -> int:
         print(f"{name}: {runs[name]['losses']} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
     ceilings = {str(m): data_parallel(bench, curve, m) for m in (4, 8)}
     full = bench.full_finetune(4 * settings.inner_steps * settings.rounds)
+    learning_rates = {str(factor): at_learning_rate(bench, factor) for factor in (0.5, 2.0)}
     report = {
         "settings": {**asdict(settings), "group": bench.group, "base": asdict(base_config(settings.domain))},
         "base_loss": round(bench.base_loss, 4),
@@ -410,6 +434,7 @@ def main() -> int:
                  "forgetting_at_steps": {s: round(f, 4) for s, f in sorted(esft_forgetting.items())}},
         "full_finetune_4_miner_tokens": full,
         "data_parallel_ceiling": ceilings,
+        "learning_rate_check (ESFT at 4-miner tokens and network_4, inner lr x 0.5 and x 2)": learning_rates,
         "targets": targets(runs, ceilings),
         "arms": {name: runs[name] for name in arms},
         "sweep": {name: runs[name] for name in sweep if name in runs},
