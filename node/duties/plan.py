@@ -42,6 +42,14 @@ async def excluded_validators(storage: Storage, spec: NetworkSpec, round: int) -
     return tuple(sorted(excluded))
 
 
+async def unmatched_commits(storage: Storage, round: int) -> bool:
+    """Whether storage holds a seed commit or a miner's commit of `round` with no matching reveal."""
+    if withheld(await storage.seeds_for(round)):
+        return True
+    reveals = {r.miner: r.commitment for r in await storage.reveals_for(round)}
+    return any(reveals.get(c.miner) != c.commitment for c in await storage.commits_for(round))
+
+
 async def make_plan(storage: Storage, spec: NetworkSpec, round: int) -> RoundPlan | None:
     """The plan of `round` as storage has it now; None (logged) when no validator revealed a seed.
 

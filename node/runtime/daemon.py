@@ -85,6 +85,18 @@ class NodeContext:
         """The global state this node builds on: the adopted head, else the base model."""
         return await self.storage.head() or self.spec.model.base_hash
 
+    async def catch_up(self, round: int) -> int:
+        """Ask a peer, validators first, for the envelopes of `round` it accepted, and hand those we
+        lacked to the gossip consumer (which records them); how many. 0, logged, when none answers."""
+        providers = sorted(self.network.peers(), key=lambda p: (p not in self.spec.validator_weights, p))
+        if not providers:
+            return 0
+        try:
+            return await self.network.catch_up(round, providers)
+        except NetworkError as exc:
+            log.warning("round %d: could not catch up on missed messages: %s", round, exc)
+            return 0
+
 
 class Duties(Protocol):
     """A role's work. Both hooks run on the event loop; torch work belongs in a thread.
@@ -214,18 +226,13 @@ class Node:
         if ctx.clock.now() < ctx.schedule.genesis_ts:
             return
         waited = 0.0
-        while not (peers := ctx.network.peers()) and waited < CATCH_UP_WAIT_S:
+        while not ctx.network.peers() and waited < CATCH_UP_WAIT_S:
             await asyncio.sleep(0.2)
             waited += 0.2
-        providers = sorted(peers, key=lambda p: (p not in ctx.spec.validator_weights, p))
         current = ctx.schedule.round_at(ctx.clock.now())
         for round in (current - 1, current):
-            if round >= 0 and providers:
-                try:
-                    got = await ctx.network.catch_up(round, providers)
-                except NetworkError as exc:
-                    log.warning("round %d: could not catch up on missed messages: %s", round, exc)
-                    continue
+            if round >= 0 and ctx.network.peers():
+                got = await ctx.catch_up(round)
                 log.info("round %d: caught up on %d message(s) accepted while this node was away", round, got)
         while self._subscription.pending:  # let the consumer take them in before the first phase runs
             await asyncio.sleep(0.05)

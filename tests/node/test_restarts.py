@@ -2,7 +2,8 @@
 one-pass redesign closed. A miner restarted after its Reveal serves its blob again and is scored; a
 validator restarted after proposing serves its state again, and every node that adopted a state
 serves it; a crash right after the rewards write does not stop the next MERGE; a seed revealed late
-during EVALUATE cannot change the round plan; a deleted head blob is fetched again from its voters."""
+during EVALUATE cannot change the round plan, and a reveal gossip missed is taken from a peer before
+the plan is fixed; a deleted head blob is fetched again from its voters."""
 
 from __future__ import annotations
 
@@ -170,6 +171,33 @@ async def test_a_node_restarted_mid_round_catches_up_on_what_it_missed_and_agree
         await net.phase(1, Phase.TRAIN)
         [state] = await v2.ctx.storage.global_states(0)
         assert len(state.voters) == 3 and await v2.ctx.storage.head() == state.hash  # all voted for one state
+    finally:
+        await net.close()
+
+
+async def test_a_validator_that_gossip_missed_takes_the_reveals_from_a_peer_before_it_plans(tmp_path: Path) -> None:
+    net = Twins(tmp_path, validators=3)
+    try:
+        v0, v1, *_ = await started(net, "validator-0", "validator-1", "validator-2", "miner-0", "miner-1")
+        missed = {net.id("validator-2"), net.id("miner-1")}
+        inbox = net.hub.nodes[net.id("validator-0")]
+        receive = inbox.receive
+        await net.phase(0, Phase.TRAIN)
+        await net.phase(0, Phase.COMMIT)
+        inbox.receive = lambda data, peer: None if peer in missed else receive(data, peer)  # type: ignore[method-assign]
+        await net.phase(0, Phase.REVEAL)  # validator-2's seed reveal and miner-1's reveal never reach validator-0
+        inbox.receive = receive  # type: ignore[method-assign]
+        seeds = await v0.ctx.storage.seeds_for(0)
+        assert any(s.validator == net.id("validator-2") and s.commitment and not s.seed for s in seeds)
+        assert {r.miner for r in await v0.ctx.storage.reveals_for(0)} == {net.id("miner-0")}
+        await net.phase(0, Phase.EVALUATE)
+        plans = [await node.ctx.storage.round_plan(0) for node in (v0, v1)]
+        assert plans[0] is not None and plans[0] == plans[1]  # the same seed and assignment as the others
+        assert plans[0].unrevealed_seeds == () and set(plans[0].revealed) == {net.id("miner-0"), net.id("miner-1")}
+        await net.phase(0, Phase.MERGE)
+        await net.phase(1, Phase.TRAIN)
+        [state] = await v0.ctx.storage.global_states(0)
+        assert len(state.voters) == 3 and await v0.ctx.storage.head() == state.hash
     finally:
         await net.close()
 
