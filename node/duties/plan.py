@@ -42,12 +42,15 @@ async def excluded_validators(storage: Storage, spec: NetworkSpec, round: int) -
     return tuple(sorted(excluded))
 
 
-async def unmatched_commits(storage: Storage, round: int) -> bool:
-    """Whether storage holds a seed commit or a miner's commit of `round` with no matching reveal."""
-    if withheld(await storage.seeds_for(round)):
+async def unpaired(storage: Storage, round: int) -> bool:
+    """Whether storage holds a commit of `round` (a validator's seed, a miner's checkpoint) with no
+    matching reveal, or a reveal with no commit."""
+    seeds = await storage.seeds_for(round)
+    if withheld(seeds) or any(s.seed and not s.commitment for s in seeds):
         return True
+    commits = {c.miner: c.commitment for c in await storage.commits_for(round)}
     reveals = {r.miner: r.commitment for r in await storage.reveals_for(round)}
-    return any(reveals.get(c.miner) != c.commitment for c in await storage.commits_for(round))
+    return commits != reveals
 
 
 async def make_plan(storage: Storage, spec: NetworkSpec, round: int) -> RoundPlan | None:

@@ -4,18 +4,18 @@ TRAIN of round r: settle round r-1's global state (node.duties.consensus; a vali
 re-syncs state and momentum), then commit to a fresh seed, persisted BEFORE it is published so a restart
 reuses it. REVEAL: reveal the seed; each accepted Reveal of the round starts a background fetch of its
 blob (node.duties.prefetch), so a miner that goes down after revealing is still scored. EVALUATE: a
-commit here without its reveal first sends us to a peer for the round's envelopes; then the round plan
-(node.duties.plan: seed s_r from the validators that committed and revealed, the miners with a Commit
-and a matching Reveal, the assignment) is fixed and persisted; the blobs of the miners assigned to this
-validator are fetched (capped), checked and scored off the event loop, and a ScoreReport is published.
-MERGE: wait for the other validators' reports (or most of the phase), then `validator.merge.merge_round`
-on the SAME plan and the reports as stored whole; its MissingBlobError names the candidates this
-validator did not score, which are fetched and checked once into the round's checked-blob cache
-(`_Checked`, emptied after the merge). Rewards and their mark are one storage write; the new state and
-momentum are recorded as our proposal, served (again after any restart) and announced in GlobalState.
-The round report (node.duties.report) and leaderboard (node.duties.results) are stored; the loss of the
-ADOPTED state on round r's held-out subset is filled in once round r+1 has settled it. Each step checks
-storage first, so a restarted validator resumes without publishing anything twice.
+commit here without its reveal (or the reverse) sends us to a peer for the round's envelopes; then the
+round plan (node.duties.plan: seed s_r from the validators that committed and revealed, the miners with
+a Commit and a matching Reveal, the assignment) is fixed and persisted; the blobs of the miners assigned
+to this validator are fetched (capped), checked and scored off the event loop, and a ScoreReport is
+published. MERGE: wait for the other validators' reports (or most of the phase), then
+`validator.merge.merge_round` on the SAME plan and the reports as stored whole; its MissingBlobError
+names the candidates this validator did not score, which are fetched and checked once into the round's
+checked-blob cache (`_Checked`, emptied after the merge). Rewards and their mark are one storage write;
+the new state and momentum are recorded as our proposal, served (again after any restart) and announced
+in GlobalState. The round report (node.duties.report) and leaderboard (node.duties.results) are stored;
+the loss of the ADOPTED state on round r's held-out subset is filled in once round r+1 has settled it.
+Each step checks storage first, so a restarted validator resumes without publishing anything twice.
 This module knows nothing about libp2p; torch work runs in worker threads.
 """
 
@@ -28,7 +28,7 @@ import time
 import torch
 
 from node.duties.consensus import Consensus, wait_until
-from node.duties.plan import make_plan, unmatched_commits
+from node.duties.plan import make_plan, unpaired
 from node.duties.prefetch import Prefetcher
 from node.duties.report import round_report
 from node.duties.results import leaderboard, learn_results
@@ -163,14 +163,14 @@ class ValidatorDuties:
         return await self.ctx.storage.fix_round_plan(plan)
 
     async def _take_in_missed_reveals(self, round: int) -> None:
-        """A commit here without its reveal may be gossip that missed us (we were restarting as it went
-        out) while the other validators plan with it: ask a peer for the round's envelopes, and give
-        the consumer up to CATCH_UP_TAKE_IN_S to record what it handed on."""
+        """A commit here without its reveal (or a reveal without its commit) may be gossip that missed us
+        (we were restarting as it went out) while the other validators plan with it: ask a peer for the
+        round's envelopes, and give the consumer up to CATCH_UP_TAKE_IN_S to record what it handed on."""
         storage = self.ctx.storage
-        if not await unmatched_commits(storage, round) or not await self.ctx.catch_up(round):
+        if not await unpaired(storage, round) or not await self.ctx.catch_up(round):
             return
         deadline = time.monotonic() + CATCH_UP_TAKE_IN_S
-        while await unmatched_commits(storage, round) and time.monotonic() < deadline:
+        while await unpaired(storage, round) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
     # -- EVALUATE -----------------------------------------------------------------------------
