@@ -28,7 +28,7 @@ import time
 import torch
 
 from node.duties.consensus import Consensus, wait_until
-from node.duties.plan import make_plan, unpaired
+from node.duties.plan import make_plan, take_in_missed_reveals
 from node.duties.prefetch import Prefetcher
 from node.duties.report import round_report
 from node.duties.results import leaderboard, learn_results
@@ -52,7 +52,6 @@ from validator.state import GlobalExperts
 
 log = logging.getLogger(__name__)
 
-CATCH_UP_TAKE_IN_S = 2.0  # how long EVALUATE waits for reveals a peer handed on to be recorded
 MERGE_WAIT_SHARE = 0.5  # of MERGE: how long to wait for the other validators' reports
 
 
@@ -153,7 +152,7 @@ class ValidatorDuties:
         plan = await self.ctx.storage.round_plan(round)
         if plan is not None:
             return plan
-        await self._take_in_missed_reveals(round)
+        await take_in_missed_reveals(self.ctx, round)
         plan = await make_plan(self.ctx.storage, self.ctx.spec, round)
         if plan is None:
             return None
@@ -161,17 +160,6 @@ class ValidatorDuties:
             log.warning("round %d: validator(s) %s committed a seed and did not reveal it", round,
                         ", ".join(v[:12] for v in plan.unrevealed_seeds))
         return await self.ctx.storage.fix_round_plan(plan)
-
-    async def _take_in_missed_reveals(self, round: int) -> None:
-        """A commit here without its reveal (or a reveal without its commit) may be gossip that missed us
-        (we were restarting as it went out) while the other validators plan with it: ask a peer for the
-        round's envelopes, and give the consumer up to CATCH_UP_TAKE_IN_S to record what it handed on."""
-        storage = self.ctx.storage
-        if not await unpaired(storage, round) or not await self.ctx.catch_up(round):
-            return
-        deadline = time.monotonic() + CATCH_UP_TAKE_IN_S
-        while await unpaired(storage, round) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
 
     # -- EVALUATE -----------------------------------------------------------------------------
 
