@@ -7,19 +7,16 @@ did not reveal it are named in the plan, and lose reward-set standing: for the n
 SEED_WITHHOLD_ROUNDS rounds they are left out of the assignment (they score no miners, so their
 reports count for nobody). Every node computes that exclusion from the seed commits and reveals it
 stored for those rounds. Before a validator fixes its plan, a commit it holds without the reveal (or
-the reverse) sends it to a peer for the round's envelopes (`take_in_missed_reveals`): gossip can miss
-a node, and a validator planning without a reveal the others have would vote alone. This module
-knows nothing about scoring or merging.
+the reverse, `unpaired`) sends it to a peer for the round's envelopes (node.duties.validator): gossip
+can miss a node, and a validator planning without a reveal the others have would vote alone. This
+module knows nothing about scoring or merging.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from collections.abc import Iterable
 
-from node.runtime.daemon import NodeContext
 from node.store.db import Storage
 from node.store.records import RoundPlan, SeedRecord
 from protocol.assignment import assign
@@ -27,9 +24,6 @@ from protocol.seeds import reveal_matches, round_seed
 from protocol.spec import NetworkSpec
 
 log = logging.getLogger(__name__)
-
-TAKE_IN_S = 2.0
-"""How long a validator waits for the envelopes a peer handed on to be recorded before it plans."""
 
 SEED_WITHHOLD_ROUNDS = 2
 """K, a protocol constant: a validator that commits a seed in round r and does not reveal a matching
@@ -60,22 +54,6 @@ async def unpaired(storage: Storage, round: int) -> bool:
     commits = {c.miner: c.commitment for c in await storage.commits_for(round)}
     reveals = {r.miner: r.commitment for r in await storage.reveals_for(round)}
     return commits != reveals
-
-
-async def take_in_missed_reveals(ctx: NodeContext, round: int) -> None:
-    """Before a validator fixes the plan of `round`: a commit here without its reveal (or a reveal
-    without its commit) may be gossip that missed this node (it was restarting as it went out) while
-    the other validators plan with it. Ask a peer for the round's envelopes and give the gossip
-    consumer up to TAKE_IN_S to record what it handed on."""
-    if not await unpaired(ctx.storage, round):
-        return
-    got = await ctx.catch_up(round)
-    if not got:
-        return
-    log.info("round %d: a peer handed on %d message(s) gossip missed; taking them in before the plan", round, got)
-    deadline = time.monotonic() + TAKE_IN_S
-    while await unpaired(ctx.storage, round) and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
 
 
 async def make_plan(storage: Storage, spec: NetworkSpec, round: int) -> RoundPlan | None:

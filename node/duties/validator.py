@@ -8,14 +8,15 @@ commit here without its reveal (or the reverse) sends us to a peer for the round
 round plan (node.duties.plan: seed s_r from the validators that committed and revealed, the miners with
 a Commit and a matching Reveal, the assignment) is fixed and persisted; the blobs of the miners assigned
 to this validator are fetched (capped), checked and scored off the event loop, and a ScoreReport is
-published. MERGE: wait for the other validators' reports (or most of the phase), then
-`validator.merge.merge_round` on the SAME plan and the reports as stored whole; its MissingBlobError
-names the candidates this validator did not score, which are fetched and checked once into the round's
-checked-blob cache (`_Checked`, emptied after the merge). Rewards and their mark are one storage write;
-the new state and momentum are recorded as our proposal, served (again after any restart) and announced
-in GlobalState. The round report (node.duties.report) and leaderboard (node.duties.results) are stored;
-the loss of the ADOPTED state on round r's held-out subset is filled in once round r+1 has settled it.
-Each step checks storage first, so a restarted validator resumes without publishing anything twice.
+published. MERGE: wait for the other validators' reports (half the phase, then ask a peer for them),
+then `validator.merge.merge_round` on the SAME plan and the reports as stored whole; its
+MissingBlobError names the candidates this validator did not score, which are fetched and checked once
+into the round's checked-blob cache (`_Checked`, emptied after the merge). Rewards and their mark are
+one storage write; the new state and momentum are recorded as our proposal, served (again after any
+restart) and announced in GlobalState. The round report (node.duties.report) and leaderboard
+(node.duties.results) are stored; the loss of the ADOPTED state on round r's held-out subset is filled
+in once round r+1 has settled it. Each step checks storage first, so a restarted validator resumes
+without publishing anything twice.
 This module knows nothing about libp2p; torch work runs in worker threads.
 """
 
@@ -28,7 +29,7 @@ import time
 import torch
 
 from node.duties.consensus import Consensus, wait_until
-from node.duties.plan import make_plan, take_in_missed_reveals
+from node.duties.plan import make_plan, unpaired
 from node.duties.prefetch import Prefetcher
 from node.duties.report import round_report
 from node.duties.results import leaderboard, learn_results
@@ -152,7 +153,8 @@ class ValidatorDuties:
         plan = await self.ctx.storage.round_plan(round)
         if plan is not None:
             return plan
-        await take_in_missed_reveals(self.ctx, round)
+        if self.ctx.schedule.phase_at(self.ctx.clock.now()) == (round, Phase.EVALUATE):  # not restarted late
+            await self.ctx.take_in_from_peer(round, lambda: unpaired(self.ctx.storage, round))
         plan = await make_plan(self.ctx.storage, self.ctx.spec, round)
         if plan is None:
             return None
@@ -221,8 +223,13 @@ class ValidatorDuties:
         async def reports_in() -> bool:
             return expected <= set(await self.ctx.storage.score_reports(round))
 
-        if not await wait_until(self.ctx.clock, self.arrivals, reports_in,
-                                start + MERGE_WAIT_SHARE * (end - start)):
+        async def reports_missing() -> bool:
+            return not await reports_in()
+
+        deadline = start + MERGE_WAIT_SHARE * (end - start)
+        late = self.ctx.clock.now() >= deadline  # restarted past the wait: no time to ask a peer either
+        if (not await wait_until(self.ctx.clock, self.arrivals, reports_in, deadline)
+                and (late or await self.ctx.take_in_from_peer(round, reports_missing))):
             log.warning("round %d: merging without the reports of every validator that committed a seed",
                         round)
         head = await self.ctx.head()

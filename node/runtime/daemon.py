@@ -41,6 +41,7 @@ from protocol.spec import NetworkSpec, load_spec
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+TAKE_IN_S = 2.0  # how long a duty may spend asking a peer for what gossip missed and recording it
 CATCH_UP_WAIT_S = 10.0  # how long a node started after genesis waits for a peer to catch up from
 
 ROUNDS_LISTED = 32
@@ -96,6 +97,21 @@ class NodeContext:
         except NetworkError as exc:
             log.warning("round %d: could not catch up on missed messages: %s", round, exc)
             return 0
+
+    async def take_in_from_peer(self, round: int, missing: Callable[[], Awaitable[bool]]) -> bool:
+        """While `missing()` holds, gossip may have missed us: catch up on `round` from a peer and let the
+        consumer record what it handed on, TAKE_IN_S at most for both. Whether something is still missing."""
+        if not await missing():
+            return False
+        try:
+            async with asyncio.timeout(TAKE_IN_S):
+                if got := await self.catch_up(round):
+                    log.info("round %d: a peer handed on %d message(s) gossip missed", round, got)
+                    while await missing():
+                        await asyncio.sleep(0.05)
+        except TimeoutError:
+            log.info("round %d: no peer handed on what is missing within %.0f s", round, TAKE_IN_S)
+        return await missing()
 
 
 class Duties(Protocol):

@@ -3,7 +3,7 @@ one-pass redesign closed. A miner restarted after its Reveal serves its blob aga
 validator restarted after proposing serves its state again, and every node that adopted a state
 serves it; a crash right after the rewards write does not stop the next MERGE; a seed revealed late
 during EVALUATE cannot change the round plan, and a reveal gossip missed is taken from a peer before
-the plan is fixed; a deleted head blob is fetched again from its voters."""
+the plan is fixed (score reports before the merge); a deleted head blob is fetched again from its voters."""
 
 from __future__ import annotations
 
@@ -200,6 +200,33 @@ async def test_a_validator_that_gossip_missed_takes_the_reveals_from_a_peer_befo
         await net.phase(1, Phase.TRAIN)
         [state] = await v0.ctx.storage.global_states(0)
         assert len(state.voters) == 3 and await v0.ctx.storage.head() == state.hash
+    finally:
+        await net.close()
+
+
+async def test_a_validator_that_gossip_missed_score_reports_takes_them_from_a_peer_before_it_merges(
+        tmp_path: Path) -> None:
+    net = Twins(tmp_path, validators=3)
+    try:
+        v0, v1, *_ = await started(net, "validator-0", "validator-1", "validator-2", "miner-0", "miner-1", "miner-2")
+        validators = {net.id(f"validator-{i}") for i in range(3)}
+        inbox = net.hub.nodes[net.id("validator-0")]
+        receive = inbox.receive
+        for p in (Phase.TRAIN, Phase.COMMIT, Phase.REVEAL):
+            await net.phase(0, p)
+        inbox.receive = lambda data, peer: None if peer in validators else receive(data, peer)  # type: ignore[method-assign]
+        await net.phase(0, Phase.EVALUATE)  # the other validators' score reports never reach validator-0
+        inbox.receive = receive  # type: ignore[method-assign]
+        assert set(await v0.ctx.storage.score_reports(0)) == {net.id("validator-0")}
+        net.clock.set(net.schedule.phase_window(0, Phase.MERGE)[0])
+        await until(lambda: all(any((run.round, run.phase) == (0, str(Phase.MERGE)) for run in node.scheduler.runs)
+                                for node in (v1, net.nodes["validator-2"])), "the others to merge")
+        await net.phase(0, Phase.MERGE, after_s=net.spec.timing.merge_s * 0.6)  # validator-0's wait ends
+        assert set(await v0.ctx.storage.score_reports(0)) == validators
+        reports = [await node.round_report(0) for node in (v0, v1)]
+        assert reports[0] is not None and reports[1] is not None
+        assert reports[0]["proposed_hash"] is not None and reports[0]["proposed_hash"] == reports[1]["proposed_hash"]
+        assert reports[0]["miners"] == reports[1]["miners"]  # the same ranking and rewards
     finally:
         await net.close()
 
