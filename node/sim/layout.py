@@ -10,11 +10,11 @@
     keys/validator-{i}.key    the validator keys (mode 0600), derived from the seed
 The expert group is chosen by running gate-mass selection on the training data. The spec's
 `[submission]` section is written only for compressed pseudo-gradients (`submission_format="pgrad"`,
-protocol.spec's default chunk, top-k, quantisation and partitions); a full-experts spec keeps the network id it
-had before that section existed. The base is the
-same for every seed (pretraining costs seconds, once per cache directory); everything else is
-derived from `seed` and `genesis`, so the same arguments write the same bytes. This module knows
-nothing about running the network; `tessera simulate` and the tests start processes from it.
+protocol.spec's default chunk, top-k, quantisation and partitions); a full-experts spec keeps the
+network id it had before that section existed. The base is the same for every seed (pretraining
+costs seconds, once per cache directory); everything else is derived from `seed` and `genesis`, so
+the same arguments write the same bytes. This module knows nothing about running the network;
+`tessera simulate` and the tests start processes from it.
 """
 
 from __future__ import annotations
