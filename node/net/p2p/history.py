@@ -64,6 +64,8 @@ class HistoryStreams:
                 if result.verdict is Verdict.ACCEPT and envelope is not None:
                     deliver(Delivery(envelope, result, peer))
                     delivered += 1
+            log.info("p2p: history of round %d from %s: %d envelope(s), %d new", round, peer[:12], len(frames),
+                     delivered)
             return delivered
         return 0
 
