@@ -174,7 +174,8 @@ class Gossip(Protocol):
         round), judge each again (`GossipJudge.judge_replayed`) and deliver the accepted ones like gossip.
 
         For a node that was down while they went out. Returns how many were delivered; the first provider
-        that answers is the only one asked. Never raises for what a provider sends.
+        that answers with any envelopes is the last one asked (one with none restarted or joined since,
+        and holds no history). Never raises for what a provider sends.
         """
         ...
 

@@ -110,14 +110,15 @@ class MemoryNetwork:
             net = self._hub.nodes.get(provider)
             if net is None or net.closed or net is self:
                 continue
-            delivered = 0
-            for data in net._judge.recent(round):
+            frames, delivered = net._judge.recent(round), 0
+            for data in frames:
                 result, envelope = self._judge.judge_replayed(data, provider, round)
                 if result.verdict is Verdict.ACCEPT:
                     assert envelope is not None
                     self._subscribers.deliver(Delivery(envelope, result, provider))
                     delivered += 1
-            return delivered
+            if frames:  # a provider with no history (restarted, just joined) is not an answer
+                return delivered
         return 0
 
     def serve(self, blob_hash: str) -> None:

@@ -270,3 +270,18 @@ def test_replayed_envelopes_are_judged_on_time_in_their_own_window_and_otherwise
     future = seal(Commit(round=1, commitment="44" * 32), spec.network_id, miner_ids[1]).to_bytes()
     assert late.judge_replayed(future, validator_ids[0].node_id, 1)[0].reason == "outside commit window"
     assert late.judge_replayed(future, validator_ids[0].node_id, 0)[0].reason == "not the round asked for"
+
+
+async def test_a_catch_up_skips_a_provider_that_holds_no_history(
+    spec: NetworkSpec, clock: ManualClock, nodes: dict[str, MemoryNetwork], miner_ids: list[Identity],
+    validator_ids: list[Identity], tmp_path: Path
+) -> None:
+    await nodes["m0"].publish(heartbeat(spec, miner_ids[0]))  # v0 and m1 accept it; m0 keeps its own
+    hub = nodes["v0"]._hub
+    hub.join(validator_ids[1].node_id, GossipJudge(spec, clock.now), BlobStore(tmp_path / "v1"))
+    late = hub.join(miner_ids[2].node_id, GossipJudge(spec, clock.now), BlobStore(tmp_path / "m2"))
+    sub = late.subscribe()
+    providers = [validator_ids[1].node_id, validator_ids[0].node_id]  # the first joined after it went out
+    assert await late.catch_up(0, providers) == 1
+    assert (await sub.get(timeout=1)).envelope == heartbeat(spec, miner_ids[0])
+    assert await late.catch_up(0, providers) == 0  # v0 answers again; nothing is new now

@@ -51,7 +51,8 @@ class HistoryStreams:
 
     async def catch_up(self, host: IHost, round: int, providers: list[ID],
                        deliver: Callable[[Delivery], None]) -> int:
-        """Envelopes of `round` from the first provider that answers, judged and delivered; how many."""
+        """Envelopes of `round` from the first provider that answers with any, judged and delivered; how
+        many. A provider with none (it restarted or joined since) holds no history: the next is asked."""
         for peer_id in providers:
             try:
                 frames = await self._ask(host, peer_id, round)
@@ -66,7 +67,8 @@ class HistoryStreams:
                     delivered += 1
             log.info("p2p: history of round %d from %s: %d envelope(s), %d new", round, peer[:12], len(frames),
                      delivered)
-            return delivered
+            if frames:
+                return delivered
         return 0
 
     async def _ask(self, host: IHost, peer_id: ID, round: int) -> list[bytes]:
