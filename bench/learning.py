@@ -23,7 +23,9 @@ each submission (`Arm.gate`) on 4 and 8 miners; and the data-parallel ceiling: E
 the miners' batch for one miner's steps (as if M miners averaged gradients after every step),
 which bounds what any averaging of M miners' updates can reach; and, to show whether the shared
 inner lr is fair to the baseline, ESFT for the 4-miner network's tokens and that network again at
-half and at double the lr.
+half and at double the lr; and, to show how much of a result is the draw, the headline arms (1, 4
+and 8 miners, full and partitioned compressed), the ESFT curve and the ceiling again under two other
+seeds for the shards, batch orders and round seeds (`Settings.seed`).
 Reported per arm: held-out loss after every round, general-domain loss change (forgetting),
 `network_vs_esft` (loss drop / ESFT's drop at equal total tokens), `esft_equivalent_steps` after
 each round (ESFT steps that reach the same loss, linear between curve points) and
@@ -103,6 +105,10 @@ class Settings:
     """Held-out sequences the round seed picks for Proof-of-Loss."""
     report_sequences: int = 128
     """Held-out sequences every reported loss is measured on (disjoint from the subset pool)."""
+    seed: int = 0
+    """Draws the miners' shards, every run's batch order, the round seeds and the adversaries' noise;
+    the base, the group, the data and the report sets stay. Seed 0 is the main run; the `seeds`
+    section repeats the headline arms with others to show how much of a result is the draw."""
 
 
 class Bench:
@@ -130,6 +136,14 @@ class Bench:
         seqs = self.report_set if sequences is None else sequences
         return loss_with_experts(self.model, self.adapter, tensors, seqs, batch_size=32).loss
 
+    def tag(self, text: str) -> str:
+        """`text` made specific to the run's seed (unchanged for seed 0)."""
+        return text if self.s.seed == 0 else f"{text}/seed-{self.s.seed}"
+
+    def stream(self, number: int) -> int:
+        """A batch-order seed made specific to the run's seed (unchanged for seed 0)."""
+        return number + 1_000_003 * self.s.seed
+
     def train_cfg(self, steps: int, batch_size: int | None = None) -> TrainConfig:
         return TrainConfig(steps=steps, lr=self.s.inner_lr, batch_size=batch_size or self.s.batch_size)
 
@@ -144,7 +158,7 @@ class Bench:
         insert(self.model, self.adapter, self.base)
         curve = [(0, self.base_loss)]
         general: dict[int, float] = {}
-        stream = batches(self.train, batch_size or self.s.batch_size, 1)
+        stream = batches(self.train, batch_size or self.s.batch_size, self.stream(1))
 
         def evaluated() -> Iterator[torch.Tensor]:
             # The trainer writes its copies back after every step, so the model holds step k's weights
@@ -165,7 +179,7 @@ class Bench:
     def full_finetune(self, steps: int) -> dict[str, Any]:
         model = copy.deepcopy(self.model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=self.s.inner_lr)
-        stream = batches(self.train, self.s.batch_size, 1)
+        stream = batches(self.train, self.s.batch_size, self.stream(1))
         for _ in range(steps):
             ids_BL = next(stream)
             loss = token_loss_sum(model, ids_BL, self.tokenizer.pad_id) / int((ids_BL[:, 1:] != 256).sum())
@@ -180,9 +194,9 @@ class Bench:
     def miner_rows(self, arm: Arm, miner: int, round: int) -> torch.Tensor:
         if arm.shards == "disjoint":
             part = self.train[miner :: arm.miners]
-            order = torch.randperm(part.shape[0], generator=torch.Generator().manual_seed(round * 1000 + miner))
+            order = torch.randperm(part.shape[0], generator=torch.Generator().manual_seed(self.stream(round * 1000 + miner)))
             return part[order]
-        return shard(self.train, f"miner-{miner}", round)
+        return shard(self.train, self.tag(f"miner-{miner}"), round)
 
     def network(self, arm: Arm) -> dict[str, Any]:
         outer = OuterConfig(lr=arm.outer_lr, momentum=arm.momentum)
@@ -198,14 +212,14 @@ class Bench:
                 insert(self.model, self.adapter, global_t)
                 rows = self.miner_rows(arm, i, r)
                 result = train_experts(self.model, self.adapter, self.group,
-                                       batches(rows, self.s.batch_size, r), self.train_cfg(self.s.inner_steps))
+                                       batches(rows, self.s.batch_size, self.stream(r)), self.train_cfg(self.s.inner_steps))
                 submissions[i] = result.tensors
             for j, i in enumerate(range(honest, arm.miners)):
                 submissions[i] = self.adversary(j, global_t, submissions, r)
             masks: dict[int, Tensors] = {}
             if arm.pgrad is not None:
                 for i, tensors in list(submissions.items()):
-                    draw = chunk_draw("learning-bench", r, f"miner-{i}")
+                    draw = chunk_draw(self.tag("learning-bench"), r, f"miner-{i}")
                     blob, errors[i] = encode(pseudo_gradient(global_t, tensors), errors.get(i), arm.pgrad, draw)
                     decoded = decode(blob, shapes, arm.pgrad, draw)
                     submissions[i] = {name: global_t[name] - decoded[name] for name in global_t}
@@ -231,7 +245,7 @@ class Bench:
 
     def adversary(self, j: int, global_t: Tensors, honest: dict[int, Tensors], r: int) -> Tensors:
         if j % 2 == 0:
-            gen = torch.Generator().manual_seed(r * 7919 + j)
+            gen = torch.Generator().manual_seed(self.stream(r * 7919 + j))
             return {n: t + 0.05 * torch.randn(t.shape, generator=gen) for n, t in global_t.items()}
         victim = honest[0]
         return {n: t + 1e-6 * torch.ones_like(t) for n, t in victim.items()}
@@ -241,7 +255,7 @@ class Bench:
         coverage: dict[int, Tensors] | None = None,
     ) -> list[tuple[int, float]]:
         """The round's contributors with their utilities, best first, by the arm's gate (`Arm.gate`)."""
-        seed_hex = hashlib.sha256(f"learning-bench:{r}".encode()).hexdigest()
+        seed_hex = hashlib.sha256(self.tag(f"learning-bench:{r}").encode()).hexdigest()
         subset = heldout_subset(self.pool, seed_hex, self.s.subset)
         base_loss = self.loss(global_t, subset)
         scored = sorted((self.loss(t, subset), i) for i, t in submissions.items())
@@ -345,6 +359,51 @@ def at_learning_rate(bench: Bench, factor: float) -> dict[str, Any]:
                                                     "esft_equivalent_steps", "parallel_efficiency")}}
 
 
+SEED_ARMS = ("network_1", "network_4", "network_8", "pgrad_2bit_c256_k40_p2_4", "pgrad_2bit_c256_k40_p2_8")
+"""The arms the `seeds` section repeats: the ones the headline targets read."""
+
+
+def headline(runs: dict[str, dict[str, Any]], ceiling: dict[str, Any]) -> dict[str, Any]:
+    """The numbers of one seed's run that the targets read."""
+    four, eight = runs["network_4"], runs["network_8"]
+    return {
+        "final_loss": {name: runs[name]["losses"][-1] for name in SEED_ARMS},
+        "merged_per_round": {name: [len(m) for m in runs[name]["merged"]] for name in SEED_ARMS},
+        "network_vs_esft_4": four.get("network_vs_esft"),
+        "parallel_efficiency_4": four["parallel_efficiency"],
+        "parallel_efficiency_4_ceiling": ceiling["parallel_efficiency"],
+        "progress_4_over_1": _ratio(four, runs["network_1"]),
+        "8_ahead_of_4": eight["losses"][-1] < four["losses"][-1],
+        "8_ahead_of_4_pgrad_partitions_2": runs["pgrad_2bit_c256_k40_p2_8"]["losses"][-1]
+        < runs["pgrad_2bit_c256_k40_p2_4"]["losses"][-1],
+    }
+
+
+def other_seeds(bench: Bench, arms: dict[str, Arm], main: dict[str, Any], seeds: tuple[int, ...]) -> dict[str, Any]:
+    """The headline arms, their ESFT curve and the 4-miner ceiling again under other seeds (`Settings.seed`).
+
+    `main` is seed 0's `headline`. Returns each seed's headline and, per number, its range over all seeds.
+    """
+    shared = bench.s
+    per_miner = shared.inner_steps * shared.rounds
+    by_seed = {"0": main}
+    try:
+        for seed in seeds:
+            bench.s = replace(shared, seed=seed)
+            curve, forgetting = bench.esft_curve(8 * per_miner, shared.inner_steps, {m * per_miner for m in (1, 4, 8)})
+            runs = {name: bench.network(arms[name]) for name in SEED_ARMS}
+            for run in runs.values():
+                summarise(bench, run, curve, forgetting)
+            by_seed[str(seed)] = headline(runs, data_parallel(bench, curve, 4))
+    finally:
+        bench.s = shared
+    ranges = {key: [min(h[key] for h in by_seed.values()), max(h[key] for h in by_seed.values())]
+              for key in ("network_vs_esft_4", "parallel_efficiency_4", "parallel_efficiency_4_ceiling", "progress_4_over_1")
+              if all(h[key] is not None for h in by_seed.values())}
+    held = {key: sum(h[key] for h in by_seed.values()) for key in ("8_ahead_of_4", "8_ahead_of_4_pgrad_partitions_2")}
+    return {"by_seed": by_seed, "range": ranges, f"seeds where it holds (of {len(by_seed)})": held}
+
+
 def targets(runs: dict[str, dict[str, Any]], ceilings: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The issue's targets next to what this run measured (and the data-parallel ceiling they are bounded by)."""
     four, eight = runs["network_4"], runs["network_8"]
@@ -426,6 +485,7 @@ def main() -> int:
     ceilings = {str(m): data_parallel(bench, curve, m) for m in (4, 8)}
     full = bench.full_finetune(4 * settings.inner_steps * settings.rounds)
     learning_rates = {str(factor): at_learning_rate(bench, factor) for factor in (0.5, 2.0)}
+    seeds = other_seeds(bench, arms, headline(runs, ceilings["4"]), (1, 2))
     report = {
         "settings": {**asdict(settings), "group": bench.group, "base": asdict(base_config(settings.domain))},
         "base_loss": round(bench.base_loss, 4),
@@ -436,6 +496,7 @@ def main() -> int:
         "data_parallel_ceiling": ceilings,
         "learning_rate_check (ESFT at 4-miner tokens and network_4, inner lr x 0.5 and x 2)": learning_rates,
         "targets": targets(runs, ceilings),
+        "seeds (the headline arms under other draws of shards, batches and round seeds)": seeds,
         "arms": {name: runs[name] for name in arms},
         "sweep": {name: runs[name] for name in sweep if name in runs},
         "seconds": round(time.perf_counter() - started, 1),
