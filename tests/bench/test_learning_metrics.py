@@ -1,0 +1,82 @@
+"""bench/learning.py's metric arithmetic on hand-made curves and runs.
+
+Every efficiency the learning results quote is read off the ESFT curve by `esft_steps` and divided by
+the miner steps spent; the `seeds` section reports ranges over seeds. Checked here without a model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "learning.py"
+
+CURVE = [(0, 2.0), (20, 1.5), (40, 1.0), (60, 1.0), (80, 0.5)]
+
+
+@pytest.fixture(scope="module")
+def learning() -> ModuleType:
+    """bench/learning.py as a module (bench/ is a directory of scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location("bench_learning", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_esft_steps_interpolate_between_curve_points_and_take_the_first_crossing(learning: ModuleType) -> None:
+    assert learning.esft_steps(CURVE, 2.0) == 0.0
+    assert learning.esft_steps(CURVE, 1.25) == pytest.approx(30.0)  # halfway from 20 to 40
+    assert learning.esft_steps(CURVE, 1.0) == pytest.approx(40.0)  # the plateau: its first step, not 60
+    assert learning.esft_steps(CURVE, 0.75) == pytest.approx(70.0)
+    assert learning.esft_steps(CURVE, 0.4) is None  # below anything the curve reached
+
+
+def test_summarise_reads_efficiency_against_honest_steps_and_equal_token_esft(learning: ModuleType) -> None:
+    settings = learning.Settings(rounds=2, inner_steps=10)
+    bench = type("B", (), {"s": settings, "base_loss": 2.0})()
+    run = {"miners": 4, "adversaries": 2, "losses": [1.5, 1.25]}  # 2 honest miners: 40 steps spent
+    learning.summarise(bench, run, CURVE, {40: 0.3})
+    assert run["esft_equivalent_steps"] == [20.0, 30.0]
+    assert run["parallel_efficiency"] == pytest.approx(30 / 40)
+    assert run["network_vs_esft"] == pytest.approx((2.0 - 1.25) / (2.0 - 1.0))  # ESFT at 40 steps
+    assert run["esft_forgetting_equal_tokens"] == 0.3
+    assert run["lowered_every_round"] is True
+    stalled = {"miners": 1, "adversaries": 0, "losses": [1.5, 1.5]}
+    learning.summarise(bench, stalled, CURVE, {})
+    assert stalled["lowered_every_round"] is False and "network_vs_esft" in stalled
+
+
+def _headline(pe: float, progress: float | None, eight_ahead: bool) -> dict:
+    return {"network_vs_esft_4": 0.9, "parallel_efficiency_4": pe, "parallel_efficiency_4_ceiling": 0.6,
+            "progress_4_over_1": progress, "8_ahead_of_4": eight_ahead, "8_ahead_of_4_pgrad_partitions_2": True}
+
+
+def test_the_seeds_section_reports_ranges_and_counts_over_every_seed(learning: ModuleType, monkeypatch) -> None:
+    seeds_seen: list[int] = []
+    by_seed = {1: _headline(0.2, 1.5, True), 2: _headline(0.4, None, False)}
+
+    class Bench:
+        s = learning.Settings(rounds=2, inner_steps=10)
+
+        def esft_curve(self, steps, every, general_at):
+            seeds_seen.append(self.s.seed)
+            return CURVE, {}
+
+        def network(self, arm):
+            return {"arm": arm}
+
+    monkeypatch.setattr(learning, "summarise", lambda *args: None)
+    monkeypatch.setattr(learning, "data_parallel", lambda bench, curve, miners: {})
+    monkeypatch.setattr(learning, "headline", lambda runs, ceiling: by_seed[seeds_seen[-1]])
+    bench = Bench()
+    out = learning.other_seeds(bench, {name: name for name in learning.SEED_ARMS}, _headline(0.3, 2.0, False), (1, 2))
+    assert seeds_seen == [1, 2] and bench.s.seed == 0  # the shared settings come back
+    assert out["range"]["parallel_efficiency_4"] == [0.2, 0.4]
+    assert "progress_4_over_1" not in out["range"]  # one seed has none: no range is made up
+    assert out["seeds where it holds (of 3)"] == {"8_ahead_of_4": 1, "8_ahead_of_4_pgrad_partitions_2": 3}
