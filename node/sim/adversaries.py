@@ -25,7 +25,10 @@ from validator.checks import submission_cap
 log = logging.getLogger(__name__)
 
 COPY_WAIT_SHARE = 0.6  # of COMMIT: how long a copier waits for a commitment to copy
-NOISE_SCALE = 5.0  # noise std as a multiple of each tensor's std: large enough to hurt the loss
+NOISE_SCALE = 5.0
+"""Noise std as a multiple of each tensor's std: it drowns the experts' outputs. That raises the loss
+of a base that predicts its data well, but lowers it while the state is worse than a uniform guess,
+as the tiny base is on the skills in the first rounds (docs/protocol.md §7)."""
 GARBAGE_BYTES = 4096
 
 
