@@ -47,6 +47,8 @@ bench: $(STAMP)
 	$(PY) bench/learning.py --out .bench/learning.json
 	$(PY) bench/learning.py --domain records --out .bench/learning-records.json
 	$(PY) bench/learning.py --domain facts --out .bench/learning-facts.json
+	$(PY) bench/learning.py --form-base --out .bench/learning-form-arithmetic.json
+	$(PY) bench/learning.py --domain records --form-base --out .bench/learning-form-records.json
 	$(PY) bench/simulation.py --out .bench/simulation.json
 	$(PY) bench/gpu.py --out .bench/gpu.json
 

@@ -4,7 +4,8 @@ In-process, one run, CPU, on the pretrained tiny base (`training.pretrain`) and 
 never saw: a skill (arithmetic, records: rules learned once, so a step's progress hardly depends on
 how much data it sees) or knowledge (facts: many independent facts about people, tuned from a base
 that knows the sentence form from other people, `training.pretrain.base_config`; more data per step
-learns more facts). The network arms run the protocol's own pieces each round: every miner trains
+learns more facts). `--form-base` tunes a skill from a base that also read its form with random
+results, so the base is not confidently wrong on it and tuning learns only the rule. The network arms run the protocol's own pieces each round: every miner trains
 the group from the global state (`training.trainer`, H steps on its shard), submits full experts or a
 compressed pseudo-gradient (`training.pgrad`, error feedback kept per miner), validators score each
 submission by Proof-of-Loss on a held-out subset the round seed picks, drop near-duplicates, merge
@@ -34,7 +35,7 @@ arm). The tuned arms merge every useful submission (top-G 8) by plain averaging 
 momentum) with a copy threshold of cosine 0.9999: honest miners starting from one state agree to
 about 0.995 after 20 steps, so the old 0.99 dropped them all (the sweep's `old_defaults_dup0.99`).
 `targets` sets the issue's targets next to what was measured.
-Usage: python bench/learning.py [--domain D] [--rounds R] [--inner-steps H] [--out FILE.json]
+Usage: python bench/learning.py [--domain D] [--form-base] [--rounds R] [--inner-steps H] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ class Settings:
     """Held-out sequences the round seed picks for Proof-of-Loss."""
     report_sequences: int = 128
     """Held-out sequences every reported loss is measured on (disjoint from the subset pool)."""
+    knows_form: bool | None = None
+    """Whether the base also read the domain's form (`training.pretrain.base_config`; None: only facts')."""
     seed: int = 0
     """Draws the miners' shards, every run's batch order, the round seeds and the adversaries' noise;
     the base, the group, the data and the report sets stay. Seed 0 is the main run; the `seeds`
@@ -117,7 +120,7 @@ class Bench:
     def __init__(self, settings: Settings, cache: Path) -> None:
         self.s = settings
         self.tokenizer = ByteTokenizer()
-        self.model = load_pretrained(cache, base_config(settings.domain))
+        self.model = load_pretrained(cache, base_config(settings.domain, settings.knows_form))
         self.adapter = adapter_for("qwen3_moe")
         tok = self.tokenizer
         self.train = pack(generate(settings.domain, 3000, 11), tok, 64)
@@ -435,6 +438,8 @@ def _ratio(run: dict[str, Any], baseline: dict[str, Any]) -> float | None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--domain", choices=TARGET_DOMAINS, default="arithmetic", help="target domain (default arithmetic)")
+    parser.add_argument("--form-base", action="store_true",
+                        help="tune a skill from a base that also read its form with random results (facts' always does)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds per network run (default 5)")
     parser.add_argument("--inner-steps", type=int, default=20, help="H (default 20)")
     parser.add_argument("--cache", type=Path, default=Path(".bench/cache"), help="pretrained-base cache directory")
@@ -443,7 +448,8 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)  # a tiny model on a shared CPU runs faster without intra-op threads
     started = time.perf_counter()
-    settings = Settings(domain=args.domain, rounds=args.rounds, inner_steps=args.inner_steps)
+    settings = Settings(domain=args.domain, rounds=args.rounds, inner_steps=args.inner_steps,
+                        knows_form=True if args.form_base else None)
     bench = Bench(settings, args.cache)
     tuned = Arm()
     max_miners = 8
@@ -487,7 +493,7 @@ def main() -> int:
     learning_rates = {str(factor): at_learning_rate(bench, factor) for factor in (0.5, 2.0)}
     seeds = other_seeds(bench, arms, headline(runs, ceilings["4"]), (1, 2))
     report = {
-        "settings": {**asdict(settings), "group": bench.group, "base": asdict(base_config(settings.domain))},
+        "settings": {**asdict(settings), "group": bench.group, "base": asdict(base_config(settings.domain, settings.knows_form))},
         "base_loss": round(bench.base_loss, 4),
         "base_general_loss": round(bench.base_general, 4),
         "esft": {"curve": [(s, round(loss, 4)) for s, loss in curve],

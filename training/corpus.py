@@ -8,8 +8,11 @@ agree with each other, e.g. `qty=3 price=12 total=36`) are skills: a model learn
 about a fixed population of people, the same facts in every document that names a person. The two
 domains share the sentence but not the people, so a base trained on "gazette" knows the form and
 none of "facts"' people: lowering "facts"' loss means learning many independent facts, which more
-data per step speeds up (unlike the skills). The same (domain, n_docs, seed) always gives the same
-documents. This module knows nothing about tokenizers, models or the network.
+data per step speeds up (unlike the skills, tuned from a base that never saw them). "tallies" and
+"ledgers" are the skills' forms without their rules: arithmetic and records lines whose results and
+totals are drawn at random from the range the true ones take, for a base that knows the form and
+must still learn the rule. The same (domain, n_docs, seed) always gives the same documents. This
+module knows nothing about tokenizers, models or the network.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-DOMAINS = ("arithmetic", "code", "prose", "records", "facts", "gazette")
+DOMAINS = ("arithmetic", "code", "prose", "records", "facts", "gazette", "tallies", "ledgers")
 FORMATS = ("jsonl", "txt", "parquet")
 
 _NAMES = ("total", "count", "value", "item", "index", "size", "left", "right", "acc", "step")
@@ -36,20 +39,23 @@ _PEOPLE = 240
 """People in each of the two knowledge domains' populations."""
 
 
-def _arithmetic_line(rng: random.Random) -> str:
+def _arithmetic_line(rng: random.Random, correct: bool) -> str:
+    """One line; `correct` False draws the result uniformly from the range the form's true results take."""
     a, b, c = rng.randint(0, 99), rng.randint(0, 99), rng.randint(1, 12)
-    form = rng.randrange(4)
-    if form == 0:
-        return f"{a}+{b}={a + b}"
-    if form == 1:
-        return f"{a}-{b}={a - b}"
-    if form == 2:
-        return f"{a % 13}*{c}={(a % 13) * c}"
-    return f"({a % 10}*{c})-{b % 20}={(a % 10) * c - b % 20}"
+    lhs, value, low, high = [
+        (f"{a}+{b}", a + b, 0, 198),
+        (f"{a}-{b}", a - b, -99, 99),
+        (f"{a % 13}*{c}", (a % 13) * c, 0, 144),
+        (f"({a % 10}*{c})-{b % 20}", (a % 10) * c - b % 20, -19, 108),
+    ][rng.randrange(4)]
+    return f"{lhs}={value if correct else rng.randint(low, high)}"
 
 
-def _arithmetic_doc(rng: random.Random) -> str:
-    return "\n".join(_arithmetic_line(rng) for _ in range(rng.randint(4, 10)))
+def _arithmetic_doc(correct: bool) -> Callable[[random.Random], str]:
+    def doc(rng: random.Random) -> str:
+        return "\n".join(_arithmetic_line(rng, correct) for _ in range(rng.randint(4, 10)))
+
+    return doc
 
 
 def _code_doc(rng: random.Random) -> str:
@@ -74,13 +80,19 @@ def _prose_doc(rng: random.Random) -> str:
     return " ".join(sentences)
 
 
-def _records_doc(rng: random.Random) -> str:
-    lines = []
-    for _ in range(rng.randint(3, 6)):
-        qty, price = rng.randint(1, 9), rng.randint(2, 40)
-        user, item = rng.choice(_USERS), rng.choice(_ITEMS)
-        lines.append(f"id={rng.randint(100, 999)} user={user} item={item} qty={qty} price={price} total={qty * price}")
-    return "\n".join(lines)
+def _records_doc(correct: bool) -> Callable[[random.Random], str]:
+    """Records lines; `correct` False draws each total uniformly from the range true totals take."""
+
+    def doc(rng: random.Random) -> str:
+        lines = []
+        for _ in range(rng.randint(3, 6)):
+            qty, price = rng.randint(1, 9), rng.randint(2, 40)
+            user, item, id_ = rng.choice(_USERS), rng.choice(_ITEMS), rng.randint(100, 999)
+            total = qty * price if correct else rng.randint(2, 360)
+            lines.append(f"id={id_} user={user} item={item} qty={qty} price={price} total={total}")
+        return "\n".join(lines)
+
+    return doc
 
 
 Person = tuple[str, str, str, int]
@@ -114,12 +126,14 @@ def _people_doc(population: list[Person]) -> Callable[[random.Random], str]:
 
 
 _GENERATORS: dict[str, Callable[[random.Random], str]] = {
-    "arithmetic": _arithmetic_doc,
+    "arithmetic": _arithmetic_doc(correct=True),
     "code": _code_doc,
     "prose": _prose_doc,
-    "records": _records_doc,
+    "records": _records_doc(correct=True),
     "facts": _people_doc(_FACTS),
     "gazette": _people_doc(_GAZETTE),
+    "tallies": _arithmetic_doc(correct=False),
+    "ledgers": _records_doc(correct=False),
 }
 
 

@@ -7,7 +7,9 @@ code from `training.corpus`), so the experts differ and the router routes; the t
 (`TARGET_DOMAINS`) stay unseen, so expert-only tuning can still lower their held-out loss a lot.
 The skills (arithmetic, records) are tuned from that base; the knowledge domain (facts) from one
 whose corpus also holds "gazette", the same sentences about other people (`base_config`), so that
-tuning it is learning facts rather than a new form. Everything is seeded (model init from `seed`,
+tuning it is learning facts rather than a new form. `base_config(domain, knows_form=True)` gives the
+skills such a base too: it also reads their forms with random results ("tallies", "ledgers"), so it
+is not confidently wrong on their lines and tuning teaches only the rule. Everything is seeded (model init from `seed`,
 batches from a local generator), so the same settings give the same weights on this machine.
 
 `pretrained_base(cache_dir, cfg)` returns an HF checkpoint directory (config.json + safetensors,
@@ -37,6 +39,8 @@ from training.tokenizer import ByteTokenizer
 
 GENERAL_DOMAINS = ("prose", "code")
 TARGET_DOMAINS = ("arithmetic", "records", "facts")
+FORMS = {"arithmetic": "tallies", "records": "ledgers", "facts": "gazette"}
+"""Each target domain's form without its content (training.corpus): what a base that knows the form reads."""
 _RECIPE = "tessera-pretrain/1"
 """Bump when the training recipe below changes, so old cache entries are not reused."""
 
@@ -77,11 +81,14 @@ class PretrainConfig:
         return hashlib.sha256(settings.encode("utf-8")).hexdigest()[:16]
 
 
-def base_config(target_domain: str) -> PretrainConfig:
-    """The base a target domain is tuned from: the general corpus, plus "gazette" for "facts"."""
+def base_config(target_domain: str, knows_form: bool | None = None) -> PretrainConfig:
+    """The base a target domain is tuned from: the general corpus, plus the domain's form (`FORMS`) when
+    `knows_form`; by default only "facts"' base knows its form."""
     if target_domain not in TARGET_DOMAINS:
         raise ValueError(f"unknown target domain {target_domain!r}; choose one of {', '.join(TARGET_DOMAINS)}")
-    return PretrainConfig(domains=(*GENERAL_DOMAINS, "gazette")) if target_domain == "facts" else PretrainConfig()
+    if knows_form is None:
+        knows_form = target_domain == "facts"
+    return PretrainConfig(domains=(*GENERAL_DOMAINS, FORMS[target_domain])) if knows_form else PretrainConfig()
 
 
 def general_corpus(cfg: PretrainConfig) -> list[str]:

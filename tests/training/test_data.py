@@ -167,6 +167,24 @@ def test_arithmetic_lines_are_correct() -> None:
             assert eval(lhs) == int(rhs), line  # noqa: S307 - generated arithmetic only
 
 
+def test_the_skills_forms_have_their_lines_with_results_drawn_from_the_true_range() -> None:
+    tallies = [line for doc in generate("tallies", 100, 3) for line in doc.splitlines()]
+    correct = 0
+    for line in tallies:
+        lhs, rhs = line.split("=")
+        assert re.fullmatch(r"\d+[+-]\d+|\d+\*\d+|\(\d\*\d+\)-\d+", lhs), line  # arithmetic's four forms
+        correct += eval(lhs) == int(rhs)  # noqa: S307 - generated arithmetic only
+        assert -99 <= int(rhs) <= 198, line
+    ledgers = [line for doc in generate("ledgers", 100, 3) for line in doc.splitlines()]
+    pattern = r"id=\d{3} user=[a-z]+ item=[a-z]+ qty=(\d) price=(\d+) total=(\d+)"
+    matches = [re.fullmatch(pattern, line) for line in ledgers]
+    assert all(matches), ledgers[:3]
+    agreeing = sum(int(m[1]) * int(m[2]) == int(m[3]) for m in matches if m)
+    assert all(2 <= int(m[3]) <= 360 for m in matches if m)
+    assert correct < 0.05 * len(tallies) and agreeing < 0.05 * len(ledgers)  # the rules are not there to learn
+    assert generate("tallies", 5, 3) == generate("tallies", 5, 3) != generate("arithmetic", 5, 3)
+
+
 def _people(domain: str) -> dict[str, str]:
     """Name -> the rest of its sentence, over many documents; fails if one person's facts ever differ."""
     facts: dict[str, str] = {}

@@ -50,9 +50,13 @@ def test_the_cache_is_keyed_by_the_settings_and_reused(tmp_path: Path, monkeypat
 
 def test_each_target_domain_has_a_base_that_never_saw_it() -> None:
     for domain in TARGET_DOMAINS:
-        assert domain not in base_config(domain).domains
+        for knows_form in (None, False, True):
+            assert domain not in base_config(domain, knows_form).domains
     assert base_config("facts").domains == (*GENERAL_DOMAINS, "gazette")  # the sentence form, other people
     assert base_config("arithmetic") == base_config("records") == PretrainConfig()
+    assert base_config("arithmetic", knows_form=True).domains == (*GENERAL_DOMAINS, "tallies")
+    assert base_config("records", knows_form=True).domains == (*GENERAL_DOMAINS, "ledgers")
+    assert base_config("facts", knows_form=False) == PretrainConfig()
     with pytest.raises(ValueError, match="unknown target domain 'prose'"):
         base_config("prose")
 
