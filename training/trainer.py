@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from tqdm import tqdm
@@ -100,6 +100,8 @@ class TrainResult:
     tokens: int = 0
     """Tokens that counted in the loss (targets that are not padding)."""
     seconds: float = 0.0
+    optimizer_state: dict[str, Any] = field(default_factory=dict)
+    """The AdamW state after the last step (`torch.optim.Optimizer.state_dict`), for the next run to go on from."""
 
 
 def train_experts(
@@ -108,15 +110,21 @@ def train_experts(
     group: ExpertGroup,
     batches: Iterator[torch.Tensor],
     cfg: TrainConfig,
+    optimizer_state: dict[str, Any] | None = None,
 ) -> TrainResult:
     """Train `group`'s experts in place for up to `cfg.steps` batches of token ids [B, L].
 
     `model` is the full model, or (in `compressed` mode) an already compressed one for `group`.
+    `optimizer_state`: an earlier run's `TrainResult.optimizer_state` on the same group, so AdamW's
+    moments go on from where that run left them (a DiLoCo worker keeps its inner optimizer across
+    rounds); None starts them at zero. `cfg`'s lr and weight decay apply either way.
     """
     device = torch.device(cfg.device)
     net, copies = _prepare(model, adapter, group, cfg, device)
     params = [p for c in copies for p in (c.w_gu_SIH, c.w_down_SHI)]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if optimizer_state is not None:
+        _resume(optimizer, params, optimizer_state, cfg)
     result = TrainResult(tensors={})
     started = time.perf_counter()
     with ExitStack() as stack:
@@ -140,9 +148,26 @@ def train_experts(
         raise ValueError("the batch iterator gave no batches; there is nothing to train on")
     result.seconds = time.perf_counter() - started
     result.tensors = _named_tensors(copies)
+    result.optimizer_state = optimizer.state_dict()
     if cfg.forward == "compressed" and not isinstance(model, CompressedModel):
         insert(model, adapter, result.tensors)
     return result
+
+
+def _resume(
+    optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], state: dict[str, Any], cfg: TrainConfig
+) -> None:
+    """Load an earlier run's optimizer state; ValueError when it was not for these parameters."""
+    moments = state.get("state", {})
+    shapes = [tuple(moments[i]["exp_avg"].shape) if i in moments else None for i in range(len(params))]
+    groups = state.get("param_groups") or [{}]
+    if len(groups) != 1 or len(groups[0].get("params", [])) != len(params) or any(
+        shape is not None and shape != tuple(p.shape) for shape, p in zip(shapes, params, strict=True)
+    ):
+        raise ValueError("the optimizer state to go on from is for other expert tensors than this group's")
+    optimizer.load_state_dict(state)
+    for group in optimizer.param_groups:
+        group["lr"], group["weight_decay"] = cfg.lr, cfg.weight_decay
 
 
 def _prepare(

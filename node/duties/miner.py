@@ -28,7 +28,7 @@ import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -92,6 +92,14 @@ def encode_submission(spec: NetworkSpec, round: int, miner: str, head: str, tens
     return encode_blob(blob, meta)
 
 
+@dataclass
+class InnerOptimizer:
+    """What a miner with `[miner] keep_optimizer` carries from one round's training to the next: the AdamW
+    state (`TrainResult.optimizer_state`) on the training device. In memory only; a restart starts at zero."""
+
+    state: dict[str, Any] | None = None
+
+
 class MinerModel:
     """What a miner loads once: the base model (compressed to its group in `compressed` mode), its genesis
     state and the training sequences."""
@@ -125,10 +133,12 @@ class MinerModel:
         return cls(spec, model, adapter, GlobalExperts.genesis(spec, experts), sequences, tokenizer.pad_id)
 
     def train(self, miner: str, round: int, base: Mapping[str, torch.Tensor], section: MinerSection,
-              keep_going: Callable[[], bool], steps: int | None = None, progress: bool = False) -> TrainResult:
+              keep_going: Callable[[], bool], steps: int | None = None, progress: bool = False,
+              optimizer: InnerOptimizer | None = None) -> TrainResult:
         """H inner steps (or `steps`) from `base` on this miner's shard; fewer when `keep_going` turns False.
 
-        `progress`: a tqdm bar on a terminal (the `tessera train` command; the daemon logs instead)."""
+        `progress`: a tqdm bar on a terminal (the `tessera train` command; the daemon logs instead).
+        `optimizer`: the AdamW state to go on from, and where the new one is left (None: start at zero)."""
         inner = self.spec.training
         if isinstance(self.model, CompressedModel):
             self.model.load(dict(base))
@@ -141,20 +151,26 @@ class MinerModel:
                           pad_id=self.pad_id, progress=progress)
         rows = shard(self.sequences, miner, round)
         order = batches(rows, cfg.batch_size, miner_seed(miner, round))
-        return train_experts(self.model, self.adapter, self.spec.group, _while(order, keep_going), cfg)
+        result = train_experts(self.model, self.adapter, self.spec.group, _while(order, keep_going), cfg,
+                               None if optimizer is None else optimizer.state)
+        if optimizer is not None:
+            optimizer.state = result.optimizer_state
+        return result
 
 
 def build_submission(model: MinerModel, miner: str, round: int, head: str, base: Mapping[str, torch.Tensor],
                      section: MinerSection, keep_going: Callable[[], bool] = lambda: True,
                      steps: int | None = None, progress: bool = False,
-                     feedback: ErrorFeedback | None = None) -> tuple[bytes, TrainResult]:
+                     feedback: ErrorFeedback | None = None,
+                     optimizer: InnerOptimizer | None = None) -> tuple[bytes, TrainResult]:
     """An honest miner's blob for `round`, trained from the state `head` (whose tensors are `base`);
-    a pgrad network's blob carries `feedback`'s buffer in and leaves the new one there.
+    a pgrad network's blob carries `feedback`'s buffer in and leaves the new one there, and a miner that
+    keeps its optimizer (`[miner] keep_optimizer`) goes on from `optimizer`'s state and leaves the new one.
 
     ValueError when `keep_going` is already False: the TRAIN deadline passed before training began."""
     if not keep_going():  # the trainer would get no batch and blame the data
         raise ValueError("no time left to train: the TRAIN deadline had already passed when training would start")
-    result = model.train(miner, round, base, section, keep_going, steps, progress)
+    result = model.train(miner, round, base, section, keep_going, steps, progress, optimizer)
     return encode_submission(model.spec, round, miner, head, result.tensors, base, feedback), result
 
 
@@ -172,6 +188,8 @@ class Job:
     metrics: NodeMetrics
     feedback: ErrorFeedback | None = None
     """A pgrad network's error-feedback buffer (None: full experts); honest builds update it."""
+    optimizer: InnerOptimizer | None = None
+    """The inner AdamW state carried from round to round (None: `keep_optimizer` is off); honest builds update it."""
 
     @property
     def seed(self) -> int:
@@ -192,7 +210,7 @@ class HonestStrategy:
     def build(self, job: Job) -> bytes:
         """The submission's bytes (runs in a worker thread: torch)."""
         data, result = build_submission(job.model, job.miner, job.round, job.head, job.base.tensors,
-                                        job.section, job.keep_going, feedback=job.feedback)
+                                        job.section, job.keep_going, feedback=job.feedback, optimizer=job.optimizer)
         tokens_s = result.tokens / result.seconds if result.seconds > 0 else 0.0
         log.info("round %d: trained %d steps in %.1f s (%.0f tokens/s), loss %.4f -> %.4f", job.round,
                  len(result.losses), result.seconds, tokens_s, result.losses[0], result.losses[-1])
@@ -224,6 +242,7 @@ class MinerDuties:
                                                        [section.data] if section.data else [],
                                                        forward=section.forward))
         self._served: str | None = None
+        self.optimizer = InnerOptimizer() if section.keep_optimizer else None
 
     @staticmethod
     def factory(strategy: HonestStrategy | None = None) -> DutiesFactory:
@@ -260,7 +279,7 @@ class MinerDuties:
         deadline = self._train_deadline(round)
         feedback = await load_feedback(self.ctx, model.shapes)
         job = Job(model, self.me, round, head, base, self.ctx.config.miner, lambda: self.ctx.clock.now() < deadline,
-                  self.ctx.metrics, feedback)
+                  self.ctx.metrics, feedback, self.optimizer)
         try:
             data = await asyncio.to_thread(self.strategy.build, job)
         except ValueError as exc:

@@ -64,6 +64,11 @@ class MinerSection(_Section):
         default=False, description="Activation checkpointing: recompute decoder layers in backward to save memory."
     )
     autocast: bool = Field(default=True, description="bf16 autocast when training on CUDA (no effect on CPU).")
+    keep_optimizer: bool = Field(
+        default=False,
+        description="Go on from the inner AdamW state of the last round trained, as DiLoCo's workers do, instead of "
+        "starting it at zero each round; held in memory (a restart starts at zero).",
+    )
     data: Path | None = Field(default=None, description="Local training file overriding the spec's train files.")
     behaviour: Literal["honest", "lazy", "noise", "copier", "late", "garbage"] = Field(
         default="honest", description="Exists for simulations: anything but 'honest' plays an adversary."

@@ -128,16 +128,19 @@ class Twins:
         self.nodes: dict[str, Node] = {}
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.behaviours: dict[str, str] = {}
+        self.miner_settings: dict[str, dict[str, object]] = {}
 
-    async def start(self, name: str, behaviour: str = "honest") -> Node:
-        """Create and run node `name` ("validator-0", "miner-3") on its own files (kept across restarts)."""
+    async def start(self, name: str, behaviour: str = "honest", miner: dict[str, object] | None = None) -> Node:
+        """Create and run node `name` ("validator-0", "miner-3") on its own files (kept across restarts);
+        `miner`: more of its `[miner]` config, kept across restarts too."""
         role = name.split("-")[0]
         self.behaviours[name] = behaviour
+        self.miner_settings[name] = miner = miner if miner is not None else self.miner_settings.get(name, {})
         key = self.root / f"{name}.key"
         if not key.exists():
             save_identity(identity(name), key)
         config = NodeConfig(node={"role": role, "spec": self.spec_path, "key": key, "data_dir": self.root / name},
-                            http={"enabled": False}, miner={"behaviour": behaviour},
+                            http={"enabled": False}, miner={"behaviour": behaviour, **miner},
                             validator={"heldout": self.root / "net" / "heldout.jsonl"})
         network = self.hub.join(identity(name).node_id, GossipJudge(self.spec, self.clock.now),
                                 BlobStore(config.blob_dir))

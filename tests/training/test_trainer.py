@@ -212,3 +212,27 @@ def test_bad_batches_and_configs_are_refused(make_tiny: Callable[..., Any]) -> N
         TrainConfig(batch_size=4, micro_batch_size=8)
     with pytest.raises(ValueError, match="forward"):
         TrainConfig(forward="sparse")  # type: ignore[arg-type]
+
+
+def test_a_run_that_goes_on_from_the_last_ones_optimizer_state_is_that_run_continued(
+    make_tiny: Callable[..., Any], pattern: Callable[..., torch.Tensor]
+) -> None:
+    data = pattern(32, LENGTH, 5)
+    whole = make_tiny("qwen3_moe")
+    cfg = TrainConfig(steps=8, lr=1e-2, weight_decay=0.1, batch_size=BATCH)
+    straight = train_experts(whole.model, whole.adapter, whole.group, batches(data), cfg)
+
+    split = make_tiny("qwen3_moe")
+    half = TrainConfig(steps=4, lr=1e-2, weight_decay=0.1, batch_size=BATCH)
+    first = train_experts(split.model, split.adapter, split.group, batches(data[:16]), half)
+    resumed = train_experts(split.model, split.adapter, split.group, batches(data[16:]), half, first.optimizer_state)
+    assert all(torch.equal(resumed.tensors[n], straight.tensors[n]) for n in straight.tensors)
+
+    restarted = make_tiny("qwen3_moe")
+    train_experts(restarted.model, restarted.adapter, restarted.group, batches(data[:16]), half)
+    fresh = train_experts(restarted.model, restarted.adapter, restarted.group, batches(data[16:]), half)
+    assert not all(torch.equal(fresh.tensors[n], straight.tensors[n]) for n in straight.tensors)  # zeroed moments differ
+
+    other = {layer: ids[:1] for layer, ids in split.group.items()}
+    with pytest.raises(ValueError, match="other expert tensors"):
+        train_experts(split.model, split.adapter, other, batches(data), half, first.optimizer_state)
