@@ -16,7 +16,8 @@ Arms: the network with M = 1, 4, 8 miners; single-node expert tuning (ESFT) of t
 as many steps as the largest network spends, evaluated every H steps (the ESFT curve; equal tokens
 for every M, and one miner's tokens, are points on it); full fine-tuning of all weights with the
 4-miner network's tokens as a reference; the 4-miner network with half its miners adversarial
-(one adds noise, one copies an honest miner); networks of 1, 4 and 8 miners sending compressed
+(one adds noise, one copies an honest miner), and with miners that keep their AdamW state from round
+to round (`Arm.keep_optimizer`, alone and with outer momentum 0.5); networks of 1, 4 and 8 miners sending compressed
 pseudo-gradients, whole (every miner every chunk) and partitioned (each miner a half or a quarter
 of the chunks, drawn from its id and the round, `training.pgrad`); a sweep of outer-optimizer
 settings and data shards on the 4-miner network, and of merge gates other than Proof-of-Loss on
@@ -26,7 +27,8 @@ which bounds what any averaging of M miners' updates can reach; and, to show whe
 inner lr is fair to the baseline, ESFT for the 4-miner network's tokens and that network again at
 half and at double the lr; and, to show how much of a result is the draw, the headline arms (1, 4
 and 8 miners, full and partitioned compressed), the ESFT curve and the ceiling again under two other
-seeds for the shards, batch orders and round seeds (`Settings.seed`).
+seeds for the shards, batch orders and round seeds (`Settings.seed`), with the two
+optimizer-keeping arms.
 Reported per arm: held-out loss after every round, general-domain loss change (forgetting),
 `network_vs_esft` (loss drop / ESFT's drop at equal total tokens), `esft_equivalent_steps` after
 each round (ESFT steps that reach the same loss, linear between curve points) and
@@ -85,6 +87,9 @@ class Arm:
     pgrad: PgradConfig | None = None
     duplicate_cosine: float = 0.9999
     """Cosine at which two pseudo-gradients count as copies (both dropped)."""
+    keep_optimizer: bool = False
+    """Each miner goes on with its AdamW state from its previous round (as a DiLoCo worker does) instead of
+    starting it at zero every round."""
     gate: str = "each"
     """Which submissions may be merged. `each`: the protocol's Proof-of-Loss gate, each must lower the
     round's subset loss alone. Alternatives the sweep measures, not the protocol's: `marginal`, each
@@ -206,6 +211,7 @@ class Bench:
         global_t = {k: v.clone() for k, v in self.base.items()}
         momentum: Tensors | None = None
         errors: dict[int, Tensors | None] = {}
+        optimizers: dict[int, dict[str, Any]] = {}
         losses, merged = [], []
         shapes = {name: tuple(t.shape) for name, t in self.base.items()}
         honest = arm.miners - arm.adversaries
@@ -215,8 +221,11 @@ class Bench:
                 insert(self.model, self.adapter, global_t)
                 rows = self.miner_rows(arm, i, r)
                 result = train_experts(self.model, self.adapter, self.group,
-                                       batches(rows, self.s.batch_size, self.stream(r)), self.train_cfg(self.s.inner_steps))
+                                       batches(rows, self.s.batch_size, self.stream(r)), self.train_cfg(self.s.inner_steps),
+                                       optimizers.get(i))
                 submissions[i] = result.tensors
+                if arm.keep_optimizer:
+                    optimizers[i] = result.optimizer_state
             for j, i in enumerate(range(honest, arm.miners)):
                 submissions[i] = self.adversary(j, global_t, submissions, r)
             masks: dict[int, Tensors] = {}
@@ -362,7 +371,8 @@ def at_learning_rate(bench: Bench, factor: float) -> dict[str, Any]:
                                                     "esft_equivalent_steps", "parallel_efficiency")}}
 
 
-SEED_ARMS = ("network_1", "network_4", "network_8", "pgrad_2bit_c256_k40_p2_4", "pgrad_2bit_c256_k40_p2_8")
+SEED_ARMS = ("network_1", "network_4", "network_8", "pgrad_2bit_c256_k40_p2_4", "pgrad_2bit_c256_k40_p2_8",
+             "keep_optimizer_4", "keep_optimizer_momentum0.5_4")
 """The arms the `seeds` section repeats: the ones the headline targets read."""
 
 
@@ -376,6 +386,8 @@ def headline(runs: dict[str, dict[str, Any]], ceiling: dict[str, Any]) -> dict[s
         "parallel_efficiency_4": four["parallel_efficiency"],
         "parallel_efficiency_4_ceiling": ceiling["parallel_efficiency"],
         "progress_4_over_1": _ratio(four, runs["network_1"]),
+        **{f"{key}_{name}": runs[name].get(key) for name in ("keep_optimizer_4", "keep_optimizer_momentum0.5_4")
+           for key in ("network_vs_esft", "parallel_efficiency")},
         "8_ahead_of_4": eight["losses"][-1] < four["losses"][-1],
         "8_ahead_of_4_pgrad_partitions_2": runs["pgrad_2bit_c256_k40_p2_8"]["losses"][-1]
         < runs["pgrad_2bit_c256_k40_p2_4"]["losses"][-1],
@@ -401,7 +413,7 @@ def other_seeds(bench: Bench, arms: dict[str, Arm], main: dict[str, Any], seeds:
     finally:
         bench.s = shared
     ranges = {key: [min(h[key] for h in by_seed.values()), max(h[key] for h in by_seed.values())]
-              for key in ("network_vs_esft_4", "parallel_efficiency_4", "parallel_efficiency_4_ceiling", "progress_4_over_1")
+              for key in main if not isinstance(main[key], (dict, bool))
               if all(h[key] is not None for h in by_seed.values())}
     held = {key: sum(h[key] for h in by_seed.values()) for key in ("8_ahead_of_4", "8_ahead_of_4_pgrad_partitions_2")}
     return {"by_seed": by_seed, "range": ranges, f"seeds where it holds (of {len(by_seed)})": held}
@@ -460,6 +472,8 @@ def main() -> int:
         "network_4": tuned,
         "network_8": replace(tuned, miners=8),
         "adversarial_4": replace(tuned, adversaries=2),
+        "keep_optimizer_4": replace(tuned, keep_optimizer=True),
+        "keep_optimizer_momentum0.5_4": replace(tuned, keep_optimizer=True, momentum=0.5),
         "pgrad_2bit_k32_4": replace(tuned, pgrad=PgradConfig(chunk=1024, topk=32, quant="2bit")),
         "pgrad_2bit_k48_4": replace(tuned, pgrad=PgradConfig(chunk=1024, topk=48, quant="2bit")),
         "pgrad_int8_k32_4": replace(tuned, pgrad=PgradConfig(chunk=1024, topk=32, quant="int8")),
