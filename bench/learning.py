@@ -5,29 +5,30 @@ never saw: a skill (arithmetic, records: rules learned once, so a step's progres
 how much data it sees) or knowledge (facts: many independent facts about people, tuned from a base
 that knows the sentence form from other people, `training.pretrain.base_config`; more data per step
 learns more facts). `--form-base` tunes a skill from a base that also read its form with random
-results, so the base is not confidently wrong on it and tuning learns only the rule. The network arms run the protocol's own pieces each round: every miner trains
-the group from the global state (`training.trainer`, H steps on its shard), submits full experts or a
-compressed pseudo-gradient (`training.pgrad`, error feedback kept per miner), validators score each
-submission by Proof-of-Loss on a held-out subset the round seed picks, drop near-duplicates, merge
-the top-G with positive utility by the outer step (`training.outer`). Ranking is by loss with
-utility > 0, as `protocol.ranking` does; rewards are not computed.
+results, so the base is not confidently wrong on it and tuning learns only the rule. The network
+arms run the protocol's own pieces each round: every miner trains the group from the global state
+(`training.trainer`, H steps on its shard), submits full experts or a compressed pseudo-gradient
+(`training.pgrad`, error feedback kept per miner), validators score each submission by Proof-of-Loss
+on a held-out subset the round seed picks, drop near-duplicates, merge the top-G with positive
+utility by the outer step (`training.outer`). Ranking is by loss with utility > 0, as
+`protocol.ranking` does; rewards are not computed.
 
-Arms: the network with M = 1, 4, 8 miners; single-node expert tuning (ESFT) of the same group for
-as many steps as the largest network spends, evaluated every H steps (the ESFT curve; equal tokens
-for every M, and one miner's tokens, are points on it); full fine-tuning of all weights with the
-4-miner network's tokens as a reference; the 4-miner network with half its miners adversarial
-(one adds noise, one copies an honest miner), and with miners that keep their AdamW state from round
-to round (`Arm.keep_optimizer`, alone and with outer momentum 0.5); networks of 1, 4 and 8 miners sending compressed
-pseudo-gradients, whole (every miner every chunk) and partitioned (each miner a half or a quarter
-of the chunks, drawn from its id and the round, `training.pgrad`); a sweep of outer-optimizer
-settings and data shards on the 4-miner network, and of merge gates other than Proof-of-Loss on
-each submission (`Arm.gate`) on 4 and 8 miners; and the data-parallel ceiling: ESFT with M times
-the miners' batch for one miner's steps (as if M miners averaged gradients after every step),
-which bounds what any averaging of M miners' updates can reach; and, to show whether the shared
-inner lr is fair to the baseline, ESFT for the 4-miner network's tokens and that network again at
-half and at double the lr; and, to show how much of a result is the draw, the headline arms (1, 4
-and 8 miners, full and partitioned compressed), the ESFT curve and the ceiling again under two other
-seeds for the shards, batch orders and round seeds (`Settings.seed`), with the two
+Arms: the network with M = 1, 4, 8 miners; single-node expert tuning (ESFT) of the same group for as
+many steps as the largest network spends, evaluated every H steps (the ESFT curve; equal tokens for
+every M, and one miner's tokens, are points on it); full fine-tuning of all weights with the 4-miner
+network's tokens as a reference; the 4-miner network with half its miners adversarial (one adds
+noise, one copies an honest miner), and with miners that keep their AdamW state from round to round
+(`Arm.keep_optimizer`, alone and with outer momentum 0.5); networks of 1, 4 and 8 miners sending
+compressed pseudo-gradients, whole (every miner every chunk) and partitioned (each miner a half or a
+quarter of the chunks, drawn from its id and the round, `training.pgrad`); a sweep of
+outer-optimizer settings and data shards on the 4-miner network, and of merge gates other than
+Proof-of-Loss on each submission (`Arm.gate`) on 4 and 8 miners; and the data-parallel ceiling: ESFT
+with M times the miners' batch for one miner's steps (as if M miners averaged gradients after every
+step), which bounds what any averaging of M miners' updates can reach; and, to show whether the
+shared inner lr is fair to the baseline, ESFT for the 4-miner network's tokens and that network
+again at half and at double the lr; and, to show how much of a result is the draw, the headline arms
+(1, 4 and 8 miners, full and partitioned compressed), the ESFT curve and the ceiling again under two
+other seeds for the shards, batch orders and round seeds (`Settings.seed`), with the two
 optimizer-keeping arms.
 Reported per arm: held-out loss after every round, general-domain loss change (forgetting),
 `network_vs_esft` (loss drop / ESFT's drop at equal total tokens), `esft_equivalent_steps` after
@@ -202,7 +203,8 @@ class Bench:
     def miner_rows(self, arm: Arm, miner: int, round: int) -> torch.Tensor:
         if arm.shards == "disjoint":
             part = self.train[miner :: arm.miners]
-            order = torch.randperm(part.shape[0], generator=torch.Generator().manual_seed(self.stream(round * 1000 + miner)))
+            generator = torch.Generator().manual_seed(self.stream(round * 1000 + miner))
+            order = torch.randperm(part.shape[0], generator=generator)
             return part[order]
         return shard(self.train, self.tag(f"miner-{miner}"), round)
 
@@ -220,9 +222,9 @@ class Bench:
             for i in range(honest):
                 insert(self.model, self.adapter, global_t)
                 rows = self.miner_rows(arm, i, r)
-                result = train_experts(self.model, self.adapter, self.group,
-                                       batches(rows, self.s.batch_size, self.stream(r)), self.train_cfg(self.s.inner_steps),
-                                       optimizers.get(i))
+                order = batches(rows, self.s.batch_size, self.stream(r))
+                result = train_experts(self.model, self.adapter, self.group, order,
+                                       self.train_cfg(self.s.inner_steps), optimizers.get(i))
                 submissions[i] = result.tensors
                 if arm.keep_optimizer:
                     optimizers[i] = result.optimizer_state
@@ -451,7 +453,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--domain", choices=TARGET_DOMAINS, default="arithmetic", help="target domain (default arithmetic)")
     parser.add_argument("--form-base", action="store_true",
-                        help="tune a skill from a base that also read its form with random results (facts' always does)")
+                        help="tune a skill from a base that also read its form, with random results "
+                        "(facts' base always does)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds per network run (default 5)")
     parser.add_argument("--inner-steps", type=int, default=20, help="H (default 20)")
     parser.add_argument("--cache", type=Path, default=Path(".bench/cache"), help="pretrained-base cache directory")
@@ -507,7 +510,8 @@ def main() -> int:
     learning_rates = {str(factor): at_learning_rate(bench, factor) for factor in (0.5, 2.0)}
     seeds = other_seeds(bench, arms, headline(runs, ceilings["4"]), (1, 2))
     report = {
-        "settings": {**asdict(settings), "group": bench.group, "base": asdict(base_config(settings.domain, settings.knows_form))},
+        "settings": {**asdict(settings), "group": bench.group,
+                     "base": asdict(base_config(settings.domain, settings.knows_form))},
         "base_loss": round(bench.base_loss, 4),
         "base_general_loss": round(bench.base_general, 4),
         "esft": {"curve": [(s, round(loss, 4)) for s, loss in curve],
