@@ -10,7 +10,9 @@ writes the bytes the miner would commit to. `--global` names a global-state blob
 error-feedback buffer (the fp32 safetensors form of `training.pgrad.error_bytes`, the bytes a miner
 keeps in its blob store): read when the file exists (else the buffer starts empty), checked before
 training, and atomically replaced by what the round left unsent once the blob is written. Without
-it the build starts from an empty buffer and keeps nothing. This module knows nothing about the network.
+it the build starts from an empty buffer and keeps nothing. Its AdamW state always starts at zero,
+as a miner's does unless `[miner] keep_optimizer` carries it from round to round (then only the
+first round after the miner starts is the same). This module knows nothing about the network.
 """
 
 from __future__ import annotations
