@@ -18,18 +18,18 @@ many steps as the largest network spends, evaluated every H steps (the ESFT curv
 every M, and one miner's tokens, are points on it); full fine-tuning of all weights with the 4-miner
 network's tokens as a reference; the 4-miner network with half its miners adversarial (one adds
 noise, one copies an honest miner), and with miners that keep their AdamW state from round to round
-(`Arm.keep_optimizer`, alone and with outer momentum 0.5); networks of 1, 4 and 8 miners sending
-compressed pseudo-gradients, whole (every miner every chunk) and partitioned (each miner a half or a
-quarter of the chunks, drawn from its id and the round, `training.pgrad`); a sweep of
-outer-optimizer settings and data shards on the 4-miner network, and of merge gates other than
-Proof-of-Loss on each submission (`Arm.gate`) on 4 and 8 miners; and the data-parallel ceiling: ESFT
-with M times the miners' batch for one miner's steps (as if M miners averaged gradients after every
-step), which bounds what any averaging of M miners' updates can reach; and, to show whether the
-shared inner lr is fair to the baseline, ESFT for the 4-miner network's tokens and that network
-again at half and at double the lr; and, to show how much of a result is the draw, the headline arms
-(1, 4 and 8 miners, full and partitioned compressed), the ESFT curve and the ceiling again under two
-other seeds for the shards, batch orders and round seeds (`Settings.seed`), with the two
-optimizer-keeping arms.
+(`Arm.keep_optimizer`; alone, and with outer momentum 0.5 on 4 and 8 miners and with half of 4
+adversarial); networks of 1, 4 and 8 miners sending compressed pseudo-gradients, whole (every miner
+every chunk) and partitioned (each miner a half or a quarter of the chunks, drawn from its id and
+the round, `training.pgrad`); a sweep of outer-optimizer settings and data shards on the 4-miner
+network, and of merge gates other than Proof-of-Loss on each submission (`Arm.gate`) on 4 and 8
+miners; and the data-parallel ceiling: ESFT with M times the miners' batch for one miner's steps (as
+if M miners averaged gradients after every step), which bounds what any averaging of M miners'
+updates can reach; and, to show whether the shared inner lr is fair to the baseline, ESFT for the
+4-miner network's tokens and that network again at half and at double the lr; and, to show how much
+of a result is the draw, the headline arms (1, 4 and 8 miners, full and partitioned compressed), the
+ESFT curve and the ceiling again under two other seeds for the shards, batch orders and round seeds
+(`Settings.seed`), with the adversarial and optimizer-keeping arms.
 Reported per arm: held-out loss after every round, general-domain loss change (forgetting),
 `network_vs_esft` (loss drop / ESFT's drop at equal total tokens), `esft_equivalent_steps` after
 each round (ESFT steps that reach the same loss, linear between curve points) and
@@ -373,8 +373,9 @@ def at_learning_rate(bench: Bench, factor: float) -> dict[str, Any]:
                                                     "esft_equivalent_steps", "parallel_efficiency")}}
 
 
-SEED_ARMS = ("network_1", "network_4", "network_8", "pgrad_2bit_c256_k40_p2_4", "pgrad_2bit_c256_k40_p2_8",
-             "keep_optimizer_4", "keep_optimizer_momentum0.5_4")
+SEED_ARMS = ("network_1", "network_4", "network_8", "adversarial_4", "pgrad_2bit_c256_k40_p2_4",
+             "pgrad_2bit_c256_k40_p2_8", "keep_optimizer_4", "keep_optimizer_momentum0.5_4",
+             "keep_optimizer_momentum0.5_8", "keep_optimizer_momentum0.5_adversarial_4")
 """The arms the `seeds` section repeats: the ones the headline targets read."""
 
 
@@ -393,6 +394,11 @@ def headline(runs: dict[str, dict[str, Any]], ceiling: dict[str, Any]) -> dict[s
         "8_ahead_of_4": eight["losses"][-1] < four["losses"][-1],
         "8_ahead_of_4_pgrad_partitions_2": runs["pgrad_2bit_c256_k40_p2_8"]["losses"][-1]
         < runs["pgrad_2bit_c256_k40_p2_4"]["losses"][-1],
+        "8_ahead_of_4_keep_optimizer_momentum0.5": runs["keep_optimizer_momentum0.5_8"]["losses"][-1]
+        < runs["keep_optimizer_momentum0.5_4"]["losses"][-1],
+        "adversarial_lowers_every_round": runs["adversarial_4"]["lowered_every_round"],
+        "adversarial_lowers_every_round_keep_optimizer_momentum0.5":
+            runs["keep_optimizer_momentum0.5_adversarial_4"]["lowered_every_round"],
     }
 
 
@@ -417,7 +423,7 @@ def other_seeds(bench: Bench, arms: dict[str, Arm], main: dict[str, Any], seeds:
     ranges = {key: [min(h[key] for h in by_seed.values()), max(h[key] for h in by_seed.values())]
               for key in main if not isinstance(main[key], (dict, bool))
               if all(h[key] is not None for h in by_seed.values())}
-    held = {key: sum(h[key] for h in by_seed.values()) for key in ("8_ahead_of_4", "8_ahead_of_4_pgrad_partitions_2")}
+    held = {key: sum(h[key] for h in by_seed.values()) for key in main if isinstance(main[key], bool)}
     return {"by_seed": by_seed, "range": ranges, f"seeds where it holds (of {len(by_seed)})": held}
 
 
@@ -476,7 +482,9 @@ def main() -> int:
         "network_8": replace(tuned, miners=8),
         "adversarial_4": replace(tuned, adversaries=2),
         "keep_optimizer_4": replace(tuned, keep_optimizer=True),
-        "keep_optimizer_momentum0.5_4": replace(tuned, keep_optimizer=True, momentum=0.5),
+        **{f"keep_optimizer_momentum0.5_{m}": replace(tuned, miners=m, keep_optimizer=True, momentum=0.5)
+           for m in (4, 8)},
+        "keep_optimizer_momentum0.5_adversarial_4": replace(tuned, adversaries=2, keep_optimizer=True, momentum=0.5),
         "pgrad_2bit_k32_4": replace(tuned, pgrad=PgradConfig(chunk=1024, topk=32, quant="2bit")),
         "pgrad_2bit_k48_4": replace(tuned, pgrad=PgradConfig(chunk=1024, topk=48, quant="2bit")),
         "pgrad_int8_k32_4": replace(tuned, pgrad=PgradConfig(chunk=1024, topk=32, quant="int8")),
