@@ -4,13 +4,14 @@ A randomly initialised tiny model is a poor base for measuring learning: expert-
 plateaus within a few dozen steps, because attention and the router know nothing yet. `pretrain`
 trains every weight of a tiny model for a few hundred AdamW steps on the general corpus (prose and
 code from `training.corpus`), so the experts differ and the router routes; the target domains
-(`TARGET_DOMAINS`) stay unseen, so expert-only tuning can still lower their held-out loss a lot.
-The skills (arithmetic, records) are tuned from that base; the knowledge domain (facts) from one
-whose corpus also holds "gazette", the same sentences about other people (`base_config`), so that
-tuning it is learning facts rather than a new form. `base_config(domain, knows_form=True)` gives the
-skills such a base too: it also reads their forms with random results ("tallies", "ledgers"), so it
-is not confidently wrong on their lines and tuning teaches only the rule. Everything is seeded (model init from `seed`,
-batches from a local generator), so the same settings give the same weights on this machine.
+(`TARGET_DOMAINS`) stay unseen, so expert-only tuning can still lower their held-out loss a lot. The
+skills (arithmetic, records) are tuned from that base; the knowledge domain (facts) from one whose
+corpus also holds "gazette", the same sentences about other people (`base_config`), so that tuning
+it is learning facts rather than a new form. `base_config(domain, knows_form=True)` gives the skills
+such a base too: it also reads their forms with random results ("tallies", "ledgers"), so it is not
+confidently wrong on their lines and tuning teaches only the rule. Everything is seeded (model init
+from `seed`, batches from a local generator), so the same settings give the same weights on this
+machine.
 
 `pretrained_base(cache_dir, cfg)` returns an HF checkpoint directory (config.json + safetensors,
 written with `save_pretrained`) named by a hash of the settings, training it only when it is not
