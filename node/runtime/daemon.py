@@ -88,7 +88,8 @@ class NodeContext:
 
     async def catch_up(self, round: int) -> int:
         """Ask a peer, validators first, for the envelopes of `round` it accepted, and hand those we
-        lacked to the gossip consumer (which records them); how many. 0, logged, when none answers."""
+        lacked to the gossip consumer (which records them); how many. 0 when there is no peer or none
+        answers (a network error is logged)."""
         providers = sorted(self.network.peers(), key=lambda p: (p not in self.spec.validator_weights, p))
         if not providers:
             return 0
