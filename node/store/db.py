@@ -105,9 +105,12 @@ class Storage(SqliteWorker):
             gone += conn.execute("DELETE FROM kv WHERE substr(key, 1, ?) = ? AND CAST(substr(key, ?) AS INTEGER) < ?",
                                  (len(head), head, len(head) + 1, before_round)).rowcount
         head = _MOMENTUM_OF.format("", "")[:-1]  # "momentum_of:"
-        kept = "SELECT hash FROM global_states WHERE round >= ? UNION SELECT value FROM kv WHERE key = ?"
+        # Current: a state voted for since `before_round`, our head, or a head peers announce in heartbeats
+        # since then (a node that missed the votes follows that head with the momentum named there).
+        kept = ("SELECT hash FROM global_states WHERE round >= ? UNION SELECT value FROM kv WHERE key = ? "
+                "UNION SELECT head FROM nodes WHERE round >= ?")
         gone += conn.execute(f"DELETE FROM kv WHERE substr(key, 1, ?) = ? AND substr(key, ?, 64) NOT IN ({kept})",
-                             (len(head), head, len(head) + 1, before_round, _HEAD)).rowcount
+                             (len(head), head, len(head) + 1, before_round, _HEAD, before_round)).rowcount
         return gone
 
     @read

@@ -299,6 +299,11 @@ async def test_pruning_forgets_old_working_state_and_keeps_the_record(tmp_path: 
             await store.set_submission(r, Submission(h(40 + r), 10))
             await store.set_proposal(r, Proposal(h(60 + r), h(80 + r)), V0.node_id)
         await store.set_momentum_of(h(9), V1.node_id, h(5))
+        # heads known only from validators' heartbeats (their votes were missed): round 3's is current
+        assert await accept(store, Heartbeat(round=3, role="validator", head=h(70), momentum=h(71)), V1)
+        assert await accept(store, Heartbeat(round=1, role="validator", head=h(72), momentum=h(73)), V0)
+        await store.set_momentum_of(h(70), V1.node_id, h(71))
+        await store.set_momentum_of(h(72), V0.node_id, h(73))
         await store.set_round_report(1, {"round": 1})
         await store.add_rewards(1, [RewardRecord(1, M0.node_id, 1, 1.0, 0.2, 0.3)], {M0.node_id: 0.3})
         await store.prune(before_round=3)
@@ -307,6 +312,8 @@ async def test_pruning_forgets_old_working_state_and_keeps_the_record(tmp_path: 
         assert await store.proposal(2) is None and await store.proposal(12) is not None
         assert await store.momentum_of(h(61), V0.node_id) is None  # round 1's proposal: no longer current
         assert await store.momentum_of(h(9), V1.node_id) == h(5)  # a state of round 3 stays
+        assert await store.momentum_of(h(70), V1.node_id) == h(71)  # announced in a round-3 heartbeat
+        assert await store.momentum_of(h(72), V0.node_id) is None  # announced only in round 1
         assert await store.round_report(1) == {"round": 1} and await store.rewarded(1)
         assert len(await store.commits_for(3)) == 2
     finally:
