@@ -37,6 +37,16 @@ def test_esft_steps_interpolate_between_curve_points_and_take_the_first_crossing
     assert learning.esft_steps(CURVE, 0.4) is None  # below anything the curve reached
 
 
+def test_the_monotone_read_does_not_stop_at_a_dip_the_curve_climbs_out_of(learning: ModuleType) -> None:
+    noisy = [(0, 2.0), (20, 1.0), (40, 0.9), (60, 0.95), (80, 0.85)]
+    fitted = learning.monotone(noisy)
+    assert [step for step, _ in fitted] == [0, 20, 40, 60, 80]
+    assert [loss for _, loss in fitted] == pytest.approx([2.0, 1.0, 0.925, 0.925, 0.85])  # 40 and 60 pooled
+    assert learning.esft_steps(noisy, 0.92) == pytest.approx(36.0)  # the dip at 40 decides the first read
+    assert learning.esft_steps(fitted, 0.92) == pytest.approx(60 + 20 * 0.005 / 0.075)
+    assert learning.monotone(CURVE) == CURVE  # a curve that never rises is its own fit
+
+
 def test_summarise_reads_efficiency_against_honest_steps_and_equal_token_esft(learning: ModuleType) -> None:
     settings = learning.Settings(rounds=2, inner_steps=10)
     bench = type("B", (), {"s": settings, "base_loss": 2.0})()
@@ -44,6 +54,7 @@ def test_summarise_reads_efficiency_against_honest_steps_and_equal_token_esft(le
     learning.summarise(bench, run, CURVE, {40: 0.3})
     assert run["esft_equivalent_steps"] == [20.0, 30.0]
     assert run["parallel_efficiency"] == pytest.approx(30 / 40)
+    assert run["parallel_efficiency_monotone"] == pytest.approx(30 / 40)  # CURVE never rises
     assert run["network_vs_esft"] == pytest.approx((2.0 - 1.25) / (2.0 - 1.0))  # ESFT at 40 steps
     assert run["esft_forgetting_equal_tokens"] == 0.3
     assert run["lowered_every_round"] is True
