@@ -22,14 +22,16 @@ noise, one copies an honest miner), and with miners that keep their AdamW state 
 adversarial); networks of 1, 4 and 8 miners sending compressed pseudo-gradients, whole (every miner
 every chunk) and partitioned (each miner a half or a quarter of the chunks, drawn from its id and
 the round, `training.pgrad`); a sweep of outer-optimizer settings and data shards on the 4-miner
-network, and of merge gates other than Proof-of-Loss on each submission (`Arm.gate`) on 4 and 8
-miners; and the data-parallel ceiling: ESFT with M times the miners' batch for one miner's steps (as
-if M miners averaged gradients after every step), which bounds what any averaging of M miners'
-updates can reach; and, to show whether the shared inner lr is fair to the baseline, ESFT for the
-4-miner network's tokens and that network again at half and at double the lr; and, to show how much
-of a result is the draw, the headline arms (1, 4 and 8 miners, full and partitioned compressed), the
-ESFT curve and the ceiling again under two other seeds for the shards, batch orders and round seeds
-(`Settings.seed`), with the adversarial and optimizer-keeping arms.
+network, and on 4 and 8 miners of merge gates other than Proof-of-Loss on each submission
+(`Arm.gate`) and of updates weighted by their utility (`Arm.weighting`), and of kept AdamW state
+without outer momentum on 8 miners and on 4 with half adversarial; and the data-parallel ceiling:
+ESFT with M times the miners' batch for one miner's steps (as if M miners averaged gradients after
+every step), which bounds what any averaging of M miners' updates can reach; and, to show whether
+the shared inner lr is fair to the baseline, ESFT for the 4-miner network's tokens and that network
+again at half and at double the lr; and, to show how much of a result is the draw, the headline arms
+(1, 4 and 8 miners, full and partitioned compressed), the ESFT curve and the ceiling again under two
+other seeds for the shards, batch orders and round seeds (`Settings.seed`), with the adversarial and
+optimizer-keeping arms.
 Reported per arm: held-out loss after every round, general-domain loss change (forgetting),
 `network_vs_esft` (loss drop / ESFT's drop at equal total tokens), `esft_equivalent_steps` after
 each round (ESFT steps that reach the same loss, linear between curve points), `parallel_efficiency`
@@ -54,7 +56,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from sklearn.isotonic import IsotonicRegression
@@ -91,6 +93,9 @@ class Arm:
     pgrad: PgradConfig | None = None
     duplicate_cosine: float = 0.9999
     """Cosine at which two pseudo-gradients count as copies (both dropped)."""
+    weighting: Literal["uniform", "utility"] = "uniform"
+    """How the outer step weights the merged updates: `uniform`, or `utility` (each by its u_i), as the
+    spec's `[aggregation] weighting` does."""
     keep_optimizer: bool = False
     """Each miner goes on with its AdamW state from its previous round (as a DiLoCo worker does) instead of
     starting it at zero every round."""
@@ -212,7 +217,7 @@ class Bench:
         return shard(self.train, self.tag(f"miner-{miner}"), round)
 
     def network(self, arm: Arm) -> dict[str, Any]:
-        outer = OuterConfig(lr=arm.outer_lr, momentum=arm.momentum)
+        outer = OuterConfig(lr=arm.outer_lr, momentum=arm.momentum, weighting=arm.weighting)
         global_t = {k: v.clone() for k, v in self.base.items()}
         momentum: Tensors | None = None
         errors: dict[int, Tensors | None] = {}
@@ -532,6 +537,9 @@ def main() -> int:
         "lr2_0.5": Arm(outer_lr=2.0, momentum=0.5),
         "disjoint_lr2_0": Arm(outer_lr=2.0, momentum=0.0, shards="disjoint"),
         **{f"gate_{gate}_{m}": Arm(miners=m, gate=gate) for gate in ("none", "marginal") for m in (4, 8)},
+        **{f"utility_weighting_{m}": Arm(miners=m, weighting="utility") for m in (4, 8)},
+        "keep_optimizer_8": Arm(miners=8, keep_optimizer=True),
+        "keep_optimizer_adversarial_4": Arm(adversaries=2, keep_optimizer=True),
     }
     runs: dict[str, dict[str, Any]] = {}
     for name, arm in [*({} if args.no_sweep else sweep).items(), *arms.items()]:
