@@ -319,6 +319,12 @@ def esft_steps(curve: list[tuple[int, float]], loss: float) -> float | None:
     return None
 
 
+def _efficiency(curve: list[tuple[int, float]], loss: float, spent: int) -> float | None:
+    """ESFT steps on `curve` that reach `loss`, over the `spent` miner steps; None if it never does."""
+    steps = esft_steps(curve, loss)
+    return None if steps is None else round(steps / spent, 4)
+
+
 def monotone(curve: list[tuple[int, float]]) -> list[tuple[int, float]]:
     """The non-increasing curve nearest to `curve` (least squares; scikit-learn's isotonic regression).
 
@@ -348,17 +354,10 @@ def summarise(bench: Bench, run: dict[str, Any], curve: list[tuple[int, float]],
         run["network_vs_esft"] = round((bench.base_loss - run["losses"][-1]) / esft_drop, 4)
     if total in esft_forgetting:
         run["esft_forgetting_equal_tokens"] = round(esft_forgetting[total], 4)
-    final = equivalent[-1]
-    run["parallel_efficiency"] = None if final is None else round(final / total, 4)
+    run["parallel_efficiency"] = _efficiency(curve, run["losses"][-1], total)
     run["parallel_efficiency_monotone"] = _efficiency(monotone(curve), run["losses"][-1], total)
     before = [round(bench.base_loss, 4), *run["losses"]]  # losses are rounded; compare like with like
     run["lowered_every_round"] = all(b < a for a, b in zip(before, run["losses"], strict=False))
-
-
-def _efficiency(curve: list[tuple[int, float]], loss: float, spent: int) -> float | None:
-    """ESFT steps on `curve` that reach `loss`, over the `spent` miner steps; None if it never does."""
-    steps = esft_steps(curve, loss)
-    return None if steps is None else round(steps / spent, 4)
 
 
 def data_parallel(bench: Bench, curve: list[tuple[int, float]], miners: int) -> dict[str, Any]:
@@ -372,10 +371,9 @@ def data_parallel(bench: Bench, curve: list[tuple[int, float]], miners: int) -> 
     wide, _ = bench.esft_curve(steps, s.inner_steps, set(), batch_size=miners * s.batch_size)
     losses = [round(loss, 4) for _, loss in wide[1:]]
     equivalent = [esft_steps(curve, loss) for loss in losses]
-    final = equivalent[-1]
     return {"miners": miners, "batch_size": miners * s.batch_size, "losses": losses,
             "esft_equivalent_steps": [None if e is None else round(e, 1) for e in equivalent],
-            "parallel_efficiency": None if final is None else round(final / (miners * steps), 4),
+            "parallel_efficiency": _efficiency(curve, losses[-1], miners * steps),
             "parallel_efficiency_monotone": _efficiency(monotone(curve), losses[-1], miners * steps),
             "network_vs_esft": round((bench.base_loss - losses[-1]) / (bench.base_loss - curve_at(curve, miners * steps)), 4)}
 
