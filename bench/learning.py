@@ -19,19 +19,22 @@ every M, and one miner's tokens, are points on it); full fine-tuning of all weig
 network's tokens as a reference; the 4-miner network with half its miners adversarial (one adds
 noise, one copies an honest miner), and with miners that keep their AdamW state from round to round
 (`Arm.keep_optimizer`; alone, and with outer momentum 0.5 on 4 and 8 miners and with half of 4
-adversarial); networks of 1, 4 and 8 miners sending compressed pseudo-gradients, whole (every miner
-every chunk) and partitioned (each miner a half or a quarter of the chunks, drawn from its id and
-the round, `training.pgrad`); a sweep of outer-optimizer settings and data shards on the 4-miner
+adversarial); short rounds (`Arm.inner_steps`: H = 5 over four times the rounds, so every arm
+spends the same miner steps) with kept AdamW state and outer lr 2 on 4 and 8 miners and with half
+of 4 adversarial (`SHORT`); networks of 1, 4 and 8 miners sending compressed pseudo-gradients, whole
+(every miner every chunk) and partitioned (each miner a half or a quarter of the chunks, drawn from
+its id and the round, `training.pgrad`); a sweep of outer-optimizer settings and data shards on the 4-miner
 network, and on 4 and 8 miners of merge gates other than Proof-of-Loss on each submission
 (`Arm.gate`) and of updates weighted by their utility (`Arm.weighting`), and of kept AdamW state
-without outer momentum on 8 miners and on 4 with half adversarial; and the data-parallel ceiling:
+without outer momentum on 8 miners and on 4 with half adversarial, and of short rounds at other outer
+lrs, without kept state and without the gate; and the data-parallel ceiling:
 ESFT with M times the miners' batch for one miner's steps (as if M miners averaged gradients after
 every step), which bounds what any averaging of M miners' updates can reach; and, to show whether
 the shared inner lr is fair to the baseline, ESFT for the 4-miner network's tokens and that network
 again at half and at double the lr; and, to show how much of a result is the draw, the headline arms
 (1, 4 and 8 miners, full and partitioned compressed), the ESFT curve and the ceiling again under two
-other seeds for the shards, batch orders and round seeds (`Settings.seed`), with the adversarial and
-optimizer-keeping arms.
+other seeds for the shards, batch orders and round seeds (`Settings.seed`), with the adversarial,
+optimizer-keeping and short-round arms.
 Reported per arm: held-out loss after every round, general-domain loss change (forgetting),
 `network_vs_esft` (loss drop / ESFT's drop at equal total tokens), `esft_equivalent_steps` after
 each round (ESFT steps that reach the same loss, linear between curve points), `parallel_efficiency`
@@ -104,6 +107,9 @@ class Arm:
     round's subset loss alone. Alternatives the sweep measures, not the protocol's: `marginal`, each
     must lower the subset loss of the plain mean of every non-copy (leaving it out raises it), ranked
     by that; `none`: every non-copy."""
+    inner_steps: int | None = None
+    """H for this arm (None: the settings'). The arm runs as many more or fewer rounds as keep the miner
+    steps of every arm equal: settings' H x R / H."""
 
 
 @dataclass(frozen=True)
@@ -225,14 +231,15 @@ class Bench:
         losses, merged = [], []
         shapes = {name: tuple(t.shape) for name, t in self.base.items()}
         honest = arm.miners - arm.adversaries
-        for r in range(self.s.rounds):
+        steps, rounds = round_shape(self.s, arm)
+        for r in range(rounds):
             submissions: dict[int, Tensors] = {}
             for i in range(honest):
                 insert(self.model, self.adapter, global_t)
                 rows = self.miner_rows(arm, i, r)
                 order = batches(rows, self.s.batch_size, self.stream(r))
                 result = train_experts(self.model, self.adapter, self.group, order,
-                                       self.train_cfg(self.s.inner_steps), optimizers.get(i))
+                                       self.train_cfg(steps), optimizers.get(i))
                 submissions[i] = result.tensors
                 if arm.keep_optimizer:
                     optimizers[i] = result.optimizer_state
@@ -311,6 +318,15 @@ class Bench:
         return sorted(((i, g) for i, g in gains.items() if g > 0), key=lambda pair: -pair[1])
 
 
+def round_shape(settings: Settings, arm: Arm) -> tuple[int, int]:
+    """The arm's (H, rounds): its own H, over as many rounds as spend the settings' H x R steps per miner."""
+    steps = settings.inner_steps if arm.inner_steps is None else arm.inner_steps
+    per_miner = settings.inner_steps * settings.rounds
+    if steps <= 0 or per_miner % steps:
+        raise ValueError(f"an arm's inner steps must divide the {per_miner} steps each miner spends, got {steps}")
+    return steps, per_miner // steps
+
+
 def esft_steps(curve: list[tuple[int, float]], loss: float) -> float | None:
     """ESFT steps at which the curve first reaches `loss`, linear between points; None if it never does."""
     for (s0, l0), (s1, l1) in zip(curve, curve[1:], strict=False):
@@ -345,10 +361,9 @@ def curve_at(curve: list[tuple[int, float]], steps: int) -> float:
 def summarise(bench: Bench, run: dict[str, Any], curve: list[tuple[int, float]], esft_forgetting: dict[int, float]) -> None:
     s = bench.s
     spent = run["miners"] - run["adversaries"]
-    steps_per_round = spent * s.inner_steps
     equivalent = [esft_steps(curve, loss) for loss in run["losses"]]
     run["esft_equivalent_steps"] = [None if e is None else round(e, 1) for e in equivalent]
-    total = steps_per_round * s.rounds
+    total = spent * s.inner_steps * s.rounds  # every arm spends the same steps per miner (round_shape)
     if total in dict(curve):
         esft_drop = bench.base_loss - curve_at(curve, total)
         run["network_vs_esft"] = round((bench.base_loss - run["losses"][-1]) / esft_drop, 4)
@@ -357,7 +372,8 @@ def summarise(bench: Bench, run: dict[str, Any], curve: list[tuple[int, float]],
     run["parallel_efficiency"] = _efficiency(curve, run["losses"][-1], total)
     run["parallel_efficiency_monotone"] = _efficiency(monotone(curve), run["losses"][-1], total)
     before = [round(bench.base_loss, 4), *run["losses"]]  # losses are rounded; compare like with like
-    run["lowered_every_round"] = all(b < a for a, b in zip(before, run["losses"], strict=False))
+    run["rounds_lowered"] = sum(b < a for a, b in zip(before, run["losses"], strict=False))
+    run["lowered_every_round"] = run["rounds_lowered"] == len(run["losses"])
 
 
 def data_parallel(bench: Bench, curve: list[tuple[int, float]], miners: int) -> dict[str, Any]:
@@ -399,9 +415,16 @@ def at_learning_rate(bench: Bench, factor: float) -> dict[str, Any]:
                                                     "esft_equivalent_steps", "parallel_efficiency")}}
 
 
+SHORT = "h5_keep_optimizer_lr2"
+"""The short-round arms: H = 5 over 4 times the rounds, miners keeping their AdamW state, outer lr 2 (about
+the square root of the 4 miners merged: each miner's AdamW step is normalised by its own batch's gradient
+noise, so the mean of M such steps moves about as far as one, where one step on M times the batch moves
+about sqrt(M) times as far)."""
+
 SEED_ARMS = ("network_1", "network_4", "network_8", "adversarial_4", "pgrad_2bit_c256_k40_p2_4",
              "pgrad_2bit_c256_k40_p2_8", "keep_optimizer_4", "keep_optimizer_momentum0.5_4",
-             "keep_optimizer_momentum0.5_8", "keep_optimizer_momentum0.5_adversarial_4")
+             "keep_optimizer_momentum0.5_8", "keep_optimizer_momentum0.5_adversarial_4",
+             f"{SHORT}_4", f"{SHORT}_8", f"{SHORT}_adversarial_4")
 """The arms the `seeds` section repeats: the ones the headline targets read."""
 
 
@@ -416,16 +439,19 @@ def headline(runs: dict[str, dict[str, Any]], ceiling: dict[str, Any]) -> dict[s
         "parallel_efficiency_4_monotone": four["parallel_efficiency_monotone"],
         "parallel_efficiency_4_ceiling": ceiling["parallel_efficiency"],
         "progress_4_over_1": _ratio(four, runs["network_1"]),
-        **{f"{key}_{name}": runs[name].get(key) for name in ("keep_optimizer_4", "keep_optimizer_momentum0.5_4")
+        **{f"{key}_{name}": runs[name].get(key)
+           for name in ("keep_optimizer_4", "keep_optimizer_momentum0.5_4", f"{SHORT}_4")
            for key in ("network_vs_esft", "parallel_efficiency", "parallel_efficiency_monotone")},
         "8_ahead_of_4": eight["losses"][-1] < four["losses"][-1],
         "8_ahead_of_4_pgrad_partitions_2": runs["pgrad_2bit_c256_k40_p2_8"]["losses"][-1]
         < runs["pgrad_2bit_c256_k40_p2_4"]["losses"][-1],
         "8_ahead_of_4_keep_optimizer_momentum0.5": runs["keep_optimizer_momentum0.5_8"]["losses"][-1]
         < runs["keep_optimizer_momentum0.5_4"]["losses"][-1],
+        f"8_ahead_of_4_{SHORT}": runs[f"{SHORT}_8"]["losses"][-1] < runs[f"{SHORT}_4"]["losses"][-1],
         "adversarial_lowers_every_round": runs["adversarial_4"]["lowered_every_round"],
         "adversarial_lowers_every_round_keep_optimizer_momentum0.5":
             runs["keep_optimizer_momentum0.5_adversarial_4"]["lowered_every_round"],
+        f"adversarial_lowers_every_round_{SHORT}": runs[f"{SHORT}_adversarial_4"]["lowered_every_round"],
     }
 
 
@@ -474,6 +500,21 @@ def targets(runs: dict[str, dict[str, Any]], ceilings: dict[str, dict[str, Any]]
         "forgetting_4_no_worse_than_esft": four["forgetting"] <= four.get("esft_forgetting_equal_tokens", math.inf),
         "adversarial_lowers_every_round": runs["adversarial_4"]["lowered_every_round"],
         "pgrad (payload >= 16x, network_vs_esft >= 0.9)": pgrad,
+        f"{SHORT} (H = 5 over 4x the rounds, kept AdamW state, outer lr 2)": short_rounds(runs),
+    }
+
+
+def short_rounds(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The targets read on the short-round arms (`SHORT`)."""
+    four, eight, adversarial = (runs[f"{SHORT}_{name}"] for name in ("4", "8", "adversarial_4"))
+    return {
+        "network_vs_esft_4 (>= 0.95)": four.get("network_vs_esft"),
+        "parallel_efficiency_4 (>= 0.5)": four["parallel_efficiency"],
+        "parallel_efficiency_4 read on the monotone fit of the ESFT curve": four["parallel_efficiency_monotone"],
+        "8_ahead_of_4": eight["losses"][-1] < four["losses"][-1],
+        "forgetting_4_no_worse_than_esft": four["forgetting"] <= four.get("esft_forgetting_equal_tokens", math.inf),
+        "adversarial_lowers_every_round": adversarial["lowered_every_round"],
+        "adversarial_rounds_lowered": f"{adversarial['rounds_lowered']} of {len(adversarial['losses'])}",
     }
 
 
@@ -501,6 +542,7 @@ def main() -> int:
                         knows_form=True if args.form_base else None)
     bench = Bench(settings, args.cache)
     tuned = Arm()
+    short = Arm(inner_steps=5, keep_optimizer=True, outer_lr=2.0)
     max_miners = 8
     per_miner = settings.inner_steps * settings.rounds
     curve, esft_forgetting = bench.esft_curve(max_miners * per_miner, settings.inner_steps, {m * per_miner for m in (1, 2, 4)})
@@ -513,6 +555,8 @@ def main() -> int:
         **{f"keep_optimizer_momentum0.5_{m}": replace(tuned, miners=m, keep_optimizer=True, momentum=0.5)
            for m in (4, 8)},
         "keep_optimizer_momentum0.5_adversarial_4": replace(tuned, adversaries=2, keep_optimizer=True, momentum=0.5),
+        **{f"{SHORT}_{m}": replace(short, miners=m) for m in (4, 8)},
+        f"{SHORT}_adversarial_4": replace(short, adversaries=2),
         "pgrad_2bit_k32_4": replace(tuned, pgrad=PgradConfig(chunk=1024, topk=32, quant="2bit")),
         "pgrad_2bit_k48_4": replace(tuned, pgrad=PgradConfig(chunk=1024, topk=48, quant="2bit")),
         "pgrad_int8_k32_4": replace(tuned, pgrad=PgradConfig(chunk=1024, topk=32, quant="int8")),
@@ -538,6 +582,10 @@ def main() -> int:
         **{f"utility_weighting_{m}": Arm(miners=m, weighting="utility") for m in (4, 8)},
         "keep_optimizer_8": Arm(miners=8, keep_optimizer=True),
         "keep_optimizer_adversarial_4": Arm(adversaries=2, keep_optimizer=True),
+        **{f"h5_keep_optimizer_lr{lr:g}_4": replace(short, outer_lr=lr) for lr in (1.0, 1.5)},
+        "h5_lr2_4": replace(short, keep_optimizer=False),
+        "h5_keep_optimizer_lr2_gate_none_4": replace(short, gate="none"),
+        "h5_keep_optimizer_lr2.83_8": replace(short, miners=8, outer_lr=2.83),
     }
     runs: dict[str, dict[str, Any]] = {}
     for name, arm in [*({} if args.no_sweep else sweep).items(), *arms.items()]:

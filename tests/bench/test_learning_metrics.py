@@ -57,10 +57,21 @@ def test_summarise_reads_efficiency_against_honest_steps_and_equal_token_esft(le
     assert run["parallel_efficiency_monotone"] == pytest.approx(30 / 40)  # CURVE never rises
     assert run["network_vs_esft"] == pytest.approx((2.0 - 1.25) / (2.0 - 1.0))  # ESFT at 40 steps
     assert run["esft_forgetting_equal_tokens"] == 0.3
-    assert run["lowered_every_round"] is True
+    assert run["lowered_every_round"] is True and run["rounds_lowered"] == 2
     stalled = {"miners": 1, "adversaries": 0, "losses": [1.5, 1.5]}
     learning.summarise(bench, stalled, CURVE, {})
-    assert stalled["lowered_every_round"] is False and "network_vs_esft" in stalled
+    assert stalled["lowered_every_round"] is False and stalled["rounds_lowered"] == 1
+    assert "network_vs_esft" in stalled
+
+
+def test_an_arm_with_its_own_inner_steps_spends_the_same_steps_over_more_rounds(learning: ModuleType) -> None:
+    settings = learning.Settings(rounds=5, inner_steps=20)
+    assert learning.round_shape(settings, learning.Arm()) == (20, 5)
+    assert learning.round_shape(settings, learning.Arm(inner_steps=5)) == (5, 20)
+    assert learning.round_shape(settings, learning.Arm(inner_steps=100)) == (100, 1)
+    for steps in (0, 3, 200):  # 3 does not divide 100 steps; 200 is more than a miner spends
+        with pytest.raises(ValueError, match="must divide the 100 steps"):
+            learning.round_shape(settings, learning.Arm(inner_steps=steps))
 
 
 def _headline(pe: float, progress: float | None, eight_ahead: bool) -> dict:
