@@ -19,22 +19,22 @@ every M, and one miner's tokens, are points on it); full fine-tuning of all weig
 network's tokens as a reference; the 4-miner network with half its miners adversarial (one adds
 noise, one copies an honest miner), and with miners that keep their AdamW state from round to round
 (`Arm.keep_optimizer`; alone, and with outer momentum 0.5 on 4 and 8 miners and with half of 4
-adversarial); short rounds (`Arm.inner_steps`: H = 5 over four times the rounds, so every arm
-spends the same miner steps) with kept AdamW state and outer lr 2 on 4 and 8 miners and with half
-of 4 adversarial (`SHORT`); networks of 1, 4 and 8 miners sending compressed pseudo-gradients, whole
-(every miner every chunk) and partitioned (each miner a half or a quarter of the chunks, drawn from
-its id and the round, `training.pgrad`); a sweep of outer-optimizer settings and data shards on the 4-miner
-network, and on 4 and 8 miners of merge gates other than Proof-of-Loss on each submission
-(`Arm.gate`) and of updates weighted by their utility (`Arm.weighting`), and of kept AdamW state
-without outer momentum on 8 miners and on 4 with half adversarial, and of short rounds at other outer
-lrs, without kept state and without the gate; and the data-parallel ceiling:
-ESFT with M times the miners' batch for one miner's steps (as if M miners averaged gradients after
-every step), which bounds what any averaging of M miners' updates can reach; and, to show whether
-the shared inner lr is fair to the baseline, ESFT for the 4-miner network's tokens and that network
-again at half and at double the lr; and, to show how much of a result is the draw, the headline arms
-(1, 4 and 8 miners, full and partitioned compressed), the ESFT curve and the ceiling again under two
-other seeds for the shards, batch orders and round seeds (`Settings.seed`), with the adversarial,
-optimizer-keeping and short-round arms.
+adversarial); short rounds (`Arm.inner_steps`: H = 5 over four times the rounds, so every arm spends
+the same miner steps) with kept AdamW state and outer lr 2 on 4 and 8 miners and with half of 4
+adversarial (`SHORT`), sending full experts and compressed pseudo-gradients; networks of 1, 4 and 8
+miners sending compressed pseudo-gradients, whole (every miner every chunk) and partitioned (each
+miner a half or a quarter of the chunks, drawn from its id and the round, `training.pgrad`); a sweep
+of outer-optimizer settings and data shards on the 4-miner network, and on 4 and 8 miners of merge
+gates other than Proof-of-Loss on each submission (`Arm.gate`) and of updates weighted by their
+utility (`Arm.weighting`), and of kept AdamW state without outer momentum on 8 miners and on 4 with
+half adversarial, and of short rounds at other outer lrs, without kept state and without the gate;
+and the data-parallel ceiling: ESFT with M times the miners' batch for one miner's steps (as if M
+miners averaged gradients after every step), which bounds what any averaging of M miners' updates
+can reach; and, to show whether the shared inner lr is fair to the baseline, ESFT for the 4-miner
+network's tokens and that network again at half and at double the lr; and, to show how much of a
+result is the draw, the headline arms (1, 4 and 8 miners, full and partitioned compressed), the ESFT
+curve and the ceiling again under two other seeds for the shards, batch orders and round seeds
+(`Settings.seed`), with the adversarial, optimizer-keeping and short-round arms.
 Reported per arm: held-out loss after every round, general-domain loss change (forgetting),
 `network_vs_esft` (loss drop / ESFT's drop at equal total tokens), `esft_equivalent_steps` after
 each round (ESFT steps that reach the same loss, linear between curve points), `parallel_efficiency`
@@ -424,7 +424,8 @@ about sqrt(M) times as far)."""
 SEED_ARMS = ("network_1", "network_4", "network_8", "adversarial_4", "pgrad_2bit_c256_k40_p2_4",
              "pgrad_2bit_c256_k40_p2_8", "keep_optimizer_4", "keep_optimizer_momentum0.5_4",
              "keep_optimizer_momentum0.5_8", "keep_optimizer_momentum0.5_adversarial_4",
-             f"{SHORT}_4", f"{SHORT}_8", f"{SHORT}_adversarial_4")
+             f"{SHORT}_4", f"{SHORT}_8", f"{SHORT}_adversarial_4",
+             f"{SHORT}_pgrad_p2_4", f"{SHORT}_pgrad_p2_8", f"{SHORT}_pgrad_p2_adversarial_4")
 """The arms the `seeds` section repeats: the ones the headline targets read."""
 
 
@@ -440,18 +441,22 @@ def headline(runs: dict[str, dict[str, Any]], ceiling: dict[str, Any]) -> dict[s
         "parallel_efficiency_4_ceiling": ceiling["parallel_efficiency"],
         "progress_4_over_1": _ratio(four, runs["network_1"]),
         **{f"{key}_{name}": runs[name].get(key)
-           for name in ("keep_optimizer_4", "keep_optimizer_momentum0.5_4", f"{SHORT}_4")
+           for name in ("keep_optimizer_4", "keep_optimizer_momentum0.5_4", f"{SHORT}_4", f"{SHORT}_pgrad_p2_4")
            for key in ("network_vs_esft", "parallel_efficiency", "parallel_efficiency_monotone")},
         "8_ahead_of_4": eight["losses"][-1] < four["losses"][-1],
         "8_ahead_of_4_pgrad_partitions_2": runs["pgrad_2bit_c256_k40_p2_8"]["losses"][-1]
         < runs["pgrad_2bit_c256_k40_p2_4"]["losses"][-1],
         "8_ahead_of_4_keep_optimizer_momentum0.5": runs["keep_optimizer_momentum0.5_8"]["losses"][-1]
         < runs["keep_optimizer_momentum0.5_4"]["losses"][-1],
-        f"8_ahead_of_4_{SHORT}": runs[f"{SHORT}_8"]["losses"][-1] < runs[f"{SHORT}_4"]["losses"][-1],
+        **{f"8_ahead_of_4_{SHORT}{kind}":
+           runs[f"{SHORT}{kind}_8"]["losses"][-1] < runs[f"{SHORT}{kind}_4"]["losses"][-1]
+           for kind in ("", "_pgrad_p2")},
         "adversarial_lowers_every_round": runs["adversarial_4"]["lowered_every_round"],
         "adversarial_lowers_every_round_keep_optimizer_momentum0.5":
             runs["keep_optimizer_momentum0.5_adversarial_4"]["lowered_every_round"],
-        f"adversarial_lowers_every_round_{SHORT}": runs[f"{SHORT}_adversarial_4"]["lowered_every_round"],
+        **{f"adversarial_lowers_every_round_{SHORT}{kind}":
+           runs[f"{SHORT}{kind}_adversarial_4"]["lowered_every_round"]
+           for kind in ("", "_pgrad_p2")},
     }
 
 
@@ -500,13 +505,14 @@ def targets(runs: dict[str, dict[str, Any]], ceilings: dict[str, dict[str, Any]]
         "forgetting_4_no_worse_than_esft": four["forgetting"] <= four.get("esft_forgetting_equal_tokens", math.inf),
         "adversarial_lowers_every_round": runs["adversarial_4"]["lowered_every_round"],
         "pgrad (payload >= 16x, network_vs_esft >= 0.9)": pgrad,
-        f"{SHORT} (H = 5 over 4x the rounds, kept AdamW state, outer lr 2)": short_rounds(runs),
+        f"{SHORT} (H = 5 over 4x the rounds, kept AdamW state, outer lr 2)": short_rounds(runs, SHORT),
+        f"{SHORT}_pgrad_p2 (the same, compressed as pgrad_2bit_c256_k40_p2)": short_rounds(runs, f"{SHORT}_pgrad_p2"),
     }
 
 
-def short_rounds(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The targets read on the short-round arms (`SHORT`)."""
-    four, eight, adversarial = (runs[f"{SHORT}_{name}"] for name in ("4", "8", "adversarial_4"))
+def short_rounds(runs: dict[str, dict[str, Any]], family: str) -> dict[str, Any]:
+    """The targets read on one family of short-round arms (`SHORT`, full or compressed)."""
+    four, eight, adversarial = (runs[f"{family}_{name}"] for name in ("4", "8", "adversarial_4"))
     return {
         "network_vs_esft_4 (>= 0.95)": four.get("network_vs_esft"),
         "parallel_efficiency_4 (>= 0.5)": four["parallel_efficiency"],
@@ -557,6 +563,10 @@ def main() -> int:
         "keep_optimizer_momentum0.5_adversarial_4": replace(tuned, adversaries=2, keep_optimizer=True, momentum=0.5),
         **{f"{SHORT}_{m}": replace(short, miners=m) for m in (4, 8)},
         f"{SHORT}_adversarial_4": replace(short, adversaries=2),
+        **{f"{SHORT}_pgrad_p2_{m}": replace(short, miners=m, pgrad=PgradConfig(chunk=256, topk=40, partitions=2))
+           for m in (4, 8)},
+        f"{SHORT}_pgrad_p2_adversarial_4": replace(short, adversaries=2,
+                                                   pgrad=PgradConfig(chunk=256, topk=40, partitions=2)),
         "pgrad_2bit_k32_4": replace(tuned, pgrad=PgradConfig(chunk=1024, topk=32, quant="2bit")),
         "pgrad_2bit_k48_4": replace(tuned, pgrad=PgradConfig(chunk=1024, topk=48, quant="2bit")),
         "pgrad_int8_k32_4": replace(tuned, pgrad=PgradConfig(chunk=1024, topk=32, quant="int8")),
