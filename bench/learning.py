@@ -551,7 +551,6 @@ def main() -> int:
     short = Arm(inner_steps=5, keep_optimizer=True, outer_lr=2.0)
     max_miners = 8
     per_miner = settings.inner_steps * settings.rounds
-    curve, esft_forgetting = bench.esft_curve(max_miners * per_miner, settings.inner_steps, {m * per_miner for m in (1, 2, 4)})
     arms: dict[str, Arm] = {
         "network_1": replace(tuned, miners=1),
         "network_4": tuned,
@@ -597,6 +596,12 @@ def main() -> int:
         "h5_keep_optimizer_lr2_gate_none_4": replace(short, gate="none"),
         "h5_keep_optimizer_lr2.83_8": replace(short, miners=8, outer_lr=2.83),
     }
+    try:  # an H that does not divide the miners' steps fails here, not an hour in
+        for arm in [*sweep.values(), *arms.values()]:
+            round_shape(settings, arm)
+    except ValueError as exc:
+        parser.error(f"--inner-steps {settings.inner_steps} --rounds {settings.rounds}: {exc}")
+    curve, esft_forgetting = bench.esft_curve(max_miners * per_miner, settings.inner_steps, {m * per_miner for m in (1, 2, 4)})
     runs: dict[str, dict[str, Any]] = {}
     for name, arm in [*({} if args.no_sweep else sweep).items(), *arms.items()]:
         runs[name] = bench.network(arm)
