@@ -29,12 +29,12 @@ gates other than Proof-of-Loss on each submission (`Arm.gate`) and of updates we
 utility (`Arm.weighting`), and of kept AdamW state without outer momentum on 8 miners and on 4 with
 half adversarial, and of short rounds at other outer lrs, without kept state and without the gate;
 and the data-parallel ceiling: ESFT with M times the miners' batch for one miner's steps (as if M
-miners averaged gradients after every step), which bounds what any averaging of M miners' updates
-can reach; and, to show whether the shared inner lr is fair to the baseline, ESFT for the 4-miner
-network's tokens and that network again at half and at double the lr; and, to show how much of a
-result is the draw, the headline arms (1, 4 and 8 miners, full and partitioned compressed), the ESFT
-curve and the ceiling again under two other seeds for the shards, batch orders and round seeds
-(`Settings.seed`), with the adversarial, optimizer-keeping and short-round arms.
+miners averaged gradients after every step), which bounds what a plain average (outer lr 1) of M
+miners' updates can reach; and, to show whether the shared inner lr is fair to the baseline, ESFT
+for the 4-miner network's tokens and that network again at half and at double the lr; and, to show
+how much of a result is the draw, the headline arms (1, 4 and 8 miners, full and partitioned
+compressed), the ESFT curve and the ceiling again under two other seeds for the shards, batch orders
+and round seeds (`Settings.seed`), with the adversarial, optimizer-keeping and short-round arms.
 Reported per arm: held-out loss after every round, general-domain loss change (forgetting),
 `network_vs_esft` (loss drop / ESFT's drop at equal total tokens), `esft_equivalent_steps` after
 each round (ESFT steps that reach the same loss, linear between curve points), `parallel_efficiency`
@@ -377,10 +377,12 @@ def summarise(bench: Bench, run: dict[str, Any], curve: list[tuple[int, float]],
 
 
 def data_parallel(bench: Bench, curve: list[tuple[int, float]], miners: int) -> dict[str, Any]:
-    """ESFT at `miners` times the miners' batch for one miner's steps: the most M miners' averaged work can reach.
+    """ESFT at `miners` times the miners' batch for one miner's steps: the most M miners' plain average can reach.
 
     Every step sees M batches at once, as if the M miners averaged gradients after every step instead
-    of after H; a network that averages after H steps can at best match it.
+    of after H; a network that averages after H steps at outer lr 1 can at best match it. An outer lr
+    above 1 also makes the steps larger, which can pass it where a larger step helps (records from
+    the general base, `docs/learning.md`).
     """
     s = bench.s
     steps = s.inner_steps * s.rounds
