@@ -64,6 +64,22 @@ def test_summarise_reads_efficiency_against_honest_steps_and_equal_token_esft(le
     assert "network_vs_esft" in stalled
 
 
+def test_the_share_target_asks_for_the_efficiency_at_which_esft_first_keeps_that_share(learning: ModuleType) -> None:
+    # efficiencies are rounded to 4 places; CURVE drops 1.5 by step 80; 0.95 of that is loss 0.575, reached 0.85 of the way from 60 to 80
+    assert learning.efficiency_for_share(CURVE, 2.0, 80) == pytest.approx(77 / 80, abs=1e-4)
+    assert learning.efficiency_for_share(CURVE, 2.0, 80, share=0.5) == pytest.approx(30 / 80, abs=1e-4)
+    # at 40 steps the curve has already flattened: 0.95 of its drop is on the way to step 40, then it waits
+    assert learning.efficiency_for_share(CURVE, 2.0, 40) == pytest.approx(38 / 40, abs=1e-4)
+    assert learning.efficiency_for_share(CURVE, 2.0, 60) == pytest.approx(38 / 60, abs=1e-4)
+    # a network that keeps the share reads at least that efficiency on the same curve
+    settings = learning.Settings(rounds=2, inner_steps=10)
+    bench = type("B", (), {"s": settings, "base_loss": 2.0})()
+    run = {"miners": 4, "adversaries": 0, "losses": [1.0, 0.55]}  # 80 steps spent, 0.967 of ESFT's drop
+    learning.summarise(bench, run, CURVE, {})
+    assert run["network_vs_esft"] >= 0.95
+    assert run["parallel_efficiency"] >= learning.efficiency_for_share(CURVE, 2.0, 80)
+
+
 def test_an_arm_with_its_own_inner_steps_spends_the_same_steps_over_more_rounds(learning: ModuleType) -> None:
     settings = learning.Settings(rounds=5, inner_steps=20)
     assert learning.round_shape(settings, learning.Arm()) == (20, 5)
@@ -85,6 +101,7 @@ def test_the_seeds_section_reports_ranges_and_counts_over_every_seed(learning: M
 
     class Bench:
         s = learning.Settings(rounds=2, inner_steps=10)
+        base_loss = 2.0
 
         def esft_curve(self, steps, every, general_at):
             seeds_seen.append(self.s.seed)
@@ -95,7 +112,7 @@ def test_the_seeds_section_reports_ranges_and_counts_over_every_seed(learning: M
 
     monkeypatch.setattr(learning, "summarise", lambda *args: None)
     monkeypatch.setattr(learning, "data_parallel", lambda bench, curve, miners: {})
-    monkeypatch.setattr(learning, "headline", lambda runs, ceiling: by_seed[seeds_seen[-1]])
+    monkeypatch.setattr(learning, "headline", lambda runs, ceiling, share_needs: by_seed[seeds_seen[-1]])
     bench = Bench()
     out = learning.other_seeds(bench, {name: name for name in learning.SEED_ARMS}, _headline(0.3, 2.0, False), (1, 2))
     assert seeds_seen == [1, 2] and bench.s.seed == 0  # the shared settings come back
