@@ -90,6 +90,18 @@ def test_an_arm_with_its_own_inner_steps_spends_the_same_steps_over_more_rounds(
             learning.round_shape(settings, learning.Arm(inner_steps=steps))
 
 
+def test_every_short_round_family_runs_on_4_and_8_miners_and_half_adversarial_under_every_seed(
+    learning: ModuleType,
+) -> None:
+    for family in learning.SHORT_FAMILIES:
+        arms = learning._family(family, learning.Arm(inner_steps=5, miners=2))
+        assert set(arms) == {f"{family}_4", f"{family}_8", f"{family}_adversarial_4"}
+        assert set(arms) <= set(learning.SEED_ARMS)  # the targets read them under every seed
+        assert [arms[name].miners for name in sorted(arms)] == [4, 8, 4]
+        assert [arms[name].adversaries for name in sorted(arms)] == [0, 0, 2]
+        assert all(arm.inner_steps == 5 for arm in arms.values())
+
+
 def _headline(pe: float, progress: float | None, eight_ahead: bool) -> dict:
     return {"network_vs_esft_4": 0.9, "parallel_efficiency_4": pe, "parallel_efficiency_4_ceiling": 0.6,
             "progress_4_over_1": progress, "8_ahead_of_4": eight_ahead, "8_ahead_of_4_pgrad_partitions_2": True}
