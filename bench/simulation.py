@@ -26,6 +26,7 @@ stored round seed; they match, which shows the per-sequence losses are the valid
 and, in `noise_by_subset_size`, which rounds would beat the noise at other subset sizes.
 This script knows nothing about how the nodes train, score or merge; it reads what they stored.
 Usage: python bench/simulation.py [--rounds 6] [--dir DIR] [--subsets 200] [--out FILE.json]
+       [--inner-steps H] [--format pgrad] [--set SECTION.FIELD=VALUE ...] [--keep-optimizer]
        python bench/simulation.py --reuse DIR [--out FILE.json]   (evaluate an earlier run's DIR again)
 """
 
@@ -49,6 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report import emit  # noqa: E402
+from node.cli.simulate import spec_setting  # noqa: E402
 from node.sim.run import SimSettings, Simulation, SimulationError  # noqa: E402
 from node.store.blobs import BlobStore  # noqa: E402
 from node.store.db import Storage  # noqa: E402
@@ -278,9 +280,16 @@ def main() -> int:
     parser.add_argument("--validators", type=int, default=2, help="validator processes (default 2)")
     parser.add_argument("--miners", type=int, default=4, help="miner processes (default 4)")
     parser.add_argument("--round-seconds", type=float, default=80.0, help="round length (default 80, as simulate)")
+    parser.add_argument("--train-share", type=float, default=0.9, help="TRAIN's share of the round (default 0.9, as simulate)")
     parser.add_argument("--inner-steps", type=int, default=30, help="miners' inner steps per round (default 30, as simulate)")
     parser.add_argument("--subsets", type=int, default=200, help="held-out subsets drawn to measure noise (default 200)")
     parser.add_argument("--seed", type=int, default=0, help="seed of model, data and keys (default 0)")
+    parser.add_argument("--format", choices=("experts", "pgrad"), default="experts",
+                        help="what miners submit, as simulate's --format (default experts)")
+    parser.add_argument("--set", action="append", default=[], type=spec_setting, metavar="SECTION.FIELD=VALUE",
+                        dest="spec_settings", help="a spec value, as simulate's --set (repeatable)")
+    parser.add_argument("--keep-optimizer", action="store_true",
+                        help="miners keep their AdamW state from round to round, as simulate's --keep-optimizer")
     parser.add_argument("--dir", type=Path, help="simulation directory, must not exist (default: a new temporary one)")
     parser.add_argument("--reuse", type=Path, metavar="DIR",
                         help="skip the simulation: evaluate the --dir of an earlier run of this benchmark")
@@ -297,8 +306,12 @@ def main() -> int:
         directory = args.reuse.resolve()
     else:
         directory = (args.dir or Path(tempfile.mkdtemp(prefix="tessera-simlearn-"))).resolve()
-        settings = SimSettings(validators=args.validators, miners=args.miners, round_seconds=args.round_seconds,
-                               inner_steps=args.inner_steps, seed=args.seed)
+        try:
+            settings = SimSettings(validators=args.validators, miners=args.miners, round_seconds=args.round_seconds,
+                                   train_share=args.train_share, inner_steps=args.inner_steps, seed=args.seed, submission_format=args.format,
+                                   spec_settings=tuple(args.spec_settings), keep_optimizer=args.keep_optimizer)
+        except ValueError as exc:
+            parser.error(str(exc))
         started = time.perf_counter()
         entries, failure = run_simulation(directory, settings, args.rounds, directory / STATES)
         record = {"settings": {**asdict(settings), "rounds": args.rounds, "commit": _commit()}, "failure": failure,

@@ -42,7 +42,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sim.add_argument("--format", choices=("experts", "pgrad"), default="experts",
                      help="what miners submit: full experts, or compressed pseudo-gradients (top-k per chunk, "
                           "2-bit, with error feedback; the spec's default [submission] parameters) (default experts)")
+    sim.add_argument("--set", action="append", default=[], type=spec_setting, metavar="SECTION.FIELD=VALUE",
+                     dest="spec_settings",
+                     help="write a value into the network spec's [training], [rewards], [aggregation] or [submission] "
+                          "(repeatable; after --inner-steps and --format), e.g. --set aggregation.outer_lr=2.5")
+    sim.add_argument("--keep-optimizer", action="store_true",
+                     help="miners keep their AdamW state from round to round ([miner] keep_optimizer)")
     sim.set_defaults(run=run_simulate)
+
+
+def spec_setting(text: str) -> tuple[str, Any]:
+    """argparse's type for `--set`: `node.sim.process.parse_spec_setting`, its error shown as argparse's."""
+    from node.sim.process import parse_spec_setting
+
+    try:
+        return parse_spec_setting(text)
+    except ValueError as exc:  # argparse shows an ArgumentTypeError's own message
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 
@@ -55,7 +71,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     settings = SimSettings(validators=args.validators, miners=args.miners, adversaries=adversaries,
                            round_seconds=args.round_seconds, train_share=args.train_share,
                            start_delay_s=args.start_delay, base_port=args.base_port, seed=args.seed,
-                           inner_steps=args.inner_steps, submission_format=args.format)
+                           inner_steps=args.inner_steps, submission_format=args.format,
+                           spec_settings=tuple(args.spec_settings), keep_optimizer=args.keep_optimizer)
     if args.force and args.dir.exists():
         if any(args.dir.iterdir()) and not (args.dir / "network" / "spec.toml").exists():
             raise ValueError(f"{args.dir}: --force only replaces an earlier simulation directory, and this "

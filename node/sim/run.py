@@ -22,7 +22,7 @@ import time
 import tomllib
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -69,7 +69,7 @@ class Simulation:
         self.network = make_sim_network(self.directory / "network", validators=s.validators, family=s.family,
                                         genesis=genesis, timing=s.timing(), seed=s.seed,
                                         submission_format=s.submission_format)
-        _set_inner_steps(self.network.spec_path, s.inner_steps)
+        _set_spec(self.network.spec_path, [("training.inner_steps", s.inner_steps), *s.spec_settings])
         spec = load_spec(self.network.spec_path)
         self.schedule = Schedule.from_spec(spec)
         self._add_bootstrap()
@@ -135,8 +135,10 @@ class Simulation:
         }
         if role == "validator":
             config["validator"] = {"heldout": _rel(network / "data" / "heldout.jsonl", directory)}
-        if kind != "honest":
+        if role == "miner" and kind != "honest":
             config["miner"] = {"behaviour": kind}
+        if role == "miner" and self.settings.keep_optimizer:
+            config.setdefault("miner", {})["keep_optimizer"] = True
         (directory / "config.toml").write_text(to_toml(config), encoding="utf-8")
         if role == "validator" and index == 0:
             # A second way into the network, for nodes that start while the bootstrap is down.
@@ -315,9 +317,12 @@ class Simulation:
         return path
 
 
-def _set_inner_steps(spec_path: Path, steps: int) -> None:
+def _set_spec(spec_path: Path, settings: Iterable[tuple[str, Any]]) -> None:
+    """Write each (`section.field`, value) into the spec file, later ones over earlier ones."""
     spec = tomllib.loads(spec_path.read_text(encoding="utf-8"))
-    spec.setdefault("training", {})["inner_steps"] = steps
+    for key, value in settings:
+        section, field = key.split(".")
+        spec.setdefault(section, {})[field] = value
     spec_path.write_text(to_toml(spec), encoding="utf-8")
 
 
