@@ -280,7 +280,8 @@ def main() -> int:
     parser.add_argument("--validators", type=int, default=2, help="validator processes (default 2)")
     parser.add_argument("--miners", type=int, default=4, help="miner processes (default 4)")
     parser.add_argument("--round-seconds", type=float, default=80.0, help="round length (default 80, as simulate)")
-    parser.add_argument("--train-share", type=float, default=0.9, help="TRAIN's share of the round (default 0.9, as simulate)")
+    parser.add_argument("--train-share", type=float, default=0.9,
+                        help="TRAIN's share of the round (default 0.9, as simulate)")
     parser.add_argument("--inner-steps", type=int, default=30, help="miners' inner steps per round (default 30, as simulate)")
     parser.add_argument("--subsets", type=int, default=200, help="held-out subsets drawn to measure noise (default 200)")
     parser.add_argument("--seed", type=int, default=0, help="seed of model, data and keys (default 0)")
@@ -305,13 +306,14 @@ def main() -> int:
     if args.reuse is not None:
         directory = args.reuse.resolve()
     else:
-        directory = (args.dir or Path(tempfile.mkdtemp(prefix="tessera-simlearn-"))).resolve()
-        try:
+        try:  # before any directory is made
             settings = SimSettings(validators=args.validators, miners=args.miners, round_seconds=args.round_seconds,
-                                   train_share=args.train_share, inner_steps=args.inner_steps, seed=args.seed, submission_format=args.format,
-                                   spec_settings=tuple(args.spec_settings), keep_optimizer=args.keep_optimizer)
+                                   train_share=args.train_share, inner_steps=args.inner_steps, seed=args.seed,
+                                   submission_format=args.format, spec_settings=tuple(args.spec_settings),
+                                   keep_optimizer=args.keep_optimizer)
         except ValueError as exc:
             parser.error(str(exc))
+        directory = (args.dir or Path(tempfile.mkdtemp(prefix="tessera-simlearn-"))).resolve()
         started = time.perf_counter()
         entries, failure = run_simulation(directory, settings, args.rounds, directory / STATES)
         record = {"settings": {**asdict(settings), "rounds": args.rounds, "commit": _commit()}, "failure": failure,
