@@ -86,7 +86,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         sim.prepare()
         print(f"simulation in {sim.directory}: {len(sim.nodes)} processes, genesis in "
               f"{sim.schedule.genesis_ts - time.time():.0f} s, rounds of {sim.schedule.round_seconds:.0f} s, "
-              f"{args.format} submissions")
+              f"{dict(settings.spec_settings).get('submission.format', args.format)} submissions")
         sim.start()
         progress = Progress(sim, sys.stdout)
         # A bar over the rounds on a terminal; the phase lines go above it (tqdm.write).
