@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-import node.sim.run
 from node.cli.main import main
 from node.sim.process import SimSettings
-from node.sim.run import Simulation, SimulationError
+from node.sim.run import Simulation
 from protocol.spec import SubmissionSpec, load_spec
 from training.experts import extract
 from training.model import load_base
@@ -41,29 +40,11 @@ def test_a_prepared_pgrad_simulation_has_a_spec_pgrad_config_accepts(tmp_path: P
     assert 16 * compressed_bytes({name: tuple(t.shape) for name, t in experts.items()}, cfg) <= full_bf16
 
 
-class _Recorder:
-    """Stands in for Simulation: records the settings it was made with and stops at prepare."""
-
-    settings: list[SimSettings] = []
-
-    def __init__(self, directory: Path, settings: SimSettings) -> None:
-        self.settings.append(settings)
-        self.network = None
-
-    def prepare(self) -> None:
-        raise SimulationError("stopped before writing anything")
-
-    def close(self) -> None:
-        pass
-
-
 @pytest.mark.parametrize(("argv", "expected"), [([], "experts"), (["--format", "pgrad"], "pgrad")])
-def test_simulate_format_reaches_the_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys,
+def test_simulate_format_reaches_the_settings(tmp_path: Path, simulate_settings: list[SimSettings], capsys,
                                               argv: list[str], expected: str) -> None:
-    monkeypatch.setattr(node.sim.run, "Simulation", _Recorder)
-    monkeypatch.setattr(_Recorder, "settings", [])
     assert main(["simulate", "--dir", str(tmp_path / "sim"), *argv]) == 1
-    assert [s.submission_format for s in _Recorder.settings] == [expected]
+    assert [s.submission_format for s in simulate_settings] == [expected]
     assert "stopped before writing anything" in capsys.readouterr().err
 
 

@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 
-import node.sim.run
 from node.cli.main import main
 from node.runtime.config import load_config
 from node.sim.process import SimSettings, parse_spec_setting
-from node.sim.run import Simulation, SimulationError
+from node.sim.run import Simulation
 from protocol.spec import load_spec
 
 pytestmark = pytest.mark.timeout(180)
@@ -68,34 +67,16 @@ def test_settings_land_in_the_spec_and_kept_state_in_every_miner_config(tmp_path
             assert "miner" not in tomllib.loads((n.directory / "config.toml").read_text())
 
 
-class _Recorder:
-    """Stands in for Simulation: records the settings it was made with and stops at prepare."""
-
-    settings: list[SimSettings] = []
-
-    def __init__(self, directory: Path, settings: SimSettings) -> None:
-        self.settings.append(settings)
-        self.network = None
-
-    def prepare(self) -> None:
-        raise SimulationError("stopped before writing anything")
-
-    def close(self) -> None:
-        pass
-
-
-def test_simulate_set_and_keep_optimizer_reach_the_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def test_simulate_set_and_keep_optimizer_reach_the_settings(tmp_path: Path, simulate_settings: list[SimSettings],
                                                             capsys) -> None:
-    monkeypatch.setattr(node.sim.run, "Simulation", _Recorder)
-    monkeypatch.setattr(_Recorder, "settings", [])
     argv = ["simulate", "--dir", str(tmp_path / "sim"), "--set", "aggregation.outer_lr=2.5",
             "--set", "submission.format=pgrad", "--keep-optimizer"]
     assert main(argv) == 1
-    [settings] = _Recorder.settings
+    [settings] = simulate_settings
     assert settings.spec_settings == (("aggregation.outer_lr", 2.5), ("submission.format", "pgrad"))
     assert settings.keep_optimizer is True
     assert main(["simulate", "--dir", str(tmp_path / "sim")]) == 1
-    assert (_Recorder.settings[-1].spec_settings, _Recorder.settings[-1].keep_optimizer) == ((), False)
+    assert (simulate_settings[-1].spec_settings, simulate_settings[-1].keep_optimizer) == ((), False)
     assert "stopped before writing anything" in capsys.readouterr().err
 
 
