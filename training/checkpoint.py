@@ -140,7 +140,7 @@ def read_rows(parts: list[Stored], shape: tuple[int, ...], rows: list[int]) -> t
             size = parts[0].nbytes // shape[0]
             wanted.append(replace(parts[0], offset=parts[0].offset + row * size, nbytes=size))
     out = torch.empty((len(rows), *shape[1:]), dtype=getattr(torch, parts[0].dtype))
-    buffer = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    buffer = out.reshape(-1).view(torch.uint8).numpy().data
     assert buffer.nbytes == sum(p.nbytes for p in wanted), f"the pieces of {parts[0].key} do not fill {shape}"
     at = 0
     for stored in wanted:

@@ -77,7 +77,7 @@ def _read_parquet(path: Path) -> list[str]:
         raise ValueError(f"{path}: cannot read parquet: {exc}") from exc
     if "text" not in table.column_names:
         raise ValueError(f"{path}: parquet file has no 'text' column (columns: {', '.join(table.column_names)})")
-    values = table.column("text").to_pylist()
+    values: list[str] = table.column("text").to_pylist()
     if any(not isinstance(v, str) for v in values):
         raise ValueError(f"{path}: the 'text' column holds non-string or null values")
     return values

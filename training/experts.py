@@ -149,8 +149,8 @@ def flatten(tensors: Tensors) -> torch.Tensor:
     )
 
 
-def check_same_names(reference: Tensors, other: Tensors, what: str) -> None:
-    """Refuse `other` unless it names exactly the tensors of `reference`."""
+def check_same_names(reference: Mapping[str, object], other: Mapping[str, object], what: str) -> None:
+    """Refuse `other` unless it names exactly the tensors of `reference` (only the names are read)."""
     missing = sorted(reference.keys() - other.keys())
     extra = sorted(other.keys() - reference.keys())
     if missing or extra:

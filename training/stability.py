@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from training.selection import select_experts
+from training.selection import Domain, select_experts
 
 COUNTS = (1, 5, 10, 100)
 SEEDS = (0, 1, 2)
@@ -38,7 +38,7 @@ def stability_report(
     rule: str,
     top_d: int | None = None,
     mass: float | None = None,
-    general: Sequence[torch.Tensor] | None = None,
+    general: Domain | None = None,
     mode: str = "global",
     counts: Sequence[int] = COUNTS,
     seeds: Sequence[int] = SEEDS,
@@ -51,8 +51,9 @@ def stability_report(
         raise ValueError("stability needs at least one seed and positive example counts")
 
     def select(docs: Sequence[torch.Tensor]) -> dict[str, list[int]]:
-        return select_experts(model, adapter, docs, rule, top_d=top_d, mass=mass, general=general,
-                              pad_id=pad_id, mode=mode)["group"]
+        group: dict[str, list[int]] = select_experts(model, adapter, docs, rule, top_d=top_d, mass=mass,
+                                                     general=general, pad_id=pad_id, mode=mode)["group"]
+        return group
 
     reference = select(documents)
     report: dict[str, Any] = {

@@ -24,6 +24,7 @@ from training.selection import choose
 FRACTIONS = (0.0625, 0.125, 0.25, 0.5, 1.0)
 SEEDS = (0, 1, 2)
 Keep = dict[int, list[int]]
+Scores = dict[int, list[float]]
 
 
 def keep_count(fraction: float, num_experts: int) -> int:
@@ -33,7 +34,7 @@ def keep_count(fraction: float, num_experts: int) -> int:
     return max(1, round(fraction * num_experts))
 
 
-def parse_selection(selection: Mapping[str, Any], model: torch.nn.Module, adapter: MoEAdapter) -> tuple[Keep, Keep]:
+def parse_selection(selection: Mapping[str, Any], model: torch.nn.Module, adapter: MoEAdapter) -> tuple[Keep, Scores]:
     """(group, per-layer scores) of a selection JSON, refused in one line if it does not fit `model`."""
     group, stats = selection.get("group"), selection.get("stats")
     if not isinstance(group, dict) or not isinstance(stats, dict) or not group:

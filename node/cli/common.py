@@ -7,7 +7,10 @@ it into `tessera: error: ...`, exit 2). Heavy imports happen inside, so `tessera
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
 def load_spec_model(spec_path: Path) -> tuple[Any, Any, Any, Any]:
@@ -36,7 +39,8 @@ def decode_network_blob(path: Path, data: bytes, spec: Any) -> tuple[Any, dict[s
     return meta, tensors
 
 
-def heldout_sequences(heldout: Path | None, spec_path: Path, spec: Any, tokenizer: Any, seed: str) -> list[Any]:
+def heldout_sequences(heldout: Path | None, spec_path: Path, spec: Any, tokenizer: Any,
+                      seed: str) -> torch.Tensor:
     """The held-out subset `seed` picks from `heldout` (default: the simulation layout's data/heldout.jsonl)."""
     from training.data import file_sha256, heldout_subset, load_sequences
 

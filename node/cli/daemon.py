@@ -18,7 +18,7 @@ from pathlib import Path
 CONFIG_NAME = "node.toml"
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     init = subparsers.add_parser("init", help="write a node config TOML and a key into a directory")
     init.add_argument("--role", required=True, choices=("miner", "validator"))
     init.add_argument("--spec", required=True, metavar="SPEC", help="the network spec TOML")

@@ -24,7 +24,7 @@ DEFAULT_SEED = "0" * 64
 EVAL_BATCH = 16
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add `export` to the `tessera` command line."""
     p = subparsers.add_parser("export", help="write the network's expert state as an HF checkpoint or an expert pack")
     p.add_argument("--spec", required=True, type=Path, help="network spec")
@@ -62,6 +62,7 @@ def run_export(args: argparse.Namespace) -> int:
                                     "base_hash": spec.model.base_hash, "state": state, "heldout_loss": loss,
                                     "family": spec.model.family}, args.out)
     else:
+        assert model is not None  # loaded above whenever not --experts-only
         tokenizer = None if spec.data.tokenizer == "byte" else spec_dir_path(args.spec, spec.data.tokenizer)
         export_checkpoint(model, args.out, tokenizer)
     print(json.dumps({"out": str(args.out), "state": state, "round": meta.round, "heldout_loss": loss,

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from protocol.spec import NetworkSpec
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add `inspect blob` to the `tessera` command line."""
     kinds = command_group(subparsers, "inspect", "check artifacts the way a validator would")
     blob = kinds.add_parser(

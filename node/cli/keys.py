@@ -10,7 +10,7 @@ import argparse
 from node.cli.main import command_group
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     keygen = subparsers.add_parser(
         "keygen", help="create a node key (Ed25519, mode 0600) and print its node id"
     )

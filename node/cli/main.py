@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 COMMAND_MODULES: tuple[str, ...] = (
@@ -39,7 +39,8 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
-def command_group(subparsers: argparse._SubParsersAction, name: str, help: str) -> argparse._SubParsersAction:
+def command_group(subparsers: argparse._SubParsersAction[argparse.ArgumentParser], name: str,
+                  help: str) -> argparse._SubParsersAction[argparse.ArgumentParser]:
     """The subcommand group `tessera NAME ...`, created on first use so several modules can add to it."""
     parser = subparsers.choices.get(name)
     if parser is None:
@@ -47,7 +48,8 @@ def command_group(subparsers: argparse._SubParsersAction, name: str, help: str) 
         parser.set_defaults(_group_parser=parser)
         group = parser.add_subparsers(dest=f"{name}_command", metavar="COMMAND", required=True)
         parser.set_defaults(_subparsers=group)
-    return parser.get_default("_subparsers")
+    commands: argparse._SubParsersAction[argparse.ArgumentParser] = parser.get_default("_subparsers")
+    return commands
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one `tessera` command; returns its exit code."""
     args = build_parser().parse_args(argv)
+    run: Callable[[argparse.Namespace], int] = args.run  # set_defaults(run=...) of the chosen command
     try:
-        return args.run(args)
+        return run(args)
     except ValueError as exc:
         message = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
         print(f"tessera: error: {message}", file=sys.stderr)

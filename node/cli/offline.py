@@ -22,13 +22,13 @@ DEFAULT_SEED = "0" * 64
 EVAL_BATCH = 16
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add this module's subcommands to the `tessera` parser."""
     _register_spec_init(command_group(subparsers, "spec", "work with network spec files"))
     _register_eval(subparsers)
 
 
-def _register_spec_init(spec_subparsers: argparse._SubParsersAction) -> None:
+def _register_spec_init(spec_subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = spec_subparsers.add_parser("init", help="write a new network spec (a local simulation with --sim)")
     p.add_argument("--sim", required=True, type=Path, metavar="DIR", help="directory for the simulation network")
     p.add_argument("--validators", type=int, default=2, help="number of validators (default 2)")
@@ -38,7 +38,7 @@ def _register_spec_init(spec_subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run_spec_init)
 
 
-def _register_eval(subparsers: argparse._SubParsersAction) -> None:
+def _register_eval(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("eval", help="held-out loss of the base model, or of the base with a blob's experts")
     p.add_argument("--spec", required=True, type=Path, help="network spec")
     p.add_argument("--blob", type=Path, help="expert blob to evaluate (default: the base model)")

@@ -18,9 +18,14 @@ import os
 import shutil
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from node.cli.common import heldout_sequences, load_spec_model
+
+if TYPE_CHECKING:
+    import torch
+
+    from training.selection import Domain
 
 RULES = ("gate-mass", "token-freq", "differential", "activation-norm")
 MODES = ("global", "layerwise")
@@ -28,7 +33,7 @@ FRACTIONS = (0.0625, 0.125, 0.25, 0.5, 1.0)
 DEFAULT_SEED = "0" * 64
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add `select-experts`, `eval-subset` and `cluster-data` to the `tessera` parser."""
     p = subparsers.add_parser("select-experts", help="Phase 1: pick the expert group from routing statistics")
     p.add_argument("--spec", required=True, type=Path, help="network spec whose base model is measured")
@@ -125,13 +130,15 @@ def run_select_experts(args: argparse.Namespace) -> int:
     texts = _documents(args.data)
     general_texts = _documents(args.general) if args.general else None
 
-    def as_documents(found: list[str]) -> list[Any]:
+    def as_documents(found: list[str]) -> list[torch.Tensor]:
         return [pack([text], tokenizer, spec.data.seq_len) for text in found]
 
+    domain: Domain  # one tensor per document with --examples, else one tensor of packed rows
+    general: Domain | None
     if args.examples is not None:
         if args.examples > len(texts):
             raise ValueError(f"--examples {args.examples}: the data holds only {len(texts)} documents")
-        domain: Any = as_documents(texts[: args.examples])
+        domain = as_documents(texts[: args.examples])
         general = as_documents(general_texts[: args.examples]) if general_texts else None
     else:
         domain = pack(texts, tokenizer, spec.data.seq_len)[: args.max_sequences]

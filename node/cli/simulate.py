@@ -20,7 +20,7 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     sim = subparsers.add_parser("simulate", help="run bootstrap, validators and miners as local processes")
     sim.add_argument("--validators", type=int, default=2, metavar="V", help="validator processes (default 2)")
     sim.add_argument("--miners", type=int, default=4, metavar="M", help="miner processes (default 4)")
@@ -63,7 +63,8 @@ def spec_setting(text: str) -> tuple[str, Any]:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from node.sim.run import SimSettings, Simulation, SimulationError
+    from node.sim.process import SimSettings, SimulationError
+    from node.sim.run import Simulation
 
     if args.rounds < 1:
         raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
@@ -84,6 +85,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     failure = ""
     try:
         sim.prepare()
+        assert sim.schedule is not None  # prepare() sets it
         print(f"simulation in {sim.directory}: {len(sim.nodes)} processes, genesis in "
               f"{sim.schedule.genesis_ts - time.time():.0f} s, rounds of {sim.schedule.round_seconds:.0f} s, "
               f"{dict(settings.spec_settings).get('submission.format', args.format)} submissions")

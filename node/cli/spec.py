@@ -30,7 +30,7 @@ TIMING_PRESETS: dict[str, dict[str, float]] = {
 }
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add `spec new` and `spec hash-model` to the `tessera spec` group."""
     spec = command_group(subparsers, "spec", "work with network spec files")
     hash_model = spec.add_parser("hash-model", help="print a checkpoint directory's base hash")

@@ -121,8 +121,9 @@ class MinerModel:
 
         `compressed`: the model is Θ̃0 alone (training.model.load_compressed_base), never holding the
         unselected experts; it can then only train with `forward = "compressed"`."""
+        model: torch.nn.Module | CompressedModel
         if forward == "compressed":
-            model: torch.nn.Module | CompressedModel = load_compressed_base(spec, spec_path, progress=progress)
+            model = load_compressed_base(spec, spec_path, progress=progress)
             adapter, experts = model.adapter, model.tensors()
         else:
             model, adapter = load_base(spec, spec_path, progress=progress)

@@ -25,7 +25,7 @@ import urllib.request
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from node.runtime.scheduler import PhaseRun
 from node.sim.layout import SimNetwork, make_sim_network, prepare_base, sim_identity, to_toml
@@ -43,6 +43,8 @@ from protocol.rounds import PHASES, Phase, Schedule
 from protocol.spec import load_spec
 
 POLL_S = 1.0
+
+T = TypeVar("T")
 
 
 class Simulation:
@@ -226,8 +228,8 @@ class Simulation:
         now = time.time()
         return None if now < self.schedule.genesis_ts else self.schedule.phase_at(now)
 
-    def wait_until(self, predicate: Callable[[], Any], timeout: float, what: str,
-                   on_poll: Callable[[], None] | None = None) -> Any:
+    def wait_until(self, predicate: Callable[[], T | None], timeout: float, what: str,
+                   on_poll: Callable[[], None] | None = None) -> T:
         """Poll `predicate` (checking that no node died) until truthy; SimulationError after `timeout`."""
         deadline = time.monotonic() + timeout
         while True:
