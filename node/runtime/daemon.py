@@ -30,7 +30,7 @@ from node.runtime.config import NodeConfig
 from node.runtime.http import HttpApi
 from node.runtime.metrics import NodeMetrics
 from node.runtime.scheduler import PhaseRun, Scheduler
-from node.runtime.status import StatusViews
+from node.runtime.status import StatusViews, learning_settings
 from node.store.blobs import BlobStore
 from node.store.db import Storage
 from protocol.identity import Identity, load_or_create_identity
@@ -317,6 +317,7 @@ class Node:
             "listen": ctx.network.listen_addrs,
             "head": await ctx.storage.head(),
             "base": ctx.spec.model.base_hash,
+            "learning": learning_settings(ctx.spec, ctx.config),
             "last_run": None if not self.scheduler.runs else _run_dict(self.scheduler.runs[-1]),
         }
 

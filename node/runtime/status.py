@@ -22,7 +22,9 @@ from protocol.ranking import update_standing
 from protocol.rounds import PHASES
 
 if TYPE_CHECKING:
+    from node.runtime.config import NodeConfig
     from node.runtime.daemon import Node
+    from protocol.spec import NetworkSpec
 
 ROUNDS_SHOWN = 32
 
@@ -174,6 +176,26 @@ class StatusViews:
         voted = sum(tally.values())
         return {"round": latest, "hash": best, "share": tally[best] / total if total else 0.0,
                 "voted": voted / total if total else 0.0, "states": len(tally)}
+
+
+def learning_settings(spec: NetworkSpec, config: NodeConfig) -> dict[str, Any]:
+    """How this network learns, as /status shows it: what miners send, how they train, how the state is merged.
+
+    All from the spec but `keep_optimizer`, a miner's own setting (None on a validator)."""
+    submission, training, aggregation = spec.submission, spec.training, spec.aggregation
+    return {
+        "format": submission.format,
+        "pgrad": submission.model_dump(exclude={"format"}) if submission.format == "pgrad" else None,
+        "experts": sum(len(ids) for ids in spec.group.values()),
+        "inner_steps": training.inner_steps,
+        "inner_lr": training.lr,
+        "batch_size": training.batch_size,
+        "keep_optimizer": config.miner.keep_optimizer if config.node.role == "miner" else None,
+        "top_g": aggregation.top_g,
+        "outer_lr": aggregation.outer_lr,
+        "momentum": aggregation.momentum,
+        "weighting": aggregation.weighting,
+    }
 
 
 def _row(line: dict[str, Any]) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from tests.integration.network_run import (
     KILLS,
     OBSERVED,
     ROUNDS,
+    SETTINGS,
     VALIDATORS,
     WHOLE_ROUNDS,
     NetworkRun,
@@ -149,6 +150,8 @@ def test_the_status_pages_show_the_network_learning_and_a_miners_results(net: Ne
     page = browser.new_page(viewport={"width": 1100, "height": 1400})
     page.goto(f"http://127.0.0.1:{validator.http_port}/")
     page.wait_for_selector("body[data-ready='1']", timeout=20_000)
+    learning = page.locator("#learning").inner_text()  # how the network learns, from its spec
+    assert f" · {SETTINGS.inner_steps} AdamW steps a round " in learning and " · miners send full experts · " in learning
     points = page.eval_on_selector_all("#loss-chart circle.point", "els => els.map(e => Number(e.dataset.round))")
     assert sorted(points) == sorted(r["round"] for r in reports), (points, reports)
 
@@ -180,6 +183,7 @@ def test_the_status_pages_show_the_network_learning_and_a_miners_results(net: Ne
     phone.goto(f"http://127.0.0.1:{miner.http_port}/")
     phone.wait_for_selector("body[data-ready='1']", timeout=20_000)
     assert not phone.locator("#me").is_hidden()
+    assert ", AdamW from zero)" in phone.locator("#learning").inner_text()  # simulated miners do not keep it
     for r, expected in mine.items():
         row = phone.locator(f"#me-table tr.my-round[data-round='{r}']")
         rank = "—" if expected["rank"] is None else str(expected["rank"])

@@ -1,7 +1,8 @@
 """The status page's script against a fake node in headless Chromium, in seconds: what peers chose (a
 reason, a network name) is shown as text and never run as markup, standings are ordered best first,
-a validator's page shows any miner's history from its link, and a failing node shows an error
-instead of stale numbers. The page on a real simulation is checked in tests/integration/test_network.py."""
+a validator's page shows any miner's history from its link, the header says how the network learns,
+and a failing node shows an error instead of stale numbers. The page on a real simulation is checked
+in tests/integration/test_network.py."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ ROUNDS = [{"round": 0, "source": "validator", "base": "dd" * 32, "base_loss": 3.
                                            "reason": "", "scores": {V: {"verdict": "accept", "loss": 2.4}}},
                                           {"id": B, **ENTRY}]}]
 
+LEARNING = {"format": "pgrad", "pgrad": {"chunk": 256, "topk": 40, "quant": "2bit", "partitions": 2}, "experts": 4,
+            "inner_steps": 5, "inner_lr": 0.001, "batch_size": 8, "keep_optimizer": None, "top_g": 8,
+            "outer_lr": 2.5, "momentum": 0.0, "weighting": "uniform"}
+
 
 class FakeValidator:
     def __init__(self) -> None:
@@ -34,7 +39,8 @@ class FakeValidator:
             raise RuntimeError("storage is gone")
         return {"role": "validator", "node_id": V, "network": EVIL, "network_id": "ff" * 32, "round": 1,
                 "phase": "train", "peers": 2, "head": "ee" * 32, "head_round": 0, "me": None,
-                "agreement": {"round": 0, "share": 1.0}, "next_phase": {"round": 1, "phase": "commit", "in_s": 65}}
+                "agreement": {"round": 0, "share": 1.0}, "next_phase": {"round": 1, "phase": "commit", "in_s": 65},
+                "learning": LEARNING}
 
     async def rewards(self) -> dict[str, Any]:
         return {"entries": [], "standings": {B: 0.1, A: 0.3}}
@@ -80,6 +86,10 @@ def test_the_page_renders_peer_text_as_text(browser: Any, served: tuple[HttpApi,
     assert page.eval_on_selector_all("#standings tr[data-miner]", "r => r.map(e => e.dataset.miner)") == [A, B]
     assert page.locator("#countdown").inner_text().startswith("commit of round 1 in 1:0")
     assert page.locator("#me").is_hidden()
+    assert page.locator("#learning").inner_text() == (
+        "4 experts · 5 AdamW steps a round (lr 0.001, batch 8) · miners send compressed pseudo-gradients "
+        "(40 of 256 entries a chunk, 2bit, 1/2 of the chunks) · top 8 merged, outer lr 2.5, momentum 0, "
+        "uniform weights")
 
     page.locator(f"table.leaderboard tr[data-miner='{B}']").click()  # a miner's history on a validator
     page.wait_for_selector("#me:not([hidden]) tr.my-round[data-round='0']")

@@ -14,15 +14,17 @@ from typing import Any
 import pytest
 
 from node.duties.results import learn_results
+from node.runtime.config import NodeConfig
 from node.runtime.metrics import NodeMetrics
-from node.runtime.status import StatusViews
+from node.runtime.status import StatusViews, learning_settings
 from node.store.db import Storage
 from protocol.assignment import assign
 from protocol.identity import Identity
 from protocol.messages import Commit, Reveal, ScoreEntry, ScoreReport, SeedCommit, SeedReveal, seal
 from protocol.ranking import rank_points
 from protocol.seeds import commitment, round_seed
-from protocol.spec import NetworkSpec
+from protocol.spec import NetworkSpec, parse_spec
+from tests.conftest import make_spec_dict
 
 BASE = "ee" * 32
 LOSSES = {0: 2.0, 1: 2.5}  # miners 0 and 1 by index; miner 2 is refused, miner 3 never reveals
@@ -144,3 +146,21 @@ async def test_a_validators_own_report_wins(storage: Storage, spec: NetworkSpec,
     assert view["global_loss"] == 2.1
     [entry] = view["miners"]
     assert entry["rank"] == 1 and len(entry["scores"]) == spec.rewards.replication
+
+
+def test_status_says_how_the_network_learns(spec_dict: dict[str, Any], tmp_path: Path) -> None:
+    spec_dict["submission"] = {"format": "pgrad", "chunk": 128, "topk": 16, "quant": "int8", "partitions": 4}
+    spec_dict["training"] = {"inner_steps": 5, "lr": 2e-3, "batch_size": 4}
+    spec_dict["aggregation"] = {"top_g": 8, "outer_lr": 2.5, "momentum": 0.0}
+    pgrad = parse_spec(spec_dict)
+    miner = NodeConfig(node={"role": "miner", "spec": tmp_path / "spec.toml"}, miner={"keep_optimizer": True})
+    assert learning_settings(pgrad, miner) == {
+        "format": "pgrad", "pgrad": {"chunk": 128, "topk": 16, "quant": "int8", "partitions": 4},
+        "experts": sum(len(ids) for ids in pgrad.group.values()), "inner_steps": 5, "inner_lr": 2e-3,
+        "batch_size": 4, "keep_optimizer": True, "top_g": 8, "outer_lr": 2.5, "momentum": 0.0,
+        "weighting": "uniform"}
+    validator = NodeConfig(node={"role": "validator", "spec": tmp_path / "spec.toml"},
+                           validator={"heldout": tmp_path / "heldout.jsonl"})
+    experts = learning_settings(parse_spec(make_spec_dict()), validator)
+    assert experts["format"] == "experts" and experts["pgrad"] is None
+    assert experts["keep_optimizer"] is None  # a miner's own setting; a validator has none

@@ -42,10 +42,23 @@ function card(label, value, id) {
   return box;
 }
 
+// One line on how the network learns (the spec's submission, training and aggregation; a miner's own AdamW choice).
+function learningLine(l) {
+  if (!l) return "";
+  const sent = l.format === "pgrad"
+    ? `compressed pseudo-gradients (${l.pgrad.topk} of ${l.pgrad.chunk} entries a chunk, ${l.pgrad.quant}` +
+      `${l.pgrad.partitions > 1 ? `, 1/${l.pgrad.partitions} of the chunks` : ""})`
+    : "full experts";
+  const kept = l.keep_optimizer === null ? "" : l.keep_optimizer ? ", keeping its AdamW state" : ", AdamW from zero";
+  return `${l.experts} experts · ${l.inner_steps} AdamW steps a round (lr ${l.inner_lr}, batch ${l.batch_size}${kept}) · ` +
+    `miners send ${sent} · top ${l.top_g} merged, outer lr ${l.outer_lr}, momentum ${l.momentum}, ${l.weighting} weights`;
+}
+
 function renderGlance(status) {
   $("title").textContent = `tessera ${status.role}`;
   document.title = `tessera ${status.role} ${short(status.node_id)}`;
   $("subtitle").textContent = `node ${short(status.node_id)} on network ${status.network} (${short(status.network_id)})`;
+  $("learning").textContent = learningLine(status.learning);
   const agreement = status.agreement;
   nextPhaseAt = Date.now() + status.next_phase.in_s * 1000;
   nextPhaseName = `${status.next_phase.phase} of round ${status.next_phase.round}`;
