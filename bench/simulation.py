@@ -50,7 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report import emit  # noqa: E402
-from node.cli.simulate import spec_setting  # noqa: E402
+from node.cli.common import spec_setting  # noqa: E402
 from node.sim.run import SimSettings, Simulation, SimulationError  # noqa: E402
 from node.store.blobs import BlobStore  # noqa: E402
 from node.store.db import Storage  # noqa: E402

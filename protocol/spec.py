@@ -10,9 +10,10 @@ hashes (`base_hash`, `heldout_sha256`). This module does not load models or data
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -231,6 +232,53 @@ def parse_spec(data: dict[str, object]) -> NetworkSpec:
         return NetworkSpec.model_validate(fixed)
     except ValidationError as exc:
         raise SpecError(_first_error(exc)) from exc
+
+
+SETTABLE_SECTIONS: dict[str, type[_Strict]] = {
+    "training": TrainingSpec, "rewards": RewardSpec, "aggregation": AggregationSpec, "submission": SubmissionSpec}
+"""The spec sections a command line may set one field at a time (`--set SECTION.FIELD=VALUE`): the
+protocol's knobs. Timing, model, data and validators come from the command's own options."""
+
+
+def parse_setting(text: str) -> tuple[str, Any]:
+    """`section.field=value` as (`section.field`, value): the value is read as TOML (2.5, true, "x"),
+    and a bare word that is not TOML (pgrad) as a string. ValueError names a setting without `=`."""
+    key, sep, raw = text.partition("=")
+    key, raw = key.strip(), raw.strip()
+    if not sep or not key or not raw:
+        raise ValueError(f"spec setting {text!r}: write it as section.field=value, e.g. aggregation.outer_lr=2.5")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key, value
+
+
+def judge_settings(settings: Iterable[tuple[str, Any]]) -> dict[str, dict[str, Any]]:
+    """(`section.field`, value) pairs by section, later ones over earlier ones, each section judged by its
+    own model (alone: a field's other settings are the defaults); ValueError names the setting."""
+    sections: dict[str, dict[str, Any]] = {}
+    for key, value in settings:
+        section, _, field = key.partition(".")
+        if section not in SETTABLE_SECTIONS or not field or "." in field:
+            raise ValueError(f"cannot set {key!r} in a spec: give section.field with the section one of "
+                             f"{', '.join(SETTABLE_SECTIONS)}")
+        sections.setdefault(section, {})[field] = value
+    for section, values in sections.items():
+        try:
+            SETTABLE_SECTIONS[section].model_validate(values)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join([section, *(str(part) for part in err["loc"])])
+            why = f"no such field in [{section}]" if err["type"] == "extra_forbidden" else err["msg"]
+            raise ValueError(f"spec setting {where}: {why.removeprefix('Value error, ')}") from exc
+    return sections
+
+
+def apply_settings(spec: dict[str, Any], settings: Iterable[tuple[str, Any]]) -> None:
+    """Write judged settings (`judge_settings`) into decoded spec data, over what its sections hold."""
+    for section, values in judge_settings(settings).items():
+        spec[section] = {**spec.get(section, {}), **values}
 
 
 def load_spec(path: str | Path) -> NetworkSpec:

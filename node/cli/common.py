@@ -1,4 +1,4 @@
-"""What several offline commands share: the spec's model, a network blob read and checked, the held-out subset.
+"""What several commands share: the spec's model, a network blob read and checked, the held-out subset, `--set`.
 
 Each helper raises ValueError with one line naming the file and what was wrong (the command line turns
 it into `tessera: error: ...`, exit 2). Heavy imports happen inside, so `tessera --help` stays fast.
@@ -6,6 +6,7 @@ it into `tessera: error: ...`, exit 2). Heavy imports happen inside, so `tessera
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,3 +51,13 @@ def heldout_sequences(heldout: Path | None, spec_path: Path, spec: Any, tokenize
     if file_sha256(heldout) != spec.data.heldout_sha256:
         raise ValueError(f"{heldout}: SHA-256 differs from the spec's data.heldout_sha256; wrong held-out file")
     return heldout_subset(load_sequences([heldout], tokenizer, spec.data.seq_len), seed, spec.data.heldout_sequences)
+
+
+def spec_setting(text: str) -> tuple[str, Any]:
+    """argparse's type for `--set SECTION.FIELD=VALUE`: `protocol.spec.parse_setting`, its error shown as argparse's."""
+    from protocol.spec import parse_setting
+
+    try:
+        return parse_setting(text)
+    except ValueError as exc:  # argparse shows an ArgumentTypeError's own message
+        raise argparse.ArgumentTypeError(str(exc)) from exc

@@ -19,6 +19,8 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
+from node.cli.common import spec_setting
+
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     sim = subparsers.add_parser("simulate", help="run bootstrap, validators and miners as local processes")
@@ -49,16 +51,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     sim.add_argument("--keep-optimizer", action="store_true",
                      help="miners keep their AdamW state from round to round ([miner] keep_optimizer)")
     sim.set_defaults(run=run_simulate)
-
-
-def spec_setting(text: str) -> tuple[str, Any]:
-    """argparse's type for `--set`: `node.sim.process.parse_spec_setting`, its error shown as argparse's."""
-    from node.sim.process import parse_spec_setting
-
-    try:
-        return parse_spec_setting(text)
-    except ValueError as exc:  # argparse shows an ArgumentTypeError's own message
-        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 

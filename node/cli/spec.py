@@ -2,11 +2,13 @@
 
     tessera spec hash-model DIR          print a checkpoint's base hash (streamed from its files)
     tessera spec new --checkpoint DIR --train FILE... --heldout FILE --validator KEY[:WEIGHT]...
-                     [--rule R] [--top-d N | --mass P] [--timing PRESET] --out SPEC
+                     [--rule R] [--top-d N | --mass P] [--timing PRESET] [--set SECTION.FIELD=VALUE]...
+                     --out SPEC
 
 `spec new` hashes the base and the held-out file, takes the tokenizer from the checkpoint
 directory, runs Phase 1 selection (`training.selection.select_experts`) on the training data and
-writes a complete spec that `spec check` accepts; paths in it are relative to the spec file. It
+writes a complete spec that `spec check` accepts; paths in it are relative to the spec file. `--set`
+gives the protocol's settings other than the defaults (`protocol.spec.SETTABLE_SECTIONS`). It
 checks everything before it writes, and writes nothing when a check fails. This module knows no
 selection or hashing rules of its own; heavy imports happen when a command runs.
 """
@@ -20,6 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from node.cli.common import spec_setting
 from node.cli.main import command_group
 
 RULES = ("gate-mass", "token-freq", "differential", "activation-norm")
@@ -54,6 +57,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     new.add_argument("--max-sequences", type=int, default=256,
                      help="training sequences the selection reads (default 256)")
     new.add_argument("--genesis", help="UTC start of round 0, ISO 8601 (default: now)")
+    new.add_argument("--set", action="append", default=[], type=spec_setting, metavar="SECTION.FIELD=VALUE",
+                     dest="spec_settings",
+                     help="a value for the spec's [training], [rewards], [aggregation] or [submission] (repeatable), "
+                          "e.g. --set submission.format=pgrad --set aggregation.outer_lr=2.5")
     new.add_argument("--out", required=True, type=Path, metavar="SPEC", help="spec file to write; never overwritten")
     new.set_defaults(run=run_spec_new)
 
@@ -68,7 +75,7 @@ def run_hash_model(args: argparse.Namespace) -> int:
 
 
 def run_spec_new(args: argparse.Namespace) -> int:
-    from protocol.spec import parse_spec
+    from protocol.spec import apply_settings, judge_settings, parse_spec
     from training.adapters import adapter_for
     from training.checkpoint import checkpoint_hash
     from training.data import file_sha256, load_sequences
@@ -80,6 +87,7 @@ def run_spec_new(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.out}: already exists; spec new never overwrites a spec")
     if args.max_sequences < 1 or args.seq_len < 8:
         raise ValueError("--max-sequences must be positive and --seq-len at least 8")
+    judge_settings(args.spec_settings)  # a bad --set fails here, before the checkpoint is read
     validators = [_validator(text) for text in args.validator]
     genesis = _genesis(args.genesis)
     top_d = args.top_d if args.top_d is not None or args.mass is not None else 2
@@ -110,6 +118,7 @@ def run_spec_new(args: argparse.Namespace) -> int:
                  "seq_len": args.seq_len, "heldout_sequences": args.heldout_sequences},
         "validators": [{"key": key, "weight": weight} for key, weight in validators],
     }
+    apply_settings(spec, args.spec_settings)
     parsed = parse_spec(spec)
     _write_new(args.out, spec)
     print(json.dumps({"spec": str(args.out), "network_id": parsed.network_id, "base_hash": base_hash,

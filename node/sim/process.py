@@ -14,16 +14,13 @@ import signal
 import socket
 import subprocess
 import sys
-import tomllib
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ValidationError
-
 from node.runtime.config import MinerSection
-from protocol.spec import AggregationSpec, RewardSpec, SubmissionSpec, TrainingSpec
+from protocol.spec import judge_settings
 
 # The simulation adversaries are every `miner.behaviour` but "honest".
 ADVERSARY_KINDS: tuple[str, ...] = tuple(
@@ -31,10 +28,6 @@ ADVERSARY_KINDS: tuple[str, ...] = tuple(
 # How the time after TRAIN is split between the other phases.
 AFTER_TRAIN_SHARES = {"commit_s": 0.2, "reveal_s": 0.33, "evaluate_s": 0.3, "merge_s": 0.17}
 MIN_AFTER_TRAIN_S = 6.0
-# The spec sections a simulation may set (`SimSettings.spec_settings`): the protocol's knobs. Timing,
-# model, data and validators are the simulation's own.
-SETTABLE_SECTIONS: dict[str, type[BaseModel]] = {
-    "training": TrainingSpec, "rewards": RewardSpec, "aggregation": AggregationSpec, "submission": SubmissionSpec}
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -72,8 +65,8 @@ class SimSettings:
     submission_format: Literal["experts", "pgrad"] = "experts"
     """What miners submit: full experts, or compressed pseudo-gradients (the spec's `[submission]`)."""
     spec_settings: tuple[tuple[str, Any], ...] = ()
-    """(`section.field`, value) pairs written into the spec after everything else (`parse_spec_setting`),
-    in the SETTABLE_SECTIONS; the spec's own validation judges the values."""
+    """(`section.field`, value) pairs written into the spec after everything else, in the spec's settable
+    sections; judged by `protocol.spec.judge_settings` (`parse_setting` reads them from a command line)."""
     keep_optimizer: bool = False
     """Miners keep their AdamW state from round to round (`[miner] keep_optimizer` in their configs)."""
     stop_timeout_s: float = 20.0
@@ -97,21 +90,7 @@ class SimSettings:
                              f"TRAIN; give commit, reveal, evaluate and merge {MIN_AFTER_TRAIN_S:.0f} s or more")
         if self.inner_steps < 1:
             raise ValueError(f"inner_steps must be at least 1, got {self.inner_steps}")
-        sections: dict[str, dict[str, Any]] = {}
-        for key, value in self.spec_settings:
-            section, _, field = key.partition(".")
-            if section not in SETTABLE_SECTIONS or not field or "." in field:
-                raise ValueError(f"cannot set {key!r} in a simulation's spec: give section.field with the section "
-                                 f"one of {', '.join(SETTABLE_SECTIONS)}")
-            sections.setdefault(section, {})[field] = value
-        for section, values in sections.items():  # judged now, before anything is written
-            try:
-                SETTABLE_SECTIONS[section].model_validate(values)
-            except ValidationError as exc:
-                err = exc.errors()[0]
-                where = ".".join([section, *(str(part) for part in err["loc"])])
-                why = f"no such field in [{section}]" if err["type"] == "extra_forbidden" else err["msg"]
-                raise ValueError(f"spec setting {where}: {why.removeprefix('Value error, ')}") from exc
+        judge_settings(self.spec_settings)  # now, before anything is written
 
     def timing(self) -> dict[str, float]:
         rest = (1 - self.train_share) * self.round_seconds
@@ -124,20 +103,6 @@ class SimSettings:
     def delay_s(self) -> float:
         nodes = 1 + self.validators + self.miners
         return self.start_delay_s if self.start_delay_s is not None else 20.0 + 4.0 * nodes
-
-
-def parse_spec_setting(text: str) -> tuple[str, Any]:
-    """`section.field=value` as (`section.field`, value): the value is read as TOML (2.5, true, "x"),
-    and a bare word that is not TOML (pgrad) as a string. ValueError names a setting without `=`."""
-    key, sep, raw = text.partition("=")
-    key, raw = key.strip(), raw.strip()
-    if not sep or not key or not raw:
-        raise ValueError(f"spec setting {text!r}: write it as section.field=value, e.g. aggregation.outer_lr=2.5")
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    return key, value
 
 
 @dataclass

@@ -40,7 +40,7 @@ from node.sim.process import (
 from node.store.db import Storage
 from protocol.identity import save_identity
 from protocol.rounds import PHASES, Phase, Schedule
-from protocol.spec import load_spec
+from protocol.spec import apply_settings, load_spec
 
 POLL_S = 1.0
 
@@ -322,9 +322,7 @@ class Simulation:
 def _set_spec(spec_path: Path, settings: Iterable[tuple[str, Any]]) -> None:
     """Write each (`section.field`, value) into the spec file, later ones over earlier ones."""
     spec = tomllib.loads(spec_path.read_text(encoding="utf-8"))
-    for key, value in settings:
-        section, field = key.split(".")
-        spec.setdefault(section, {})[field] = value
+    apply_settings(spec, settings)
     spec_path.write_text(to_toml(spec), encoding="utf-8")
 
 

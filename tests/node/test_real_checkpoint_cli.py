@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from node.cli.main import main
 from protocol.identity import Identity, save_identity
-from protocol.spec import load_spec
+from protocol.spec import TrainingSpec, load_spec
 from tests.training.hub_checkpoint import write_data, write_hub_checkpoint, write_tokenizer
 from training.adapters import ADAPTERS
 from training.blob import decode_blob
@@ -124,6 +124,36 @@ def test_bad_checkpoints_are_refused_and_nothing_is_written(tmp_path: Path, caps
     write_tokenizer(wide, vocab_size=400)
     _refused(capsys, "spec", "new", "--checkpoint", wide, *args, match="does not belong to this model")
     assert not out.exists()
+
+
+def test_spec_new_sets_the_protocols_settings_and_judges_them_before_reading_the_checkpoint(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    checkpoint = write_hub_checkpoint(tmp_path / "ckpt", "qwen3_moe")
+    train, heldout = write_data(tmp_path)
+    capsys.readouterr()  # transformers' progress bars while the checkpoint was written
+    out = tmp_path / "net" / "spec.toml"
+    args = ("--train", train, "--heldout", heldout, "--validator", "ab" * 32, "--timing", "sim", "--seq-len", "32",
+            "--max-sequences", "64", "--out", out)
+    missing = tmp_path / "no-such-checkpoint"  # a bad setting is named before the checkpoint is looked at
+    _refused(capsys, "spec", "new", "--checkpoint", missing, *args, "--set", "aggregation.outer_lrr=2",
+             match="spec setting aggregation.outer_lrr: no such field in [aggregation]")
+    _refused(capsys, "spec", "new", "--checkpoint", missing, *args, "--set", "submission.topk=42",
+             match="spec setting submission: topk must be a multiple of 4")
+    _refused(capsys, "spec", "new", "--checkpoint", missing, *args, "--set", "timing.train_s=5",
+             match="cannot set 'timing.train_s' in a spec")
+    with pytest.raises(SystemExit) as exit_:  # argparse's own refusal
+        main(["spec", "new", "--checkpoint", str(missing), *map(str, args), "--set", "aggregation.outer_lr"])
+    assert exit_.value.code == 2 and "write it as section.field=value" in capsys.readouterr().err
+    assert not out.exists()
+
+    code, _, err = run(capsys, "spec", "new", "--checkpoint", checkpoint, *args, "--set", "submission.format=pgrad",
+                       "--set", "training.inner_steps=5", "--set", "aggregation.outer_lr=2.5",
+                       "--set", "aggregation.momentum=0.0", "--set", "aggregation.top_g=8")
+    assert code == 0, err
+    spec = load_spec(out)
+    assert (spec.submission.format, spec.training.inner_steps) == ("pgrad", 5)
+    assert (spec.aggregation.outer_lr, spec.aggregation.momentum, spec.aggregation.top_g) == (2.5, 0.0, 8)
+    assert spec.training.lr == TrainingSpec().lr and spec.aggregation.clip_to_median  # the rest keep defaults
 
 
 def test_bad_groups_and_export_targets_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -14,22 +14,22 @@ import pytest
 
 from node.cli.main import main
 from node.runtime.config import load_config
-from node.sim.process import SimSettings, parse_spec_setting
+from node.sim.process import SimSettings
 from node.sim.run import Simulation
-from protocol.spec import load_spec
+from protocol.spec import load_spec, parse_setting
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def test_a_setting_is_read_as_toml_and_a_bare_word_as_a_string() -> None:
-    assert parse_spec_setting("aggregation.outer_lr=2.5") == ("aggregation.outer_lr", 2.5)
-    assert parse_spec_setting("aggregation.top_g = 8") == ("aggregation.top_g", 8)
-    assert parse_spec_setting("aggregation.clip_to_median=false") == ("aggregation.clip_to_median", False)
-    assert parse_spec_setting("submission.format=pgrad") == ("submission.format", "pgrad")
-    assert parse_spec_setting('submission.quant="int8"') == ("submission.quant", "int8")
+    assert parse_setting("aggregation.outer_lr=2.5") == ("aggregation.outer_lr", 2.5)
+    assert parse_setting("aggregation.top_g = 8") == ("aggregation.top_g", 8)
+    assert parse_setting("aggregation.clip_to_median=false") == ("aggregation.clip_to_median", False)
+    assert parse_setting("submission.format=pgrad") == ("submission.format", "pgrad")
+    assert parse_setting('submission.quant="int8"') == ("submission.quant", "int8")
     for text in ("aggregation.outer_lr", "=2.5", "aggregation.outer_lr="):
         with pytest.raises(ValueError, match="write it as section.field=value"):
-            parse_spec_setting(text)
+            parse_setting(text)
 
 
 @pytest.mark.parametrize(("setting", "reason"), [

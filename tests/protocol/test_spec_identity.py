@@ -16,7 +16,7 @@ from protocol.identity import (
     save_identity,
     verify,
 )
-from protocol.spec import SpecError, load_spec, parse_spec
+from protocol.spec import SpecError, apply_settings, load_spec, parse_spec
 
 
 def test_valid_spec_round_trips_through_toml(spec_dict, write_spec) -> None:
@@ -89,6 +89,18 @@ def test_duplicate_validator_refused(spec_dict) -> None:
     spec_dict["validators"].append(dict(spec_dict["validators"][0]))
     with pytest.raises(SpecError, match="validators: .*appears twice"):
         parse_spec(spec_dict)
+
+
+def test_settings_land_over_a_sections_values_and_a_bad_one_changes_nothing(spec_dict) -> None:
+    spec_dict["aggregation"] = {"outer_lr": 0.7, "top_g": 3}
+    before = copy.deepcopy(spec_dict)
+    with pytest.raises(ValueError, match="spec setting aggregation.momentum: Input should be less than 1"):
+        apply_settings(spec_dict, [("aggregation.outer_lr", 2.5), ("aggregation.momentum", 1.5)])
+    assert spec_dict == before
+    apply_settings(spec_dict, [("aggregation.outer_lr", 2.0), ("aggregation.outer_lr", 2.5),
+                               ("submission.format", "pgrad")])
+    spec = parse_spec(spec_dict)
+    assert (spec.aggregation.outer_lr, spec.aggregation.top_g, spec.submission.format) == (2.5, 3, "pgrad")
 
 
 def test_load_spec_file_errors(tmp_path) -> None:
