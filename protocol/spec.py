@@ -234,7 +234,7 @@ def parse_spec(data: dict[str, object]) -> NetworkSpec:
         raise SpecError(_first_error(exc)) from exc
 
 
-SETTABLE_SECTIONS: dict[str, type[_Strict]] = {
+SETTABLE_SECTIONS: dict[str, type[BaseModel]] = {
     "training": TrainingSpec, "rewards": RewardSpec, "aggregation": AggregationSpec, "submission": SubmissionSpec}
 """The spec sections a command line may set one field at a time (`--set SECTION.FIELD=VALUE`): the
 protocol's knobs. Timing, model, data and validators come from the command's own options."""
