@@ -27,6 +27,7 @@ and, in `noise_by_subset_size`, which rounds would beat the noise at other subse
 This script knows nothing about how the nodes train, score or merge; it reads what they stored.
 Usage: python bench/simulation.py [--rounds 6] [--dir DIR] [--subsets 200] [--out FILE.json]
        [--inner-steps H] [--format pgrad] [--set SECTION.FIELD=VALUE ...] [--keep-optimizer]
+       [--adversaries KIND,...]
        python bench/simulation.py --reuse DIR [--out FILE.json]   (evaluate an earlier run's DIR again)
 """
 
@@ -239,6 +240,8 @@ def build_report(entries: list[dict[str, Any]], evaluated: dict[str, Any], seeds
                 "global_loss": round(float(subset_losses(*per_state[adopted], subset_rows(total, size, [seed]))[0]), 5)},
             "miners_accepted": sum(m["verdict"] == "accept" for m in entry["miners"]),
             "miners_with_utility": sum(m["rank"] is not None for m in entry["miners"]),
+            "adversaries": [{k: m[k] for k in ("kind", "verdict", "rank", "reason")}
+                            for m in entry["miners"] if m.get("kind", "honest") != "honest"],
         })
     return {
         "base_whole_heldout_loss": round(whole[spec.model.base_hash], 5),
@@ -291,6 +294,8 @@ def main() -> int:
                         dest="spec_settings", help="a spec value, as simulate's --set (repeatable)")
     parser.add_argument("--keep-optimizer", action="store_true",
                         help="miners keep their AdamW state from round to round, as simulate's --keep-optimizer")
+    parser.add_argument("--adversaries", default="", metavar="KIND,...",
+                        help="make that many of the miners adversaries, as simulate's --adversaries")
     parser.add_argument("--dir", type=Path, help="simulation directory, must not exist (default: a new temporary one)")
     parser.add_argument("--reuse", type=Path, metavar="DIR",
                         help="skip the simulation: evaluate the --dir of an earlier run of this benchmark")
@@ -307,7 +312,9 @@ def main() -> int:
         directory = args.reuse.resolve()
     else:
         try:  # before any directory is made
-            settings = SimSettings(validators=args.validators, miners=args.miners, round_seconds=args.round_seconds,
+            adversaries = tuple(k.strip() for k in args.adversaries.split(",") if k.strip())
+            settings = SimSettings(validators=args.validators, miners=args.miners, adversaries=adversaries,
+                                   round_seconds=args.round_seconds,
                                    train_share=args.train_share, inner_steps=args.inner_steps, seed=args.seed,
                                    submission_format=args.format, spec_settings=tuple(args.spec_settings),
                                    keep_optimizer=args.keep_optimizer)
