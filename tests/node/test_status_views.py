@@ -156,7 +156,7 @@ def test_status_says_how_the_network_learns(spec_dict: dict[str, Any], tmp_path:
     miner = NodeConfig(node={"role": "miner", "spec": tmp_path / "spec.toml"}, miner={"keep_optimizer": True})
     assert learning_settings(pgrad, miner) == {
         "format": "pgrad", "pgrad": {"chunk": 128, "topk": 16, "quant": "int8", "partitions": 4},
-        "experts": sum(len(ids) for ids in pgrad.group.values()), "inner_steps": 5, "inner_lr": 2e-3,
+        "experts": 3, "inner_steps": 5, "inner_lr": 2e-3,  # the group is {0: [1, 3], 1: [0]}
         "batch_size": 4, "keep_optimizer": True, "top_g": 8, "outer_lr": 2.5, "momentum": 0.0,
         "weighting": "uniform"}
     validator = NodeConfig(node={"role": "validator", "spec": tmp_path / "spec.toml"},
