@@ -51,7 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report import emit  # noqa: E402
-from node.cli.common import spec_setting  # noqa: E402
+from node.cli.common import comma_list, spec_setting  # noqa: E402
 from node.sim.run import SimSettings, Simulation, SimulationError  # noqa: E402
 from node.store.blobs import BlobStore  # noqa: E402
 from node.store.db import Storage  # noqa: E402
@@ -241,7 +241,7 @@ def build_report(entries: list[dict[str, Any]], evaluated: dict[str, Any], seeds
             "miners_accepted": sum(m["verdict"] == "accept" for m in entry["miners"]),
             "miners_with_utility": sum(m["rank"] is not None for m in entry["miners"]),
             "adversaries": [{k: m[k] for k in ("kind", "verdict", "rank", "reason")}
-                            for m in entry["miners"] if m.get("kind", "honest") != "honest"],
+                            for m in entry["miners"] if m["kind"] != "honest"],
         })
     return {
         "base_whole_heldout_loss": round(whole[spec.model.base_hash], 5),
@@ -294,7 +294,7 @@ def main() -> int:
                         dest="spec_settings", help="a spec value, as simulate's --set (repeatable)")
     parser.add_argument("--keep-optimizer", action="store_true",
                         help="miners keep their AdamW state from round to round, as simulate's --keep-optimizer")
-    parser.add_argument("--adversaries", default="", metavar="KIND,...",
+    parser.add_argument("--adversaries", type=comma_list, default=(), metavar="KIND,...",
                         help="make that many of the miners adversaries, as simulate's --adversaries")
     parser.add_argument("--dir", type=Path, help="simulation directory, must not exist (default: a new temporary one)")
     parser.add_argument("--reuse", type=Path, metavar="DIR",
@@ -312,8 +312,7 @@ def main() -> int:
         directory = args.reuse.resolve()
     else:
         try:  # before any directory is made
-            adversaries = tuple(k.strip() for k in args.adversaries.split(",") if k.strip())
-            settings = SimSettings(validators=args.validators, miners=args.miners, adversaries=adversaries,
+            settings = SimSettings(validators=args.validators, miners=args.miners, adversaries=args.adversaries,
                                    round_seconds=args.round_seconds,
                                    train_share=args.train_share, inner_steps=args.inner_steps, seed=args.seed,
                                    submission_format=args.format, spec_settings=tuple(args.spec_settings),

@@ -61,3 +61,8 @@ def spec_setting(text: str) -> tuple[str, Any]:
         return parse_setting(text)
     except ValueError as exc:  # argparse shows an ArgumentTypeError's own message
         raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def comma_list(text: str) -> tuple[str, ...]:
+    """argparse's type for a comma-separated option (`--adversaries noise,copier`): its non-empty items."""
+    return tuple(item.strip() for item in text.split(",") if item.strip())

@@ -19,7 +19,7 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-from node.cli.common import spec_setting
+from node.cli.common import comma_list, spec_setting
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -29,7 +29,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     sim.add_argument("--rounds", type=int, default=3, metavar="N", help="rounds to run (default 3)")
     sim.add_argument("--dir", required=True, type=Path, metavar="DIR", help="simulation directory (created)")
     sim.add_argument("--force", action="store_true", help="replace DIR if it holds an earlier simulation")
-    sim.add_argument("--adversaries", default="", metavar="KIND,...",
+    sim.add_argument("--adversaries", type=comma_list, default=(), metavar="KIND,...",
                      help="make that many of the M miners adversaries: lazy, noise, copier, late, garbage")
     sim.add_argument("--base-port", type=int, default=0, metavar="P",
                      help="first TCP port; each node takes two (default: free ports)")
@@ -60,8 +60,7 @@ def run_simulate(args: argparse.Namespace) -> int:
 
     if args.rounds < 1:
         raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
-    adversaries = tuple(k.strip() for k in args.adversaries.split(",") if k.strip())
-    settings = SimSettings(validators=args.validators, miners=args.miners, adversaries=adversaries,
+    settings = SimSettings(validators=args.validators, miners=args.miners, adversaries=args.adversaries,
                            round_seconds=args.round_seconds, train_share=args.train_share,
                            start_delay_s=args.start_delay, base_port=args.base_port, seed=args.seed,
                            inner_steps=args.inner_steps, submission_format=args.format,

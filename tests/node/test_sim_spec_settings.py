@@ -3,7 +3,7 @@ other settings (the short rounds of docs/learning.md) without editing files by h
 
 A setting is read as TOML, judged by the spec's own section model before anything is written, and
 lands in the prepared network's spec (nothing is started); `--keep-optimizer` lands in every miner's
-config and no validator's."""
+config and no validator's; `--adversaries` is read as comma-separated kinds."""
 
 from __future__ import annotations
 
@@ -92,3 +92,11 @@ def test_simulate_refuses_a_value_the_spec_would_refuse_before_writing_anything(
     assert main(["simulate", "--dir", str(tmp_path / "sim"), "--set", "aggregation.outer_lr=-1"]) == 2
     assert "spec setting aggregation.outer_lr: Input should be greater than 0" in capsys.readouterr().err
     assert not (tmp_path / "sim").exists()
+
+
+def test_simulate_adversaries_are_the_comma_separated_kinds(tmp_path: Path, simulate_settings: list[SimSettings],
+                                                            capsys) -> None:
+    assert main(["simulate", "--dir", str(tmp_path / "sim"), "--miners", "4", "--adversaries", "noise, copier,"]) == 1
+    assert main(["simulate", "--dir", str(tmp_path / "sim")]) == 1
+    assert [s.adversaries for s in simulate_settings] == [("noise", "copier"), ()]
+    assert "stopped before writing anything" in capsys.readouterr().err
