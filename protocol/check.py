@@ -17,6 +17,11 @@ from enum import StrEnum
 from protocol.messages import VALIDATOR_KINDS, DecodeError, Envelope, Message, decode_envelope
 from protocol.rounds import Phase, Schedule
 
+TOO_LATE = "too late"
+"""The detail of a REJECT for a message past its window: the one REJECT a relayer cannot avoid causing, since
+gossip peers push their caches of recent messages to a newcomer (node.net.judge counts it but does not
+penalise the peer for it)."""
+
 
 class Verdict(StrEnum):
     ACCEPT = "accept"
@@ -115,7 +120,7 @@ def _check_timing(envelope: Envelope, message: Message, message_id: str, ctx: Ch
     if ctx.now >= end + skew:
         if envelope.kind == "heartbeat":
             return CheckResult(Verdict.IGNORE, "old heartbeat")
-        return CheckResult(Verdict.REJECT, f"outside {envelope.kind} window", "too late")
+        return CheckResult(Verdict.REJECT, f"outside {envelope.kind} window", TOO_LATE)
     return CheckResult(Verdict.ACCEPT, "ok", message=message)
 
 

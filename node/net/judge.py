@@ -5,10 +5,12 @@ pure check cannot keep: at most one heartbeat per sender per round (later ones I
 budget of signed messages per sender per round (IGNOREd unread past it), and peer penalties: a
 peer that sends more than `penalty_threshold` REJECTed messages in one round is penalised for
 `penalty_backoff_s` (its messages are IGNOREd unread; the libp2p host disconnects it and does not
-redial it meanwhile). The seen-set can be seeded from storage after a restart. It also keeps the
-bytes of the envelopes it accepted in the current and the previous round (`recent`, capped at
-RECENT_BYTES_PER_ROUND), for a restarted peer to catch up on (`judge_replayed` judges those on
-the other side). Thread-safe: the libp2p host judges on its own thread. This module knows nothing
+redial it meanwhile). A message REJECTed only for arriving after its window is counted against the
+peer but does not add to its penalty: GossipSub peers push their caches of recent messages to a
+node that just joined, and a relayer cannot make them on time. The seen-set can be seeded from
+storage after a restart. It also keeps the bytes of the envelopes it accepted in the current and the
+previous round (`recent`, capped at RECENT_BYTES_PER_ROUND), for a restarted peer to catch up on
+(`judge_replayed` judges those on the other side). Thread-safe: the libp2p host judges on its own thread. This module knows nothing
 about transports or storage.
 """
 
@@ -21,7 +23,7 @@ from dataclasses import replace
 
 from node.net.config import P2PConfig
 from node.net.network import NetworkStats, PublishRefused
-from protocol.check import CheckContext, CheckResult, SeenKey, Verdict, check, window
+from protocol.check import TOO_LATE, CheckContext, CheckResult, SeenKey, Verdict, check, window
 from protocol.messages import DecodeError, Envelope, decode_envelope
 from protocol.rounds import Schedule
 from protocol.spec import NetworkSpec
@@ -106,7 +108,7 @@ class GossipJudge:
             kind = envelope.kind if envelope is not None else "unknown"
             self.stats.messages[(kind, result.verdict.value)] += 1
             if result.verdict is Verdict.REJECT:
-                self._penalise(peer, now)
+                self._penalise(peer, now, scored=result.detail != TOO_LATE)
             elif result.verdict is Verdict.ACCEPT:
                 assert envelope is not None
                 self._record(envelope, data)
@@ -192,8 +194,10 @@ class GossipJudge:
             self.stats.peer_scores.clear()
             self.stats.penalised = {p: t for p, t in self.stats.penalised.items() if t > now}
 
-    def _penalise(self, peer: str, now: float) -> None:
+    def _penalise(self, peer: str, now: float, scored: bool = True) -> None:
         self.stats.rejects_by_peer[peer] += 1
+        if not scored:
+            return
         score = self.stats.peer_scores.get(peer, 0) + 1
         self.stats.peer_scores[peer] = score
         if score > self.penalty_threshold:

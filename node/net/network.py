@@ -54,7 +54,8 @@ class NetworkStats:
     blob_fetch_failures: int = 0
     dropped_deliveries: int = 0
     peer_scores: dict[str, int] = field(default_factory=dict)
-    """Penalty score per peer: REJECTs it sent in the current round (reset when the round changes)."""
+    """Penalty score per peer: REJECTs it sent in the current round, late messages aside (reset when the
+    round changes)."""
     penalised: dict[str, float] = field(default_factory=dict)
     """Peers past the penalty threshold -> clock time until which they stay disconnected."""
     penalties: int = 0
@@ -128,23 +129,41 @@ class Subscription:
 
 
 class Subscribers:
-    """The subscriptions of one node and fan-out to them (shared by the twin and the libp2p host)."""
+    """The subscriptions of one node and fan-out to them (shared by the twin and the libp2p host).
+
+    What is accepted before the first subscription (the host joins gossip while the node is still
+    being built) waits for it, up to SUBSCRIPTION_QUEUE deliveries: the judge has already marked it
+    seen, so a peer's history could not hand it on again.
+    """
 
     def __init__(self, stats: NetworkStats) -> None:
         self._subs: list[Subscription] = []
         self._stats = stats
+        self._early: list[Delivery] | None = []  # None once the first subscription has taken them
 
     def add(self, kinds: Iterable[str] | None) -> Subscription:
         if kinds is not None and (unknown := set(kinds) - set(MESSAGE_TYPES)):
             raise NetworkError(f"cannot subscribe to unknown message kinds {sorted(unknown)}; known: {sorted(MESSAGE_TYPES)}")
         sub = Subscription(None if kinds is None else frozenset(kinds), self._subs.remove)
         self._subs.append(sub)
+        early, self._early = self._early or [], None
+        for delivery in early:
+            self._offer(sub, delivery)
         return sub
 
     def deliver(self, delivery: Delivery) -> None:
-        for sub in list(self._subs):
-            if sub.wants(delivery.envelope.kind) and not sub.offer(delivery):
+        if self._early is not None:  # no subscription yet
+            if len(self._early) < SUBSCRIPTION_QUEUE:
+                self._early.append(delivery)
+            else:
                 self._stats.dropped_deliveries += 1
+            return
+        for sub in list(self._subs):
+            self._offer(sub, delivery)
+
+    def _offer(self, sub: Subscription, delivery: Delivery) -> None:
+        if sub.wants(delivery.envelope.kind) and not sub.offer(delivery):
+            self._stats.dropped_deliveries += 1
 
     @property
     def pending(self) -> int:
@@ -162,7 +181,8 @@ class Gossip(Protocol):
         ...
 
     def subscribe(self, kinds: Iterable[str] | None = None) -> Subscription:
-        """Start receiving accepted envelopes of `kinds` (all kinds when None) from now on."""
+        """Start receiving accepted envelopes of `kinds` (all kinds when None) from now on; the first
+        subscription also gets what was accepted before it."""
         ...
 
     def reject_counts(self) -> Mapping[str, int]:

@@ -2,6 +2,7 @@
 
     python -m node.sim.peer --key K --network-spec SPEC --data-dir DIR [--host IP] [--port P]
                         [--bootstrap ADDR ...] [--serve-rate B/S] [--penalty-threshold N]
+                        [--supervise-interval S]
 
 A test harness (integration tests, benchmarks), not a production node (that relay is `tessera
 bootstrap`, node.cli.bootstrap): it reads one JSON command per line on stdin and answers one JSON
@@ -11,6 +12,7 @@ not hold up the others:
     publish {forge: null|"bad_signature"|"wrong_network", head}    a Heartbeat, optionally spoiled
     put_blob {size, seed, serve}    store (and serve) deterministic random bytes
     fetch {hash, providers, max_bytes} | has_blob {hash} | tmp_files | quit
+    connect {addr}    dial a multiaddr now | catch_up {round, providers}
 `PeerProcess` starts such a process and drives it (integration tests and bench/transfer.py).
 This module knows nothing about rounds or duties; it only exercises node.net.p2p.
 """
@@ -106,6 +108,9 @@ class Peer:
             started = time.perf_counter()
             path = await self.net.fetch(command["hash"], command["providers"], int(command["max_bytes"]))
             return {"path": str(path), "seconds": time.perf_counter() - started}
+        if cmd == "connect":
+            await self.net.connect(command["addr"])
+            return {}
         if cmd == "catch_up":
             return {"delivered": await self.net.catch_up(int(command["round"]), command["providers"])}
         if cmd == "has_blob":
@@ -164,7 +169,8 @@ async def run_peer(args: argparse.Namespace) -> None:
     identity = load_or_create_identity(args.key)
     store = BlobStore(Path(args.data_dir) / "blobs")
     config = P2PConfig(host=args.host, port=args.port, bootstrap=tuple(args.bootstrap),
-                       serve_rate_bytes_s=args.serve_rate, penalty_threshold=args.penalty_threshold)
+                       serve_rate_bytes_s=args.serve_rate, penalty_threshold=args.penalty_threshold,
+                       supervise_interval_s=args.supervise_interval)
     judge = GossipJudge(spec, SystemClock().now, config)
     net = await P2PNetwork.create(identity, judge, store, config)
     peer = Peer(net, identity, spec, store)
@@ -272,6 +278,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--serve-rate", type=float, default=0.0, help="blob upload cap in bytes/s (0: none)")
     parser.add_argument("--penalty-threshold", type=int, default=P2PConfig().penalty_threshold,
                         help="REJECTs per round before a peer is disconnected")
+    parser.add_argument("--supervise-interval", type=float, default=P2PConfig().supervise_interval_s,
+                        help="seconds between two rounds of redials and peer exchanges")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")

@@ -80,6 +80,21 @@ def test_a_50_mb_blob_transfers_and_is_verified(cluster: Cluster) -> None:
     assert not fetcher.call("has_blob", hash=small["hash"])["has"]
 
 
+def test_a_fetch_reaches_a_provider_the_node_has_not_discovered_yet(cluster: Cluster) -> None:
+    boot = cluster.start("boot", 1)
+    provider = cluster.start("provider", 2, [boot.addr])
+    cluster.wait_for(lambda: connected(boot, provider), 20, "the provider to connect")
+    time.sleep(2)  # the provider has told the bootstrap node its addresses (it exchanges every second)
+    # A node just (re)started: connected to its bootstrap node, it has not yet asked it for peers (its
+    # supervisor, which would, next runs a minute from now).
+    fetcher = cluster.start("fetcher", 3, [], 0, "--supervise-interval", "60")
+    fetcher.call("connect", addr=boot.addr)
+    blob = provider.call("put_blob", size=10_000, seed=8)
+    got = fetcher.call("fetch", hash=blob["hash"], providers=[provider.node_id], max_bytes=10_000, timeout=30)
+    with open(got["path"], "rb") as f:
+        assert hashlib.file_digest(f, "sha256").hexdigest() == blob["hash"]
+
+
 def test_forged_and_wrong_network_messages_are_rejected_by_every_receiver(cluster: Cluster) -> None:
     forger = cluster.start("forger", 1)
     receivers = [cluster.start(f"r{i}", 20 + i, [forger.addr]) for i in range(2)]

@@ -59,6 +59,21 @@ async def test_published_envelopes_reach_every_other_node_but_not_the_sender(
     assert nodes["m0"].stats.messages[("heartbeat", "published")] == 1
 
 
+async def test_what_a_node_accepts_before_it_subscribes_waits_for_its_first_subscription(
+    spec: NetworkSpec, nodes: dict[str, MemoryNetwork], miner_ids: list[Identity]
+) -> None:
+    envelope = heartbeat(spec, miner_ids[0])
+    await nodes["m0"].publish(envelope)  # v0 is on the network (judged, seen) but not subscribed yet
+    first = nodes["v0"].subscribe(["heartbeat"])
+    later = nodes["v0"].subscribe()
+    assert (await first.get(timeout=1)).envelope == envelope
+    with pytest.raises(asyncio.TimeoutError):
+        await later.get(timeout=0.05)  # a later subscription starts from now
+    nodes["m0"]._hub.inject(envelope.to_bytes(), miner_ids[0].node_id, to=[nodes["v0"].node_id])
+    with pytest.raises(asyncio.TimeoutError):
+        await first.get(timeout=0.05)  # seen: a replay is not delivered again
+
+
 async def test_duplicates_are_ignored_and_bad_messages_rejected_and_counted(
     spec: NetworkSpec, nodes: dict[str, MemoryNetwork], miner_ids: list[Identity]
 ) -> None:
@@ -230,6 +245,21 @@ async def test_a_peer_past_the_penalty_threshold_is_dropped_until_its_backoff_en
     assert v0.peers() == [bad] and v0.stats.penalised == {}
     v0.receive(heartbeat(spec, miner_ids[0]).to_bytes(), bad)
     assert (await sub.get(timeout=1)).peer == bad
+
+
+def test_late_messages_count_against_a_peer_but_do_not_penalise_it(
+    spec: NetworkSpec, clock: ManualClock, miner_ids: list[Identity]
+) -> None:
+    judge = GossipJudge(spec, clock.now, P2PConfig(penalty_threshold=3))
+    clock.set(Schedule.from_spec(spec).phase_window(0, Phase.REVEAL)[0] + 5.0)  # the commit window has closed
+    late = [seal(Commit(round=0, commitment=f"{i:02x}" * 32), spec.network_id, miner_ids[0]) for i in range(10)]
+    results = [judge.judge(e.to_bytes(), "relay")[0] for e in late]  # a cache a peer pushes to a newcomer
+    assert {(r.verdict.value, r.reason, r.detail) for r in results} == {("reject", "outside commit window", "too late")}
+    assert judge.stats.rejects_by_peer == {"relay": 10} and judge.stats.peer_scores == {}
+    assert not judge.is_penalised("relay")
+    early = [seal(Commit(round=1, commitment=f"{i:02x}" * 32), spec.network_id, miner_ids[1]) for i in range(4)]
+    assert [judge.judge(e.to_bytes(), "relay")[0].detail for e in early] == ["too early"] * 4
+    assert judge.is_penalised("relay")  # a message before its window is the sender's doing
 
 
 def test_a_judge_seeded_from_storage_knows_what_it_accepted_before_a_restart(

@@ -62,8 +62,8 @@ def write_network(root: Path, validators: int = 2, extra: str = "") -> Path:
     (root / "train.jsonl").write_text(_arithmetic(400, 0), encoding="utf-8")
     (root / "heldout.jsonl").write_text(_arithmetic(60, 100_000), encoding="utf-8")
     base_hash = state_hash(build_tiny_model("qwen3_moe", dict(MODEL), 0))
-    validators = "\n".join(f'[[validators]]\nkey = "{identity(f"validator-{i}").node_id}"\nweight = 1.0\n'
-                           for i in range(validators))
+    entries = "\n".join(f'[[validators]]\nkey = "{identity(f"validator-{i}").node_id}"\nweight = 1.0\n'
+                        for i in range(validators))
     spec = f"""name = "golden"
 genesis = {GENESIS.isoformat().replace("+00:00", "Z")}
 group = {{ "0" = [1, 5], "1" = [2, 6] }}
@@ -96,7 +96,7 @@ batch_size = 4
 outer_lr = 0.5
 momentum = 0.5
 
-{validators}{extra}"""
+{entries}{extra}"""
     (root / "spec.toml").write_text(spec, encoding="utf-8")
     return root / "spec.toml"
 

@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 GOSSIP_PROTOCOLS = [TProtocol("/meshsub/1.1.0"), TProtocol("/meshsub/1.0.0")]
+REACH_EXCHANGES = 8  # peers asked at once for the addresses of blob providers we cannot reach yet
 
 
 class P2PNetwork:
@@ -78,6 +79,8 @@ class P2PNetwork:
         self._nursery: trio.Nursery | None = None
         self._stop: trio.Event | None = None
         self._outbox: trio.MemorySendChannel[bytes] | None = None
+        self._queued = 0  # publishes asked for (asyncio thread) ...
+        self._handed = 0  # ... and handed to gossip (trio thread)
         self._thread: threading.Thread | None = None
         self._host: IHost | None = None
         self._pubsub: Pubsub | None = None
@@ -123,6 +126,11 @@ class P2PNetwork:
     def peers(self) -> list[str]:
         return list(self._peer_snapshot)
 
+    @property
+    def publish_backlog(self) -> int:
+        """Publishes queued and not yet handed to gossip: they go out one per `publish_interval_s`."""
+        return self._queued - self._handed
+
     def dial_failures(self) -> dict[str, int]:
         """Failed dials in a row per known peer that is down (node ids), as of the last supervisor tick."""
         return dict(self._failure_snapshot)
@@ -140,6 +148,7 @@ class P2PNetwork:
         """Gossip bytes without checking them (tests use it to play a misbehaving peer)."""
         assert self._outbox is not None, "publish before create() finished"
         self._to_trio(self._outbox.send_nowait, data)
+        self._queued += 1
 
     def serve(self, blob_hash: str) -> None:
         if not self._store.has(blob_hash):
@@ -156,7 +165,31 @@ class P2PNetwork:
 
     async def _fetch(self, blob_hash: str, providers: list[ID], max_bytes: int) -> Path:
         assert self._host is not None
+        await self._reach(providers)
         return await self._blobs.fetch(self._host, blob_hash, providers, max_bytes)
+
+    async def _reach(self, peers: list[ID]) -> None:
+        """Connect now to those of `peers` we are not connected to, within one dial timeout: a node just
+        started knows little more than its bootstrap peers until the supervisor's peer exchanges and
+        dials catch up, seconds it may not have (a restarted miner fetches the head at TRAIN). Our
+        peers are asked for the addresses we lack first."""
+        assert self._host is not None
+        connected = set(self._host.get_connected_peers())
+        missing = [p for p in peers if p not in connected and p != self._host.get_id()]
+        if not missing:
+            return
+        book, timeout = self._book, self.config.dial_timeout_s
+        with trio.move_on_after(timeout):
+            if any(p not in book.bootstrap and p not in book.discovered for p in missing):
+                async with trio.open_nursery() as nursery:
+                    for peer_id in sorted(connected, key=lambda p: p not in book.bootstrap)[:REACH_EXCHANGES]:
+                        book.last_exchange[peer_id] = trio.current_time()
+                        nursery.start_soon(book.exchange, self._host, peer_id, self._listen_addrs, timeout)
+            async with trio.open_nursery() as nursery:
+                for peer_id in missing:
+                    if (peer_id in book.bootstrap or peer_id in book.discovered) and peer_id not in book.dialing:
+                        book.dialing.add(peer_id)
+                        nursery.start_soon(self._redial, peer_id)
 
     async def catch_up(self, round: int, providers: Sequence[str]) -> int:
         return await self._call_trio(self._catch_up, round, [peer_id_for(p) for p in providers])
@@ -298,6 +331,7 @@ class P2PNetwork:
                 await self._pubsub.publish(self._topic, data)
             except Exception:
                 log.exception("p2p: publish failed")
+            self._handed += 1
             await trio.sleep(self.config.publish_interval_s)
 
     @staticmethod
