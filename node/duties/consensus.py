@@ -2,7 +2,9 @@
 
 At the start of TRAIN of round r (the end of round r-1's MERGE) a node tallies round r-1's GlobalState
 votes from storage and adopts the hash endorsed by a strict majority of validator weight
-(`validator.state.adopt`); with no majority the head stays. Adopting means holding the state blob
+(`validator.state.adopt`); with no majority among the votes it holds it first asks a peer for round
+r-1's history (votes gossip missed while it restarted or before the mesh took it in), and with still
+none the head stays. Adopting means holding the state blob
 (fetched from validators that voted for it when missing) after checking it: its hash (the fetch
 verifies it), that it is a global state of this network and expert group with finite values, and that
 it names the announced parent and round. Validators also need the outer momentum: its hash rides in
@@ -247,6 +249,13 @@ class Consensus:
                 return await self._winner(round) is not None or not await self._pending(round)
 
             await wait_until(self.ctx.clock, self.votes_arrived, decided, deadline)
+            winner = await self._winner(round)
+        if winner is None:  # gossip may have missed the votes (a restart, a late join, a thin mesh): ask a peer
+
+            async def undecided() -> bool:
+                return await self._winner(round) is None
+
+            await self.ctx.take_in_from_peer(round, undecided)
             winner = await self._winner(round)
         if winner is None:
             if await self.ctx.storage.global_states(round):

@@ -238,7 +238,8 @@ class Node:
 
     async def _catch_up(self) -> None:
         """Started after genesis (a restart, a late join): before any phase runs, take in what a peer
-        accepted of this round and the last while we were away, validators asked first."""
+        accepted of this round and the last while we were away, validators asked first (and of the
+        round that began meanwhile, if one did)."""
         ctx = self.ctx
         if ctx.clock.now() < ctx.schedule.genesis_ts:
             return
@@ -246,10 +247,15 @@ class Node:
         while not ctx.network.peers() and waited < CATCH_UP_WAIT_S:
             await asyncio.sleep(0.2)
             waited += 0.2
-        current = ctx.schedule.round_at(ctx.clock.now())
-        for round in (current - 1, current):
-            if round >= 0 and ctx.network.peers():
+        asked: set[int] = set()
+        while ctx.network.peers():  # again if a new round began meanwhile: its first messages went out unheard
+            current = ctx.schedule.round_at(ctx.clock.now())
+            rounds = [r for r in (current - 1, current) if r >= 0 and r not in asked]
+            if not rounds:
+                break
+            for round in rounds:
                 got = await ctx.catch_up(round)
+                asked.add(round)
                 log.info("round %d: caught up on %d message(s) accepted while this node was away", round, got)
         while self._subscription.pending:  # let the consumer take them in before the first phase runs
             await asyncio.sleep(0.05)

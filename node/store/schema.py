@@ -130,8 +130,12 @@ def store_payload(conn: sqlite3.Connection, sender: str, m: Message, at: float) 
         if cur.rowcount == 1:
             conn.execute("INSERT OR IGNORE INTO global_states (hash, parent, round, contributors) VALUES (?, ?, ?, ?)",
                          (m.hash, m.parent, m.round, json.dumps(list(m.contributors))))
-    elif isinstance(m, Heartbeat):
-        cur = conn.execute("INSERT OR REPLACE INTO nodes VALUES (?, ?, ?, ?, ?)", (sender, m.role, m.head, m.round, at))
+    elif isinstance(m, Heartbeat):  # one of an earlier round (a catch-up hands them on late) changes nothing
+        conn.execute("INSERT INTO nodes VALUES (?, ?, ?, ?, ?) ON CONFLICT (node_id) DO UPDATE SET "
+                     "role = excluded.role, head = excluded.head, round = excluded.round, "
+                     "last_seen = excluded.last_seen WHERE excluded.round >= nodes.round",
+                     (sender, m.role, m.head, m.round, at))
+        return True
     else:
         raise AssertionError(f"no table for message kind {m.kind!r}")
     return cur.rowcount == 1

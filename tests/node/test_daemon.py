@@ -204,6 +204,40 @@ def test_init_writes_a_config_that_loads_and_a_private_key(tmp_path: Path, capsy
     assert "--heldout" in capsys.readouterr().err
 
 
+def test_init_judges_everything_before_writing_so_a_corrected_rerun_works(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from node.cli.main import main
+
+    spec_path = tmp_path / "spec.toml"
+    spec_path.write_text(to_toml(make_spec_dict()), encoding="utf-8")
+    node_dir = tmp_path / "node"
+    init = ["init", "--spec", str(spec_path), "--dir", str(node_dir)]
+    refusals = (
+        (["--role", "miner", "--p2p-port", "-1"], "p2p.port"),
+        (["--role", "miner", "--bootstrap", "garbage"], "p2p.bootstrap"),
+        (["--role", "validator", "--heldout", str(spec_path)], "but the spec pins data.heldout_sha256"),
+        (["--role", "validator", "--heldout", str(tmp_path / "absent.jsonl")], "is not a file"),
+    )
+    for extra, reason in refusals:
+        assert main([*init, *extra]) == 2
+        err = capsys.readouterr().err
+        assert reason in err and err.count("\n") == 1, err
+        assert not node_dir.exists()
+    monkeypatch.setenv("TESSERA_HTTP__PORT", "abc")
+    assert main([*init, "--role", "miner"]) == 2
+    assert "TESSERA_HTTP__PORT (environment): http.port" in capsys.readouterr().err and not node_dir.exists()
+    monkeypatch.delenv("TESSERA_HTTP__PORT")
+    node_dir.mkdir()
+    (node_dir / "node.key").write_text("garbage", encoding="utf-8")
+    (node_dir / "node.key").chmod(0o600)
+    assert main([*init, "--role", "miner"]) == 2
+    assert "node.key" in capsys.readouterr().err and not (node_dir / "node.toml").exists()
+    (node_dir / "node.key").unlink()
+    assert main([*init, "--role", "miner"]) == 0  # the same directory, corrected
+    assert load_config(node_dir / "node.toml").node.role == "miner"
+
+
 def test_daemon_command_refuses_the_wrong_role(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from node.cli.main import main
 
@@ -226,3 +260,6 @@ async def test_status_command_prints_the_nodes_status(setup, tmp_path: Path,
     assert json.loads(capsys.readouterr().out)["node_id"] == VALIDATOR.node_id
     assert await asyncio.to_thread(main, ["status", "--url", "http://127.0.0.1:1", "--timeout", "2"]) == 2
     assert "no answer from the node" in capsys.readouterr().err
+    for timeout in ("0", "-1", "nan"):
+        assert await asyncio.to_thread(main, ["status", "--url", node.http.url, "--timeout", timeout]) == 2
+        assert "--timeout must be a positive number of seconds" in capsys.readouterr().err

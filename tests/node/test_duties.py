@@ -6,8 +6,8 @@ and a logged reason, a validator in the minority re-syncs, and a miner that join
 from __future__ import annotations
 
 import asyncio
-import re
 import time
+import tomllib
 from collections import defaultdict
 from datetime import UTC, datetime
 from pathlib import Path
@@ -26,11 +26,11 @@ from node.runtime.config import NodeConfig
 from node.runtime.daemon import Node
 from node.runtime.http import HttpApi
 from node.sim.adversaries import miner_factory
-from node.sim.layout import SimNetwork, make_sim_network, sim_identity
+from node.sim.layout import SimNetwork, make_sim_network, sim_identity, to_toml
 from node.store.blobs import BlobStore
 from protocol.identity import save_identity
 from protocol.rounds import PHASES, Phase, Schedule
-from protocol.spec import load_spec
+from protocol.spec import apply_settings, load_spec
 from tests.node.twins import write_network
 from training.blob import decode_header
 from training.data import file_sha256
@@ -186,10 +186,10 @@ async def test_two_rounds_reward_honest_miners_and_lower_the_loss(network: Net) 
 
 async def test_a_diverging_validator_resyncs_and_a_late_miner_catches_up(tmp_path: Path) -> None:
     sim = make_sim_network(tmp_path / "sim", validators=2, genesis=GENESIS)
-    text = sim.spec_path.read_text(encoding="utf-8").replace("weight = 1.0", "weight = 2.0", 1)
-    text = re.sub(r"\nmomentum = [0-9.]+\n", "\nmomentum = 0.5\n", text)  # momentum must matter to drift
-    assert "\nmomentum = 0.5\n" in text
-    sim.spec_path.write_text(text, encoding="utf-8")
+    spec = tomllib.loads(sim.spec_path.read_text(encoding="utf-8"))
+    spec["validators"][0]["weight"] = 2.0
+    apply_settings(spec, [("aggregation.momentum", 0.5)])  # momentum must matter to drift
+    sim.spec_path.write_text(to_toml(spec), encoding="utf-8")
     net = Net(sim, tmp_path)
     try:
         v0, v1 = await net.add("validator-0"), await net.add("validator-1")

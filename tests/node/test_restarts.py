@@ -3,11 +3,13 @@ one-pass redesign closed. A miner restarted after its Reveal serves its blob aga
 validator restarted after proposing serves its state again, and every node that adopted a state
 serves it; a crash right after the rewards write does not stop the next MERGE; a seed revealed late
 during EVALUATE cannot change the round plan, and a reveal gossip missed is taken from a peer before
-the plan is fixed (score reports before the merge); a deleted head blob is fetched again from its voters."""
+the plan is fixed (score reports before the merge, global-state votes before a node settles the next
+round's head); a deleted head blob is fetched again from its voters."""
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ import pytest
 from node.duties.plan import unpaired
 from node.net.twin import MemoryNetwork
 from node.runtime.daemon import Node
-from protocol.messages import SeedCommit, SeedReveal, seal
+from protocol.messages import SeedCommit, SeedReveal, decode_envelope, seal
 from protocol.rounds import Phase
 from protocol.seeds import commitment, round_seed
 from tests.node.twins import Twins, identity, until
@@ -231,6 +233,63 @@ async def test_a_validator_that_gossip_missed_score_reports_takes_them_from_a_pe
         await net.close()
 
 
+async def test_a_node_whose_catch_up_runs_into_a_new_round_asks_for_that_round_too(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    net = Twins(tmp_path, validators=3)
+    try:
+        await started(net, "validator-0", "validator-1", "validator-2", "miner-0")
+        await net.rounds(0, 0)
+        await net.stop("miner-0")
+        net.clock.set(net.schedule.phase_window(1, Phase.MERGE)[1] - 0.5)  # back just before round 2 begins
+        asked: list[int] = []
+        catch_up = MemoryNetwork.catch_up
+
+        async def slow(self: MemoryNetwork, round: int, providers: Sequence[str]) -> int:
+            if self.node_id == net.id("miner-0"):
+                asked.append(round)
+                net.clock.set(max(net.clock.now(), net.schedule.round_start(2)))  # it takes a while
+            return await catch_up(self, round, providers)
+
+        monkeypatch.setattr(MemoryNetwork, "catch_up", slow)
+        await net.start("miner-0")
+        await net.ran(2, Phase.TRAIN)
+        assert asked[:3] == [0, 1, 2], asked  # round 2's first messages went out while it caught up on 0 and 1
+    finally:
+        await net.close()
+
+
+@pytest.mark.parametrize("name", ["miner-0", "validator-0"])
+async def test_a_node_that_gossip_missed_the_votes_takes_them_from_a_peer_and_builds_on_the_majority(
+        tmp_path: Path, name: str) -> None:
+    net = Twins(tmp_path, validators=3)
+    try:
+        await started(net, "validator-0", "validator-1", "validator-2", "miner-0", "miner-1")
+        node, me = net.nodes[name], net.id(name)
+        for phase in (Phase.TRAIN, Phase.COMMIT, Phase.REVEAL, Phase.EVALUATE):
+            await net.phase(0, phase)
+        inbox = net.hub.nodes[me]
+        receive = inbox.receive
+        votes = lambda data: decode_envelope(data, net.spec.limits.max_message_bytes).kind == "global_state"  # noqa: E731
+        inbox.receive = lambda data, peer: None if votes(data) else receive(data, peer)  # type: ignore[method-assign]
+        await net.phase(0, Phase.MERGE)  # no other node's vote of round 0 reaches it by gossip
+        inbox.receive = receive  # type: ignore[method-assign]
+        assert {v for s in await node.ctx.storage.global_states(0) for v in s.voters} <= {me}
+        await net.phase(1, Phase.TRAIN, after_s=net.spec.timing.train_s / 5)  # past a validator's wait for votes
+        adopted = await net.nodes["validator-1"].ctx.storage.head()
+        assert adopted is not None and adopted != net.spec.model.base_hash
+        assert await node.ctx.storage.head() == adopted  # taken at TRAIN, before it trained or scored on it
+        for phase in (Phase.COMMIT, Phase.REVEAL, Phase.EVALUATE, Phase.MERGE):
+            await net.phase(1, phase)
+        reports = [await net.nodes[v].round_report(1) for v in ("validator-0", "validator-1")]
+        assert reports[0] is not None and reports[1] is not None
+        assert reports[0]["proposed_hash"] is not None and reports[0]["proposed_hash"] == reports[1]["proposed_hash"]
+        for miner in ("miner-0", "miner-1"):  # trained on the adopted state: not a stale base anywhere
+            entry = next(m for m in reports[0]["miners"] if m["id"] == net.id(miner))
+            assert entry["verdict"] == "accept" and entry["loss"] is not None, entry
+    finally:
+        await net.close()
+
+
 async def test_a_validator_down_while_the_votes_went_out_follows_the_majority_and_votes_next_round(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     net = Twins(tmp_path, validators=3)
@@ -248,7 +307,7 @@ async def test_a_validator_down_while_the_votes_went_out_follows_the_majority_an
             patch.setattr(MemoryNetwork, "catch_up", nothing)
             v2 = await net.start("validator-2")  # back before the round ends
             await net.ran(0, Phase.MERGE)
-        await net.phase(1, Phase.TRAIN, after_s=net.spec.timing.train_s / 5)  # past its wait for missing votes
+            await net.phase(1, Phase.TRAIN, after_s=net.spec.timing.train_s / 5)  # past its wait for missing votes
         adopted = await net.nodes["validator-0"].ctx.storage.head()
         assert adopted is not None and adopted != net.spec.model.base_hash
         assert await v2.ctx.storage.head() == net.spec.model.base_hash  # no majority among the votes it holds

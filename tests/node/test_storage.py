@@ -161,6 +161,19 @@ async def test_a_second_message_per_sender_kind_and_round_is_refused(tmp_path: P
         await store.close()
 
 
+async def test_a_heartbeat_of_an_earlier_round_does_not_replace_a_later_one(tmp_path: Path) -> None:
+    """A catch-up hands on a round's heartbeats after gossip brought the next round's."""
+    store = await Storage.open(tmp_path / "node.db")
+    try:
+        assert await accept(store, Heartbeat(round=4, role="validator", head=h(40)), V0, at=9.0)
+        assert await accept(store, Heartbeat(round=3, role="validator", head=h(30)), V0, at=10.0)
+        assert [(n.head, n.round) for n in await store.nodes()] == [(h(40), 4)]
+        assert await accept(store, Heartbeat(round=5, role="validator", head=h(50)), V0, at=11.0)
+        assert [(n.head, n.round, n.last_seen) for n in await store.nodes()] == [(h(50), 5, 11.0)]
+    finally:
+        await store.close()
+
+
 async def test_a_failed_write_leaves_nothing(tmp_path: Path) -> None:
     store = await Storage.open(tmp_path / "node.db")
     try:
