@@ -7,6 +7,7 @@ that group or others can read is refused. This module knows nothing about messag
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from dataclasses import dataclass
@@ -68,20 +69,29 @@ def verify(node_id: str, data: bytes, signature: bytes) -> bool:
 def save_identity(identity: Identity, path: str | Path) -> None:
     """Write the key as PKCS#8 PEM with mode 0600, atomically; refuses to overwrite."""
     path = Path(path)
+    if path.is_dir():
+        raise KeyFileError(f"{path}: is a directory; give the key file's path")
     if path.exists():
         raise KeyFileError(f"{path}: a key file already exists; refusing to overwrite it")
+    if path.parent.exists() and not path.parent.is_dir():
+        raise KeyFileError(f"{path}: {path.parent} is not a directory")
     pem = identity.private_key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.write(fd, pem)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, pem)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):  # the temporary file may never have been created
+            tmp.unlink()
+        raise KeyFileError(f"{path}: cannot write the key file: {exc.strerror or exc}") from exc
 
 
 def load_identity(path: str | Path) -> Identity:
@@ -98,7 +108,10 @@ def load_identity(path: str | Path) -> Identity:
         raise KeyFileError(f"{path}: key file is accessible by group or others; run `chmod 600 {path}`")
     try:
         key = serialization.load_pem_private_key(data, password=None)
-    except (ValueError, TypeError) as exc:
+    except TypeError as exc:  # cryptography's word for a key that needs a password
+        raise KeyFileError(f"{path}: the key is encrypted; a node key has no passphrase "
+                           "(create one with `tessera keygen`)") from exc
+    except ValueError as exc:
         raise KeyFileError(f"{path}: not a PEM private key") from exc
     if not isinstance(key, Ed25519PrivateKey):
         raise KeyFileError(f"{path}: key is not Ed25519")

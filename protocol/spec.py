@@ -9,6 +9,7 @@ hashes (`base_hash`, `heldout_sha256`). This module does not load models or data
 
 from __future__ import annotations
 
+import math
 import tomllib
 from collections.abc import Iterable
 from datetime import UTC, datetime
@@ -29,7 +30,9 @@ class SpecError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    """Every spec model: unknown fields, type coercion and non-finite floats (inf, nan) are refused."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class TimingSpec(_Strict):
@@ -41,6 +44,12 @@ class TimingSpec(_Strict):
     evaluate_s: float = Field(gt=0, description="EVALUATE: validators score and publish reports.")
     merge_s: float = Field(gt=0, description="MERGE: validators combine, reward, aggregate, publish state.")
     clock_skew_s: float = Field(default=2.0, ge=0, description="Tolerance on every phase boundary.")
+
+    @model_validator(mode="after")
+    def _finite_round(self) -> TimingSpec:
+        if not math.isfinite(self.round_seconds):
+            raise ValueError("the phases add up to a round longer than a float holds")
+        return self
 
     @property
     def round_seconds(self) -> float:
@@ -101,11 +110,16 @@ class RewardSpec(_Strict):
 
 
 class AggregationSpec(_Strict):
-    """The outer optimizer that merges the best pseudo-gradients."""
+    """The outer optimizer that merges the best pseudo-gradients.
+
+    The defaults are bench/learning.py's pick at the spec's default H = 20 and top-G 3: plain averaging
+    (lr 1, no momentum) against DiLoCo's lr 0.7 with momentum 0.9, which forgot 2.9 to 11 times as much
+    general-domain loss where either forgot any (docs/learning.md, "Defaults").
+    """
 
     top_g: int = Field(default=3, ge=1, description="How many top-ranked miners are merged.")
-    outer_lr: float = Field(default=0.7, gt=0, description="Nesterov SGD learning rate.")
-    momentum: float = Field(default=0.9, ge=0, lt=1, description="Nesterov momentum.")
+    outer_lr: float = Field(default=1.0, gt=0, description="Nesterov SGD learning rate.")
+    momentum: float = Field(default=0.0, ge=0, lt=1, description="Nesterov momentum.")
     weighting: Literal["uniform", "utility"] = Field(default="uniform", description="How merged updates are weighted.")
     clip_to_median: bool = Field(default=True, description="Clip each pseudo-gradient to the median norm.")
 

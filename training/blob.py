@@ -162,8 +162,9 @@ def read_tensor(data: bytes, header: Header, name: str) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=dtype).reshape(info.shape)
 
 
-def write_blob_file(path: str | Path, data: bytes) -> None:
-    """Write `data` to `path` atomically: a temporary file, fsync, then rename over the target."""
+def write_blob_file(path: str | Path, data: bytes, *, replace: bool = True) -> None:
+    """Write `data` to `path` atomically: a temporary file, fsync, then rename over the target (or, with
+    `replace=False`, link it into place: FileExistsError if `path` exists)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -171,7 +172,10 @@ def write_blob_file(path: str | Path, data: bytes) -> None:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     dir_fd = os.open(path.parent, os.O_RDONLY)

@@ -32,39 +32,52 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+def check_heldout_file(path: Path, pinned: str) -> None:
+    """ValueError unless `path` is a file whose SHA-256 is the spec's `data.heldout_sha256` (`pinned`)."""
+    if not path.is_file():
+        raise ValueError(f"{path} is not a file")
+    actual = file_sha256(path)
+    if actual != pinned:
+        raise ValueError(f"{path} hashes to {actual}, but the spec pins data.heldout_sha256 = {pinned}; "
+                         "use the network's held-out file")
+
+
 def read_documents(path: str | Path) -> list[str]:
-    """The documents of one `.txt`, `.jsonl` or `.parquet` file, in file order."""
+    """The documents of one `.txt`, `.jsonl` or `.parquet` file, in file order; ValueError naming the file."""
     path = Path(path)
     if path.suffix not in SUFFIXES:
         raise ValueError(f"{path}: unsupported data file type {path.suffix!r}; use one of {', '.join(SUFFIXES)}")
     if not path.is_file():
         raise ValueError(f"{path}: no such data file")
-    if path.suffix == ".txt":
-        return _read_txt(path)
-    if path.suffix == ".jsonl":
-        return _read_jsonl(path)
-    return _read_parquet(path)
+    if path.suffix == ".parquet":
+        return _read_parquet(path)
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})") from exc
+    text = text.replace("\r\n", "\n").replace("\r", "\n")  # universal newlines, as text-mode reading gives
+    return _read_txt(text) if path.suffix == ".txt" else _read_jsonl(path, text)
 
 
-def _read_txt(path: Path) -> list[str]:
-    text = path.read_text(encoding="utf-8")
-    blocks = (block.strip("\n") for block in text.replace("\r\n", "\n").split("\n\n"))
+def _read_txt(text: str) -> list[str]:
+    blocks = (block.strip("\n") for block in text.split("\n\n"))
     return [block for block in blocks if block.strip()]
 
 
-def _read_jsonl(path: Path) -> list[str]:
+def _read_jsonl(path: Path, text: str) -> list[str]:
     docs = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not valid JSON: {exc.msg}") from exc
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise ValueError(f"{path}:{lineno}: expected an object with a string 'text' field")
-            docs.append(record["text"])
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{lineno}: not valid JSON: {exc.msg}") from exc
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise ValueError(f"{path}:{lineno}: expected an object with a string 'text' field")
+        docs.append(record["text"])
     return docs
 
 
@@ -106,6 +119,9 @@ def load_sequences(paths: Sequence[str | Path], tokenizer: Tokenizer, seq_len: i
     documents: list[str] = []
     for path in paths:
         documents.extend(read_documents(path))
+    if not documents:
+        names = ", ".join(str(path) for path in paths)
+        raise ValueError(f"{names}: the data file{'s hold' if len(paths) > 1 else ' holds'} no documents")
     return pack(documents, tokenizer, seq_len)
 
 

@@ -30,8 +30,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     key.add_argument("--key", type=Path, metavar="FILE", help="Ed25519 key file (created on first start)")
     key.add_argument("--sim-key", type=int, metavar="SEED",
                      help="use the simulation network's well-known bootstrap key for SEED (local networks only)")
-    boot.add_argument("--data-dir", required=True, type=Path, metavar="DIR",
-                      help="where the key is written with --sim-key")
+    boot.add_argument("--data-dir", type=Path, metavar="DIR",
+                      help="where the key is written with --sim-key (needed with it, unused with --key)")
     boot.add_argument("--host", default="127.0.0.1", help="listen IP (0.0.0.0 for other hosts)")
     boot.add_argument("--port", type=int, default=4001, help="listen TCP port (default 4001)")
     boot.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR", help="another bootstrap peer")
@@ -40,12 +40,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run_bootstrap(args: argparse.Namespace) -> int:
-    from node.net.config import P2PConfig
     from protocol.identity import load_or_create_identity, save_identity
     from protocol.spec import load_spec
 
+    if args.sim_key is not None and args.data_dir is None:
+        raise ValueError("--sim-key needs --data-dir DIR: the directory its key is written to")
     spec = load_spec(args.spec)
-    config = P2PConfig(host=args.host, port=args.port, bootstrap=tuple(args.bootstrap))  # ValueError: exit 2
+    config = _p2p_config(args)
     key = args.key
     if args.sim_key is not None:
         from node.sim.layout import sim_identity
@@ -58,6 +59,20 @@ def run_bootstrap(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     asyncio.run(_relay(spec, identity, config))
     return 0
+
+
+def _p2p_config(args: argparse.Namespace) -> P2PConfig:
+    """The listening and peer settings from the flags; ValueError naming the flag."""
+    from pydantic import ValidationError
+
+    from node.net.config import P2PConfig
+
+    try:
+        return P2PConfig(host=args.host, port=args.port, bootstrap=tuple(args.bootstrap))
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        flag = "--" + str(error["loc"][0]) if error["loc"] else "bootstrap"
+        raise ValueError(f"{flag}: {error['msg'].removeprefix('Value error, ')}") from exc
 
 
 async def _relay(spec: NetworkSpec, identity: Identity, config: P2PConfig) -> None:

@@ -1,4 +1,5 @@
-"""What several commands share: the spec's model, a network blob read and checked, the held-out subset, `--set`.
+"""What several commands share: the spec's model, a network blob read and checked, the held-out subset,
+output files checked before any work, and argparse types (`--set`, `--seed`, comma lists).
 
 Each helper raises ValueError with one line naming the file and what was wrong (the command line turns
 it into `tessera: error: ...`, exit 2). Heavy imports happen inside, so `tessera --help` stays fast.
@@ -7,11 +8,16 @@ it into `tessera: error: ...`, exit 2). Heavy imports happen inside, so `tessera
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+
+DEFAULT_SEED = "0" * 64
+"""The round seed `--seed` defaults to: it picks the held-out subset in eval, eval-subset and export."""
 
 
 def load_spec_model(spec_path: Path) -> tuple[Any, Any, Any, Any]:
@@ -51,6 +57,63 @@ def heldout_sequences(heldout: Path | None, spec_path: Path, spec: Any, tokenize
     if file_sha256(heldout) != spec.data.heldout_sha256:
         raise ValueError(f"{heldout}: SHA-256 differs from the spec's data.heldout_sha256; wrong held-out file")
     return heldout_subset(load_sequences([heldout], tokenizer, spec.data.seq_len), seed, spec.data.heldout_sequences)
+
+
+def check_output_file(path: Path, flag: str, *, replace: bool = False) -> None:
+    """Refuse, before any work, an output file that cannot be written or (unless `replace`) already exists.
+
+    A probe file is made and removed in the file's directory, or in its nearest existing ancestor when
+    the directory is still to be made, so a write that would fail fails now rather than after the model
+    has been loaded and run. Nothing is left behind: the directory is made when the result is written.
+    """
+    if path.is_dir():
+        raise ValueError(f"{flag} {path}: is a directory; give a file path")
+    if not replace and (path.exists() or path.is_symlink()):
+        raise ValueError(f"{flag} {path}: already exists; choose another path (it is never overwritten)")
+    existing = path.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{flag} {path}: {existing} is not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot write a file there: {exc.strerror or exc}") from exc
+
+
+def write_new_file(path: Path, data: bytes, flag: str) -> None:
+    """Write a result to `path`, which `check_output_file` found free before the work began: through a
+    synced temporary sibling linked into place, so it appears whole or not at all, and a file that
+    appeared there meanwhile is never replaced (ValueError naming it)."""
+    from training.blob import write_blob_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        write_blob_file(path, data, replace=False)
+    except FileExistsError:
+        raise ValueError(f"{flag} {path}: a file appeared there while this ran; it was not overwritten") from None
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary sibling renamed onto it; the sibling never outlives a failure."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.tmp")
+    try:
+        temp.write_text(text, encoding="utf-8")
+        os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+def round_seed(text: str) -> str:
+    """argparse's type for `--seed`: a round seed, exactly 64 hex digits, lower-cased as rounds derive it."""
+    from protocol.encoding import is_hex_digest
+
+    if not is_hex_digest(text.lower()):
+        raise argparse.ArgumentTypeError(f"a round seed is exactly 64 hex digits, got {text[:80]!r}")
+    return text.lower()
 
 
 def spec_setting(text: str) -> tuple[str, Any]:

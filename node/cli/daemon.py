@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import urllib.error
@@ -45,29 +46,39 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run_init(args: argparse.Namespace) -> int:
-    from node.runtime.config import load_config, render_config
-    from protocol.identity import load_or_create_identity
+    """Judge everything first (spec, held-out file, the config as written, an existing key), then write."""
+    from node.cli.common import write_atomically
+    from node.runtime.config import parse_config, render_config
+    from protocol.identity import load_identity, load_or_create_identity
     from protocol.spec import load_spec
+    from training.data import check_heldout_file
 
     directory = Path(args.dir)
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"{directory}: not a directory")
     config_path = directory / CONFIG_NAME
     if config_path.exists():
         raise ValueError(f"{config_path}: a node config already exists; refusing to overwrite it")
-    load_spec(args.spec)  # refuse to write a config that points at a broken spec
-    if args.role == "validator" and args.heldout is None:
-        raise ValueError("init --role validator needs --heldout FILE (the held-out file the spec pins)")
-    directory.mkdir(parents=True, exist_ok=True)
+    spec = load_spec(args.spec)  # refuse to write a config that points at a broken spec
+    if args.role == "validator":
+        if args.heldout is None:
+            raise ValueError("init --role validator needs --heldout FILE (the held-out file the spec pins)")
+        try:
+            check_heldout_file(Path(args.heldout), spec.data.heldout_sha256)
+        except ValueError as exc:
+            raise ValueError(f"--heldout: {exc}") from None
     text = render_config(
         role=args.role, spec=_relative(Path(args.spec), directory), key=Path("node.key"), data_dir=Path("data"),
         p2p_port=args.p2p_port, http_port=args.http_port,
         heldout=None if args.heldout is None else _relative(Path(args.heldout), directory),
         bootstrap=tuple(args.bootstrap),
     )
-    tmp = config_path.with_name(f".{CONFIG_NAME}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, config_path)
-    config = load_config(config_path)
+    config = parse_config(text, config_path)  # ports, bootstrap addresses, environment overrides
+    if config.node.key.exists():
+        load_identity(config.node.key)  # a key already there must be usable before the config points at it
+    directory.mkdir(parents=True, exist_ok=True)
     identity = load_or_create_identity(config.node.key)
+    write_atomically(config_path, text)
     print(f"{config_path}\t{identity.node_id}")
     return 0
 
@@ -97,6 +108,8 @@ def run_daemon(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if args.url is not None:
         url = args.url.rstrip("/")
     else:

@@ -20,7 +20,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-DEFAULT_SEED = "0" * 64
+from node.cli.common import DEFAULT_SEED, round_seed
+
 EVAL_BATCH = 16
 
 
@@ -36,7 +37,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--out", required=True, type=Path, metavar="DIR", help="new directory to write")
     p.add_argument("--experts-only", action="store_true", help="write just the expert group as a pack")
     p.add_argument("--heldout", type=Path, metavar="FILE", help="held-out file: record the state's held-out loss")
-    p.add_argument("--seed", default=DEFAULT_SEED, help="round seed (hex) that picks the held-out subset")
+    p.add_argument("--seed", type=round_seed, default=DEFAULT_SEED,
+                   help="round seed (64 hex digits) that picks the held-out subset")
     p.set_defaults(run=run_export)
 
 

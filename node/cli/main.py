@@ -3,8 +3,8 @@
 Each module named in COMMAND_MODULES exposes `register(subparsers) -> None`, which adds its
 subcommands with `set_defaults(run=fn)`, where `fn(args) -> int` is the exit code. Modules keep
 heavy imports (torch, libp2p) inside their run functions so `tessera --help` stays fast. User
-errors (ValueError and its subclasses SpecError, KeyFileError) become one line on stderr and exit
-code 2, never a traceback. This module knows no command's behaviour.
+errors (ValueError and its subclasses SpecError, KeyFileError) and file-system errors on the paths
+a user gave (OSError) become one line on stderr and exit code 2, never a traceback. This module knows no command's behaviour.
 """
 
 from __future__ import annotations
@@ -73,6 +73,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         message = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
         print(f"tessera: error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:  # a path the user gave that cannot be read or written
+        where = "".join(f"{name}: " for name in (exc.filename, exc.filename2) if name is not None)
+        print(f"tessera: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED

@@ -16,9 +16,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from node.cli.common import DEFAULT_SEED, round_seed
 from node.cli.main import command_group
 
-DEFAULT_SEED = "0" * 64
 EVAL_BATCH = 16
 
 
@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def _register_spec_init(spec_subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = spec_subparsers.add_parser("init", help="write a new network spec (a local simulation with --sim)")
     p.add_argument("--sim", required=True, type=Path, metavar="DIR", help="directory for the simulation network")
-    p.add_argument("--validators", type=int, default=2, help="number of validators (default 2)")
+    p.add_argument("--validators", type=int, default=2, help="number of validators, 1 to 64 (default 2)")
     p.add_argument("--family", default="qwen3_moe", help="tiny model family (default qwen3_moe)")
     p.add_argument("--seed", type=int, default=0, help="seed for model, data and keys (default 0)")
     p.add_argument("--genesis", type=_utc_time, default=None, help="UTC start of round 0 (default: now)")
@@ -42,7 +42,8 @@ def _register_eval(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     p = subparsers.add_parser("eval", help="held-out loss of the base model, or of the base with a blob's experts")
     p.add_argument("--spec", required=True, type=Path, help="network spec")
     p.add_argument("--blob", type=Path, help="expert blob to evaluate (default: the base model)")
-    p.add_argument("--seed", default=DEFAULT_SEED, help="round seed (hex) that picks the held-out subset")
+    p.add_argument("--seed", type=round_seed, default=DEFAULT_SEED,
+                   help="round seed (64 hex digits) that picks the held-out subset")
     p.add_argument("--heldout", type=Path, help="held-out file (default: data/heldout.jsonl beside a sim spec)")
     p.set_defaults(run=run_eval)
 

@@ -5,22 +5,32 @@
     tessera cluster-data ...      split documents into clusters the base model tells apart
 
 The maths lives in `training.selection`, `training.stability`, `training.subset_eval` and
-`training.clustering`; this module reads files, checks what the user gave, and writes results only
-once everything has been computed. Nothing here touches the network. User mistakes raise ValueError,
-which the CLI prints as one `tessera: error:` line with exit code 2.
+`training.clustering`; this module reads files, checks what the user gave (output paths first: an
+existing file is never overwritten), and writes results only once everything has been computed.
+Nothing here touches the network. User mistakes raise ValueError, which the CLI prints as one
+`tessera: error:` line with exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from node.cli.common import heldout_sequences, load_spec_model
+from node.cli.common import (
+    DEFAULT_SEED,
+    check_output_file,
+    heldout_sequences,
+    load_spec_model,
+    round_seed,
+    write_atomically,
+    write_new_file,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -30,7 +40,6 @@ if TYPE_CHECKING:
 RULES = ("gate-mass", "token-freq", "differential", "activation-norm")
 MODES = ("global", "layerwise")
 FRACTIONS = (0.0625, 0.125, 0.25, 0.5, 1.0)
-DEFAULT_SEED = "0" * 64
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -52,10 +61,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--shared", choices=("keep",), default="keep",
                    help="shared experts always run and are never in the group (the only policy)")
     p.add_argument("--stability", type=Path, metavar="REPORT.json",
-                   help="also write a Jaccard stability report over seeds and 1/5/10/100 documents "
+                   help="also write (to a new file) a Jaccard stability report over seeds and 1/5/10/100 documents "
                    "(of the first --max-sequences documents)")
     p.add_argument("--into", type=Path, metavar="SPEC", help="write the group into this spec (its network id changes)")
-    p.add_argument("--out", required=True, type=Path, metavar="GROUP.json", help="where to write the selection")
+    p.add_argument("--out", required=True, type=Path, metavar="GROUP.json", help="where to write the selection (a new file)")
     p.set_defaults(run=run_select_experts)
 
     p = subparsers.add_parser("eval-subset", help="held-out loss of the pruned model at keep fractions, rule vs random")
@@ -65,8 +74,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="keep fractions in (0, 1] (default 0.0625 0.125 0.25 0.5 1)")
     p.add_argument("--seeds", type=int, default=3, metavar="N", help="random selections per fraction (default 3)")
     p.add_argument("--heldout", type=Path, help="held-out file (default: data/heldout.jsonl beside the spec)")
-    p.add_argument("--seed", default=DEFAULT_SEED, help="round seed (hex) that picks the held-out subset")
-    p.add_argument("--out", required=True, type=Path, metavar="REPORT.json", help="where to write the JSON report")
+    p.add_argument("--seed", type=round_seed, default=DEFAULT_SEED,
+                   help="round seed (64 hex digits) that picks the held-out subset")
+    p.add_argument("--out", required=True, type=Path, metavar="REPORT.json", help="where to write the JSON report (a new file)")
     p.set_defaults(run=run_eval_subset)
 
     p = subparsers.add_parser("cluster-data", help="split documents into clusters the base model tells apart")
@@ -107,11 +117,8 @@ def _file_record(paths: list[Path] | None) -> list[dict[str, str]] | None:
     return None if paths is None else [{"path": str(p), "sha256": file_sha256(p)} for p in paths]
 
 
-def _write_json(path: Path, value: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.tmp")
-    temp.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(temp, path)
+def _json_bytes(value: dict[str, Any]) -> bytes:
+    return (json.dumps(value, indent=2, sort_keys=True) + "\n").encode()
 
 
 def run_select_experts(args: argparse.Namespace) -> int:
@@ -125,6 +132,11 @@ def run_select_experts(args: argparse.Namespace) -> int:
         raise ValueError("--examples must be positive")
     if args.rule == "differential" and not args.general:
         raise ValueError("the differential rule needs general data (--general FILES)")
+    check_output_file(args.out, "--out")
+    if args.stability is not None:
+        if args.stability.resolve() == args.out.resolve():
+            raise ValueError(f"--stability {args.stability}: the same file as --out; give the report its own path")
+        check_output_file(args.stability, "--stability")
     spec, model, adapter, tokenizer = load_spec_model(args.spec)
     into = _check_into(args.into, spec) if args.into is not None else None
     texts = _documents(args.data)
@@ -153,10 +165,10 @@ def run_select_experts(args: argparse.Namespace) -> int:
         documents = as_documents(texts[: args.max_sequences])
         stability = stability_report(model, adapter, documents, args.rule, top_d=args.top_d, mass=args.mass,
                                      general=general, mode=args.mode, pad_id=tokenizer.pad_id)
-    _write_json(args.out, selection)
+    write_new_file(args.out, _json_bytes(selection), "--out")
     summary: dict[str, Any] = {"group": selection["group"], "rule": args.rule, "mode": args.mode, "out": str(args.out)}
     if stability is not None:
-        _write_json(args.stability, stability)
+        write_new_file(args.stability, _json_bytes(stability), "--stability")
         summary["stability"] = {n: round(c["pairwise_jaccard"], 4) for n, c in stability["counts"].items()}
     if into is not None:
         summary["into"] = _write_into(args.into, into, selection["group"])
@@ -182,44 +194,74 @@ def _write_into(path: Path, raw: dict[str, Any], group: dict[str, list[int]]) ->
     before = load_spec(path).network_id
     updated = {**raw, "group": group}
     after = parse_spec(updated).network_id
-    temp = path.with_name(f".{path.name}.tmp")
-    temp.write_text(to_toml(updated), encoding="utf-8")
-    os.replace(temp, path)
+    write_atomically(path, to_toml(updated))
     return {"spec": str(path), "network_id_before": before, "network_id": after,
             "note": "the network id changed; nodes of the old network will not accept this spec"
             if after != before else "the group was already this one; the network id is unchanged"}
 
 
 def run_eval_subset(args: argparse.Namespace) -> int:
-    from training.subset_eval import subset_report
+    from training.subset_eval import parse_selection, subset_report
 
     if args.seeds < 1:
         raise ValueError("--seeds must be positive")
+    check_output_file(args.out, "--out")
     selection = _read_selection(args.group)
     spec, model, adapter, tokenizer = load_spec_model(args.spec)
     measured = selection.get("model", {}).get("base_hash") if isinstance(selection.get("model"), dict) else None
     if measured is not None and measured != spec.model.base_hash:
         raise ValueError(f"{args.group}: selected on base model {str(measured)[:16]}..., not this spec's "
                          f"({spec.model.base_hash[:16]}...); select again for this model")
+    try:
+        parse_selection(selection, model, adapter)  # does it fit this model? (subset_report parses it again)
+    except ValueError as exc:
+        raise ValueError(f"{args.group}: {exc}") from exc
     sequences = heldout_sequences(args.heldout, args.spec, spec, tokenizer, args.seed)
     report = subset_report(model, adapter, selection, sequences, fractions=args.fractions,
                            seeds=range(args.seeds), pad_id=tokenizer.pad_id)
     report["group_file"] = str(args.group)
-    _write_json(args.out, report)
+    write_new_file(args.out, _json_bytes(report), "--out")
     print(format_table(report))
     return 0
 
 
 def _read_selection(path: Path) -> dict[str, Any]:
+    """The group file select-experts wrote, its 'group' and 'stats' checked strictly; errors name the file.
+
+    Layers are canonical decimal keys, expert ids non-negative integers (not booleans or 5.0) without
+    repeats, scores finite numbers. Whether they fit the model is `training.subset_eval.parse_selection`'s.
+    """
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise ValueError(f"{path}: cannot read the group file: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start})") from exc
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not JSON: {exc.msg} at line {exc.lineno}") from exc
     if not isinstance(value, dict):
         raise ValueError(f"{path}: not a selection (expected a JSON object from select-experts)")
+    group, stats = value.get("group"), value.get("stats")
+    if not isinstance(group, dict) or not group or not isinstance(stats, dict):
+        raise ValueError(f"{path}: not a selection: expected 'group' and 'stats' objects keyed by layer")
+    for layer, ids in group.items():
+        if not _is_layer(layer):
+            raise ValueError(f"{path}: group: layer {layer!r} is not a layer number")
+        if not isinstance(ids, list) or not ids or any(type(e) is not int or e < 0 for e in ids):
+            raise ValueError(f"{path}: group layer {layer}: expected a list of expert ids (non-negative integers), "
+                             f"got {json.dumps(ids)[:80]}")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"{path}: group layer {layer}: names an expert twice")
+    for layer, scores in stats.items():
+        if not _is_layer(layer):
+            raise ValueError(f"{path}: stats: layer {layer!r} is not a layer number")
+        if not isinstance(scores, list) or any(type(v) not in (int, float) or not math.isfinite(v) for v in scores):
+            raise ValueError(f"{path}: stats layer {layer}: expected a list of finite numbers")
     return value
+
+
+def _is_layer(key: str) -> bool:
+    return key.isascii() and key.isdigit() and key == str(int(key))
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -259,7 +301,7 @@ def run_cluster_data(args: argparse.Namespace) -> int:
         for label in range(clustering.k):
             members = [text for text, lab in zip(texts, clustering.labels, strict=True) if lab == label]
             write_documents(temp / f"cluster-{label}.jsonl", members)
-        _write_json(temp / "report.json", report)
+        (temp / "report.json").write_bytes(_json_bytes(report))
         if args.out.exists():
             args.out.rmdir()
         os.replace(temp, args.out)

@@ -24,7 +24,7 @@ from node.cli.common import comma_list, spec_setting
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     sim = subparsers.add_parser("simulate", help="run bootstrap, validators and miners as local processes")
-    sim.add_argument("--validators", type=int, default=2, metavar="V", help="validator processes (default 2)")
+    sim.add_argument("--validators", type=int, default=2, metavar="V", help="validator processes, 1 to 64 (default 2)")
     sim.add_argument("--miners", type=int, default=4, metavar="M", help="miner processes (default 4)")
     sim.add_argument("--rounds", type=int, default=3, metavar="N", help="rounds to run (default 3)")
     sim.add_argument("--dir", required=True, type=Path, metavar="DIR", help="simulation directory (created)")
@@ -60,6 +60,7 @@ def run_simulate(args: argparse.Namespace) -> int:
 
     if args.rounds < 1:
         raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
+    # SimSettings judges every other flag, before any directory is made or replaced.
     settings = SimSettings(validators=args.validators, miners=args.miners, adversaries=args.adversaries,
                            round_seconds=args.round_seconds, train_share=args.train_share,
                            start_delay_s=args.start_delay, base_port=args.base_port, seed=args.seed,
@@ -103,6 +104,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     if failure:
         print(f"tessera simulate: {failure}", file=sys.stderr)
     return 1 if failure or len(rounds) < args.rounds else 0
+
 
 
 def _say(line: str, out: TextIO) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from datetime import UTC, datetime
 from pathlib import Path
@@ -78,31 +79,31 @@ def run_spec_new(args: argparse.Namespace) -> int:
     from protocol.spec import apply_settings, judge_settings, parse_spec
     from training.adapters import adapter_for
     from training.checkpoint import checkpoint_hash
-    from training.data import file_sha256, load_sequences
+    from training.data import check_disjoint, file_sha256, pack
     from training.model import load_checkpoint
     from training.selection import select_experts
     from training.tokenizer import HFTokenizer, check_vocab
 
     if args.out.exists():
         raise ValueError(f"{args.out}: already exists; spec new never overwrites a spec")
-    if args.max_sequences < 1 or args.seq_len < 8:
-        raise ValueError("--max-sequences must be positive and --seq-len at least 8")
+    _check_options(args)
     judge_settings(args.spec_settings)  # a bad --set fails here, before the checkpoint is read
     validators = [_validator(text) for text in args.validator]
     genesis = _genesis(args.genesis)
     top_d = args.top_d if args.top_d is not None or args.mass is not None else 2
-    for path in [*args.train, args.heldout]:
-        if not path.is_file():
-            raise ValueError(f"{path}: no such data file")
+    train_documents = [doc for path in args.train for doc in _documents("--train", path)]
+    heldout_documents = _documents("--heldout", args.heldout)
+    try:  # every validator refuses to start on held-out data the miners train on
+        check_disjoint(train_documents, heldout_documents)
+    except ValueError as exc:
+        raise ValueError(f"--heldout {args.heldout}: {exc}; hold those documents out of --train") from None
     checkpoint = args.checkpoint.resolve()
     base_hash = checkpoint_hash(checkpoint)
     tokenizer = HFTokenizer(checkpoint)
     model = load_checkpoint(checkpoint, progress=True)
     check_vocab(tokenizer, int(model.config.vocab_size), checkpoint)
     adapter = adapter_for(model.config.model_type)
-    sequences = load_sequences(args.train, tokenizer, args.seq_len)[: args.max_sequences]
-    if sequences.shape[0] == 0:
-        raise ValueError(f"the training files hold no full sequence of {args.seq_len} tokens; lower --seq-len")
+    sequences = pack(train_documents, tokenizer, args.seq_len)[: args.max_sequences]
     selection = select_experts(model, adapter, sequences, args.rule, top_d=top_d, mass=args.mass,
                                pad_id=tokenizer.pad_id)
     here = args.out.resolve().parent
@@ -119,11 +120,40 @@ def run_spec_new(args: argparse.Namespace) -> int:
         "validators": [{"key": key, "weight": weight} for key, weight in validators],
     }
     apply_settings(spec, args.spec_settings)
-    parsed = parse_spec(spec)
+    network_id = parse_spec(spec).network_id  # the whole spec is judged before a byte is written
     _write_new(args.out, spec)
-    print(json.dumps({"spec": str(args.out), "network_id": parsed.network_id, "base_hash": base_hash,
+    print(json.dumps({"spec": str(args.out), "network_id": network_id, "base_hash": base_hash,
                       "group": selection["group"], "rule": args.rule}, indent=2, sort_keys=True))
     return 0
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    """The options judged before any file is read: the spec's own limits, named by flag."""
+    name = args.name or args.checkpoint.resolve().name
+    if not 1 <= len(name) <= 64:
+        raise ValueError(f"--name {name!r}: a network name has 1 to 64 characters")
+    if args.max_sequences < 1:
+        raise ValueError(f"--max-sequences must be at least 1, got {args.max_sequences}")
+    if not 8 <= args.seq_len <= 65536:
+        raise ValueError(f"--seq-len must be between 8 and 65536 (the spec's data.seq_len), got {args.seq_len}")
+    if args.heldout_sequences < 1:
+        raise ValueError(f"--heldout-sequences must be at least 1, got {args.heldout_sequences}")
+    if args.top_d is not None and args.top_d < 1:
+        raise ValueError(f"--top-d must be at least 1, got {args.top_d}")
+    if args.mass is not None and not 0 < args.mass <= 1:
+        raise ValueError(f"--mass must be in (0, 1], got {args.mass}")
+
+
+def _documents(flag: str, path: Path) -> list[str]:
+    """The documents of a data file given as `flag`; ValueError names a directory, a bad or an empty file."""
+    from training.data import read_documents
+
+    if path.is_dir():
+        raise ValueError(f"{flag} {path}: is a directory; give a data file (.txt, .jsonl or .parquet)")
+    documents = read_documents(path)  # names the file and the line of a bad record or bad UTF-8
+    if not documents:
+        raise ValueError(f"{flag} {path}: holds no documents")
+    return documents
 
 
 def _validator(text: str) -> tuple[str, float]:
@@ -136,8 +166,8 @@ def _validator(text: str) -> tuple[str, float]:
         value = float(weight) if weight else 1.0
     except ValueError:
         raise ValueError(f"--validator {text!r}: the weight must be a number") from None
-    if not value > 0:
-        raise ValueError(f"--validator {text!r}: the weight must be positive")
+    if not 0 < value < math.inf:
+        raise ValueError(f"--validator {text!r}: the weight must be a positive finite number")
     return key, value
 
 
@@ -165,9 +195,7 @@ def _relative(path: Path, start: Path) -> str:
 
 
 def _write_new(path: Path, spec: dict[str, Any]) -> None:
+    from node.cli.common import write_atomically
     from node.sim.layout import to_toml
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.tmp")
-    temp.write_text(to_toml(spec), encoding="utf-8")
-    os.replace(temp, path)
+    write_atomically(path, to_toml(spec))

@@ -9,7 +9,9 @@ writes the bytes the miner would commit to. `--global` names a global-state blob
 (the base model's experts when absent). In a pgrad network `--feedback` is the miner's
 error-feedback buffer (the fp32 safetensors form of `training.pgrad.error_bytes`, the bytes a miner
 keeps in its blob store): read when the file exists (else the buffer starts empty), checked before
-training, and atomically replaced by what the round left unsent once the blob is written. Without
+training (a Tessera blob is refused: it is not a buffer), and atomically replaced by what the round
+left unsent once the blob is written. `--out` is never overwritten, nor the same file as `--feedback`;
+both paths are checked writable before the model loads. Without
 it the build starts from an empty buffer and keeps nothing. Its AdamW state always starts at zero,
 as a miner's does unless `[miner] keep_optimizer` carries it from round to round (then only the
 first round after the miner starts is the same). This module knows nothing about the network.
@@ -40,11 +42,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="pgrad networks: the error-feedback buffer (fp32 safetensors) to start from if FILE "
                         "exists; replaced atomically with the new buffer after the blob is written "
                         "(default: an empty buffer, nothing kept)")
-    p.add_argument("--out", required=True, type=Path, metavar="BLOB", help="where to write the blob")
+    p.add_argument("--out", required=True, type=Path, metavar="BLOB", help="where to write the blob (a new file)")
     p.set_defaults(run=run_train)
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from node.cli.common import check_output_file, write_new_file
     from node.duties.consensus import SyncError, decode_state
     from node.duties.feedback import ErrorFeedback
     from node.duties.miner import MinerModel, build_submission
@@ -64,6 +67,11 @@ def run_train(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     if args.feedback is not None and pgrad_config(spec) is None:
         raise ValueError("--feedback: this network submits full experts, which keep no error-feedback buffer")
+    if args.feedback is not None and args.feedback.resolve() == args.out.resolve():
+        raise ValueError(f"--out {args.out}: the same file as --feedback; the blob and the buffer need their own files")
+    check_output_file(args.out, "--out")
+    if args.feedback is not None:
+        check_output_file(args.feedback, "--feedback", replace=True)
     model = MinerModel.load(spec, args.spec, args.data or [], progress=True)
     feedback = None if args.feedback is None else ErrorFeedback(_read_feedback(args.feedback, model.shapes))
     head, base = spec.model.base_hash, model.genesis.tensors
@@ -79,8 +87,7 @@ def run_train(args: argparse.Namespace) -> int:
         head = sha256_hex(data)
     blob, result = build_submission(model, identity.node_id, args.round, head, base, MinerSection(),
                                     steps=args.steps, progress=True, feedback=feedback)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_blob_file(args.out, blob)
+    write_new_file(args.out, blob, "--out")
     if feedback is not None and feedback.error is not None:
         args.feedback.parent.mkdir(parents=True, exist_ok=True)
         write_blob_file(args.feedback, error_bytes(feedback.error))
@@ -108,12 +115,27 @@ def _read_feedback(path: Path, shapes: Mapping[str, tuple[int, ...]]) -> dict[st
     if not path.exists():
         return None
     try:
-        error = load_error(path.read_bytes(), shapes)
+        data = path.read_bytes()
     except OSError as exc:
         raise ValueError(f"{path}: cannot read the error-feedback buffer: {exc.strerror}") from exc
+    if (kind := _blob_format(data)) is not None:
+        raise ValueError(f"{path}: a {kind} blob, not an error-feedback buffer; give --feedback the buffer file "
+                         "an earlier run kept, or a new path")
+    try:
+        error = load_error(data, shapes)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from exc
     for name, tensor in error.items():
         if not bool(torch.isfinite(tensor).all()):
             raise ValueError(f"{path}: the error-feedback buffer's {name} holds non-finite values")
     return error
+
+
+def _blob_format(data: bytes) -> str | None:
+    """The format a canonical Tessera blob names in its metadata; None for anything else (a buffer has none)."""
+    from training.blob import BlobError, decode_header
+
+    try:
+        return decode_header(data, len(data)).meta.format
+    except BlobError:
+        return None

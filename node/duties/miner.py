@@ -54,6 +54,7 @@ from training.pgrad import encode as encode_pgrad
 from training.tokenizer import load_tokenizer
 from training.trainer import TrainConfig, TrainResult, train_experts
 from validator.checks import pgrad_config
+from validator.device import check_device
 from validator.state import GlobalExperts
 
 log = logging.getLogger(__name__)
@@ -129,8 +130,7 @@ class MinerModel:
             model, adapter = load_base(spec, spec_path, progress=progress)
             experts = extract(model, adapter, spec.group)
         tokenizer = load_tokenizer(spec.data.tokenizer, spec_path.parent)
-        files = list(data) or [spec_dir_path(spec_path, p) for p in spec.data.train]
-        sequences = load_sequences(files, tokenizer, spec.data.seq_len)
+        sequences = load_sequences(training_files(spec, spec_path, data), tokenizer, spec.data.seq_len)
         return cls(spec, model, adapter, GlobalExperts.genesis(spec, experts), sequences, tokenizer.pad_id)
 
     def train(self, miner: str, round: int, base: Mapping[str, torch.Tensor], section: MinerSection,
@@ -228,10 +228,33 @@ class HonestStrategy:
         return commitment is not None
 
 
+def check_inputs(spec: NetworkSpec, spec_path: Path, section: MinerSection) -> None:
+    """Refuse to start (ValueError naming the setting) without the training device, the base checkpoint
+    or a training file, rather than failing at every phase."""
+    if section.device == "auto":
+        raise ValueError("miner.device = 'auto' spreads a validator's model; a miner trains on one device "
+                         "(cpu, cuda or cuda:N)")
+    check_device(section.device, None, 1, spec.data.seq_len, setting="miner.device")
+    if spec.model.checkpoint is not None:
+        checkpoint = spec_dir_path(spec_path, spec.model.checkpoint)
+        if not checkpoint.is_dir():
+            raise ValueError(f"model.checkpoint: {checkpoint} is not a directory (the spec's base checkpoint)")
+    setting = "miner.data" if section.data else "data.train"
+    for path in training_files(spec, spec_path, [section.data] if section.data else []):
+        if not path.is_file():
+            raise ValueError(f"{setting}: {path} is not a file")
+
+
+def training_files(spec: NetworkSpec, spec_path: Path, data: Sequence[Path] = ()) -> list[Path]:
+    """The files a miner trains on: `data` when given, else the spec's `data.train`."""
+    return list(data) or [spec_dir_path(spec_path, p) for p in spec.data.train]
+
+
 class MinerDuties:
     """A miner's phase work; `MinerDuties.factory(strategy)` is its DutiesFactory (honest by default)."""
 
     def __init__(self, ctx: NodeContext, strategy: HonestStrategy | None = None) -> None:
+        check_inputs(ctx.spec, ctx.config.node.spec, ctx.config.miner)
         self.ctx = ctx
         self.me = ctx.identity.node_id
         self.strategy = strategy or HonestStrategy()

@@ -41,7 +41,7 @@ from protocol.ranking import RoundRanking, update_standing
 from protocol.rounds import Phase
 from protocol.seeds import commitment, new_seed
 from protocol.spec import spec_dir_path
-from training.data import check_disjoint, file_sha256, heldout_subset, load_sequences, read_documents
+from training.data import check_disjoint, check_heldout_file, heldout_subset, load_sequences, read_documents
 from training.experts import extract
 from training.model import load_base
 from training.tokenizer import load_tokenizer
@@ -65,13 +65,10 @@ class ValidatorDuties:
     def __init__(self, ctx: NodeContext) -> None:
         heldout = ctx.config.validator.heldout
         assert heldout is not None, "the config requires validator.heldout for a validator"
-        if not heldout.is_file():
-            raise ValueError(f"validator.heldout: {heldout} is not a file")
-        actual = file_sha256(heldout)
-        if actual != ctx.spec.data.heldout_sha256:
-            raise ValueError(f"validator.heldout: {heldout} hashes to {actual}, but the spec pins "
-                             f"data.heldout_sha256 = {ctx.spec.data.heldout_sha256}; "
-                             "use the network's held-out file")
+        try:
+            check_heldout_file(heldout, ctx.spec.data.heldout_sha256)
+        except ValueError as exc:
+            raise ValueError(f"validator.heldout: {exc}") from None
         _check_disjoint(ctx)
         section = ctx.config.validator
         check_device(section.device, skeleton(ctx.spec, ctx.config.node.spec), section.batch_size, ctx.spec.data.seq_len)

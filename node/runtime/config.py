@@ -14,7 +14,7 @@ import json
 import os
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
@@ -155,21 +155,50 @@ def load_config(path: str | Path) -> NodeConfig:
     """Read, override from the environment, validate and resolve paths; raises ConfigError."""
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_bytes().decode("utf-8"))
+        text = path.read_bytes().decode("utf-8")
     except FileNotFoundError as exc:
         raise ConfigError(f"{path}: no such config file (create one with `tessera init`)") from exc
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read config: {exc}") from exc
+    return parse_config(text, path)
+
+
+def parse_config(text: str, path: Path) -> NodeConfig:
+    """`text` as the config file at `path` would be (environment overrides, relative paths); raises ConfigError."""
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
     for key in data:
         if key.startswith("_"):  # BaseSettings reads `_env_file` and friends from init kwargs
             raise ConfigError(f"{path}: {key}: Extra inputs are not permitted")
+    _check_overrides()
     try:
         config = NodeConfig(**data)
     except ValidationError as exc:
         raise ConfigError(_describe(exc, path)) from exc
     return config.resolved(path.parent.resolve())
+
+
+def _check_overrides() -> None:
+    """Refuse a `TESSERA_*` variable that overrides nothing (a typo would otherwise be ignored), or that
+    overrides a whole section or a list with something other than the JSON pydantic-settings reads there."""
+    sections = {name: section.annotation for name, section in NodeConfig.model_fields.items()}
+    for key, value in os.environ.items():
+        if not key.upper().startswith(ENV_PREFIX):
+            continue
+        section, _, field = key[len(ENV_PREFIX):].lower().partition("__")
+        model = sections.get(section)
+        if model is None or (field and field not in model.model_fields):
+            raise ConfigError(f"{key} (environment): no such setting; overrides are named "
+                              f"{ENV_PREFIX}<SECTION>__<FIELD>, e.g. {ENV_PREFIX}HTTP__PORT")
+        if not field or get_origin(model.model_fields[field].annotation) in (tuple, list, dict):
+            try:
+                json.loads(value)
+            except json.JSONDecodeError:
+                example = f"{ENV_PREFIX}P2P__BOOTSTRAP='[\"/ip4/10.0.0.1/tcp/4001/p2p/<peer id>\"]'"
+                raise ConfigError(f"{key} (environment): not JSON; a list takes JSON (a whole section too), "
+                                  f"e.g. {example}") from None
 
 
 def _describe(exc: ValidationError, path: Path) -> str:

@@ -45,6 +45,31 @@ def test_keygen_writes_0600_and_prints_id(tmp_path: Path) -> None:
     assert again.stderr.count("\n") == 1
 
 
+def test_keygen_refuses_a_path_it_cannot_write_in_one_line_and_leaves_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory", encoding="utf-8")
+    cases = ((tmp_path, "is a directory"), (a_file / "k.key", "is not a directory"),
+             (Path("/proc/tessera-no-such-dir/k.key"), "cannot write the key file"))
+    for out, reason in cases:
+        assert main(["keygen", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"tessera: error: {out}: ") and reason in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # no temporary key left behind
+
+
+def test_a_file_system_error_from_any_command_is_one_line_naming_the_path(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def unwritable(args: object) -> int:
+        raise PermissionError(13, "Permission denied", "/data/out.safetensors")
+
+    monkeypatch.setattr("node.cli.keys.run_keygen", unwritable)
+    assert main(["keygen", "--out", "k.key"]) == 2
+    assert capsys.readouterr().err == "tessera: error: /data/out.safetensors: Permission denied\n"
+
+
 def test_spec_check_prints_network_id(spec_dict, write_spec) -> None:
     result = tessera("spec", "check", str(write_spec(spec_dict)))
     assert result.returncode == 0, result.stderr
@@ -97,9 +122,15 @@ def test_bootstrap_refuses_bad_input_with_one_line_and_no_key_written(
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("tessera: error: ") and "not a multiaddr" in err and err.count("\n") == 1
     assert not data.exists()  # nothing half-written
-    code = main(["bootstrap", "--spec", str(tmp_path / "absent.toml"), "--key", str(tmp_path / "k"),
-                 "--data-dir", str(data)])
-    assert code == 2 and capsys.readouterr().err.startswith("tessera: error: ")
+    code = main(["bootstrap", "--spec", str(tmp_path / "absent.toml"), "--key", str(tmp_path / "k")])
+    assert code == 2 and capsys.readouterr().err.startswith("tessera: error: ")  # --key needs no --data-dir
+    assert not (tmp_path / "k").exists()
+    code = main(["bootstrap", "--spec", spec, "--sim-key", "0"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--sim-key needs --data-dir" in err and err.count("\n") == 1
+    code = main(["bootstrap", "--spec", spec, "--key", str(tmp_path / "k"), "--port", "70000"])
+    assert code == 2 and capsys.readouterr().err == (
+        "tessera: error: --port: Input should be less than or equal to 65535\n")
     assert not (tmp_path / "k").exists()
 
 

@@ -81,6 +81,20 @@ def test_environment_error_names_the_variable(tmp_path: Path, monkeypatch: pytes
     assert str(info.value).startswith("TESSERA_HTTP__PORT (environment): http.port: ")
 
 
+def test_an_override_that_overrides_nothing_or_is_not_json_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write(tmp_path, MINIMAL)
+    for name in ("TESSERA_HTTP_PORT", "TESSERA_BOGUS__PORT", "TESSERA_HTTP__PROT"):  # typos a user makes
+        monkeypatch.setenv(name, "9000")
+        with pytest.raises(ConfigError, match=rf"^{name} \(environment\): no such setting; overrides are named"):
+            load_config(path)
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("TESSERA_P2P__BOOTSTRAP", "garbage")
+    with pytest.raises(ConfigError, match=r"^TESSERA_P2P__BOOTSTRAP \(environment\): not JSON; a list takes JSON"):
+        load_config(path)
+
+
 def test_config_is_frozen(tmp_path: Path) -> None:
     config = load_config(write(tmp_path, MINIMAL))
     with pytest.raises(ValueError):

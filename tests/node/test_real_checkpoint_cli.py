@@ -148,11 +148,11 @@ def test_spec_new_sets_the_protocols_settings_and_judges_them_before_reading_the
 
     code, _, err = run(capsys, "spec", "new", "--checkpoint", checkpoint, *args, "--set", "submission.format=pgrad",
                        "--set", "training.inner_steps=5", "--set", "aggregation.outer_lr=2.5",
-                       "--set", "aggregation.momentum=0.0", "--set", "aggregation.top_g=8")
+                       "--set", "aggregation.momentum=0.5", "--set", "aggregation.top_g=8")
     assert code == 0, err
     spec = load_spec(out)
     assert (spec.submission.format, spec.training.inner_steps) == ("pgrad", 5)
-    assert (spec.aggregation.outer_lr, spec.aggregation.momentum, spec.aggregation.top_g) == (2.5, 0.0, 8)
+    assert (spec.aggregation.outer_lr, spec.aggregation.momentum, spec.aggregation.top_g) == (2.5, 0.5, 8)
     assert spec.training.lr == TrainingSpec().lr and spec.aggregation.clip_to_median  # the rest keep defaults
 
 

@@ -7,7 +7,9 @@ Commands run in-process through `node.cli.main.main`, so each test pays for torc
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -150,3 +152,91 @@ def test_bad_input_is_one_line_and_exit_2(net: Path, tmp_path: Path, capsys: pyt
         assert code == 2, (args, err)
         assert len(err.strip().splitlines()) == 1 and message in err, (args, err)
     assert not (tmp_path / "g.json").exists() and not (tmp_path / "r.json").exists() and not (tmp_path / "c").exists()
+
+
+SELECTION = {"group": {"0": PLANTED, "1": PLANTED}, "stats": {"0": [0.1] * 8, "1": [0.1] * 8}}
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    ({"group": {"0": [5.5], "1": PLANTED}}, "group layer 0: expected a list of expert ids (non-negative integers), "
+                                            "got [5.5]"),
+    ({"group": {"0": [True], "1": PLANTED}}, "group layer 0: expected a list of expert ids (non-negative integers), "
+                                             "got [true]"),
+    ({"group": {"0": [-1], "1": PLANTED}}, "group layer 0: expected a list of expert ids (non-negative integers), "
+                                           "got [-1]"),
+    ({"group": {"0": [1, 1], "1": PLANTED}}, "group layer 0: names an expert twice"),
+    ({"group": {"00": PLANTED}}, "group: layer '00' is not a layer number"),
+    ({"stats": {"0": [float("nan")] + [0.1] * 7, "1": [0.1] * 8}}, "stats layer 0: expected a list of finite numbers"),
+    ({"stats": {"0": [True] * 8, "1": [0.1] * 8}}, "stats layer 0: expected a list of finite numbers"),
+    ({"group": [1]}, "not a selection: expected 'group' and 'stats' objects keyed by layer"),
+    ({"group": {"0": [8], "1": PLANTED}}, "the selection's layer 0 names experts this model does not have (it has 8); "
+                                          "it was made for another model"),
+])
+def test_a_bad_group_file_is_named_and_nothing_is_written(net: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                          change: dict[str, object], says: str) -> None:
+    group, report = tmp_path / "group.json", tmp_path / "report.json"
+    group.write_text(json.dumps(SELECTION | change))
+    code, _, err = tessera(capsys, "eval-subset", "--spec", net / "spec.toml", "--group", group, "--out", report)
+    assert (code, err) == (2, f"tessera: error: {group}: {says}\n")
+    assert sorted(tmp_path.iterdir()) == [group]
+
+
+@pytest.mark.parametrize("flag", ["--out", "--stability"])
+def test_select_experts_never_overwrites_a_file(net: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                flag: str) -> None:
+    taken = tmp_path / "taken.json"
+    taken.write_text("an earlier selection")
+    paths = {"--out": tmp_path / "g.json", "--stability": tmp_path / "s.json"} | {flag: taken}
+    code, _, err = tessera(capsys, "select-experts", "--spec", net / "spec.toml", "--data", net / "data/train.jsonl",
+                           "--rule", "gate-mass", "--top-d", "2", *(a for kv in paths.items() for a in kv))
+    assert (code, err) == (2, f"tessera: error: {flag} {taken}: already exists; choose another path "
+                              "(it is never overwritten)\n")
+    assert taken.read_text() == "an earlier selection" and sorted(tmp_path.iterdir()) == [taken]
+
+
+def test_eval_subset_checks_its_out_file_first(net: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    group = tmp_path / "group.json"
+    group.write_text(json.dumps(SELECTION))
+    code, _, err = tessera(capsys, "eval-subset", "--spec", net / "spec.toml", "--group", group, "--out", group)
+    assert (code, err) == (2, f"tessera: error: --out {group}: already exists; choose another path "
+                              "(it is never overwritten)\n")
+    assert json.loads(group.read_text()) == SELECTION
+    code, _, err = tessera(capsys, "eval-subset", "--spec", net / "spec.toml", "--group", group, "--out", tmp_path)
+    assert (code, err) == (2, f"tessera: error: --out {tmp_path}: is a directory; give a file path\n")
+    code, _, err = tessera(capsys, "eval-subset", "--spec", net / "spec.toml", "--group", group,
+                           "--out", group / "report.json")
+    assert (code, err) == (2, f"tessera: error: --out {group / 'report.json'}: {group} is not a directory\n")
+
+
+def test_a_failed_final_write_leaves_no_temporary_file(net: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    group, report = tmp_path / "group.json", tmp_path / "report.json"
+    group.write_text(json.dumps(SELECTION))
+    real_link = os.link
+
+    def disk_full_at_report(src: str | Path, dst: str | Path) -> None:
+        if Path(dst) == report:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dst))
+        real_link(src, dst)
+
+    monkeypatch.setattr(os, "link", disk_full_at_report)  # the last step of writing the report
+    code, _, err = tessera(capsys, "eval-subset", "--spec", net / "spec.toml", "--group", group, "--fractions", "1",
+                           "--seeds", "1", "--out", report)
+    assert (code, err) == (2, f"tessera: error: {report}: {os.strerror(errno.ENOSPC)}\n")
+    assert sorted(tmp_path.iterdir()) == [group]
+
+
+def test_bad_seed_and_data_files_are_named(net: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    group = tmp_path / "group.json"
+    group.write_text(json.dumps(SELECTION))
+    for seed in ("xyz", "", "0" * 63, "g" * 64):
+        code, _, err = tessera(capsys, "eval-subset", "--spec", net / "spec.toml", "--group", group, "--seed", seed,
+                               "--out", tmp_path / "r.json")
+        assert code == 2 and err.startswith("tessera eval-subset: error: argument --seed: a round seed is exactly "
+                                            f"64 hex digits, got {seed!r}"), err
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\N{LATIN SMALL LETTER E WITH ACUTE}".encode("latin-1"))
+    code, _, err = tessera(capsys, "select-experts", "--spec", net / "spec.toml", "--data", latin1,
+                           "--rule", "gate-mass", "--top-d", "2", "--out", tmp_path / "g.json")
+    assert (code, err) == (2, f"tessera: error: {latin1}:1: not UTF-8 text (byte 0xe9 at offset 3)\n")
+    assert sorted(tmp_path.iterdir()) == [group, latin1]

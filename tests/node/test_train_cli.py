@@ -1,8 +1,9 @@
 """`tessera train` is the miner: for the same key, round and starting state it writes the very bytes
 the miner duty commits to, for round 0 (the base) and for a later round (a global state blob). In a
 pgrad network `--feedback FILE` carries the miner's error-feedback buffer from one round to the next
-as the duty does; a bad buffer file (or one in a full-experts network) is one error line, exit 2,
-with nothing written."""
+as the duty does; a bad buffer file (a blob, or one in a full-experts network), an `--out` that
+exists, is the buffer or cannot be written, or an unusable data file is one error line, exit 2, with
+nothing written or overwritten."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from node.duties.miner import InnerOptimizer, MinerModel, build_submission, enco
 from node.runtime.config import MinerSection
 from protocol.identity import save_identity
 from tests.node.twins import Twins, identity
+from training.blob import BlobMeta, encode_blob
 from training.pgrad import error_bytes
 
 pytestmark = pytest.mark.timeout(180)
@@ -154,3 +156,70 @@ def test_tessera_train_refuses_feedback_in_a_full_experts_network(tmp_path: Path
     assert not out.exists() and not feedback_file.exists()
     err = capsys.readouterr().err
     assert err == "tessera: error: --feedback: this network submits full experts, which keep no error-feedback buffer\n"
+
+
+def test_tessera_train_refuses_a_blob_as_the_feedback_file_and_leaves_it_whole(tmp_path: Path, capsys) -> None:
+    net = Twins(tmp_path, extra=PGRAD)
+    save_identity(identity("miner-0"), tmp_path / "miner.key")
+    model = MinerModel.load(net.spec, net.spec_path)
+    meta = BlobMeta(network=net.spec.network_id, round=0, miner=identity("miner-0").node_id,
+                    base=net.spec.model.base_hash, group=dict(net.spec.group))
+    blob = tmp_path / "miner.blob"  # fp32 experts of the group's names and shapes: load_error alone takes them
+    blob.write_bytes(encode_blob({name: torch.zeros(shape) for name, shape in model.shapes.items()}, meta))
+    before, out = blob.read_bytes(), tmp_path / "out.blob"
+    assert _train(net.spec_path, tmp_path / "miner.key", 0, out, "--feedback", str(blob)) == 2
+    assert not out.exists() and blob.read_bytes() == before
+    err = capsys.readouterr().err
+    assert err == (f"tessera: error: {blob}: a tessera-experts/1 blob, not an error-feedback buffer; give "
+                   "--feedback the buffer file an earlier run kept, or a new path\n")
+
+
+def test_tessera_train_refuses_out_and_feedback_on_one_file(tmp_path: Path, capsys) -> None:
+    net = Twins(tmp_path, extra=PGRAD)
+    save_identity(identity("miner-0"), tmp_path / "miner.key")
+    shared = tmp_path / "shared.safetensors"
+    assert _train(net.spec_path, tmp_path / "miner.key", 0, shared, "--feedback", str(tmp_path / "." / shared.name)) == 2
+    assert not shared.exists()
+    err = capsys.readouterr().err
+    assert err == (f"tessera: error: --out {shared}: the same file as --feedback; the blob and the buffer need "
+                   "their own files\n")
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where no file can be made")
+def test_tessera_train_refuses_an_unwritable_feedback_path_before_writing_the_blob(tmp_path: Path, capsys) -> None:
+    net = Twins(tmp_path, extra=PGRAD)
+    save_identity(identity("miner-0"), tmp_path / "miner.key")
+    out = tmp_path / "out.blob"
+    assert _train(net.spec_path, tmp_path / "miner.key", 0, out, "--feedback", "/proc/feedback.safetensors") == 2
+    assert not out.exists() and not list(tmp_path.glob(".*"))
+    err = capsys.readouterr().err
+    assert err.startswith("tessera: error: --feedback /proc/feedback.safetensors: cannot write a file there: ")
+    assert err.count("\n") == 1, err
+
+
+def test_tessera_train_never_overwrites_its_out_file(tmp_path: Path, capsys) -> None:
+    net = Twins(tmp_path)
+    save_identity(identity("miner-0"), tmp_path / "miner.key")
+    out = tmp_path / "out.blob"
+    out.write_bytes(b"an earlier round's blob")
+    assert _train(net.spec_path, tmp_path / "miner.key", 0, out) == 2
+    assert out.read_bytes() == b"an earlier round's blob"
+    assert capsys.readouterr().err == (f"tessera: error: --out {out}: already exists; choose another path "
+                                       "(it is never overwritten)\n")
+    assert _train(net.spec_path, tmp_path / "miner.key", 0, tmp_path) == 2
+    assert capsys.readouterr().err == f"tessera: error: --out {tmp_path}: is a directory; give a file path\n"
+
+
+@pytest.mark.parametrize(("content", "says"), [
+    (b"", "the data file holds no documents"),
+    (b'{"text": "ok"}\n{"text": "caf\xe9"}\n', ":2: not UTF-8 text (byte 0xe9 at offset 28)"),
+])
+def test_tessera_train_names_the_data_file_it_cannot_use(tmp_path: Path, capsys, content: bytes, says: str) -> None:
+    net = Twins(tmp_path)
+    save_identity(identity("miner-0"), tmp_path / "miner.key")
+    data, out = tmp_path / "train.jsonl", tmp_path / "out.blob"
+    data.write_bytes(content)
+    assert _train(net.spec_path, tmp_path / "miner.key", 0, out, "--data", str(data)) == 2
+    assert not out.exists()
+    err = capsys.readouterr().err
+    assert err.startswith(f"tessera: error: {data}") and says in err and err.count("\n") == 1, err

@@ -7,6 +7,7 @@ import os
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
+from cryptography.hazmat.primitives import serialization
 
 from protocol.identity import (
     Identity,
@@ -139,6 +140,12 @@ def test_key_file_errors(tmp_path) -> None:
     os.chmod(junk, 0o600)
     with pytest.raises(KeyFileError, match="not a PEM"):
         load_identity(junk)
+    locked = tmp_path / "locked.key"
+    locked.write_bytes(Identity.generate().private_key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.BestAvailableEncryption(b"pw")))
+    os.chmod(locked, 0o600)
+    with pytest.raises(KeyFileError, match="locked.key: the key is encrypted; a node key has no passphrase"):
+        load_identity(locked)
 
 
 def test_load_or_create_is_stable(tmp_path) -> None:

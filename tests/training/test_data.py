@@ -63,6 +63,37 @@ def test_unknown_suffix_and_missing_file_are_refused(tmp_path: Path) -> None:
         read_documents(tmp_path / "x.jsonl")
 
 
+@pytest.mark.parametrize("fmt", ["jsonl", "txt"])
+def test_a_file_that_is_not_utf8_is_named_with_line_and_offset(tmp_path: Path, fmt: str) -> None:
+    path = write_documents(tmp_path / f"docs.{fmt}", ["first", "second"], fmt)
+    good = path.read_bytes()
+    path.write_bytes(good + "caf\N{LATIN SMALL LETTER E WITH ACUTE}".encode("latin-1"))
+    line = good.count(b"\n") + 1
+    with pytest.raises(ValueError) as caught:
+        read_documents(path)
+    assert str(caught.value) == f"{path}:{line}: not UTF-8 text (byte 0xe9 at offset {len(good) + 3})"
+
+
+def test_newlines_are_read_as_text_mode_reads_them(tmp_path: Path) -> None:
+    txt, jsonl = tmp_path / "a.txt", tmp_path / "a.jsonl"
+    txt.write_bytes(b"one\r\ntwo\r\n\r\nthree\rfour\r\rfive")
+    jsonl.write_bytes(b'{"text": "x"}\r\n\r\n{"text": "y"}\r{"text": "z"}')
+    assert read_documents(txt) == ["one\ntwo", "three\nfour", "five"]
+    assert read_documents(jsonl) == ["x", "y", "z"]
+
+
+def test_files_with_no_documents_are_named(tmp_path: Path) -> None:
+    empty, blank = tmp_path / "empty.jsonl", tmp_path / "blank.txt"
+    empty.write_bytes(b"")
+    blank.write_text("\n\n  \n", encoding="utf-8")
+    with pytest.raises(ValueError) as caught:
+        load_sequences([empty], ByteTokenizer(), 8)
+    assert str(caught.value) == f"{empty}: the data file holds no documents"
+    with pytest.raises(ValueError) as caught:
+        load_sequences([empty, blank], ByteTokenizer(), 8)
+    assert str(caught.value) == f"{empty}, {blank}: the data files hold no documents"
+
+
 def test_pack_appends_eos_and_pads_only_the_last_row() -> None:
     tok = ByteTokenizer()
     packed = pack(["ab", "cde"], tok, seq_len=4)

@@ -1,0 +1,104 @@
+"""`tessera spec new` and `tessera spec init --sim` refuse bad input with one error line naming the flag,
+file or field, and leave nothing behind: no spec file, no temporary file, no directory.
+
+The cheap checks (numbers, validator weights, settings, data files) come before the checkpoint is
+hashed or loaded: they are refused even when the checkpoint does not exist."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+import node.cli.spec
+from node.cli.main import main
+from node.sim.layout import make_sim_network
+from tests.training.hub_checkpoint import write_data, write_hub_checkpoint
+
+KEY = "ab" * 32
+
+
+def refused(capsys: pytest.CaptureFixture[str], argv: list[object], match: str) -> None:
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and match in err, err
+
+
+@pytest.fixture
+def data(tmp_path: Path) -> tuple[Path, Path]:
+    train, heldout = write_data(tmp_path / "data")
+    (tmp_path / "data" / "empty.jsonl").write_text("", encoding="utf-8")
+    (tmp_path / "data" / "blank.txt").write_text("\n\n  \n", encoding="utf-8")
+    (tmp_path / "data" / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    return train, heldout
+
+
+@pytest.mark.parametrize(("extra", "match"), [
+    (["--heldout-sequences", "0"], "--heldout-sequences must be at least 1, got 0"),
+    (["--top-d", "0"], "--top-d must be at least 1, got 0"),
+    (["--mass", "2"], "--mass must be in (0, 1], got 2.0"),
+    (["--mass", "nan"], "--mass must be in (0, 1], got nan"),
+    (["--seq-len", "100000"], "--seq-len must be between 8 and 65536"),
+    (["--max-sequences", "0"], "--max-sequences must be at least 1, got 0"),
+    (["--name", "x" * 65], "a network name has 1 to 64 characters"),
+    (["--validator", f"{KEY}:inf"], "the weight must be a positive finite number"),
+    (["--validator", f"{KEY}:nan"], "the weight must be a positive finite number"),
+    (["--validator", f"{KEY}:0"], "the weight must be a positive finite number"),
+    (["--set", "aggregation.outer_lr=inf"], "spec setting aggregation.outer_lr: Input should be a finite number"),
+    (["--set", "training.lr=nan"], "spec setting training.lr: Input should be a finite number"),
+    (["--heldout", "{data}/empty.jsonl"], "--heldout {data}/empty.jsonl: holds no documents"),
+    (["--heldout", "{data}"], "--heldout {data}: is a directory"),
+    (["--train", "{data}/train.jsonl", "{data}/blank.txt"], "--train {data}/blank.txt: holds no documents"),
+    (["--train", "{data}"], "--train {data}: is a directory"),
+    (["--heldout", "{data}/train.jsonl"], "--heldout {data}/train.jsonl: held-out data shares"),
+    (["--train", "{data}/latin1.txt"], "{data}/latin1.txt:1: not UTF-8 text (byte 0xe9 at offset 3)"),
+])
+def test_spec_new_refuses_before_reading_the_checkpoint_and_writes_nothing(
+        tmp_path: Path, data: tuple[Path, Path], capsys: pytest.CaptureFixture[str], extra: list[str],
+        match: str) -> None:
+    train, heldout = data
+    folder = str(tmp_path / "data")
+    out = tmp_path / "net" / "spec.toml"
+    argv: list[object] = ["spec", "new", "--checkpoint", tmp_path / "no-such-checkpoint", "--train", train,
+                          "--heldout", heldout, "--validator", KEY, "--timing", "sim",
+                          *[e.replace("{data}", folder) for e in extra], "--out", out]
+    refused(capsys, argv, match.replace("{data}", folder))
+    assert not (tmp_path / "net").exists()
+
+
+def test_spec_new_judges_the_whole_spec_before_writing_it(
+        tmp_path: Path, data: tuple[Path, Path], capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    checkpoint = write_hub_checkpoint(tmp_path / "ckpt", "qwen3_moe")
+    train, heldout = data
+    capsys.readouterr()
+    # A value no option can give, so only the judgement of the complete spec can refuse it.
+    monkeypatch.setitem(node.cli.spec.TIMING_PRESETS, "sim", {**node.cli.spec.TIMING_PRESETS["sim"],
+                                                               "train_s": math.inf})
+    out = tmp_path / "net" / "spec.toml"
+    refused(capsys, ["spec", "new", "--checkpoint", checkpoint, "--train", train, "--heldout", heldout,
+                     "--validator", KEY, "--timing", "sim", "--seq-len", "32", "--max-sequences", "16",
+                     "--out", out], match="timing.train_s: Input should be a finite number")
+    assert not (tmp_path / "net").exists()
+
+
+@pytest.mark.parametrize(("flags", "match"), [
+    (["--family", "nope"], "unknown model family 'nope'; supported: qwen3_moe"),
+    (["--validators", "0"], "a simulation network takes 1 to 64 validators, got 0"),
+    (["--validators", "100000"], "a simulation network takes 1 to 64 validators, got 100000"),
+])
+def test_spec_init_refuses_a_bad_flag_before_making_the_directory(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], match: str) -> None:
+    refused(capsys, ["spec", "init", "--sim", tmp_path / "sim", *flags], match=match)
+    assert not (tmp_path / "sim").exists()
+
+
+def test_a_sim_network_that_fails_part_way_leaves_nothing(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"spec.toml: timing.train_s: Input should be a finite number"):
+        make_sim_network(tmp_path / "absent", validators=1, timing={"train_s": math.inf})
+    assert not (tmp_path / "absent").exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"spec.toml: timing.commit_s: Input should be a finite number"):
+        make_sim_network(tmp_path / "empty", validators=1, timing={"commit_s": math.nan})
+    assert list((tmp_path / "empty").iterdir()) == []
