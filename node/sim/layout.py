@@ -31,9 +31,10 @@ from typing import Literal
 
 import torch
 
+from node.sim.process import MAX_VALIDATORS
 from protocol.identity import Identity, save_identity
 from protocol.spec import SubmissionSpec, load_spec
-from training.adapters import adapter_for
+from training.adapters import ADAPTERS, adapter_for
 from training.checkpoint import checkpoint_hash
 from training.corpus import generate, write_documents
 from training.data import file_sha256, pack
@@ -81,20 +82,34 @@ def make_sim_network(
     """Create the directory (which must be empty or absent) and write a simulation network into it.
 
     The pretrained base is cached under `cache_dir` (default: `default_cache_dir()`); miners submit
-    full experts or compressed pseudo-gradients as `submission_format` says.
+    full experts or compressed pseudo-gradients as `submission_format` says. The arguments are judged
+    before the directory is made, and a failure part-way removes what was written.
     """
     directory = Path(directory).resolve()
     if directory.exists() and any(directory.iterdir()):
         raise ValueError(f"{directory}: directory is not empty; choose a new directory for the simulation")
-    if validators < 1:
-        raise ValueError(f"a network needs at least one validator, got {validators}")
+    if not 1 <= validators <= MAX_VALIDATORS:
+        raise ValueError(f"a simulation network takes 1 to {MAX_VALIDATORS} validators, got {validators}")
+    if family not in ADAPTERS:
+        raise ValueError(f"unknown model family {family!r}; supported: {', '.join(ADAPTERS)}")
     if submission_format not in ("experts", "pgrad"):
         raise ValueError(f"submission format must be 'experts' or 'pgrad', got {submission_format!r}")
     unknown = set(timing or {}) - set(DEFAULT_TIMING) - {"clock_skew_s"}
     if unknown:
         raise ValueError(f"unknown timing field(s): {', '.join(sorted(unknown))}")
+    created = not directory.exists()
     directory.mkdir(parents=True, exist_ok=True)
+    try:
+        return _write_network(directory, validators, family, genesis, timing, seed, experts_per_layer, cache_dir,
+                              submission_format)
+    except BaseException:
+        remove_written(directory, created)
+        raise
 
+
+def _write_network(directory: Path, validators: int, family: str, genesis: datetime | None,
+                   timing: Mapping[str, float] | None, seed: int, experts_per_layer: int,
+                   cache_dir: str | Path | None, submission_format: str) -> SimNetwork:
     base_hash, group = _write_model_and_data(directory, family, seed, experts_per_layer, cache_dir)
     ids, keys = [], []
     for i in range(validators):
@@ -119,13 +134,10 @@ def make_sim_network(
             "heldout_sequences": 32,
         },
         "training": {"inner_steps": 20},
-        # From bench/learning.py's sweep on this base (4 miners, H 20, 5 rounds): plain averaging
-        # (lr 1, no momentum) ended lowest (2.23-2.24 nats against 2.36 for lr 0.5 / momentum 0.5 and
-        # 2.40 for the DESIGN's 0.7 / 0.9, which also forgot most: +3.1 nats of general loss against
-        # +0.3); larger outer steps overshot. Honest miners starting from one state agree closely
-        # (cosine about 0.995 after 20 steps), so a 0.99 copy threshold dropped all of them in round 0
-        # and all but one in round 1; copied blobs are exact (cosine 1) and still caught.
-        "aggregation": {"outer_lr": 1.0, "momentum": 0.0},
+        # The outer step is the spec's default, plain averaging (protocol.spec.AggregationSpec). On this
+        # base honest miners starting from one state agree closely (cosine about 0.995 after 20 steps,
+        # bench/learning.py), so a 0.99 copy threshold dropped all of them in round 0 and all but one
+        # in round 1; copied blobs are exact (cosine 1) and still caught.
         "rewards": {"duplicate_cosine": 0.9999},
         "validators": [{"key": node_id, "weight": 1.0} for node_id in ids],
     }
@@ -135,6 +147,13 @@ def make_sim_network(
     spec_path.write_text(to_toml(spec), encoding="utf-8")
     loaded = load_spec(spec_path)
     return SimNetwork(directory, spec_path, loaded.network_id, ids, keys, dict(loaded.group))
+
+
+def remove_written(directory: Path, created: bool) -> None:
+    """Undo a failed write into `directory`, which was absent (`created`) or empty before it."""
+    shutil.rmtree(directory, ignore_errors=True)
+    if not created:
+        directory.mkdir(exist_ok=True)
 
 
 def default_cache_dir() -> Path:

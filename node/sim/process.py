@@ -8,6 +8,7 @@ with the simulator. This module knows nothing about what the nodes do; node.sim.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import random
 import signal
@@ -28,6 +29,8 @@ ADVERSARY_KINDS: tuple[str, ...] = tuple(
 # How the time after TRAIN is split between the other phases.
 AFTER_TRAIN_SHARES = {"commit_s": 0.2, "reveal_s": 0.33, "evaluate_s": 0.3, "merge_s": 0.17}
 MIN_AFTER_TRAIN_S = 6.0
+MAX_START_DELAY_S = 86400.0
+MAX_VALIDATORS = 64  # a simulation runs on one machine; every validator's key goes into the spec
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -73,8 +76,8 @@ class SimSettings:
     """How long a node may take to stop after SIGTERM before it gets SIGKILL."""
 
     def __post_init__(self) -> None:
-        if self.validators < 1:
-            raise ValueError(f"a simulation needs at least one validator, got {self.validators}")
+        if not 1 <= self.validators <= MAX_VALIDATORS:
+            raise ValueError(f"a simulation takes 1 to {MAX_VALIDATORS} validators, got {self.validators}")
         if self.miners < 0:
             raise ValueError(f"miners must be >= 0, got {self.miners}")
         unknown = sorted(set(self.adversaries) - set(ADVERSARY_KINDS))
@@ -83,8 +86,19 @@ class SimSettings:
                              f"choose from {', '.join(ADVERSARY_KINDS)}")
         if len(self.adversaries) > self.miners:
             raise ValueError(f"{len(self.adversaries)} adversaries but only {self.miners} miners")
+        # Messages name the options of `tessera simulate` (and bench/simulation.py), which set these fields.
+        if not 0 < self.round_seconds < math.inf:
+            raise ValueError(f"--round-seconds must be a positive finite number of seconds, got {self.round_seconds}")
         if not 0 < self.train_share < 1:
-            raise ValueError(f"train_share must be between 0 and 1, got {self.train_share}")
+            raise ValueError(f"--train-share must be between 0 and 1, got {self.train_share}")
+        if self.start_delay_s is not None and not 0 <= self.start_delay_s <= MAX_START_DELAY_S:
+            raise ValueError(f"--start-delay must be from 0 to {MAX_START_DELAY_S:.0f} seconds (a day), "
+                             f"got {self.start_delay_s}")
+        nodes = 1 + self.validators + self.miners  # a bootstrap, then two ports a node
+        last = 65536 - 2 * nodes
+        if self.base_port != 0 and not 1 <= self.base_port <= last:
+            raise ValueError(f"--base-port must be 0 (free ports) or from 1 to {last}, so that the {nodes} nodes' "
+                             f"{2 * nodes} ports fit below 65536, got {self.base_port}")
         if (1 - self.train_share) * self.round_seconds < MIN_AFTER_TRAIN_S - 1e-9:
             raise ValueError(f"only {(1 - self.train_share) * self.round_seconds:.1f} s of a round left after "
                              f"TRAIN; give commit, reveal, evaluate and merge {MIN_AFTER_TRAIN_S:.0f} s or more")

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from node.runtime.scheduler import PhaseRun
-from node.sim.layout import SimNetwork, make_sim_network, prepare_base, sim_identity, to_toml
+from node.sim.layout import SimNetwork, make_sim_network, prepare_base, remove_written, sim_identity, to_toml
 from node.sim.process import (
     ADVERSARY_KINDS,
     SimNode,
@@ -62,12 +62,23 @@ class Simulation:
     # -- set-up ---------------------------------------------------------------------------------
 
     def prepare(self) -> None:
-        """Write the network and every node's config (starts nothing)."""
+        """Write the network and every node's config (starts nothing); a failure removes what was written."""
         if self.directory.exists() and any(self.directory.iterdir()):
             raise ValueError(f"{self.directory}: directory is not empty; remove it or choose another --dir")
         s = self.settings
         prepare_base(s.family)  # a cold cache pretrains first, so genesis is not already past
         genesis = (datetime.now(UTC) + timedelta(seconds=s.delay_s())).replace(microsecond=0)
+        created = not self.directory.exists()
+        try:
+            self._write(genesis)
+        except BaseException:
+            remove_written(self.directory, created)
+            self.nodes.clear()
+            self.network = self.schedule = None
+            raise
+
+    def _write(self, genesis: datetime) -> None:
+        s = self.settings
         self.network = make_sim_network(self.directory / "network", validators=s.validators, family=s.family,
                                         genesis=genesis, timing=s.timing(), seed=s.seed,
                                         submission_format=s.submission_format)

@@ -7,6 +7,8 @@ config and no validator's; `--adversaries` is read as comma-separated kinds."""
 
 from __future__ import annotations
 
+import math
+import re
 import tomllib
 from pathlib import Path
 
@@ -38,6 +40,7 @@ def test_a_setting_is_read_as_toml_and_a_bare_word_as_a_string() -> None:
     (("aggregation.outer_lr.x", 1.0), "cannot set 'aggregation.outer_lr.x'"),
     (("aggregation.outer_lrr", 1.0), r"aggregation.outer_lrr: no such field in \[aggregation\]"),
     (("aggregation.outer_lr", -1.0), "aggregation.outer_lr: Input should be greater than 0"),
+    (("aggregation.outer_lr", math.inf), "aggregation.outer_lr: Input should be a finite number"),
     (("training.inner_steps", "5"), "training.inner_steps: Input should be a valid integer"),
     (("submission.topk", 42), "topk must be a multiple of 4"),
 ])
@@ -100,3 +103,62 @@ def test_simulate_adversaries_are_the_comma_separated_kinds(tmp_path: Path, simu
     assert main(["simulate", "--dir", str(tmp_path / "sim")]) == 1
     assert [s.adversaries for s in simulate_settings] == [("noise", "copier"), ()]
     assert "stopped before writing anything" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "match"), [
+    (["--base-port", "70000"], "--base-port must be 0 (free ports) or from 1 to 65522"),
+    (["--base-port", "65530"], "--base-port must be 0 (free ports) or from 1 to 65522"),
+    (["--base-port", "-5"], "--base-port must be 0 (free ports) or from 1 to 65522"),
+    (["--validators", "1", "--miners", "0", "--base-port", "65533"], "from 1 to 65532"),
+    (["--validators", "65"], "a simulation takes 1 to 64 validators, got 65"),
+    (["--round-seconds", "nan"], "--round-seconds must be a positive finite number of seconds, got nan"),
+    (["--round-seconds", "inf"], "--round-seconds must be a positive finite number of seconds, got inf"),
+    (["--round-seconds", "0"], "--round-seconds must be a positive finite number of seconds, got 0.0"),
+    (["--train-share", "nan"], "--train-share must be between 0 and 1, got nan"),
+    (["--start-delay", "-1"], "--start-delay must be from 0 to 86400 seconds (a day), got -1.0"),
+    (["--start-delay", "nan"], "--start-delay must be from 0 to 86400 seconds"),
+    (["--start-delay", "1e12"], "--start-delay must be from 0 to 86400 seconds"),
+    (["--set", "aggregation.outer_lr=inf"], "spec setting aggregation.outer_lr: Input should be a finite number"),
+    (["--set", "aggregation.momentum=nan"], "spec setting aggregation.momentum: Input should be a finite number"),
+])
+def test_simulate_refuses_a_bad_flag_naming_it_before_making_or_replacing_the_directory(
+        tmp_path: Path, simulate_settings: list[SimSettings], capsys, flags: list[str], match: str) -> None:
+    assert main(["simulate", "--dir", str(tmp_path / "sim"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert match in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "sim").exists() and simulate_settings == []
+    earlier = tmp_path / "earlier"
+    (earlier / "network").mkdir(parents=True)
+    (earlier / "network" / "spec.toml").write_text("kept", encoding="utf-8")
+    assert main(["simulate", "--dir", str(earlier), "--force", *flags]) == 2
+    assert (earlier / "network" / "spec.toml").read_text(encoding="utf-8") == "kept"
+
+
+def test_simulate_accepts_the_edges_of_each_range(tmp_path: Path, simulate_settings: list[SimSettings]) -> None:
+    edges = [["--base-port", "65522"], ["--base-port", "1"], ["--start-delay", "0"], ["--start-delay", "86400"],
+             ["--round-seconds", "60"]]
+    for flags in edges:
+        assert main(["simulate", "--dir", str(tmp_path / "sim"), *flags]) == 1  # the recorder stops it
+    assert [(s.base_port, s.start_delay_s, s.round_seconds) for s in simulate_settings] == [
+        (65522, None, 80.0), (1, None, 80.0), (0, 0.0, 80.0), (0, 86400.0, 80.0), (0, None, 60.0)]
+
+
+def test_a_simulation_that_fails_while_writing_leaves_no_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def disk_full(*args: object) -> None:  # after the network is written, before the nodes' configs
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("node.sim.run._set_spec", disk_full)
+    sim = Simulation(tmp_path / "sim", SimSettings(validators=1, miners=1))
+    with pytest.raises(OSError, match="No space left on device"):
+        sim.prepare()
+    assert not (tmp_path / "sim").exists() and sim.network is None and sim.nodes == {}
+
+
+def test_settings_made_without_the_command_line_are_judged_the_same() -> None:
+    # bench/simulation.py and tests build SimSettings directly; the checks live there, not in the CLI.
+    for fields, match in (({"round_seconds": math.nan}, "--round-seconds must be a positive finite number"),
+                          ({"start_delay_s": -1.0}, "--start-delay must be from 0 to 86400 seconds"),
+                          ({"base_port": 65530}, "--base-port must be 0 (free ports) or from 1 to 65522")):
+        with pytest.raises(ValueError, match=re.escape(match)):
+            SimSettings(**fields)
