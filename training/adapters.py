@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, SupportsInt, cast
 
 import torch
 import torch.nn.functional as F
@@ -46,22 +46,22 @@ class MoEAdapter:
 
     def moe_layers(self, model: torch.nn.Module) -> list[int]:
         """Indices of the decoder layers that hold routed experts, ascending."""
-        return [i for i, layer in enumerate(_decoder_layers(model)) if hasattr(layer.mlp, "experts")]
+        return [i for i, layer in enumerate(decoder_layers(model)) if hasattr(layer.mlp, "experts")]
 
     def experts(self, model: torch.nn.Module, layer: int) -> torch.nn.Module:
         """The fused experts module of `layer` (attributes `gate_up_proj`, `down_proj`)."""
-        return self._moe_block(model, layer).experts
+        return self._moe_block(model, layer).get_submodule("experts")
 
     def router(self, model: torch.nn.Module, layer: int) -> torch.nn.Module:
         """The router of `layer` (`.weight` [E, H]; DeepSeek-V3 also `e_score_correction_bias`)."""
-        return self._moe_block(model, layer).gate
+        return self._moe_block(model, layer).get_submodule("gate")
 
     def num_experts(self, model: torch.nn.Module) -> int:
         """Routed experts per MoE layer (the same in every layer of the supported families)."""
         layers = self.moe_layers(model)
         if not layers:
             raise ValueError(f"the {self.family} model has no MoE layers")
-        return int(self.experts(model, layers[0]).gate_up_proj.shape[0])
+        return int(tensor_attr(self.experts(model, layers[0]), "gate_up_proj").shape[0])
 
     def shared_expert_params(self, model: torch.nn.Module, layer: int) -> dict[str, torch.nn.Parameter]:
         """Parameters of `layer`'s shared experts (and shared-expert gate) by their name in the model."""
@@ -90,10 +90,11 @@ class MoEAdapter:
                     f"layer {layer}: experts hold {found}, not the fused gate_up_proj/down_proj layout"
                 )
             n, two_i, hidden = gate_up.shape
-            if tuple(down.shape) != (n, hidden, two_i // 2) or tuple(router.weight.shape) != (n, hidden):
+            weight_EH = tensor_attr(router, "weight")
+            if tuple(down.shape) != (n, hidden, two_i // 2) or tuple(weight_EH.shape) != (n, hidden):
                 raise ValueError(
                     f"layer {layer}: gate_up_proj {tuple(gate_up.shape)}, down_proj {tuple(down.shape)} and "
-                    f"router {tuple(router.weight.shape)} are not [E, 2I, H], [E, H, I] and [E, H]"
+                    f"router {tuple(weight_EH.shape)} are not [E, 2I, H], [E, H, I] and [E, H]"
                 )
 
     def route(
@@ -106,23 +107,25 @@ class MoEAdapter:
         scaling factor, and V3 its sigmoid scores and correction bias, but group-limited routing is
         dropped (the groups of a partial expert set are not meaningful).
         """
-        hidden_TH = hidden_TH.reshape(-1, router.weight.shape[1])
-        k = min(int(router.top_k), int(allowed_E.sum()))
+        weight_EH = tensor_attr(router, "weight")
+        hidden_TH = hidden_TH.reshape(-1, weight_EH.shape[1])
+        k = min(router_top_k(router), int(allowed_E.sum()))
         blocked_E = ~allowed_E.to(hidden_TH.device)
         scale = float(getattr(router, "routed_scaling_factor", 1.0))
         renormalise = self.renormalise
         if renormalise is None:
             renormalise = bool(getattr(router, "norm_topk_prob", True))  # Mixtral always renormalises
         if self.routing == "softmax":
-            logits_TE = F.linear(hidden_TH, router.weight)
+            logits_TE = F.linear(hidden_TH, weight_EH)
             probs_TE = logits_TE.float().masked_fill(blocked_E, float("-inf")).softmax(dim=-1)
             weights_TK, index_TK = torch.topk(probs_TE, k, dim=-1)
             if renormalise:
                 weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
             return logits_TE, (weights_TK * scale).to(logits_TE.dtype), index_TK
-        logits_TE = F.linear(hidden_TH.float(), router.weight.float())
+        logits_TE = F.linear(hidden_TH.float(), weight_EH.float())
         scores_TE = logits_TE.sigmoid()
-        choice_TE = (scores_TE + router.e_score_correction_bias).masked_fill(blocked_E, float("-inf"))
+        bias_E = tensor_attr(router, "e_score_correction_bias")
+        choice_TE = (scores_TE + bias_E).masked_fill(blocked_E, float("-inf"))
         index_TK = torch.topk(choice_TE, k, dim=-1, sorted=False)[1]
         weights_TK = scores_TE.gather(1, index_TK)
         if renormalise:
@@ -130,14 +133,14 @@ class MoEAdapter:
         return logits_TE, weights_TK * scale, index_TK
 
     def _moe_block(self, model: torch.nn.Module, layer: int) -> torch.nn.Module:
-        layers = _decoder_layers(model)
+        layers = decoder_layers(model)
         if not 0 <= layer < len(layers):
             raise ValueError(f"layer {layer} does not exist; the model has {len(layers)} layers")
         if not hasattr(layers[layer].mlp, "experts"):
             raise ValueError(
                 f"layer {layer} is dense, not an MoE layer; MoE layers: {self.moe_layers(model)}"
             )
-        return layers[layer].mlp
+        return layers[layer].get_submodule("mlp")
 
 
 ADAPTERS: dict[str, MoEAdapter] = {
@@ -183,9 +186,23 @@ def family_of(config: Mapping[str, Any]) -> str:
     )
 
 
-def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder layers at `model.layers` (of the base model under a head); ValueError if there are none."""
     base = getattr(model, "model", model)
     layers = getattr(base, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
         raise ValueError(f"{type(model).__name__} has no decoder layers at `model.layers`")
     return layers
+
+
+def tensor_attr(module: torch.nn.Module, name: str) -> torch.Tensor:
+    """`module.<name>` (a fused expert tensor, a router's weight or bias); TypeError if it is not a tensor."""
+    value = getattr(module, name)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{type(module).__name__}.{name} is a {type(value).__name__}, not a tensor")
+    return value
+
+
+def router_top_k(router: torch.nn.Module) -> int:
+    """How many experts `router` picks per token (its `top_k`)."""
+    return int(cast(SupportsInt, router.top_k))

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -25,6 +25,9 @@ from sklearn.metrics import silhouette_score
 from sklearn.preprocessing import StandardScaler
 
 from training.selection import router_probs
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 MAX_K = 8
 COMPONENTS = 8
@@ -54,7 +57,8 @@ def sequence_features(
     layers = adapter.moe_layers(model)
     sigmoid = adapter.routing == "sigmoid"
     sums = {layer: torch.zeros(len(documents), adapter.num_experts(model), dtype=torch.float64) for layer in layers}
-    hidden_DH = torch.zeros(len(documents), int(model.config.hidden_size), dtype=torch.float64)
+    hidden_size = int(cast("PretrainedConfig", model.config).hidden_size)
+    hidden_DH = torch.zeros(len(documents), hidden_size, dtype=torch.float64)
     tokens_D = torch.zeros(len(documents), dtype=torch.float64)
     batch: dict[str, torch.Tensor] = {}
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from training.adapters import MoEAdapter
+from training.adapters import MoEAdapter, router_top_k, tensor_attr
 from training.experts import PARAMS, ExpertGroup, Tensors, check_group, parse_name, tensor_name
 
 
@@ -34,12 +34,13 @@ class KeptRouter(torch.nn.Module):
 
     def __init__(self, adapter: MoEAdapter, router: torch.nn.Module, rows: Sequence[int], device: torch.device):
         super().__init__()
-        index = torch.tensor(list(rows), device=router.weight.device)
+        weight_EH = tensor_attr(router, "weight")
+        index = torch.tensor(list(rows), device=weight_EH.device)
         self.adapter = adapter
         self.num_experts = len(rows)
-        self.top_k = min(int(router.top_k), len(rows))
+        self.top_k = min(router_top_k(router), len(rows))
         self.weight = torch.nn.Parameter(
-            router.weight.detach()[index].to(device).clone(), requires_grad=router.weight.requires_grad
+            weight_EH.detach()[index].to(device).clone(), requires_grad=weight_EH.requires_grad
         )
         bias = getattr(router, "e_score_correction_bias", None)
         if bias is not None:
@@ -149,13 +150,17 @@ def compress(
         memo[id(tensor)] = _on(tensor, target)
     out = copy.deepcopy(model, memo)
     for layer, ids in kept.items():
-        adapter.experts(out, layer).num_experts = len(ids)
+        # torch types Module attributes as tensors or modules; any value may be set.
+        adapter.experts(out, layer).num_experts = len(ids)  # type: ignore[assignment]
     return CompressedModel(out, adapter, kept)
 
 
 def count_expert_rows(model: torch.nn.Module, adapter: MoEAdapter) -> dict[int, int]:
     """MoE layer -> how many experts its fused tensors hold (for checking what a model carries)."""
-    return {layer: int(adapter.experts(model, layer).gate_up_proj.shape[0]) for layer in adapter.moe_layers(model)}
+    return {
+        layer: int(tensor_attr(adapter.experts(model, layer), "gate_up_proj").shape[0])
+        for layer in adapter.moe_layers(model)
+    }
 
 
 def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -176,7 +181,7 @@ def masked_routing(
     handles = []
     for layer, experts in sorted(group.items()):
         router = adapter.router(model, layer)
-        allowed_E = torch.zeros(router.weight.shape[0], dtype=torch.bool)
+        allowed_E = torch.zeros(tensor_attr(router, "weight").shape[0], dtype=torch.bool)
         allowed_E[list(experts)] = True
 
         def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...], output: object,

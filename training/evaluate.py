@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from training.adapters import MoEAdapter
+from training.adapters import MoEAdapter, tensor_attr
 from training.experts import ExpertGroup, Tensors, check_group, expert_names, insert, parse_name
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,8 @@ def heldout_loss(
 def place(model: torch.nn.Module, device: str | torch.device) -> torch.device:
     """Move `model` to `device` and return where its inputs go; a model spread by a device_map stays put."""
     if getattr(model, "hf_device_map", None):
-        return model.get_input_embeddings().weight.device
+        embeddings = cast("PreTrainedModel", model).get_input_embeddings()
+        return tensor_attr(embeddings, "weight").device
     model.to(device)
     return torch.device(device)
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from training.adapters import MoEAdapter
+from training.adapters import MoEAdapter, tensor_attr
 
 if TYPE_CHECKING:  # only a type here; keeps training/ importable where pydantic is absent (bench/gpu.py)
     from protocol.spec import NetworkSpec
@@ -79,9 +79,10 @@ def expected_shapes(
     shapes: dict[str, tuple[int, ...]] = {}
     for layer, experts in group.items():
         module = adapter.experts(model, layer)
+        gate_up_EIH, down_EHI = tensor_attr(module, "gate_up_proj"), tensor_attr(module, "down_proj")
         for e in experts:
-            shapes[tensor_name(layer, e, "gate_up_proj")] = tuple(module.gate_up_proj.shape[1:])
-            shapes[tensor_name(layer, e, "down_proj")] = tuple(module.down_proj.shape[1:])
+            shapes[tensor_name(layer, e, "gate_up_proj")] = tuple(gate_up_EIH.shape[1:])
+            shapes[tensor_name(layer, e, "down_proj")] = tuple(down_EHI.shape[1:])
     return dict(sorted(shapes.items()))
 
 

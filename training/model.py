@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import transformers.initialization as hf_init
@@ -158,20 +158,23 @@ def build_tiny_model(
     assert (seed is None) != (generator is None), "give exactly one of seed or generator"
     adapter = adapter_for(family)
     hf_config = _make_config(adapter, config)
-    with _drawing_from(generator if generator is not None else torch.Generator().manual_seed(seed)):
-        model = AutoModelForCausalLM.from_config(
+    # transformers leaves from_config and PreTrainedModel.eval unannotated.
+    with _drawing_from(
+        generator if generator is not None else torch.Generator().manual_seed(cast(int, seed))
+    ):
+        model: PreTrainedModel = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
             hf_config, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
         )
     adapter.check_layout(model)
-    return model.eval()
+    return model.eval()  # type: ignore[no-untyped-call, no-any-return]
 
 
 def meta_model(directory: str | Path) -> PreTrainedModel:
     """The checkpoint's model with no weights (on the meta device): names, shapes, layout; reads config.json only."""
     directory = Path(directory)
     config = _checkpoint_config(directory)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    with torch.device("meta"):  # transformers leaves from_config unannotated
+        model: PreTrainedModel = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     adapter_for(config.model_type).check_layout(model)
     return model
 
@@ -318,7 +321,7 @@ def state_hash(model: torch.nn.Module) -> str:
         dtype = str(data.dtype).removeprefix("torch.")
         flat = data.reshape(-1).view(torch.uint8) if data.numel() else torch.zeros(0, dtype=torch.uint8)
         digest.update(tensor_frame(name, dtype, tuple(data.shape), flat.numel()))
-        digest.update(flat.numpy())
+        digest.update(flat.numpy().data)
     return digest.hexdigest()
 
 
@@ -345,10 +348,13 @@ def _from_pretrained(
     """
     files = weight_files(directory)
     load_dtype = dtype or _stored_dtype(config)
+    # transformers leaves its progress-bar switches unannotated.
     if progress and sys.stderr.isatty():
-        hf_logging.enable_progress_bar()
+        hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
     else:
-        hf_logging.disable_progress_bar()
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    model: PreTrainedModel
+    info: dict[str, Any]
     try:
         with ExitStack() as stack, _synchronous_loading():
             # pread, not mmap: mapped file pages would count against the process twice over.
@@ -358,7 +364,9 @@ def _from_pretrained(
                 slices.update({key: handle.get_slice(key) for key in handle.keys() if key not in skip_keys})
             for name, shape in placeholders.items():
                 slices[name] = torch.zeros((), dtype=load_dtype).expand(shape)
-            model, info = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(
+            # transformers types this mapping's values as pairs of classes (a lookup gives one class) and
+            # from_pretrained as returning only the model (output_loading_info adds the loading info).
+            model, info = cast(Any, MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]).from_pretrained(
                 None, config=config, state_dict=slices, dtype=load_dtype,
                 device_map=device_map, attn_implementation=attn_implementation,
                 experts_implementation="eager", output_loading_info=True,
@@ -376,7 +384,7 @@ def _from_pretrained(
             torch.empty(placeholder.shape, dtype=placeholder.dtype, device="meta"),
             requires_grad=placeholder.requires_grad))
     adapter_for(config.model_type).check_layout(model)
-    return model.eval()
+    return model.eval()  # type: ignore[no-untyped-call, no-any-return]  # unannotated in transformers
 
 
 @contextmanager

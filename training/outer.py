@@ -44,9 +44,9 @@ Miner = TypeVar("Miner", bound=Hashable)
 class OuterConfig:
     """Outer Nesterov SGD over merged pseudo-gradients."""
 
-    lr: float = 0.7
-    """Outer learning rate."""
-    momentum: float = 0.9
+    lr: float = 1.0
+    """Outer learning rate (1 with no momentum: the plain average, the spec's default)."""
+    momentum: float = 0.0
     """Nesterov momentum μ."""
     clip_to_median: bool = True
     """Scale each pseudo-gradient down to the median norm of the set."""

@@ -124,13 +124,13 @@ def pretrain(cfg: PretrainConfig) -> PreTrainedModel:
             tokens = int((ids_BL[:, 1:] != tokenizer.pad_id).sum())
             loss = token_loss_sum(model, ids_BL, tokenizer.pad_id) / tokens
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             scheduler.step()
     finally:
         torch.set_num_threads(threads)
-    return model.eval()
+    return model.eval()  # type: ignore[no-untyped-call, no-any-return]  # unannotated in transformers
 
 
 def pretrained_base(cache_dir: str | Path, cfg: PretrainConfig | None = None) -> Path:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from training.adapters import tensor_attr
 from training.compressed import masked_routing
 
 RULES = ("gate-mass", "token-freq", "differential", "activation-norm")
@@ -92,12 +93,13 @@ class _LayerRecorder:
     def _add_output_norms(
         self, x_TH: torch.Tensor, weights_TK: torch.Tensor, index_TK: torch.Tensor, group_T: torch.Tensor
     ) -> None:
-        w_gu_EIH = self.experts.gate_up_proj
-        w_down_EHI = self.experts.down_proj
-        for expert in index_TK.unique().tolist():
+        w_gu_EIH = tensor_attr(self.experts, "gate_up_proj")
+        w_down_EHI = tensor_attr(self.experts, "down_proj")
+        act_fn = self.experts.get_submodule("act_fn")
+        for expert in torch.unique(index_TK).tolist():
             token, slot = torch.where(index_TK == expert)
             gate, up = torch.nn.functional.linear(x_TH[token], w_gu_EIH[expert]).chunk(2, dim=-1)
-            out_TH = torch.nn.functional.linear(self.experts.act_fn(gate) * up, w_down_EHI[expert])
+            out_TH = torch.nn.functional.linear(act_fn(gate) * up, w_down_EHI[expert])
             out_TH = out_TH * weights_TK[token, slot, None]
             norms = out_TH.float().norm(dim=-1).double().cpu()
             self.norm_sum_DE[:, expert].index_add_(0, group_T[token.cpu()], norms)

@@ -19,10 +19,14 @@ import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
+from transformers import PretrainedConfig
 from transformers.integrations.moe import ExpertsInterface, _grouped_linear
+
+from training.adapters import tensor_attr
 
 IMPLEMENTATION = "tessera_trainable"
 
@@ -44,16 +48,19 @@ class LayerCopies:
     @torch.no_grad()
     def write_back(self) -> None:
         """Copy the trained rows into the fused tensors, in their dtype."""
-        rows = torch.tensor(self.rows, device=self.experts.gate_up_proj.device)
-        self.experts.gate_up_proj[rows] = self.w_gu_SIH.to(self.experts.gate_up_proj.dtype)
-        self.experts.down_proj[rows] = self.w_down_SHI.to(self.experts.down_proj.dtype)
+        gate_up_EIH = tensor_attr(self.experts, "gate_up_proj")
+        down_EHI = tensor_attr(self.experts, "down_proj")
+        rows = torch.tensor(self.rows, device=gate_up_EIH.device)
+        gate_up_EIH[rows] = self.w_gu_SIH.to(gate_up_EIH.dtype)
+        down_EHI[rows] = self.w_down_SHI.to(down_EHI.dtype)
 
 
 def layer_copies(module: torch.nn.Module, layer: int, rows: list[int], ids: list[int], grouped: bool) -> LayerCopies:
     """fp32 copies of `rows` of `module`'s fused experts; `ids` name them, `grouped` picks the maths."""
-    index = torch.tensor(rows, device=module.gate_up_proj.device)
-    w_gu = torch.nn.Parameter(module.gate_up_proj.detach()[index].to(torch.float32).clone())
-    w_down = torch.nn.Parameter(module.down_proj.detach()[index].to(torch.float32).clone())
+    gate_up_EIH, down_EHI = tensor_attr(module, "gate_up_proj"), tensor_attr(module, "down_proj")
+    index = torch.tensor(rows, device=gate_up_EIH.device)
+    w_gu = torch.nn.Parameter(gate_up_EIH.detach()[index].to(torch.float32).clone())
+    w_down = torch.nn.Parameter(down_EHI.detach()[index].to(torch.float32).clone())
     return LayerCopies(layer, module, rows, ids, w_gu, w_down, grouped)
 
 
@@ -63,8 +70,9 @@ def trainable_experts(copies: LayerCopies) -> Iterator[None]:
     module = copies.experts
     original = module.config
     module.config = copy.copy(original)
-    module.config._experts_implementation = IMPLEMENTATION
-    module.tessera_copies = copies
+    cast(PretrainedConfig, module.config)._experts_implementation = IMPLEMENTATION
+    # torch types Module attributes as tensors or modules; any value may be set.
+    module.tessera_copies = copies  # type: ignore[assignment]
     try:
         yield
     finally:
@@ -76,20 +84,22 @@ def _trainable_forward(
     module: torch.nn.Module, hidden_TH: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """Experts forward reading selected experts from the fp32 copies and the rest from the frozen rows."""
-    copies: LayerCopies = module.tessera_copies
+    copies = cast(LayerCopies, module.tessera_copies)
     if copies.grouped:
         return _grouped_forward(module, copies, hidden_TH, top_k_index, top_k_weights)
+    gate_up_EIH, down_EHI = tensor_attr(module, "gate_up_proj"), tensor_attr(module, "down_proj")
+    act_fn = module.get_submodule("act_fn")
     slot_of = {row: slot for slot, row in enumerate(copies.rows)}
     out_TH = torch.zeros_like(hidden_TH)
     for expert in torch.unique(top_k_index).tolist():
         token, slot = torch.where(top_k_index == expert)
         if expert in slot_of:
-            w_gu = copies.w_gu_SIH[slot_of[expert]].to(module.gate_up_proj.dtype)
-            w_down = copies.w_down_SHI[slot_of[expert]].to(module.down_proj.dtype)
+            w_gu = copies.w_gu_SIH[slot_of[expert]].to(gate_up_EIH.dtype)
+            w_down = copies.w_down_SHI[slot_of[expert]].to(down_EHI.dtype)
         else:
-            w_gu, w_down = module.gate_up_proj[expert], module.down_proj[expert]
+            w_gu, w_down = gate_up_EIH[expert], down_EHI[expert]
         gate, up = F.linear(hidden_TH[token], w_gu).chunk(2, dim=-1)
-        y_TH = F.linear(module.act_fn(gate) * up, w_down) * top_k_weights[token, slot, None]
+        y_TH = F.linear(act_fn(gate) * up, w_down) * top_k_weights[token, slot, None]
         out_TH = out_TH.index_add(0, token, y_TH.to(out_TH.dtype))
     return out_TH
 
@@ -102,17 +112,21 @@ def _grouped_forward(
     weights_TK: torch.Tensor,
 ) -> torch.Tensor:
     """Grouped-GEMM experts: one pass over the selected experts' pairs, one over the frozen experts' pairs."""
-    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else module.gate_up_proj.dtype
-    n_experts, n_selected = module.gate_up_proj.shape[0], len(copies.rows)
+    gate_up_EIH, down_EHI = tensor_attr(module, "gate_up_proj"), tensor_attr(module, "down_proj")
+    act_fn = module.get_submodule("act_fn")
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else gate_up_EIH.dtype
+    n_experts, n_selected = gate_up_EIH.shape[0], len(copies.rows)
     slot_E = torch.full((n_experts,), -1, dtype=torch.long, device=index_TK.device)
     slot_E[torch.tensor(copies.rows, device=index_TK.device)] = torch.arange(n_selected, device=index_TK.device)
     token_P = torch.arange(index_TK.shape[0], device=index_TK.device).repeat_interleave(index_TK.shape[1])
     expert_P, weight_P = index_TK.reshape(-1), weights_TK.reshape(-1)
     mine_P = slot_E[expert_P] >= 0
     out_TH = torch.zeros_like(hidden_TH)
-    passes = [(mine_P, slot_E[expert_P], copies.w_gu_SIH, copies.w_down_SHI, n_selected)]
+    passes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]] = [
+        (mine_P, slot_E[expert_P], copies.w_gu_SIH, copies.w_down_SHI, n_selected)
+    ]
     if n_selected < n_experts:
-        passes.append((~mine_P, expert_P, module.gate_up_proj, module.down_proj, n_experts))
+        passes.append((~mine_P, expert_P, gate_up_EIH, down_EHI, n_experts))
     for keep_P, ids_P, w_gu_NIH, w_down_NHI, n in passes:
         ids_P, tok_P, wt_P = ids_P[keep_P], token_P[keep_P], weight_P[keep_P]
         if ids_P.numel() == 0:
@@ -121,7 +135,7 @@ def _grouped_forward(
         offsets = torch.cumsum(torch.bincount(ids_P, minlength=n), 0).to(torch.int32)
         x_PH = hidden_TH[tok_P[order]].to(dtype)
         gate, up = _gmm(x_PH, w_gu_NIH.to(dtype), offsets).chunk(2, dim=-1)
-        y_PH = _gmm(module.act_fn(gate) * up, w_down_NHI.to(dtype), offsets) * wt_P[order, None]
+        y_PH = _gmm(act_fn(gate) * up, w_down_NHI.to(dtype), offsets) * wt_P[order, None]
         out_TH = out_TH.index_add(0, tok_P[order], y_PH.to(out_TH.dtype))
     return out_TH
 
@@ -130,7 +144,8 @@ def _gmm(x_PI: torch.Tensor, w_NOI: torch.Tensor, offsets: torch.Tensor) -> torc
     """x @ w[n].T for each group n of rows; transformers' grouped_mm on CUDA, its reference kernel elsewhere."""
     if x_PI.device.type == "cuda":
         return _grouped_linear(x_PI, w_NOI, offsets)
-    return torch.ops.transformers.grouped_mm_fallback(x_PI, w_NOI.transpose(-2, -1), offs=offsets)
+    w_NIO = w_NOI.transpose(-2, -1)
+    return cast(torch.Tensor, torch.ops.transformers.grouped_mm_fallback(x_PI, w_NIO, offs=offsets))
 
 
 ExpertsInterface.register(IMPLEMENTATION, _trainable_forward)

@@ -28,16 +28,19 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from tqdm import tqdm
 
-from training.adapters import MoEAdapter
+from training.adapters import MoEAdapter, decoder_layers
 from training.compressed import CompressedModel, compress
 from training.evaluate import token_loss_sum
 from training.experts import ExpertGroup, check_group, insert, tensor_name
 from training.sparse_experts import LayerCopies, layer_copies, trainable_experts
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass
@@ -223,7 +226,7 @@ def _step(
     for start in range(0, ids_BL.shape[0], micro):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and cfg.autocast):
             loss_sum = token_loss_sum(model, ids_BL[start : start + micro], cfg.pad_id)
-        (loss_sum / tokens).backward()
+        (loss_sum / tokens).backward()  # type: ignore[no-untyped-call]  # unannotated in torch
         total += float(loss_sum.detach())
     torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
     optimizer.step()
@@ -258,10 +261,20 @@ def _frozen(model: torch.nn.Module) -> Iterator[None]:
 @contextmanager
 def _checkpointed(model: torch.nn.Module, adapter: MoEAdapter) -> Iterator[None]:
     """Activation checkpointing of every decoder layer, with the rest of the model left in eval mode."""
-    model.activation_checkpointing_enable(
-        activation_checkpointing_kwargs={"use_reentrant": False, "preserve_rng_state": False}
-    )
-    layers = getattr(model, "model", model).layers
+    kwargs = {"use_reentrant": False, "preserve_rng_state": False}
+    hf_model = cast("PreTrainedModel", model)
+    # transformers 5.23 renamed gradient checkpointing to activation checkpointing (the old names warn
+    # until v6); every transformers 5.x is supported. Of these methods transformers annotates only
+    # activation_checkpointing_enable.
+    if hasattr(hf_model, "activation_checkpointing_enable"):
+        hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        disable = hf_model.activation_checkpointing_disable
+    else:
+        hf_model.gradient_checkpointing_enable(  # type: ignore[no-untyped-call]
+            gradient_checkpointing_kwargs=kwargs
+        )
+        disable = hf_model.gradient_checkpointing_disable
+    layers = decoder_layers(hf_model)
     # transformers checkpoints a layer only while that layer is in training mode; flag the layers
     # alone so attention, routers and experts keep eval behaviour (no dropout, no jitter).
     for layer in layers:
@@ -271,4 +284,4 @@ def _checkpointed(model: torch.nn.Module, adapter: MoEAdapter) -> Iterator[None]
     finally:
         for layer in layers:
             layer.training = False
-        model.activation_checkpointing_disable()
+        disable()  # type: ignore[no-untyped-call]  # unannotated in transformers

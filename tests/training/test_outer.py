@@ -22,6 +22,8 @@ MINERS = [
     {"a": torch.tensor([1.0, 0.0]), "b": torch.tensor([0.5])},
     {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([-3.5])},
 ]
+DILOCO = OuterConfig(lr=0.7, momentum=0.9)
+"""DiLoCo's outer step, where momentum shows in the arithmetic (the default, lr 1 without momentum, is a plain average)."""
 
 
 def close(tensors: dict[str, torch.Tensor], expected: dict[str, list[float]]) -> None:
@@ -32,7 +34,7 @@ def close(tensors: dict[str, torch.Tensor], expected: dict[str, list[float]]) ->
 
 
 def test_first_step_uniform_with_median_clipping() -> None:
-    new, momentum = outer_step(GLOBAL, MINERS, [1.0, 1.0, 1.0], None, OuterConfig())
+    new, momentum = outer_step(GLOBAL, MINERS, [1.0, 1.0, 1.0], None, DILOCO)
     # G = (a [1/3, 2/3], b [2/3]); m = G; Φ' = Φ - 0.7 (G + 0.9 G) = Φ - 1.33 G.
     close(momentum, {"a": [1 / 3, 2 / 3], "b": [2 / 3]})
     close(new, {"a": [1 - 1.33 / 3, 2 - 2.66 / 3], "b": [0.5 - 2.66 / 3]})
@@ -40,7 +42,7 @@ def test_first_step_uniform_with_median_clipping() -> None:
 
 def test_step_with_momentum_and_utility_weights() -> None:
     previous = {"a": torch.tensor([1.0, 1.0]), "b": torch.tensor([0.0])}
-    new, momentum = outer_step(GLOBAL, MINERS, [1.0, 1.0, 2.0], previous, OuterConfig(weighting="utility"))
+    new, momentum = outer_step(GLOBAL, MINERS, [1.0, 1.0, 2.0], previous, replace(DILOCO, weighting="utility"))
     # a = (.25, .25, .5): G = (a [0.25, 0.5], b [1.0]); m = 0.9 (1, 1, 0) + G = (a [1.15, 1.4], b [1.0]).
     close(momentum, {"a": [1.15, 1.4], "b": [1.0]})
     # Φ' = Φ - 0.7 (G + 0.9 m): a0 = 1 - 0.7 * 1.285, a1 = 2 - 0.7 * 1.76, b = 0.5 - 0.7 * 1.9.
@@ -118,7 +120,7 @@ def _random_state(seed: int) -> tuple[dict[str, torch.Tensor], list[dict[str, to
 
 def _digest(seed: int) -> str:
     base, miners = _random_state(seed)
-    new, momentum = outer_step(base, miners, [0.3, 0.1, 0.2, 0.4], None, OuterConfig(weighting="utility"))
+    new, momentum = outer_step(base, miners, [0.3, 0.1, 0.2, 0.4], None, replace(DILOCO, weighting="utility"))
     digest = hashlib.sha256()
     for tensors in (new, momentum):
         for name in sorted(tensors):
