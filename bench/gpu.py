@@ -26,14 +26,14 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from training.adapters import MoEAdapter, adapter_for  # noqa: E402
+from training.adapters import MoEAdapter, adapter_for, tensor_attr  # noqa: E402
 from training.compressed import CompressedModel, compress  # noqa: E402
 from training.evaluate import heldout_loss, loss_with_experts  # noqa: E402
 from training.experts import extract  # noqa: E402
@@ -115,7 +115,7 @@ class Bench:
         self.adapter: MoEAdapter = adapter_for(shape["family"])
         self.gen = torch.Generator().manual_seed(0)
 
-    def sparse(self, forward: str, layers: int) -> tuple[float, float]:
+    def sparse(self, forward: Literal["full", "compressed"], layers: int) -> tuple[float, float]:
         """(memory GiB, tokens/s) of sparse training in `forward` mode on the first `layers` layers."""
         self._reset()
         meta = self._meta_model(layers)
@@ -126,7 +126,7 @@ class Bench:
                 _materialise(cut.model, self.device), self.adapter, cut.group)
         else:
             target = _materialise(meta, self.device)
-        cfg = TrainConfig(steps=self.steps + 2, lr=1e-4, batch_size=1, forward=forward, device=str(self.device),  # type: ignore[arg-type]
+        cfg = TrainConfig(steps=self.steps + 2, lr=1e-4, batch_size=1, forward=forward, device=str(self.device),
                           checkpointing=self.checkpointing, pad_id=-1)
         clock = _Clock(self._batches(self.steps + 1))
         train_experts(target, self.adapter, group, iter(clock), cfg)
@@ -168,9 +168,10 @@ class Bench:
 
     def _meta_model(self, layers: int) -> torch.nn.Module:
         config = AutoConfig.for_model(self.shape["family"], **{**self.shape["config"], "num_hidden_layers": layers})
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(
+        with torch.device("meta"):  # transformers leaves from_config unannotated
+            model: torch.nn.Module = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
                 config, dtype=torch.bfloat16, attn_implementation="sdpa", experts_implementation="eager")
+        return model
 
     def _batches(self, n: int) -> list[torch.Tensor]:
         vocab, length = self.shape["config"]["vocab_size"], self.shape["seq_len"]
@@ -224,15 +225,16 @@ def _materialise(model: torch.nn.Module, device: torch.device) -> torch.nn.Modul
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.zero_()
-        base = getattr(model, "model", model)
-        base.rotary_emb = type(base.rotary_emb)(config=model.config).to(device)
+        base: torch.nn.Module = getattr(model, "model", model)
+        base.rotary_emb = type(base.get_submodule("rotary_emb"))(config=model.config).to(device)
     return model.eval()
 
 
 def _expert_bytes(model: torch.nn.Module, adapter: MoEAdapter) -> int:
     """fp32 bytes of one expert's gate_up and down rows."""
     experts = adapter.experts(model, adapter.moe_layers(model)[0])
-    return (experts.gate_up_proj[0].numel() + experts.down_proj[0].numel()) * 4
+    gate_up, down = tensor_attr(experts, "gate_up_proj"), tensor_attr(experts, "down_proj")
+    return (gate_up[0].numel() + down[0].numel()) * 4
 
 
 def _timed(run: Any) -> float:

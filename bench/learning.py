@@ -6,12 +6,12 @@ how much data it sees) or knowledge (facts: many independent facts about people,
 that knows the sentence form from other people, `training.pretrain.base_config`; more data per step
 learns more facts). `--form-base` tunes a skill from a base that also read its form with random
 results, so the base is not confidently wrong on it and tuning learns only the rule. The network
-arms run the protocol's own pieces each round: every miner trains the group from the global state
-(`training.trainer`, H steps on its shard), submits full experts or a compressed pseudo-gradient
-(`training.pgrad`, error feedback kept per miner), validators score each submission by Proof-of-Loss
-on a held-out subset the round seed picks, drop near-duplicates, merge the top-G with positive
-utility by the outer step (`training.outer`). Ranking is by loss with utility > 0, as
-`protocol.ranking` does; rewards are not computed.
+arms (`bench/learning_runs.py` runs every arm) use the protocol's own pieces each round: every miner
+trains the group from the global state (`training.trainer`, H steps on its shard), submits full
+experts or a compressed pseudo-gradient (`training.pgrad`, error feedback kept per miner), validators
+score each submission by Proof-of-Loss on a held-out subset the round seed picks, drop
+near-duplicates, merge the top-G with positive utility by the outer step (`training.outer`). Ranking
+is by loss with utility > 0, as `protocol.ranking` does; rewards are not computed.
 
 Arms: the network with M = 1, 4, 8 miners; single-node expert tuning (ESFT) of the same group for as
 many steps as the largest network spends, evaluated every H steps (the ESFT curve; equal tokens for
@@ -53,382 +53,30 @@ Usage: python bench/learning.py [--domain D] [--form-base] [--rounds R] [--inner
 from __future__ import annotations
 
 import argparse
-import copy
-import hashlib
 import math
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from sklearn.isotonic import IsotonicRegression
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.learning_runs import (  # noqa: E402
+    Arm,
+    Bench,
+    Settings,
+    at_learning_rate,
+    data_parallel,
+    efficiency_for_share,
+    round_shape,
+    summarise,
+)
 from bench.report import emit  # noqa: E402
-from training.adapters import adapter_for  # noqa: E402
-from training.corpus import generate  # noqa: E402
-from training.data import batches, heldout_subset, pack, shard  # noqa: E402
-from training.evaluate import heldout_loss, loss_with_experts, token_loss_sum  # noqa: E402
-from training.experts import extract, insert, pseudo_gradient  # noqa: E402
-from training.outer import OuterConfig, near_duplicates, outer_step  # noqa: E402
-from training.pgrad import PgradConfig, chunk_draw, compressed_bytes, coverage, decode, encode  # noqa: E402
-from training.pretrain import GENERAL_DOMAINS, TARGET_DOMAINS, base_config, load_pretrained  # noqa: E402
-from training.selection import select_experts  # noqa: E402
-from training.tokenizer import ByteTokenizer  # noqa: E402
-from training.trainer import TrainConfig, train_experts  # noqa: E402
-
-Tensors = dict[str, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Arm:
-    """One network run's settings."""
-
-    miners: int = 4
-    outer_lr: float = 1.0
-    momentum: float = 0.0
-    top_g: int = 8
-    shards: str = "random"
-    """`random`: each miner a miner-seeded 50% subset (training.data.shard); `disjoint`: a partition."""
-    adversaries: int = 0
-    pgrad: PgradConfig | None = None
-    duplicate_cosine: float = 0.9999
-    """Cosine at which two pseudo-gradients count as copies (both dropped)."""
-    weighting: Literal["uniform", "utility"] = "uniform"
-    """How the outer step weights the merged updates: `uniform`, or `utility` (each by its u_i), as the
-    spec's `[aggregation] weighting` does."""
-    keep_optimizer: bool = False
-    """Each miner goes on with its AdamW state from its previous round (as a DiLoCo worker does) instead of
-    starting it at zero every round."""
-    gate: str = "each"
-    """Which submissions may be merged. `each`: the protocol's Proof-of-Loss gate, each must lower the
-    round's subset loss alone. Alternatives the sweep measures, not the protocol's: `marginal`, each
-    must lower the subset loss of the plain mean of every non-copy (leaving it out raises it), ranked
-    by that; `none`: every non-copy."""
-    inner_steps: int | None = None
-    """H for this arm (None: the settings'). The arm runs as many more or fewer rounds as keep the miner
-    steps of every arm equal: settings' H x R / H."""
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What every arm shares."""
-
-    domain: str = "arithmetic"
-    rounds: int = 5
-    inner_steps: int = 20
-    batch_size: int = 8
-    inner_lr: float = 1e-3
-    experts_per_layer: int = 2
-    subset: int = 32
-    """Held-out sequences the round seed picks for Proof-of-Loss."""
-    report_sequences: int = 128
-    """Held-out sequences every reported loss is measured on (disjoint from the subset pool)."""
-    knows_form: bool | None = None
-    """Whether the base also read the domain's form (`training.pretrain.base_config`; None: only facts')."""
-    seed: int = 0
-    """Draws the miners' shards, every run's batch order, the round seeds and the adversaries' noise;
-    the base, the group, the data and the report sets stay. Seed 0 is the main run; the `seeds`
-    section repeats the headline arms with others to show how much of a result is the draw."""
-
-
-class Bench:
-    """The base model, the group, the data and the arms' runs."""
-
-    def __init__(self, settings: Settings, cache: Path) -> None:
-        self.s = settings
-        self.tokenizer = ByteTokenizer()
-        self.model = load_pretrained(cache, base_config(settings.domain, settings.knows_form))
-        self.adapter = adapter_for("qwen3_moe")
-        tok = self.tokenizer
-        self.train = pack(generate(settings.domain, 3000, 11), tok, 64)
-        held = pack(generate(settings.domain, 600, 12), tok, 64)
-        self.report_set = held[: settings.report_sequences]
-        self.pool = held[settings.report_sequences :]
-        general = [d for dom in GENERAL_DOMAINS for d in generate(dom, 150, 13)]
-        self.general = pack(general, tok, 64)[: settings.report_sequences]
-        chosen = select_experts(self.model, self.adapter, self.train[:64], "gate-mass", top_d=settings.experts_per_layer)
-        self.group = {int(layer): ids for layer, ids in chosen["group"].items()}
-        self.base = extract(self.model, self.adapter, self.group)
-        self.base_loss = self.loss(self.base)
-        self.base_general = self.loss(self.base, self.general)
-
-    def loss(self, tensors: Tensors, sequences: torch.Tensor | None = None) -> float:
-        seqs = self.report_set if sequences is None else sequences
-        return loss_with_experts(self.model, self.adapter, tensors, seqs, batch_size=32).loss
-
-    def tag(self, text: str) -> str:
-        """`text` made specific to the run's seed (unchanged for seed 0)."""
-        return text if self.s.seed == 0 else f"{text}/seed-{self.s.seed}"
-
-    def stream(self, number: int) -> int:
-        """A batch-order seed made specific to the run's seed (unchanged for seed 0)."""
-        return number + 1_000_003 * self.s.seed
-
-    def train_cfg(self, steps: int, batch_size: int | None = None) -> TrainConfig:
-        return TrainConfig(steps=steps, lr=self.s.inner_lr, batch_size=batch_size or self.s.batch_size)
-
-    def esft_curve(
-        self, steps: int, every: int, general_at: set[int], batch_size: int | None = None
-    ) -> tuple[list[tuple[int, float]], dict[int, float]]:
-        """ESFT loss every `every` steps of one continuous run (one optimizer), and its general loss at `general_at`.
-
-        `batch_size` (default the miners') sets the sequences per step: M times the miners' batch is
-        synchronous data parallelism over M nodes, the most any averaging of M miners' work can reach.
-        """
-        insert(self.model, self.adapter, self.base)
-        curve = [(0, self.base_loss)]
-        general: dict[int, float] = {}
-        stream = batches(self.train, batch_size or self.s.batch_size, self.stream(1))
-
-        def evaluated() -> Iterator[torch.Tensor]:
-            # The trainer writes its copies back after every step, so the model holds step k's weights
-            # when batch k + 1 is drawn: evaluating here traces the curve of one uninterrupted run.
-            for k in range(steps):
-                if k and k % every == 0:
-                    curve.append((k, heldout_loss(self.model, self.report_set, batch_size=32).loss))
-                if k in general_at:
-                    general[k] = heldout_loss(self.model, self.general, batch_size=32).loss - self.base_general
-                yield next(stream)
-
-        train_experts(self.model, self.adapter, self.group, evaluated(), self.train_cfg(steps, batch_size))
-        curve.append((steps, heldout_loss(self.model, self.report_set, batch_size=32).loss))
-        general[steps] = heldout_loss(self.model, self.general, batch_size=32).loss - self.base_general
-        insert(self.model, self.adapter, self.base)
-        return curve, general
-
-    def full_finetune(self, steps: int) -> dict[str, Any]:
-        model = copy.deepcopy(self.model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=self.s.inner_lr)
-        stream = batches(self.train, self.s.batch_size, self.stream(1))
-        for _ in range(steps):
-            ids_BL = next(stream)
-            loss = token_loss_sum(model, ids_BL, self.tokenizer.pad_id) / int((ids_BL[:, 1:] != 256).sum())
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-        final = heldout_loss(model, self.report_set, batch_size=32).loss
-        general = heldout_loss(model, self.general, batch_size=32).loss
-        return {"steps": steps, "final_loss": round(final, 4), "forgetting": round(general - self.base_general, 4)}
-
-    def miner_rows(self, arm: Arm, miner: int, round: int) -> torch.Tensor:
-        if arm.shards == "disjoint":
-            part = self.train[miner :: arm.miners]
-            generator = torch.Generator().manual_seed(self.stream(round * 1000 + miner))
-            order = torch.randperm(part.shape[0], generator=generator)
-            return part[order]
-        return shard(self.train, self.tag(f"miner-{miner}"), round)
-
-    def network(self, arm: Arm) -> dict[str, Any]:
-        outer = OuterConfig(lr=arm.outer_lr, momentum=arm.momentum, weighting=arm.weighting)
-        global_t = {k: v.clone() for k, v in self.base.items()}
-        momentum: Tensors | None = None
-        errors: dict[int, Tensors | None] = {}
-        optimizers: dict[int, dict[str, Any]] = {}
-        losses, merged = [], []
-        shapes = {name: tuple(t.shape) for name, t in self.base.items()}
-        honest = arm.miners - arm.adversaries
-        steps, rounds = round_shape(self.s, arm)
-        for r in range(rounds):
-            submissions: dict[int, Tensors] = {}
-            for i in range(honest):
-                insert(self.model, self.adapter, global_t)
-                rows = self.miner_rows(arm, i, r)
-                order = batches(rows, self.s.batch_size, self.stream(r))
-                result = train_experts(self.model, self.adapter, self.group, order,
-                                       self.train_cfg(steps), optimizers.get(i))
-                submissions[i] = result.tensors
-                if arm.keep_optimizer:
-                    optimizers[i] = result.optimizer_state
-            for j, i in enumerate(range(honest, arm.miners)):
-                submissions[i] = self.adversary(j, global_t, submissions, r)
-            masks: dict[int, Tensors] = {}
-            if arm.pgrad is not None:
-                for i, tensors in list(submissions.items()):
-                    draw = chunk_draw(self.tag("learning-bench"), r, f"miner-{i}")
-                    blob, errors[i] = encode(pseudo_gradient(global_t, tensors), errors.get(i), arm.pgrad, draw)
-                    decoded = decode(blob, shapes, arm.pgrad, draw)
-                    submissions[i] = {name: global_t[name] - decoded[name] for name in global_t}
-                    masks[i] = coverage(shapes, arm.pgrad, draw)
-            partitioned = arm.pgrad is not None and arm.pgrad.partitions > 1
-            ranked = self.score_and_rank(global_t, submissions, r, arm, masks if partitioned else None)
-            contributors = ranked[: arm.top_g]
-            if contributors:
-                utilities = [u for _, u in contributors]
-                global_t, momentum = outer_step(global_t, [submissions[i] for i, _ in contributors],
-                                                utilities, momentum, outer,
-                                                [masks[i] for i, _ in contributors] if partitioned else None)
-            insert(self.model, self.adapter, self.base)
-            losses.append(round(self.loss(global_t), 4))
-            merged.append([i for i, _ in contributors])
-        general = self.loss(global_t, self.general)
-        out: dict[str, Any] = {**asdict(arm), "losses": losses, "merged": merged,
-                               "forgetting": round(general - self.base_general, 4)}
-        if arm.pgrad is not None:
-            out["pgrad"] = {**asdict(arm.pgrad), "payload_bytes": compressed_bytes(shapes, arm.pgrad),
-                            "bf16_bytes": sum(2 * math.prod(s) for s in shapes.values())}
-        return out
-
-    def adversary(self, j: int, global_t: Tensors, honest: dict[int, Tensors], r: int) -> Tensors:
-        if j % 2 == 0:
-            gen = torch.Generator().manual_seed(self.stream(r * 7919 + j))
-            return {n: t + 0.05 * torch.randn(t.shape, generator=gen) for n, t in global_t.items()}
-        victim = honest[0]
-        return {n: t + 1e-6 * torch.ones_like(t) for n, t in victim.items()}
-
-    def score_and_rank(
-        self, global_t: Tensors, submissions: dict[int, Tensors], r: int, arm: Arm,
-        coverage: dict[int, Tensors] | None = None,
-    ) -> list[tuple[int, float]]:
-        """The round's contributors with their utilities, best first, by the arm's gate (`Arm.gate`)."""
-        seed_hex = hashlib.sha256(self.tag(f"learning-bench:{r}").encode()).hexdigest()
-        subset = heldout_subset(self.pool, seed_hex, self.s.subset)
-        base_loss = self.loss(global_t, subset)
-        scored = sorted((self.loss(t, subset), i) for i, t in submissions.items())
-        gains = {i: base_loss - loss for loss, i in scored if arm.gate != "each" or loss < base_loss}
-        grads = {i: pseudo_gradient(global_t, submissions[i]) for i in gains}
-        covered = None if coverage is None else {i: coverage[i] for i in grads}
-        flagged = near_duplicates(grads, arm.duplicate_cosine, covered) if len(grads) > 1 else set()
-        kept = [i for _, i in scored if i in gains and i not in flagged]
-        if arm.gate == "marginal":
-            return self.marginal(global_t, submissions, kept, subset, base_loss, coverage)
-        return [(i, max(gains[i], 0.0)) for i in kept]
-
-    def marginal(
-        self, global_t: Tensors, submissions: dict[int, Tensors], kept: list[int], subset: torch.Tensor,
-        base_loss: float, coverage: dict[int, Tensors] | None,
-    ) -> list[tuple[int, float]]:
-        """Each miner's marginal gain: the subset loss of the mean without it minus that of the mean of all."""
-
-        def merged_loss(ids: list[int]) -> float:
-            if not ids:
-                return base_loss
-            masks = None if coverage is None else [coverage[i] for i in ids]
-            state, _ = outer_step(global_t, [submissions[i] for i in ids], [1.0] * len(ids), None,
-                                  OuterConfig(lr=1.0, momentum=0.0), masks)
-            return self.loss(state, subset)
-
-        whole = merged_loss(kept)
-        if whole >= base_loss:
-            return []
-        gains = {i: merged_loss([j for j in kept if j != i]) - whole for i in kept}
-        return sorted(((i, g) for i, g in gains.items() if g > 0), key=lambda pair: -pair[1])
-
-
-def round_shape(settings: Settings, arm: Arm) -> tuple[int, int]:
-    """The arm's (H, rounds): its own H, over as many rounds as spend the settings' H x R steps per miner."""
-    steps = settings.inner_steps if arm.inner_steps is None else arm.inner_steps
-    per_miner = settings.inner_steps * settings.rounds
-    if steps <= 0 or per_miner % steps:
-        raise ValueError(f"an arm's inner steps must divide the {per_miner} steps each miner spends, got {steps}")
-    return steps, per_miner // steps
-
-
-def esft_steps(curve: list[tuple[int, float]], loss: float) -> float | None:
-    """ESFT steps at which the curve first reaches `loss`, linear between points; None if it never does."""
-    for (s0, l0), (s1, l1) in zip(curve, curve[1:], strict=False):
-        if l1 <= loss:
-            return float(s0) if l0 <= loss else s0 + (s1 - s0) * (l0 - loss) / (l0 - l1)
-    return None
-
-
-def _efficiency(curve: list[tuple[int, float]], loss: float, spent: int) -> float | None:
-    """ESFT steps on `curve` that reach `loss`, over the `spent` miner steps; None if it never does."""
-    steps = esft_steps(curve, loss)
-    return None if steps is None else round(steps / spent, 4)
-
-
-def monotone(curve: list[tuple[int, float]]) -> list[tuple[int, float]]:
-    """The non-increasing curve nearest to `curve` (least squares; scikit-learn's isotonic regression).
-
-    ESFT's expected loss does not rise with steps, so where the measured curve rises again it is the
-    report set's noise. On a flat stretch that noise decides where `esft_steps` finds its first
-    crossing; reading the fitted curve as well shows how much an efficiency owes to it.
-    """
-    steps = [step for step, _ in curve]
-    fitted = IsotonicRegression(increasing=False).fit_transform(steps, [loss for _, loss in curve])
-    return [(step, float(loss)) for step, loss in zip(steps, fitted, strict=True)]
-
-
-def curve_at(curve: list[tuple[int, float]], steps: int) -> float:
-    """ESFT loss after `steps` (a curve point)."""
-    return dict(curve)[steps]
-
-
-def efficiency_for_share(curve: list[tuple[int, float]], base_loss: float, spent: int, share: float = 0.95) -> float | None:
-    """The least parallel efficiency of any network that keeps `share` of ESFT's loss drop at `spent` steps.
-
-    Both are read on the same curve. Such a network ends at or below the loss ESFT first reaches after
-    some s steps, and ESFT cannot reach a lower loss any sooner, so the network's efficiency is at least
-    s / `spent`. Where that is above 0.5, the share target asks more of the network than the efficiency
-    target does; the more the curve still falls near `spent` steps, the nearer to 1 it is.
-    """
-    return _efficiency(curve, base_loss - share * (base_loss - curve_at(curve, spent)), spent)
-
-
-def summarise(bench: Bench, run: dict[str, Any], curve: list[tuple[int, float]], esft_forgetting: dict[int, float]) -> None:
-    s = bench.s
-    spent = run["miners"] - run["adversaries"]
-    equivalent = [esft_steps(curve, loss) for loss in run["losses"]]
-    run["esft_equivalent_steps"] = [None if e is None else round(e, 1) for e in equivalent]
-    total = spent * s.inner_steps * s.rounds  # every arm spends the same steps per miner (round_shape)
-    if total in dict(curve):
-        esft_drop = bench.base_loss - curve_at(curve, total)
-        run["network_vs_esft"] = round((bench.base_loss - run["losses"][-1]) / esft_drop, 4)
-    if total in esft_forgetting:
-        run["esft_forgetting_equal_tokens"] = round(esft_forgetting[total], 4)
-    run["parallel_efficiency"] = _efficiency(curve, run["losses"][-1], total)
-    run["parallel_efficiency_monotone"] = _efficiency(monotone(curve), run["losses"][-1], total)
-    before = [round(bench.base_loss, 4), *run["losses"]]  # losses are rounded; compare like with like
-    run["rounds_lowered"] = sum(b < a for a, b in zip(before, run["losses"], strict=False))
-    run["lowered_every_round"] = run["rounds_lowered"] == len(run["losses"])
-
-
-def data_parallel(bench: Bench, curve: list[tuple[int, float]], miners: int) -> dict[str, Any]:
-    """ESFT at `miners` times the miners' batch for one miner's steps: the most M miners' plain average can reach.
-
-    Every step sees M batches at once, as if the M miners averaged gradients after every step instead
-    of after H; a network that averages after H steps at outer lr 1 can at best match it. An outer lr
-    above 1 also makes the steps larger, which can pass it where a larger step helps (records from
-    the general base, `docs/learning.md`).
-    """
-    s = bench.s
-    steps = s.inner_steps * s.rounds
-    wide, _ = bench.esft_curve(steps, s.inner_steps, set(), batch_size=miners * s.batch_size)
-    losses = [round(loss, 4) for _, loss in wide[1:]]
-    equivalent = [esft_steps(curve, loss) for loss in losses]
-    return {"miners": miners, "batch_size": miners * s.batch_size, "losses": losses,
-            "esft_equivalent_steps": [None if e is None else round(e, 1) for e in equivalent],
-            "parallel_efficiency": _efficiency(curve, losses[-1], miners * steps),
-            "parallel_efficiency_monotone": _efficiency(monotone(curve), losses[-1], miners * steps),
-            "network_vs_esft": round((bench.base_loss - losses[-1]) / (bench.base_loss - curve_at(curve, miners * steps)), 4)}
-
-
-def at_learning_rate(bench: Bench, factor: float) -> dict[str, Any]:
-    """ESFT for the 4-miner network's tokens and that network, both with the inner lr scaled by `factor`.
-
-    Whether the shared lr is fair to the baseline: a higher lr can lower ESFT's target loss at the
-    price of forgetting, and the network is then compared against that ESFT curve.
-    """
-    shared = bench.s
-    bench.s = replace(shared, inner_lr=shared.inner_lr * factor)
-    try:
-        steps = 4 * shared.inner_steps * shared.rounds
-        curve, forgetting = bench.esft_curve(steps, shared.inner_steps, {steps})
-        run = bench.network(Arm())
-        summarise(bench, run, curve, forgetting)
-    finally:
-        bench.s = shared
-    return {"inner_lr": shared.inner_lr * factor, "esft_loss": round(curve[-1][1], 4),
-            "esft_forgetting": round(forgetting[steps], 4),
-            "network_4": {key: run[key] for key in ("losses", "merged", "forgetting", "network_vs_esft",
-                                                    "esft_equivalent_steps", "parallel_efficiency")}}
-
+from training.pgrad import PgradConfig  # noqa: E402
+from training.pretrain import TARGET_DOMAINS, base_config  # noqa: E402
 
 SHORT = "h5_keep_optimizer_lr2"
 """The short-round arms: H = 5 over 4 times the rounds, miners keeping their AdamW state, outer lr 2 (about
@@ -563,7 +211,9 @@ def _family(name: str, arm: Arm) -> dict[str, Arm]:
 
 def _forgets_no_more(run: dict[str, Any]) -> bool:
     """Whether `run`'s general-domain loss rose no more than ESFT's at equal tokens."""
-    return run["forgetting"] <= run.get("esft_forgetting_equal_tokens", math.inf)
+    forgetting: float = run["forgetting"]
+    esft_forgetting: float = run.get("esft_forgetting_equal_tokens", math.inf)
+    return forgetting <= esft_forgetting
 
 
 def _ratio(run: dict[str, Any], baseline: dict[str, Any]) -> float | None:

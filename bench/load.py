@@ -20,6 +20,7 @@ Usage: python bench/load.py [--out FILE.json]
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import subprocess
 import sys
@@ -60,7 +61,8 @@ def measure(mode: str, directory: Path, extra_path: str | None = None) -> dict[s
     result = subprocess.run(command, capture_output=True, text=True, check=False, cwd=ROOT)
     if result.returncode != 0:
         raise RuntimeError(f"{mode} failed: {result.stderr[-2000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    report: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
+    return report
 
 
 def child(mode: str, directory: str, extra_path: str | None) -> None:
@@ -95,9 +97,8 @@ def child(mode: str, directory: str, extra_path: str | None) -> None:
             cut = compress(load_checkpoint(directory), adapter_for("qwen3_moe"), GROUP)
         held = sum(t.nbytes for t in (*cut.model.parameters(), *cut.model.buffers()))
     else:
-        from training.model import load_checkpoint as old_load  # the 7069fea module, first on sys.path
-
-        old_load("qwen3_moe", directory)
+        old_model = importlib.import_module("training.model")  # the 7069fea module, first on sys.path
+        old_model.load_checkpoint("qwen3_moe", directory)
     seconds = time.perf_counter() - started
     report = {"seconds": seconds, "peak_above_runtime_bytes": (_status_kb("VmHWM") - runtime_kb) * 1024}
     if mode.startswith("compressed"):

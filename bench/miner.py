@@ -148,7 +148,8 @@ def _run_full(model: Any, stream: Iterator[Any], steps: int) -> tuple[list[tuple
 def _spawn(mode: str, steps: int) -> dict[str, Any]:
     out = subprocess.run([sys.executable, __file__, "--worker", mode, "--steps", str(steps)],
                          capture_output=True, text=True, check=True, cwd=ROOT)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    report: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return report
 
 
 def main() -> int:

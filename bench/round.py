@@ -25,7 +25,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report import emit  # noqa: E402
-from node.sim.run import SimSettings, Simulation  # noqa: E402
+from node.sim.process import SimSettings  # noqa: E402
+from node.sim.run import Simulation  # noqa: E402
 from protocol.rounds import PHASES  # noqa: E402
 
 TRAINED = re.compile(r"round (?P<round>\d+): trained (?P<steps>\d+) steps in (?P<seconds>[\d.]+) s")

@@ -52,7 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report import emit  # noqa: E402
 from node.cli.common import comma_list, spec_setting  # noqa: E402
-from node.sim.run import SimSettings, Simulation, SimulationError  # noqa: E402
+from node.sim.process import SimSettings, SimulationError  # noqa: E402
+from node.sim.run import Simulation  # noqa: E402
 from node.store.blobs import BlobStore  # noqa: E402
 from node.store.db import Storage  # noqa: E402
 from protocol.spec import load_spec  # noqa: E402
@@ -126,6 +127,7 @@ def run_simulation(directory: Path, settings: SimSettings, rounds: int, states: 
     try:
         sim.prepare()
         sim.start()
+        assert sim.schedule is not None
         print(f"simulation in {directory}: genesis in {sim.schedule.genesis_ts - time.time():.0f} s",
               file=sys.stderr, flush=True)
         for r in range(rounds):
@@ -145,6 +147,7 @@ def run_simulation(directory: Path, settings: SimSettings, rounds: int, states: 
 
 def _copy_state(sim: Simulation, state_hash: str, states: Path) -> None:
     """Copy the state blob from the first validator holding it (the genesis hash has no blob)."""
+    assert sim.network is not None
     if state_hash == load_spec(sim.network.spec_path).model.base_hash:
         return
     for node in sim.validators():
@@ -176,7 +179,7 @@ def round_seeds(directory: Path, rounds: int) -> dict[int, str]:
 def sequence_losses(model: torch.nn.Module, sequences_NL: torch.Tensor, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per sequence: summed next-token loss (float64) and scored-token count, by `training.evaluate`'s own sum."""
     model.eval()
-    sums = [float(token_loss_sum(model, ids_1L, pad_id)) for ids_1L in sequences_NL.split(1)]
+    sums = [float(token_loss_sum(model, ids_1L, pad_id)) for ids_1L in torch.split(sequences_NL, 1)]
     counts = (sequences_NL[:, 1:] != pad_id).sum(1)
     return torch.tensor(sums, dtype=torch.float64), counts
 
@@ -216,7 +219,7 @@ def build_report(entries: list[dict[str, Any]], evaluated: dict[str, Any], seeds
                  n_subsets: int) -> dict[str, Any]:
     """The per-round table, judged against the noise of the spec's subset size, and the size sweep."""
     spec = evaluated["spec"]
-    per_state = evaluated["per_state"]
+    per_state: dict[str, tuple[torch.Tensor, torch.Tensor]] = evaluated["per_state"]
     total, size = evaluated["heldout_rows"], spec.data.heldout_sequences
     rows_SK = subset_rows(total, size, noise_seeds(n_subsets))
     whole = {h: whole_loss(*losses) for h, losses in per_state.items()}
@@ -274,7 +277,8 @@ def size_sweep(per_state: dict[str, tuple[torch.Tensor, torch.Tensor]], whole: d
 
 def adopted_hash(entry: dict[str, Any]) -> str:
     """The state a round ended on, as its validators report it (the smallest hash if they disagree)."""
-    return min(v["global_hash"] for v in entry["validators"] if v["global_hash"])
+    adopted: str = min(v["global_hash"] for v in entry["validators"] if v["global_hash"])
+    return adopted
 
 
 def main() -> int:

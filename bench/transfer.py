@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -62,9 +63,9 @@ def start_peer(root: Path, spec: Path, name: str, seed: int, bootstrap: list[str
     return PeerProcess(directory, spec, Identity.from_seed(seed.to_bytes(32, "big")), 0, *args)
 
 
-def wait_until(predicate: object, timeout: float) -> None:
+def wait_until(predicate: Callable[..., object], timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    while not predicate():  # type: ignore[operator]
+    while not predicate():
         if time.monotonic() > deadline:
             raise TimeoutError("benchmark set-up timed out")
         time.sleep(0.1)

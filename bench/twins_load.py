@@ -54,9 +54,9 @@ class ScoreTimer:
     def __enter__(self) -> ScoreTimer:
         original, calls, lock = self._original, self.calls, self._lock
 
-        def timed(scorer: Scorer, *args: Any, **kwargs: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
             started = time.perf_counter()
-            result = original(scorer, *args, **kwargs)
+            result = original(*args, **kwargs)
             with lock:
                 calls.append((len(result.entries), time.perf_counter() - started))
             return result
@@ -129,8 +129,9 @@ async def _observe(net: twins.Twins, names: list[str], rounds: int) -> dict[str,
         for name in names:
             if not name.startswith("validator"):
                 continue
-            report = await net.nodes[name].round_report(r)
-            assert report is not None, f"round {r}: {name} wrote no round report"
+            reported = await net.nodes[name].round_report(r)
+            assert reported is not None, f"round {r}: {name} wrote no round report"
+            report = reported
             losses = {m["id"]: m["loss"] for m in report["miners"]}
             unscored = miners - {m for m, loss in losses.items() if loss is not None}
             if unscored:

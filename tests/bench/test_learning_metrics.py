@@ -1,4 +1,4 @@
-"""bench/learning.py's metric arithmetic on hand-made curves and runs.
+"""The learning benchmark's metric arithmetic (bench/learning_runs.py, bench/learning.py) on hand-made curves and runs.
 
 Every efficiency the learning results quote is read off the ESFT curve by `esft_steps` and divided by
 the miner steps spent; the `seeds` section reports ranges over seeds. Checked here without a model.
@@ -13,15 +13,14 @@ from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "learning.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 CURVE = [(0, 2.0), (20, 1.5), (40, 1.0), (60, 1.0), (80, 0.5)]
 
 
-@pytest.fixture(scope="module")
-def learning() -> ModuleType:
-    """bench/learning.py as a module (bench/ is a directory of scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location("bench_learning", BENCH)
+def _load(name: str) -> ModuleType:
+    """bench/`name`.py as a module (bench/ is a directory of scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses resolve their annotations through it
@@ -29,29 +28,41 @@ def learning() -> ModuleType:
     return module
 
 
-def test_esft_steps_interpolate_between_curve_points_and_take_the_first_crossing(learning: ModuleType) -> None:
-    assert learning.esft_steps(CURVE, 2.0) == 0.0
-    assert learning.esft_steps(CURVE, 1.25) == pytest.approx(30.0)  # halfway from 20 to 40
-    assert learning.esft_steps(CURVE, 1.0) == pytest.approx(40.0)  # the plateau: its first step, not 60
-    assert learning.esft_steps(CURVE, 0.75) == pytest.approx(70.0)
-    assert learning.esft_steps(CURVE, 0.4) is None  # below anything the curve reached
+@pytest.fixture(scope="module")
+def runs() -> ModuleType:
+    """How a run reads against the ESFT curve."""
+    return _load("learning_runs")
 
 
-def test_the_monotone_read_does_not_stop_at_a_dip_the_curve_climbs_out_of(learning: ModuleType) -> None:
+@pytest.fixture(scope="module")
+def learning() -> ModuleType:
+    """The arms the benchmark runs and the targets it reads."""
+    return _load("learning")
+
+
+def test_esft_steps_interpolate_between_curve_points_and_take_the_first_crossing(runs: ModuleType) -> None:
+    assert runs.esft_steps(CURVE, 2.0) == 0.0
+    assert runs.esft_steps(CURVE, 1.25) == pytest.approx(30.0)  # halfway from 20 to 40
+    assert runs.esft_steps(CURVE, 1.0) == pytest.approx(40.0)  # the plateau: its first step, not 60
+    assert runs.esft_steps(CURVE, 0.75) == pytest.approx(70.0)
+    assert runs.esft_steps(CURVE, 0.4) is None  # below anything the curve reached
+
+
+def test_the_monotone_read_does_not_stop_at_a_dip_the_curve_climbs_out_of(runs: ModuleType) -> None:
     noisy = [(0, 2.0), (20, 1.0), (40, 0.9), (60, 0.95), (80, 0.85)]
-    fitted = learning.monotone(noisy)
+    fitted = runs.monotone(noisy)
     assert [step for step, _ in fitted] == [0, 20, 40, 60, 80]
     assert [loss for _, loss in fitted] == pytest.approx([2.0, 1.0, 0.925, 0.925, 0.85])  # 40 and 60 pooled
-    assert learning.esft_steps(noisy, 0.92) == pytest.approx(36.0)  # the dip at 40 decides the first read
-    assert learning.esft_steps(fitted, 0.92) == pytest.approx(60 + 20 * 0.005 / 0.075)
-    assert learning.monotone(CURVE) == CURVE  # a curve that never rises is its own fit
+    assert runs.esft_steps(noisy, 0.92) == pytest.approx(36.0)  # the dip at 40 decides the first read
+    assert runs.esft_steps(fitted, 0.92) == pytest.approx(60 + 20 * 0.005 / 0.075)
+    assert runs.monotone(CURVE) == CURVE  # a curve that never rises is its own fit
 
 
-def test_summarise_reads_efficiency_against_honest_steps_and_equal_token_esft(learning: ModuleType) -> None:
-    settings = learning.Settings(rounds=2, inner_steps=10)
+def test_summarise_reads_efficiency_against_honest_steps_and_equal_token_esft(runs: ModuleType) -> None:
+    settings = runs.Settings(rounds=2, inner_steps=10)
     bench = type("B", (), {"s": settings, "base_loss": 2.0})()
     run = {"miners": 4, "adversaries": 2, "losses": [1.5, 1.25]}  # 2 honest miners: 40 steps spent
-    learning.summarise(bench, run, CURVE, {40: 0.3})
+    runs.summarise(bench, run, CURVE, {40: 0.3})
     assert run["esft_equivalent_steps"] == [20.0, 30.0]
     assert run["parallel_efficiency"] == pytest.approx(30 / 40)
     assert run["parallel_efficiency_monotone"] == pytest.approx(30 / 40)  # CURVE never rises
@@ -59,35 +70,35 @@ def test_summarise_reads_efficiency_against_honest_steps_and_equal_token_esft(le
     assert run["esft_forgetting_equal_tokens"] == 0.3
     assert run["lowered_every_round"] is True and run["rounds_lowered"] == 2
     stalled = {"miners": 1, "adversaries": 0, "losses": [1.5, 1.5]}
-    learning.summarise(bench, stalled, CURVE, {})
+    runs.summarise(bench, stalled, CURVE, {})
     assert stalled["lowered_every_round"] is False and stalled["rounds_lowered"] == 1
     assert "network_vs_esft" in stalled
 
 
-def test_the_share_target_asks_for_the_efficiency_at_which_esft_first_keeps_that_share(learning: ModuleType) -> None:
+def test_the_share_target_asks_for_the_efficiency_at_which_esft_first_keeps_that_share(runs: ModuleType) -> None:
     # efficiencies are rounded to 4 places; CURVE drops 1.5 by step 80; 0.95 of that is loss 0.575, reached 0.85 of the way from 60 to 80
-    assert learning.efficiency_for_share(CURVE, 2.0, 80) == pytest.approx(77 / 80, abs=1e-4)
-    assert learning.efficiency_for_share(CURVE, 2.0, 80, share=0.5) == pytest.approx(30 / 80, abs=1e-4)
+    assert runs.efficiency_for_share(CURVE, 2.0, 80) == pytest.approx(77 / 80, abs=1e-4)
+    assert runs.efficiency_for_share(CURVE, 2.0, 80, share=0.5) == pytest.approx(30 / 80, abs=1e-4)
     # at 40 steps the curve has already flattened: 0.95 of its drop is on the way to step 40, then it waits
-    assert learning.efficiency_for_share(CURVE, 2.0, 40) == pytest.approx(38 / 40, abs=1e-4)
-    assert learning.efficiency_for_share(CURVE, 2.0, 60) == pytest.approx(38 / 60, abs=1e-4)
+    assert runs.efficiency_for_share(CURVE, 2.0, 40) == pytest.approx(38 / 40, abs=1e-4)
+    assert runs.efficiency_for_share(CURVE, 2.0, 60) == pytest.approx(38 / 60, abs=1e-4)
     # a network that keeps the share reads at least that efficiency on the same curve
-    settings = learning.Settings(rounds=2, inner_steps=10)
+    settings = runs.Settings(rounds=2, inner_steps=10)
     bench = type("B", (), {"s": settings, "base_loss": 2.0})()
     run = {"miners": 4, "adversaries": 0, "losses": [1.0, 0.55]}  # 80 steps spent, 0.967 of ESFT's drop
-    learning.summarise(bench, run, CURVE, {})
+    runs.summarise(bench, run, CURVE, {})
     assert run["network_vs_esft"] >= 0.95
-    assert run["parallel_efficiency"] >= learning.efficiency_for_share(CURVE, 2.0, 80)
+    assert run["parallel_efficiency"] >= runs.efficiency_for_share(CURVE, 2.0, 80)
 
 
-def test_an_arm_with_its_own_inner_steps_spends_the_same_steps_over_more_rounds(learning: ModuleType) -> None:
-    settings = learning.Settings(rounds=5, inner_steps=20)
-    assert learning.round_shape(settings, learning.Arm()) == (20, 5)
-    assert learning.round_shape(settings, learning.Arm(inner_steps=5)) == (5, 20)
-    assert learning.round_shape(settings, learning.Arm(inner_steps=100)) == (100, 1)
+def test_an_arm_with_its_own_inner_steps_spends_the_same_steps_over_more_rounds(runs: ModuleType) -> None:
+    settings = runs.Settings(rounds=5, inner_steps=20)
+    assert runs.round_shape(settings, runs.Arm()) == (20, 5)
+    assert runs.round_shape(settings, runs.Arm(inner_steps=5)) == (5, 20)
+    assert runs.round_shape(settings, runs.Arm(inner_steps=100)) == (100, 1)
     for steps in (0, 3, 200):  # 3 does not divide 100 steps; 200 is more than a miner spends
         with pytest.raises(ValueError, match="must divide the 100 steps"):
-            learning.round_shape(settings, learning.Arm(inner_steps=steps))
+            runs.round_shape(settings, runs.Arm(inner_steps=steps))
 
 
 def test_every_short_round_family_runs_on_4_and_8_miners_and_half_adversarial_under_every_seed(
