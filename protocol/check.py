@@ -34,12 +34,15 @@ class CheckResult:
     """A verdict, a short stable reason (used as a metric label) and an optional free-text detail.
 
     An ACCEPT carries the message the check decoded, so nobody downstream decodes the body again.
+    `signed` says the sender's signature was verified first: only its sender can have caused such a
+    verdict in this round (a stale message, which anyone may replay, is judged before the signature).
     """
 
     verdict: Verdict
     reason: str
     detail: str = ""
     message: Message | None = field(default=None, compare=False)
+    signed: bool = field(default=False, compare=False)
 
     @property
     def accepted(self) -> bool:
@@ -87,12 +90,19 @@ def window(kind: str, r: int, schedule: Schedule) -> tuple[float, float]:
 
 
 def check(envelope: Envelope, ctx: CheckContext) -> CheckResult:
-    """Judge a decoded envelope against the context; never raises for peer input."""
+    """Judge a decoded envelope against the context; never raises for peer input.
+
+    What the envelope's header alone decides (network, duplicate, a round or window already past)
+    comes before the signature: anyone can replay a message its sender signed rounds ago.
+    """
     if envelope.network != ctx.network_id:
         return CheckResult(Verdict.REJECT, "wrong network")
     message_id = envelope.message_id
     if message_id in ctx.seen:
         return CheckResult(Verdict.IGNORE, "duplicate")
+    stale = _check_stale(envelope, ctx)
+    if stale is not None:
+        return stale
     try:
         message = envelope.message()
     except DecodeError as exc:
@@ -101,27 +111,31 @@ def check(envelope: Envelope, ctx: CheckContext) -> CheckResult:
         return CheckResult(Verdict.REJECT, "round mismatch")
     if not envelope.signature_ok():
         return CheckResult(Verdict.REJECT, "bad signature")
-    if envelope.kind in VALIDATOR_KINDS and envelope.sender not in ctx.validators:
-        return CheckResult(Verdict.REJECT, "not a validator")
-    return _check_timing(envelope, message, message_id, ctx)
+    return _check_signed(envelope, message, message_id, ctx)
 
 
-def _check_timing(envelope: Envelope, message: Message, message_id: str, ctx: CheckContext) -> CheckResult:
+def _check_stale(envelope: Envelope, ctx: CheckContext) -> CheckResult | None:
     if envelope.round < ctx.current_round - 1:
         return CheckResult(Verdict.IGNORE, "old round")
-    if envelope.kind != "heartbeat":
-        first = ctx.first_seen.get((envelope.kind, envelope.sender, envelope.round))
-        if first is not None and first != message_id:
-            return CheckResult(Verdict.REJECT, "equivocation")
-    start, end = window(envelope.kind, envelope.round, ctx.schedule)
-    skew = ctx.schedule.clock_skew_s
-    if ctx.now < start - skew:
-        return CheckResult(Verdict.REJECT, f"outside {envelope.kind} window", "too early")
-    if ctx.now >= end + skew:
+    end = window(envelope.kind, envelope.round, ctx.schedule)[1]
+    if ctx.now >= end + ctx.schedule.clock_skew_s:
         if envelope.kind == "heartbeat":
             return CheckResult(Verdict.IGNORE, "old heartbeat")
         return CheckResult(Verdict.REJECT, f"outside {envelope.kind} window", TOO_LATE)
-    return CheckResult(Verdict.ACCEPT, "ok", message=message)
+    return None
+
+
+def _check_signed(envelope: Envelope, message: Message, message_id: str, ctx: CheckContext) -> CheckResult:
+    if envelope.kind in VALIDATOR_KINDS and envelope.sender not in ctx.validators:
+        return CheckResult(Verdict.REJECT, "not a validator", signed=True)
+    if envelope.kind != "heartbeat":
+        first = ctx.first_seen.get((envelope.kind, envelope.sender, envelope.round))
+        if first is not None and first != message_id:
+            return CheckResult(Verdict.REJECT, "equivocation", signed=True)
+    start = window(envelope.kind, envelope.round, ctx.schedule)[0]
+    if ctx.now < start - ctx.schedule.clock_skew_s:
+        return CheckResult(Verdict.REJECT, f"outside {envelope.kind} window", "too early", signed=True)
+    return CheckResult(Verdict.ACCEPT, "ok", message=message, signed=True)
 
 
 def check_bytes(data: bytes, ctx: CheckContext, max_bytes: int) -> tuple[CheckResult, Envelope | None]:

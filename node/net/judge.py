@@ -2,7 +2,8 @@
 
 It applies protocol.check with this node's clock and an in-memory seen-set, and adds what a
 pure check cannot keep: at most one heartbeat per sender per round (later ones IGNOREd), a
-budget of signed messages per sender per round (IGNOREd unread past it), and peer penalties: a
+budget per sender per round of the messages only that sender can have caused (IGNOREd unread past
+it; forgeries and replays of its stale messages do not count), and peer penalties: a
 peer that sends more than `penalty_threshold` REJECTed messages in one round is penalised for
 `penalty_backoff_s` (its messages are IGNOREd unread; the libp2p host disconnects it and does not
 redial it meanwhile). A message REJECTed only for arriving after its window is counted against the
@@ -30,9 +31,6 @@ from protocol.spec import NetworkSpec
 
 SEEN_ROUNDS_KEPT = 3
 RECENT_BYTES_PER_ROUND = 16 * 2**20
-# Reasons protocol.check gives before it has verified the signature: such a message may carry any
-# sender, so it must not use up that sender's budget.
-UNSIGNED_REASONS = frozenset({"wrong network", "duplicate", "malformed body", "round mismatch", "bad signature"})
 SeenEntry = tuple[str, str, str, int]
 """(message id, kind, sender, round) of an envelope accepted earlier, as storage keeps it."""
 
@@ -131,7 +129,7 @@ class GossipJudge:
                 return NOT_ASKED_FOR, envelope
             now = min(now, window(envelope.kind, envelope.round, self._schedule)[0])
         result = check(envelope, self._context(now))
-        if result.reason not in UNSIGNED_REASONS:
+        if result.signed:  # a forgery or a replay may name any sender: it must not use up that sender's budget
             self._spent[envelope.sender] += 1
         if result.accepted and envelope.kind == "heartbeat" and self._repeats_heartbeat(envelope):
             return REPEAT_HEARTBEAT, envelope

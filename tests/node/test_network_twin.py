@@ -225,6 +225,21 @@ def test_a_sender_over_its_budget_is_ignored_unread_until_the_next_round(
     assert judge.judge(heartbeat(spec, miner_ids[0], r=1).to_bytes(), "relay")[0].accepted
 
 
+def test_replayed_old_messages_do_not_use_up_their_senders_budget(
+    spec: NetworkSpec, clock: ManualClock, miner_ids: list[Identity]
+) -> None:
+    judge = GossipJudge(spec, clock.now, P2PConfig(sender_budget=8, penalty_threshold=1000))
+    schedule = Schedule.from_spec(spec)
+    sender = miner_ids[0]
+    signed = [seal(Commit(round=r, commitment=f"{i:02x}" * 32), spec.network_id, sender) for r in (0, 2) for i in range(12)]
+    clock.set(schedule.phase_window(3, Phase.COMMIT)[0] + 1.0)
+    results = [judge.judge(e.to_bytes(), "replayer")[0] for e in signed]  # messages the sender signed rounds ago
+    assert {(r.verdict.value, r.reason, r.detail) for r in results} == {
+        ("ignore", "old round", ""), ("reject", "outside commit window", "too late")}
+    fresh = seal(Commit(round=3, commitment="ab" * 32), spec.network_id, sender)
+    assert judge.judge(fresh.to_bytes(), "relay")[0].accepted  # 24 replays spent none of its budget of 8
+
+
 async def test_a_peer_past_the_penalty_threshold_is_dropped_until_its_backoff_ends(
     spec: NetworkSpec, clock: ManualClock, validator_ids: list[Identity], miner_ids: list[Identity], tmp_path: Path
 ) -> None:
