@@ -17,9 +17,10 @@ This module knows nothing about training, scoring or merging, nor about libp2p (
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Container, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -45,6 +46,13 @@ TAKE_IN_S = 2.0  # how long a duty may spend asking a peer for what gossip misse
 CATCH_UP_WAIT_S = 10.0  # how long a node started after genesis waits for a peer to catch up from
 
 ROUNDS_LISTED = 32
+
+
+def history_providers(own: str, peers: Iterable[str], validators: Container[str]) -> list[str]:
+    """`peers` in the order a node asks them for a round's history: validators first, each node in an
+    order of its own (a hash of its id and theirs), so that nodes restarting together do not all ask
+    the same validator."""
+    return sorted(peers, key=lambda p: (p not in validators, hashlib.sha256(f"{own}:{p}".encode()).digest()))
 
 
 class LocalDelivery:
@@ -87,10 +95,10 @@ class NodeContext:
         return await self.storage.head() or self.spec.model.base_hash
 
     async def catch_up(self, round: int) -> int:
-        """Ask a peer, validators first, for the envelopes of `round` it accepted, and hand those we
+        """Ask a peer, validators first (`history_providers`), for the envelopes of `round` it accepted, and hand those we
         lacked to the gossip consumer (which records them); how many. 0 when there is no peer or none
         answers (a network error is logged)."""
-        providers = sorted(self.network.peers(), key=lambda p: (p not in self.spec.validator_weights, p))
+        providers = history_providers(self.identity.node_id, self.network.peers(), self.spec.validator_weights)
         if not providers:
             return 0
         try:

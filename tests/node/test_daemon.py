@@ -14,7 +14,7 @@ from node.net.judge import GossipJudge
 from node.net.twin import MemoryHub, MemoryNetwork
 from node.runtime.clock import ManualClock
 from node.runtime.config import NodeConfig, load_config
-from node.runtime.daemon import HeartbeatDuties, Node, NodeContext
+from node.runtime.daemon import HeartbeatDuties, Node, NodeContext, history_providers
 from node.store.blobs import BlobStore
 from node.store.db import Storage
 from protocol.identity import load_identity, save_identity
@@ -263,3 +263,12 @@ async def test_status_command_prints_the_nodes_status(setup, tmp_path: Path,
     for timeout in ("0", "-1", "nan"):
         assert await asyncio.to_thread(main, ["status", "--url", node.http.url, "--timeout", timeout]) == 2
         assert "--timeout must be a positive number of seconds" in capsys.readouterr().err
+
+
+def test_nodes_ask_validators_for_history_first_each_in_an_order_of_its_own() -> None:
+    validators = [f"{i:064x}" for i in range(1, 4)]
+    peers = [*validators, "ee" * 32, "ff" * 32]
+    orders = [history_providers(f"{n:064x}", reversed(peers), validators) for n in range(100, 120)]
+    assert all(sorted(order[:3]) == validators and sorted(order[3:]) == ["ee" * 32, "ff" * 32] for order in orders)
+    assert len({order[0] for order in orders}) == 3  # 20 nodes restarting together do not all ask one validator
+    assert orders[0] == history_providers(f"{100:064x}", peers, validators)  # a node's own order is stable
