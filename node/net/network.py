@@ -85,6 +85,7 @@ class Subscription:
         self._queue: asyncio.Queue[Delivery | None] = asyncio.Queue(SUBSCRIPTION_QUEUE)
         self._on_close = on_close
         self._closed = False
+        self._waiting = 0
 
     def wants(self, kind: str) -> bool:
         return self.kinds is None or kind in self.kinds
@@ -102,6 +103,11 @@ class Subscription:
         """Deliveries queued and not yet consumed."""
         return self._queue.qsize()
 
+    @property
+    def waiting(self) -> int:
+        """Consumers blocked waiting for the next delivery."""
+        return self._waiting
+
     def close(self) -> None:
         """Stop receiving; a pending `async for` ends once the queued deliveries are consumed."""
         if self._closed:
@@ -115,17 +121,24 @@ class Subscription:
         return self
 
     async def __anext__(self) -> Delivery:
-        item = await self._queue.get()
+        item = await self._next(None)
         if item is None:
             raise StopAsyncIteration
         return item
 
     async def get(self, timeout: float | None = None) -> Delivery:
         """The next delivery; asyncio.TimeoutError after `timeout` seconds."""
-        item = await asyncio.wait_for(self._queue.get(), timeout)
+        item = await self._next(timeout)
         if item is None:
             raise NetworkError("subscription closed")
         return item
+
+    async def _next(self, timeout: float | None) -> Delivery | None:
+        self._waiting += 1
+        try:
+            return await asyncio.wait_for(self._queue.get(), timeout)
+        finally:
+            self._waiting -= 1
 
 
 class Subscribers:

@@ -244,6 +244,11 @@ class Node:
     def stop(self) -> None:
         self._stop.set()
 
+    @property
+    def gossip_idle(self) -> bool:
+        """Every delivery so far has been handled: the gossip consumer waits on an empty subscription."""
+        return self._subscription.pending == 0 and self._subscription.waiting > 0
+
     async def _catch_up(self) -> None:
         """Started after genesis (a restart, a late join): before any phase runs, take in what a peer
         accepted of this round and the last while we were away, validators asked first (and of the

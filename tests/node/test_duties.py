@@ -86,7 +86,7 @@ class Net:
         self.clock.set(max(self.clock.now(), self.schedule.phase_window(r, phase)[0]))
         await until(lambda: all(any((run.round, run.phase) == (r, str(phase)) for run in n.scheduler.runs)
                                 for n in self.nodes.values()), f"round {r} {phase}")
-        await until(lambda: all(consumer_idle(n) for n in self.nodes.values()), "gossip to be consumed")
+        await until(lambda: all(n.gossip_idle for n in self.nodes.values()), "gossip to be consumed")
 
     async def rounds(self, count: int) -> None:
         for r in range(count):
@@ -97,12 +97,6 @@ class Net:
         for node in self.nodes.values():
             node.stop()
         await asyncio.wait_for(asyncio.gather(*self.tasks), WAIT_S)
-
-
-def consumer_idle(node: Node) -> bool:
-    """The node's gossip consumer is blocked on an empty queue: every delivery was fully handled."""
-    queue = node._subscription._queue
-    return queue.empty() and len(queue._getters) > 0  # asyncio.Queue keeps its waiting getters here
 
 
 async def until(condition: Any, what: str) -> None:

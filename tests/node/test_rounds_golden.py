@@ -34,7 +34,7 @@ from node.store.blobs import BlobStore
 from protocol.identity import save_identity
 from protocol.rounds import PHASES, Phase, Schedule
 from protocol.spec import load_spec
-from tests.node.twins import WAIT_S, identity, idle, until, write_network
+from tests.node.twins import WAIT_S, identity, until, write_network
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -79,7 +79,7 @@ async def _run(tmp_path: Path) -> dict[str, Any]:
                 await until(lambda r=r, phase=phase: all(  # type: ignore[misc]
                     any((run.round, run.phase) == (r, str(phase)) for run in n.scheduler.runs) for n in nodes.values()),
                     f"round {r} {phase}")
-                await until(lambda: all(idle(n) for n in nodes.values()), "gossip to be consumed")
+                await until(lambda: all(n.gossip_idle for n in nodes.values()), "gossip to be consumed")
         clock.set(schedule.phase_window(ROUNDS, Phase.TRAIN)[0])
         await until(lambda: all(any(run.round == ROUNDS for run in n.scheduler.runs) for n in nodes.values()),
                     "the last round to settle")

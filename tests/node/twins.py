@@ -109,11 +109,6 @@ async def until(condition: Callable[[], bool], what: str) -> None:
         await asyncio.sleep(0.005)
 
 
-def idle(node: Node) -> bool:
-    queue = node._subscription._queue
-    return queue.empty() and len(queue._getters) > 0  # the consumer waits on an empty queue
-
-
 
 class Twins:
     """Nodes of one network written by `write_network`, on one MemoryHub and one ManualClock."""
@@ -170,7 +165,7 @@ class Twins:
     async def ran(self, r: int, phase: Phase) -> None:
         await until(lambda: all(any((run.round, run.phase) == (r, str(phase)) for run in n.scheduler.runs)
                                 for n in self.nodes.values()), f"round {r} {phase}")
-        await until(lambda: all(idle(n) for n in self.nodes.values()), "gossip to be consumed")
+        await until(lambda: all(n.gossip_idle for n in self.nodes.values()), "gossip to be consumed")
 
     async def rounds(self, first: int, last: int) -> None:
         """Run every phase of rounds `first`..`last`, then TRAIN of the next (which settles `last`)."""
