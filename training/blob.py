@@ -11,6 +11,7 @@ about what a validator expects of a blob (see validator.checks) nor where blobs 
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -162,9 +163,14 @@ def read_tensor(data: bytes, header: Header, name: str) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=dtype).reshape(info.shape)
 
 
+# What link(2) answers on a filesystem that has no hard links.
+NO_HARD_LINKS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP})
+
+
 def write_blob_file(path: str | Path, data: bytes, *, replace: bool = True) -> None:
     """Write `data` to `path` atomically: a temporary file, fsync, then rename over the target (or, with
-    `replace=False`, link it into place: FileExistsError if `path` exists)."""
+    `replace=False`, link it into place: FileExistsError if `path` exists; on a filesystem without hard
+    links, such as FAT, it is checked for and then renamed into place)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -175,7 +181,16 @@ def write_blob_file(path: str | Path, data: bytes, *, replace: bool = True) -> N
         if replace:
             os.replace(tmp, path)
         else:
-            os.link(tmp, path)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise
+            except OSError as exc:
+                if exc.errno not in NO_HARD_LINKS:
+                    raise
+                if path.exists() or path.is_symlink():
+                    raise FileExistsError(errno.EEXIST, "File exists", str(path)) from None
+                os.rename(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     dir_fd = os.open(path.parent, os.O_RDONLY)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -152,3 +154,19 @@ def test_write_blob_file_is_atomic_and_overwrites(tmp_path: Path) -> None:
     write_blob_file(path, data)
     assert path.read_bytes() == data
     assert [p.name for p in tmp_path.iterdir()] == ["b.safetensors"]
+
+
+@pytest.mark.parametrize("hard_links", [True, False], ids=["hard links", "no hard links (FAT)"])
+def test_write_blob_file_without_replace_never_overwrites(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hard_links: bool
+) -> None:
+    if not hard_links:
+        def no_link(src: object, dst: object) -> None:
+            raise PermissionError(errno.EPERM, "Operation not permitted")
+        monkeypatch.setattr(os, "link", no_link)
+    path = tmp_path / "out.json"
+    write_blob_file(path, b"first", replace=False)
+    with pytest.raises(FileExistsError):
+        write_blob_file(path, b"second", replace=False)
+    assert path.read_bytes() == b"first"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]  # no temporary file left behind
