@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import socket
 import time
@@ -246,3 +247,44 @@ async def test_a_taken_port_is_a_clear_error(cluster: Cluster, tmp_path: Path) -
         port = taken.getsockname()[1]
         with pytest.raises(NetworkError, match=f"cannot listen on /ip4/127.0.0.1/tcp/{port}"):
             await P2PNetwork.create(Identity.generate(), GossipJudge(spec, time.time), BlobStore(tmp_path), P2PConfig(port=port))
+
+
+async def test_closing_a_network_first_sends_what_it_queued(cluster: Cluster, tmp_path: Path) -> None:
+    """A duty records a message as sent once it is queued; stopping the node must not drop it."""
+    from node.net.config import P2PConfig
+    from node.net.judge import GossipJudge
+    from node.net.p2p import P2PNetwork
+    from node.store.blobs import BlobStore
+    from protocol.messages import Heartbeat, seal
+    from protocol.spec import load_spec
+
+    spec = load_spec(cluster.spec)
+
+    def beat(seed: int) -> bytes:
+        return seal(Heartbeat(round=0, role="miner", head="ab" * 32), spec.network_id,
+                    Identity.from_seed(bytes([seed]) * 32)).to_bytes()
+
+    paced = P2PConfig(port=0, publish_interval_s=0.3)  # five messages take 1.5 s to go out
+    sender = await P2PNetwork.create(Identity.from_seed(bytes([5]) * 32), GossipJudge(spec, time.time),
+                                     BlobStore(tmp_path / "sender"), paced)
+    receiver = await P2PNetwork.create(Identity.from_seed(bytes([6]) * 32), GossipJudge(spec, time.time),
+                                       BlobStore(tmp_path / "receiver"))
+    try:
+        subscription = receiver.subscribe(["heartbeat"])
+        await sender.connect(receiver.listen_addrs[0])
+        for _ in range(15):  # resent until the mesh carries it (GossipSub grafts on its 1 s heartbeat)
+            await sender.publish_raw(beat(20))
+            with contextlib.suppress(TimeoutError):
+                await subscription.get(timeout=2.0)
+                break
+        else:
+            raise AssertionError("the first heartbeat never reached the receiver")
+        queued = [beat(30 + i) for i in range(5)]
+        for data in queued:
+            await sender.publish_raw(data)
+        await sender.close()
+        got = {(await subscription.get(timeout=5.0)).envelope.to_bytes() for _ in queued}
+        assert got == set(queued)
+    finally:
+        await sender.close()
+        await receiver.close()

@@ -4,7 +4,7 @@ py-libp2p is trio-only, so the host runs in its own thread under `trio.run`; asy
 `trio_token.run_sync_soon` and results come back with `loop.call_soon_threadsafe`, and neither
 loop ever blocks on the other. One GossipSub topic per network carries every message kind; its
 topic validator is `GossipJudge`, so only ACCEPTed envelopes are delivered and relayed. Publishes
-are queued and paced. Blobs travel over node.net.p2p.blobs, a round's history for a restarted node
+are queued and paced, and closing sends what is queued first. Blobs travel over node.net.p2p.blobs, a round's history for a restarted node
 over node.net.p2p.history; peers learn about each other through node.net.p2p.peers, and a supervisor
 redials bootstrap and known peers that went away. A peer the judge penalises is disconnected at once
 and not redialled until its penalty runs out (py-libp2p 0.8.1's GossipSub v1.1 scorer only gates
@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 GOSSIP_PROTOCOLS = [TProtocol("/meshsub/1.1.0"), TProtocol("/meshsub/1.0.0")]
+CLOSE_FLUSH_S = 5.0  # how long closing waits for queued publishes to go out
 REACH_EXCHANGES = 8  # peers asked at once for the addresses of blob providers we cannot reach yet
 
 
@@ -204,6 +206,12 @@ class P2PNetwork:
         await self._call_trio(self._connect, parse_bootstrap(addr))
 
     async def close(self) -> None:
+        """Stop the host, once what was queued to publish has gone out (CLOSE_FLUSH_S at most): a duty
+        records its message as sent when it queues it, and would not send it again after a restart."""
+        deadline = time.monotonic() + CLOSE_FLUSH_S
+        while self.publish_backlog and self.failure is None and time.monotonic() < deadline \
+                and self._thread is not None and self._thread.is_alive():
+            await asyncio.sleep(0.01)
         if self._token is not None and self._stop is not None:
             try:
                 self._token.run_sync_soon(self._stop.set)
