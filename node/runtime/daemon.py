@@ -95,9 +95,9 @@ class NodeContext:
         return await self.storage.head() or self.spec.model.base_hash
 
     async def catch_up(self, round: int) -> int:
-        """Ask a peer, validators first (`history_providers`), for the envelopes of `round` it accepted, and hand those we
-        lacked to the gossip consumer (which records them); how many. 0 when there is no peer or none
-        answers (a network error is logged)."""
+        """Ask a peer, validators first (`history_providers`), for the envelopes of `round` it accepted,
+        and hand those we lacked to the gossip consumer (which records them); how many. 0 when there is
+        no peer or none answers (a network error is logged)."""
         providers = history_providers(self.identity.node_id, self.network.peers(), self.spec.validator_weights)
         if not providers:
             return 0

@@ -4,11 +4,12 @@ py-libp2p is trio-only, so the host runs in its own thread under `trio.run`; asy
 `trio_token.run_sync_soon` and results come back with `loop.call_soon_threadsafe`, and neither
 loop ever blocks on the other. One GossipSub topic per network carries every message kind; its
 topic validator is `GossipJudge`, so only ACCEPTed envelopes are delivered and relayed. Publishes
-are queued and paced, and closing sends what is queued first. Blobs travel over node.net.p2p.blobs, a round's history for a restarted node
-over node.net.p2p.history; peers learn about each other through node.net.p2p.peers, and a supervisor
-redials bootstrap and known peers that went away. A peer the judge penalises is disconnected at once
-and not redialled until its penalty runs out (py-libp2p 0.8.1's GossipSub v1.1 scorer only gates
-gossip and never disconnects). This module knows nothing about rounds, duties or storage but blobs.
+are queued and paced, and closing sends what is queued first. Blobs travel over node.net.p2p.blobs,
+a round's history for a restarted node over node.net.p2p.history; peers learn about each other
+through node.net.p2p.peers, and a supervisor redials bootstrap and known peers that went away. A
+peer the judge penalises is disconnected at once and not redialled until its penalty runs out
+(py-libp2p 0.8.1's GossipSub v1.1 scorer only gates gossip and never disconnects). This module
+knows nothing about rounds, duties or storage but blobs.
 """
 
 from __future__ import annotations
