@@ -97,14 +97,11 @@ def write_new_file(path: Path, data: bytes, flag: str) -> None:
 
 
 def write_atomically(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary sibling renamed onto it; the sibling never outlives a failure."""
+    """Write `text` to `path` (replacing it) whole or not at all: `training.blob.write_blob_file`."""
+    from training.blob import write_blob_file
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.tmp")
-    try:
-        temp.write_text(text, encoding="utf-8")
-        os.replace(temp, path)
-    finally:
-        temp.unlink(missing_ok=True)
+    write_blob_file(path, text.encode("utf-8"))
 
 
 def round_seed(text: str) -> str:

@@ -4,7 +4,8 @@ Each module named in COMMAND_MODULES exposes `register(subparsers) -> None`, whi
 subcommands with `set_defaults(run=fn)`, where `fn(args) -> int` is the exit code. Modules keep
 heavy imports (torch, libp2p) inside their run functions so `tessera --help` stays fast. User
 errors (ValueError and its subclasses SpecError, KeyFileError) and file-system errors on the paths
-a user gave (OSError) become one line on stderr and exit code 2, never a traceback. This module knows no command's behaviour.
+a user gave (OSError) become one line on stderr and exit code 2, never a traceback. This module
+knows no command's behaviour.
 """
 
 from __future__ import annotations

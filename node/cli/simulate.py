@@ -106,7 +106,6 @@ def run_simulate(args: argparse.Namespace) -> int:
     return 1 if failure or len(rounds) < args.rounds else 0
 
 
-
 def _say(line: str, out: TextIO) -> None:
     """One progress line, above the rounds bar when there is one; flushed, so a pipe sees it at once."""
     tqdm.write(line, file=out)
