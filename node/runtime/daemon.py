@@ -1,8 +1,9 @@
 """The node daemon: wires config, key, storage, network, scheduler, HTTP API and duties, and runs them.
 
-`await Node.create(config, ...)` opens everything; `await node.run()` owns ONE TaskGroup holding
-every background task (the scheduler, the gossip consumer) until `stop()`, then closes HTTP, the
-network and storage in that order. Gossip arrives already judged by the network's check (only
+`await Node.create(config, ...)` locks the data directory and key (node.store.lock: one running node
+each) and opens everything; `await node.run()` owns ONE TaskGroup holding every background task (the
+scheduler, the gossip consumer) until `stop()`, then closes HTTP, the network and storage in that
+order and lets the locks go. Gossip arrives already judged by the network's check (only
 ACCEPTed envelopes are delivered); each is recorded in storage BEFORE the duties see it, so a node
 killed at any point restarts knowing every message its duties acted on. Our own published envelopes
 take the same path (`_handle`): recorded, then handed to the duties with the decoded message. A
@@ -34,6 +35,7 @@ from node.runtime.scheduler import PhaseRun, Scheduler
 from node.runtime.status import StatusViews, learning_settings
 from node.store.blobs import BlobStore
 from node.store.db import Storage
+from node.store.lock import NodeLock
 from protocol.identity import Identity, load_or_create_identity
 from protocol.messages import Envelope, Heartbeat, Message, seal
 from protocol.rounds import Phase, Schedule
@@ -187,9 +189,10 @@ class HeartbeatDuties:
 class Node:
     """One running node. Build with `await Node.create(...)`; `await run()`; `stop()` from anywhere on the loop."""
 
-    def __init__(self, ctx: NodeContext, duties: Duties) -> None:
+    def __init__(self, ctx: NodeContext, duties: Duties, lock: NodeLock) -> None:
         self.ctx = ctx
         self.duties = duties
+        self._lock = lock
         self.scheduler = Scheduler(ctx.schedule, ctx.clock, self._on_phase, self._on_run)
         self.http: HttpApi | None = None
         self._stop = asyncio.Event()
@@ -200,12 +203,19 @@ class Node:
     @classmethod
     async def create(cls, config: NodeConfig, network: Network | None = None, clock: Clock | None = None,
                      duties: DutiesFactory | None = None) -> Node:
-        """Load spec and key, open storage and blobs, and join the network (libp2p when none is given)."""
+        """Load spec and key, lock the data directory and key (AlreadyRunning if another node holds them),
+        open storage and blobs, and join the network (libp2p when none is given)."""
         spec = load_spec(config.node.spec)
         identity = await asyncio.to_thread(load_or_create_identity, config.node.key)
         clock = clock or SystemClock()
-        blobs = BlobStore(config.blob_dir)
-        storage = await Storage.open(config.db_path)
+        # before the blob store, which sweeps temporary files a running node may be writing
+        lock = await asyncio.to_thread(NodeLock.acquire, config.node.data_dir, config.node.key)
+        try:
+            blobs = BlobStore(config.blob_dir)
+            storage = await Storage.open(config.db_path)
+        except BaseException:
+            lock.release()
+            raise
         try:
             if network is None:
                 network = await _open_libp2p(config, spec, identity, blobs, clock, storage)
@@ -221,8 +231,9 @@ class Node:
             if network is not None:
                 await network.close()
             await storage.close()
+            lock.release()
             raise
-        return cls(ctx, node_duties)
+        return cls(ctx, node_duties, lock)
 
     async def run(self) -> None:
         """Serve until `stop()`; always closes HTTP, network and storage on the way out."""
@@ -278,6 +289,7 @@ class Node:
             await self.http.close()
         await self.ctx.network.close()
         await self.ctx.storage.close()
+        self._lock.release()
 
     async def _consume(self, subscription: Subscription) -> None:
         async for delivery in subscription:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 
 import aiohttp
@@ -17,6 +18,7 @@ from node.runtime.config import NodeConfig, load_config
 from node.runtime.daemon import HeartbeatDuties, Node, NodeContext, history_providers
 from node.store.blobs import BlobStore
 from node.store.db import Storage
+from node.store.lock import AlreadyRunning
 from protocol.identity import load_identity, save_identity
 from protocol.messages import Commit, Envelope, GlobalState, Heartbeat, Message, Reveal, seal
 from protocol.rounds import Phase
@@ -182,6 +184,32 @@ async def test_network_with_another_identity_is_refused(tmp_path: Path) -> None:
     net = join(MemoryHub(), spec, clock, MINER.node_id, tmp_path / "blobs")
     with pytest.raises(ValueError, match="but the key is"):
         await Node.create(config, network=net, clock=clock)
+
+
+async def test_a_second_node_on_the_same_data_directory_or_key_refuses_to_start(setup, tmp_path: Path) -> None:
+    node, probe, peer, hub, clock, spec, task = setup
+    config = node.ctx.config
+    in_flight = config.blob_dir / "tmp" / "download.part"  # a blob the running node is writing
+    in_flight.write_bytes(b"half")
+    with pytest.raises(AlreadyRunning, match=rf"another node is running on this data directory \(pid {os.getpid()}\)"):
+        await Node.create(config, network=join(MemoryHub(), spec, clock, VALIDATOR.node_id, tmp_path / "b1"), clock=clock)
+    assert in_flight.read_bytes() == b"half"  # the refused node swept nothing
+    other_dir = config.model_copy(update={"node": config.node.model_copy(update={"data_dir": tmp_path / "other"})})
+    with pytest.raises(AlreadyRunning, match="another running node uses this key"):
+        await Node.create(other_dir, network=join(MemoryHub(), spec, clock, VALIDATOR.node_id, tmp_path / "b2"),
+                          clock=clock)
+    assert not other_dir.db_path.exists()  # refused before it opened anything
+    node.stop()
+    await asyncio.wait_for(task, WAIT_S)
+    rejoined = MemoryHub()
+    join(rejoined, spec, clock, MINER.node_id, tmp_path / "b4")  # a peer, so the catch-up does not wait for one
+    again = await Node.create(config, network=join(rejoined, spec, clock, VALIDATOR.node_id, tmp_path / "b3"),
+                              clock=clock, duties=Probe)  # the locks went with the stopped node
+    running = asyncio.create_task(again.run())
+    clock.set(spec.genesis_ts + 35)  # REVEAL (round 0's COMMIT already ran before the restart)
+    await asyncio.wait_for(again.duties.phase_seen.wait(), WAIT_S)  # type: ignore[attr-defined]
+    again.stop()
+    await asyncio.wait_for(running, WAIT_S)
 
 
 def test_init_writes_a_config_that_loads_and_a_private_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
