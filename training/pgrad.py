@@ -16,8 +16,9 @@ where the same chunks would repeat them, at the same payload each; the merge ave
 over the miners that sent its chunk (`coverage`). A miner keeps as error feedback only what its own
 chunks left unsent, e' = A − decode(sent) on them and 0 elsewhere: the other chunks were for other
 miners to send. With P = 1 every blob carries every chunk and nothing is lost, only delayed.
-`error_bytes` and `load_error` are the buffer's own file form (plain fp32 safetensors, for the
-miner's local storage).
+`error_bytes` and `load_error` are the buffer's own file form (fp32 safetensors whose metadata names
+`ERROR_FORMAT`, for the miner's local storage; the mark keeps a file of expert weights with the same
+names from being taken for a buffer, and then overwritten with one).
 
 Blob tensors for an expert tensor named N with C of its chunks drawn, K kept each:
     N.idx    U8 [C, K] if chunk <= 256, else I16   index of each kept entry inside its chunk, strictly ascending
@@ -33,6 +34,7 @@ Legend: C chunks, K kept entries per chunk, N chunk length.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -47,6 +49,7 @@ import torch
 from training.experts import Tensors
 
 Quant = Literal["int8", "2bit"]
+ERROR_FORMAT = "tessera-error-feedback/1"
 _SUFFIXES = ("idx", "q", "scale")
 
 
@@ -257,7 +260,7 @@ def check_compressed(blob: Tensors, shapes: Mapping[str, tuple[int, ...]], cfg: 
 def error_bytes(error: Tensors) -> bytes:
     """The error-feedback buffer as fp32 safetensors bytes (a miner keeps it across rounds and restarts)."""
     return safetensors.torch.save({name: error[name].detach().to("cpu", torch.float32).contiguous()
-                                   for name in sorted(error)})
+                                   for name in sorted(error)}, metadata={"format": ERROR_FORMAT})
 
 
 def load_error(data: bytes, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
@@ -266,12 +269,21 @@ def load_error(data: bytes, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, 
         error = safetensors.torch.load(data)
     except safetensors.SafetensorError as exc:
         raise ValueError(f"not a safetensors error-feedback buffer: {exc}") from exc
+    if _metadata(data).get("format") != ERROR_FORMAT:
+        raise ValueError(f"safetensors, but not an error-feedback buffer (its metadata does not name {ERROR_FORMAT})")
     if sorted(error) != sorted(shapes):
         raise ValueError("the error-feedback buffer names other tensors than the expert group")
     for name, shape in shapes.items():
         if tuple(error[name].shape) != tuple(shape) or error[name].dtype != torch.float32:
             raise ValueError(f"the error-feedback buffer's {name} is not fp32 of shape {list(shape)}")
     return dict(sorted(error.items()))
+
+
+def _metadata(data: bytes) -> dict[str, object]:
+    """The `__metadata__` of safetensors bytes that safetensors has already parsed (so the header is sound)."""
+    size = int.from_bytes(data[:8], "little")
+    metadata = json.loads(data[8:8 + size]).get("__metadata__")
+    return metadata if isinstance(metadata, dict) else {}
 
 
 def _top_indices(acc_CN: torch.Tensor, k: int) -> torch.Tensor:

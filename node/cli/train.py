@@ -9,7 +9,7 @@ writes the bytes the miner would commit to. `--global` names a global-state blob
 (the base model's experts when absent). In a pgrad network `--feedback` is the miner's
 error-feedback buffer (the fp32 safetensors form of `training.pgrad.error_bytes`, the bytes a miner
 keeps in its blob store): read when the file exists (else the buffer starts empty), checked before
-training (a Tessera blob is refused: it is not a buffer), and atomically replaced by what the round
+training (a file without the buffer's mark, a Tessera blob or expert weights, is refused and left as it was), and atomically replaced by what the round
 left unsent once the blob is written. `--out` is never overwritten, nor the same file as `--feedback`;
 both paths are checked writable before the model loads. Without
 it the build starts from an empty buffer and keeps nothing. Its AdamW state always starts at zero,
@@ -124,7 +124,7 @@ def _read_feedback(path: Path, shapes: Mapping[str, tuple[int, ...]]) -> dict[st
     try:
         error = load_error(data, shapes)
     except ValueError as exc:
-        raise ValueError(f"{path}: {exc}") from exc
+        raise ValueError(f"{path}: {exc}; give --feedback the buffer file an earlier run kept, or a new path") from exc
     for name, tensor in error.items():
         if not bool(torch.isfinite(tensor).all()):
             raise ValueError(f"{path}: the error-feedback buffer's {name} holds non-finite values")

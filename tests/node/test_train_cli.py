@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 from node.cli.main import main
@@ -126,6 +127,8 @@ def _buffer(shapes: dict[str, tuple[int, ...]], damage: str) -> bytes:
         error[first] = torch.zeros(3, 3)
     elif damage == "nan":
         error[first][0, 0] = float("nan")
+    elif damage == "unmarked":  # expert weights of the group's names, fp32 and shapes, saved by hand
+        return safetensors.torch.save(error)
     return error_bytes(error)
 
 
@@ -134,6 +137,7 @@ def _buffer(shapes: dict[str, tuple[int, ...]], damage: str) -> bytes:
     ("names", "names other tensors than the expert group"),
     ("shape", "is not fp32 of shape"),
     ("nan", "holds non-finite values"),
+    ("unmarked", "not an error-feedback buffer (its metadata does not name tessera-error-feedback/1)"),
 ])
 def test_tessera_train_refuses_a_bad_feedback_file(tmp_path: Path, capsys, damage: str, says: str) -> None:
     net = Twins(tmp_path, extra=PGRAD)

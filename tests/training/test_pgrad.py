@@ -9,6 +9,7 @@ import safetensors.torch
 import torch
 
 from training.pgrad import (
+    ERROR_FORMAT,
     PgradConfig,
     check_compressed,
     chunk_draw,
@@ -155,9 +156,12 @@ def test_the_error_buffer_file_round_trips_and_refuses_another_group() -> None:
     with pytest.raises(ValueError, match="not fp32 of shape"):
         load_error(error_bytes(error), {**SHAPES, "layers.0.experts.1.down_proj": (4, 2)})
     with pytest.raises(ValueError, match="not fp32"):
-        load_error(safetensors.torch.save({name: t.to(torch.float16) for name, t in error.items()}), SHAPES)
+        load_error(safetensors.torch.save({name: t.to(torch.float16) for name, t in error.items()},
+                                          metadata={"format": ERROR_FORMAT}), SHAPES)
     with pytest.raises(ValueError, match="not a safetensors"):
         load_error(b"\x00" * 8, SHAPES)
+    with pytest.raises(ValueError, match="does not name tessera-error-feedback/1"):
+        load_error(safetensors.torch.save(dict(error)), SHAPES)  # the right tensors, without the buffer's mark
 
 
 PARTS = {"a": (4, 4), "b": (2, 2), "c": (8,)}  # chunks of 4: a has 4, b 1, c 2; group-wide numbers 0-3, 4, 5-6
