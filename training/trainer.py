@@ -226,7 +226,8 @@ def _step(
     for start in range(0, ids_BL.shape[0], micro):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and cfg.autocast):
             loss_sum = token_loss_sum(model, ids_BL[start : start + micro], cfg.pad_id)
-        (loss_sum / tokens).backward()  # type: ignore[no-untyped-call]  # unannotated in torch
+        if loss_sum.requires_grad:  # else no token of this micro-batch reached the group: no gradient
+            (loss_sum / tokens).backward()  # type: ignore[no-untyped-call]  # unannotated in torch
         total += float(loss_sum.detach())
     torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
     optimizer.step()

@@ -63,6 +63,30 @@ def test_only_selected_expert_rows_change(
     assert not model.training
 
 
+def test_a_batch_that_reaches_none_of_the_groups_experts_is_a_step_without_gradient(
+    make_tiny: Callable[..., Any], pattern: Callable[..., torch.Tensor]
+) -> None:
+    # The full forward routes among all experts, so a micro-batch can miss the group (the compressed one
+    # routes among the kept experts alone, so its tokens always reach them).
+    tiny = make_tiny("qwen3_moe")
+    layer = tiny.adapter.moe_layers(tiny.model)[0]
+    shunned = 1  # the router never picks it: every token goes to another expert instead
+
+    def route_around(module: Any, args: Any, output: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        logits, scores, indices = output
+        return logits, scores, torch.where(indices == shunned, (indices + 2) % logits.shape[-1], indices)
+
+    handle = tiny.adapter.router(tiny.model, layer).register_forward_hook(route_around)
+    try:
+        before = extract(tiny.model, tiny.adapter, {layer: [shunned]})
+        cfg = TrainConfig(steps=3, lr=1e-2, weight_decay=0.1, batch_size=BATCH, micro_batch_size=2)
+        result = train_experts(tiny.model, tiny.adapter, {layer: [shunned]}, batches(pattern(12, LENGTH, 1)), cfg)
+    finally:
+        handle.remove()
+    assert len(result.losses) == 3 and all(torch.isfinite(torch.tensor(result.losses)))
+    assert all(torch.equal(result.tensors[name], before[name]) for name in before)  # no gradient, no decay
+
+
 def test_compressed_forward_computes_only_selected_experts(
     make_tiny: Callable[..., Any], pattern: Callable[..., torch.Tensor]
 ) -> None:
