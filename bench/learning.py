@@ -28,7 +28,9 @@ its id and the round, `training.pgrad`); a sweep
 of outer-optimizer settings and data shards on the 4-miner network, and on 4 and 8 miners of merge
 gates other than Proof-of-Loss on each submission (`Arm.gate`) and of updates weighted by their
 utility (`Arm.weighting`), and of kept AdamW state without outer momentum on 8 miners and on 4 with
-half adversarial, and of short rounds at other outer lrs, without kept state and without the gate;
+half adversarial, and of short rounds at other outer lrs, without kept state and without the gate,
+and of miners that each train only their share of the group's experts (`Arm.experts`), at H = 20
+and in short rounds;
 and the data-parallel ceiling: ESFT with M times the miners' batch for one miner's steps (as if M
 miners averaged gradients after every step), which bounds what a plain average (outer lr 1) of M
 miners' updates can reach; and, to show whether the shared inner lr is fair to the baseline, ESFT
@@ -285,6 +287,9 @@ def main() -> int:
         "h5_lr2_4": replace(short, keep_optimizer=False),
         "h5_keep_optimizer_lr2_gate_none_4": replace(short, gate="none"),
         "h5_keep_optimizer_lr2.83_8": replace(short, miners=8, outer_lr=2.83),
+        **{f"partition_experts_{m}": Arm(miners=m, experts="partition") for m in (4, 8)},
+        **{f"h5_keep_optimizer_lr{lr:g}_partition_experts_4": replace(short, outer_lr=lr, experts="partition")
+           for lr in (1.0, 2.0)},
     }
     try:  # an H that does not divide the miners' steps fails here, not an hour in
         for arm in [*sweep.values(), *arms.values()]:

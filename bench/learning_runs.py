@@ -29,7 +29,7 @@ from training.adapters import adapter_for  # noqa: E402
 from training.corpus import generate  # noqa: E402
 from training.data import batches, heldout_subset, pack, shard  # noqa: E402
 from training.evaluate import heldout_loss, loss_with_experts, token_loss_sum  # noqa: E402
-from training.experts import extract, insert, pseudo_gradient  # noqa: E402
+from training.experts import extract, insert, parse_name, pseudo_gradient  # noqa: E402
 from training.outer import OuterConfig, near_duplicates, outer_step  # noqa: E402
 from training.pgrad import PgradConfig, chunk_draw, compressed_bytes, coverage, decode, encode  # noqa: E402
 from training.pretrain import GENERAL_DOMAINS, base_config, load_pretrained  # noqa: E402
@@ -68,6 +68,15 @@ class Arm:
     inner_steps: int | None = None
     """H for this arm (None: the settings'). The arm runs as many more or fewer rounds as keep the miner
     steps of every arm equal: settings' H x R / H."""
+    experts: Literal["group", "partition"] = "group"
+    """What each honest miner trains. `group`: the whole expert group, as the protocol has it;
+    `partition` (the sweep, full experts only): its share of the group's experts (`Bench.share`), the
+    others frozen, and the outer step takes each expert from the miners that trained it, as it takes a
+    compressed chunk from the miners that sent it."""
+
+    def __post_init__(self) -> None:
+        if self.experts == "partition" and self.pgrad is not None:
+            raise ValueError("an arm partitions either the experts among miners or the compressed chunks, not both")
 
 
 @dataclass(frozen=True)
@@ -180,6 +189,18 @@ class Bench:
             return part[order]
         return shard(self.train, self.tag(f"miner-{miner}"), round)
 
+    def share(self, arm: Arm, miner: int) -> dict[int, list[int]]:
+        """The experts `miner` trains: the whole group, or (`Arm.experts` "partition") every M-th of the
+        group's (layer, expert) pairs in sorted order from the miner's own; with more miners than
+        experts, miner i trains pair i mod the group's size alone."""
+        if arm.experts == "group":
+            return self.group
+        pairs = sorted((layer, expert) for layer, experts in self.group.items() for expert in experts)
+        share: dict[int, list[int]] = {}
+        for layer, expert in pairs[miner % len(pairs) :: arm.miners]:
+            share.setdefault(layer, []).append(expert)
+        return share
+
     def network(self, arm: Arm) -> dict[str, Any]:
         outer = OuterConfig(lr=arm.outer_lr, momentum=arm.momentum, weighting=arm.weighting)
         global_t = {k: v.clone() for k, v in self.base.items()}
@@ -192,18 +213,24 @@ class Bench:
         steps, rounds = round_shape(self.s, arm)
         for r in range(rounds):
             submissions: dict[int, Tensors] = {}
+            masks: dict[int, Tensors] = {}
             for i in range(honest):
                 insert(self.model, self.adapter, global_t)
                 rows = self.miner_rows(arm, i, r)
                 order = batches(rows, self.s.batch_size, self.stream(r))
-                result = train_experts(self.model, self.adapter, self.group, order,
+                group = self.share(arm, i)
+                result = train_experts(self.model, self.adapter, group, order,
                                        self.train_cfg(steps), optimizers.get(i))
-                submissions[i] = result.tensors
+                submissions[i] = {**global_t, **result.tensors}
+                if arm.experts == "partition":
+                    owned = {(layer, expert) for layer, experts in group.items() for expert in experts}
+                    masks[i] = {name: torch.tensor([float(parse_name(name)[:2] in owned)]) for name in global_t}
                 if arm.keep_optimizer:
                     optimizers[i] = result.optimizer_state
             for j, i in enumerate(range(honest, arm.miners)):
                 submissions[i] = self.adversary(j, global_t, submissions, r)
-            masks: dict[int, Tensors] = {}
+                if arm.experts == "partition":
+                    masks[i] = {name: torch.ones(1) for name in global_t}
             if arm.pgrad is not None:
                 for i, tensors in list(submissions.items()):
                     draw = chunk_draw(self.tag("learning-bench"), r, f"miner-{i}")
@@ -211,7 +238,7 @@ class Bench:
                     decoded = decode(blob, shapes, arm.pgrad, draw)
                     submissions[i] = {name: global_t[name] - decoded[name] for name in global_t}
                     masks[i] = coverage(shapes, arm.pgrad, draw)
-            partitioned = arm.pgrad is not None and arm.pgrad.partitions > 1
+            partitioned = arm.experts == "partition" or (arm.pgrad is not None and arm.pgrad.partitions > 1)
             ranked = self.score_and_rank(global_t, submissions, r, arm, masks if partitioned else None)
             contributors = ranked[: arm.top_g]
             if contributors:

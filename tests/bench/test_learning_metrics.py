@@ -101,6 +101,23 @@ def test_an_arm_with_its_own_inner_steps_spends_the_same_steps_over_more_rounds(
             runs.round_shape(settings, runs.Arm(inner_steps=steps))
 
 
+def test_partitioned_miners_share_out_every_expert_of_the_group(runs: ModuleType) -> None:
+    group = {0: [1, 6], 1: [1, 4]}
+    bench = runs.Bench.__new__(runs.Bench)  # `share` reads only the group
+    bench.group = group
+
+    def shares(miners: int) -> list[dict[int, list[int]]]:
+        arm = runs.Arm(miners=miners, experts="partition")
+        return [bench.share(arm, i) for i in range(miners)]
+
+    assert shares(4) == [{0: [1]}, {0: [6]}, {1: [1]}, {1: [4]}]
+    assert shares(2) == [{0: [1], 1: [1]}, {0: [6], 1: [4]}]
+    assert shares(8) == shares(4) * 2  # more miners than experts: each expert trained by two
+    assert bench.share(runs.Arm(miners=4), 3) == group  # the protocol's miners train the whole group
+    with pytest.raises(ValueError, match="either the experts among miners or the compressed chunks"):
+        runs.Arm(experts="partition", pgrad=runs.PgradConfig())
+
+
 def test_every_short_round_family_runs_on_4_and_8_miners_and_half_adversarial_under_every_seed(
     learning: ModuleType,
 ) -> None:
