@@ -196,6 +196,8 @@ class Node:
         self.scheduler = Scheduler(ctx.schedule, ctx.clock, self._on_phase, self._on_run)
         self.http: HttpApi | None = None
         self._stop = asyncio.Event()
+        self.key_elsewhere: dict[str, Any] | None = None
+        """Messages signed with our key that another node sent (`_signed_elsewhere`); None: none seen."""
         # Subscribe now, not in run(): gossip that arrives in between waits in the queue.
         self._subscription: Subscription = ctx.network.subscribe()
         ctx.local.handler = self._handle
@@ -293,7 +295,19 @@ class Node:
 
     async def _consume(self, subscription: Subscription) -> None:
         async for delivery in subscription:
+            if delivery.envelope.sender == self.ctx.identity.node_id:
+                self._signed_elsewhere(delivery.envelope)
             await self._handle(delivery.envelope, delivery.message)
+
+    def _signed_elsewhere(self, envelope: Envelope) -> None:
+        """Our own messages never come back as deliveries (the judge recorded them when we sent them, and
+        storage before a restart), so one signed with our key was sent by another node that has it."""
+        self.key_elsewhere = {"messages": (self.key_elsewhere or {}).get("messages", 0) + 1,
+                              "last_kind": envelope.kind, "last_round": envelope.round}
+        self.ctx.metrics.key_elsewhere.inc()
+        log.error("round %d: a %s signed with this node's key reached it from the network, and this node has "
+                  "no record of sending it: another node is running with the key %s; stop one of them, or give "
+                  "each its own key (tessera keygen)", envelope.round, envelope.kind, self.ctx.config.node.key)
 
     async def _handle(self, envelope: Envelope, message: Message) -> None:
         """Record an accepted envelope, then hand it and its decoded message to the duties."""
@@ -350,6 +364,7 @@ class Node:
             "base": ctx.spec.model.base_hash,
             "learning": learning_settings(ctx.spec, ctx.config),
             "last_run": None if not self.scheduler.runs else _run_dict(self.scheduler.runs[-1]),
+            "key_used_elsewhere": self.key_elsewhere,
         }
 
     async def rewards(self) -> dict[str, Any]:

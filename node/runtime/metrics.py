@@ -76,6 +76,8 @@ class NodeMetrics:
                                      "and did not reveal it, by validator.", ["validator"], registry=r)
         self.validators_excluded = Gauge("tessera_validators_excluded", "Validators left out of the last planned "
                                          "round's assignment for withholding a seed.", registry=r)
+        self.key_elsewhere = Counter("tessera_key_used_elsewhere", "Messages signed with this node's key that "
+                                     "reached it from the network and that it has no record of sending.", registry=r)
         self._reasons: set[str] = set()
 
     def bind_network(self, stats: Callable[[], NetworkStats], peers: Callable[[], int]) -> None:

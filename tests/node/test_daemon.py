@@ -178,6 +178,23 @@ async def test_clean_shutdown_closes_everything_and_state_survives(setup) -> Non
         await store.close()
 
 
+async def test_a_message_signed_with_our_key_that_we_did_not_send_is_reported(
+        setup, caplog: pytest.LogCaptureFixture) -> None:
+    node, probe, peer, hub, clock, spec, task = setup
+    assert (await node.status())["key_used_elsewhere"] is None
+    twin = seal(Commit(round=0, commitment="88" * 32), spec.network_id, VALIDATOR)  # another node with our key
+    with caplog.at_level("ERROR", logger="node.runtime.daemon"):
+        hub.inject(twin.to_bytes(), MINER.node_id, to=[VALIDATOR.node_id])
+        await asyncio.wait_for(_until(lambda: any(e.kind == "commit" for e in probe.own)), WAIT_S)
+    assert (await node.status())["key_used_elsewhere"] == {"messages": 1, "last_kind": "commit", "last_round": 0}
+    assert "tessera_key_used_elsewhere_total 1.0" in node.metrics_text().decode()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"round 0: a commit signed with this node's key reached it from the network, and this node has no record "
+        f"of sending it: another node is running with the key {node.ctx.config.node.key}; stop one of them, or "
+        f"give each its own key (tessera keygen)"]
+    assert sorted(e.kind for e in probe.own) == ["commit", "heartbeat"]  # its own heartbeat did not count
+
+
 async def test_network_with_another_identity_is_refused(tmp_path: Path) -> None:
     config, spec = write_node(tmp_path)
     clock = ManualClock(spec.genesis_ts)

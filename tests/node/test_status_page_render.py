@@ -1,8 +1,8 @@
 """The status page's script against a fake node in headless Chromium, in seconds: what peers chose (a
 reason, a network name) is shown as text and never run as markup, standings are ordered best first,
 a validator's page shows any miner's history from its link, the header says how the network learns,
-and a failing node shows an error instead of stale numbers. The page on a real simulation is checked
-in tests/integration/test_network.py."""
+a failing node shows an error instead of stale numbers, and a node whose key another node uses says
+so. The page on a real simulation is checked in tests/integration/test_network.py."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ LEARNING = {"format": "pgrad", "pgrad": {"chunk": 256, "topk": 40, "quant": "2bi
 class FakeValidator:
     def __init__(self) -> None:
         self.broken = False
+        self.key_used_elsewhere: dict[str, Any] | None = None
 
     async def status(self) -> dict[str, Any]:
         if self.broken:
@@ -40,7 +41,7 @@ class FakeValidator:
         return {"role": "validator", "node_id": V, "network": EVIL, "network_id": "ff" * 32, "round": 1,
                 "phase": "train", "peers": 2, "head": "ee" * 32, "head_round": 0, "me": None,
                 "agreement": {"round": 0, "share": 1.0}, "next_phase": {"round": 1, "phase": "commit", "in_s": 65},
-                "learning": LEARNING}
+                "learning": LEARNING, "key_used_elsewhere": self.key_used_elsewhere}
 
     async def rewards(self) -> dict[str, Any]:
         return {"entries": [], "standings": {B: 0.1, A: 0.3}}
@@ -95,6 +96,13 @@ def test_the_page_renders_peer_text_as_text(browser: Any, served: tuple[HttpApi,
     page.wait_for_selector("#me:not([hidden]) tr.my-round[data-round='0']")
     assert page.locator("#me-title").inner_text() == f"Miner {B[:12]}"
     assert page.locator("tr.my-round td.reason").inner_text() == f"rejected: {EVIL}"
+
+    assert page.locator("#key-alert").is_hidden()
+    node.key_used_elsewhere = {"messages": 2, "last_kind": "commit", "last_round": 1}
+    page.wait_for_selector("#key-alert:not([hidden])", timeout=10_000)
+    assert page.locator("#key-alert").inner_text() == (
+        "Another node is running with this node's key: 2 message(s) signed with it reached this node that it "
+        "did not send (the last a commit of round 1). Stop one of them, or give each its own key.")
 
     node.broken = True
     page.wait_for_selector("#error:not([hidden])", timeout=10_000)

@@ -78,6 +78,11 @@ function renderGlance(status) {
     cards.push(card("my last reward", num(last.reward, 3), "glance-my-reward"));
   }
   $("glance").replaceChildren(...cards);
+  const elsewhere = status.key_used_elsewhere;
+  $("key-alert").hidden = !elsewhere;
+  $("key-alert").textContent = elsewhere ? `Another node is running with this node's key: ${elsewhere.messages} ` +
+    `message(s) signed with it reached this node that it did not send (the last a ${elsewhere.last_kind} of ` +
+    `round ${elsewhere.last_round}). Stop one of them, or give each its own key.` : "";
   tick();
 }
 
