@@ -209,7 +209,8 @@ async def test_a_second_node_on_the_same_data_directory_or_key_refuses_to_start(
     in_flight = config.blob_dir / "tmp" / "download.part"  # a blob the running node is writing
     in_flight.write_bytes(b"half")
     with pytest.raises(AlreadyRunning, match=rf"another node is running on this data directory \(pid {os.getpid()}\)"):
-        await Node.create(config, network=join(MemoryHub(), spec, clock, VALIDATOR.node_id, tmp_path / "b1"), clock=clock)
+        await Node.create(config, network=join(MemoryHub(), spec, clock, VALIDATOR.node_id, tmp_path / "b1"),
+                          clock=clock)
     assert in_flight.read_bytes() == b"half"  # the refused node swept nothing
     other_dir = config.model_copy(update={"node": config.node.model_copy(update={"data_dir": tmp_path / "other"})})
     with pytest.raises(AlreadyRunning, match="another running node uses this key"):

@@ -47,7 +47,8 @@ def test_a_node_started_twice_refuses_until_the_first_is_killed(tmp_path: Path) 
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
-        with pytest.raises(AlreadyRunning, match=rf"{re.escape(str(data))}: another node is running .* \(pid {holder.pid}\)"):
+        held = rf"{re.escape(str(data))}: another node is running .* \(pid {holder.pid}\)"
+        with pytest.raises(AlreadyRunning, match=held):
             NodeLock.acquire(data, key)
         with pytest.raises(AlreadyRunning, match=f"{re.escape(str(key))}: another running node uses this key"):
             NodeLock.acquire(tmp_path / "copy", key)  # its own directory, the same key
