@@ -300,8 +300,9 @@ class Node:
             await self._handle(delivery.envelope, delivery.message)
 
     def _signed_elsewhere(self, envelope: Envelope) -> None:
-        """Our own messages never come back as deliveries (the judge recorded them when we sent them, and
-        storage before a restart), so one signed with our key was sent by another node that has it."""
+        """Our own messages never come back as deliveries (the judge records each as we send it, and after
+        a restart is seeded with what storage holds), so one signed with our key came from another node
+        that has the key. It is still recorded and handed to the duties, as any accepted message is."""
         self.key_elsewhere = {"messages": (self.key_elsewhere or {}).get("messages", 0) + 1,
                               "last_kind": envelope.kind, "last_round": envelope.round}
         self.ctx.metrics.key_elsewhere.inc()
