@@ -1,13 +1,14 @@
 """Miner duties: train the target experts from the adopted global state, then commit and reveal the blob.
 
 TRAIN of round r: settle the global state (node.duties.consensus), put it into the model and train H
-inner steps on this miner's shard, off the event loop, stopping early when TRAIN is about to end;
-the canonical blob (metadata: network, round, this miner, base = head, group) goes into the blob
-store and storage remembers it (`Submission`). COMMIT: publish Commit(r, c). REVEAL: serve the blob
-(never earlier) and publish Reveal(r, c, size). At TRAIN the miner also ranks the settled round from
-the public score reports (node.duties.results), so it knows its loss, rank and reward. Each step checks storage first, so a restarted
-miner never trains, commits or reveals twice in a round, and from REVEAL on a restarted miner
-serves the blob it revealed again, so its reveal stands.
+inner steps on this miner's shard, off the event loop, stopping early when TRAIN is about to end (or
+after the current step when the node stops); the canonical blob (metadata: network, round, this
+miner, base = head, group) goes into the blob store and storage remembers it (`Submission`). COMMIT:
+publish Commit(r, c). REVEAL: serve the blob (never earlier) and publish Reveal(r, c, size). At
+TRAIN the miner also ranks the settled round from the public score reports (node.duties.results), so
+it knows its loss, rank and reward. Each step checks storage first, so a restarted miner never
+trains, commits or reveals twice in a round, and from REVEAL on a restarted miner serves the blob it
+revealed again, so its reveal stands.
 
 What the miner submits and when is a `MinerStrategy`: `HonestStrategy` here; the simulation's
 adversaries (node.sim.adversaries) are other strategies injected through `MinerDuties.factory`.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -302,13 +304,20 @@ class MinerDuties:
         base = (await self.consensus.load(head, model.genesis, model.shapes)).state
         deadline = self._train_deadline(round)
         feedback = await load_feedback(self.ctx, model.shapes)
-        job = Job(model, self.me, round, head, base, self.ctx.config.miner, lambda: self.ctx.clock.now() < deadline,
+        # Set when this phase is cancelled (the node stops): the training thread, which cancelling cannot
+        # reach, ends after its current step instead of at the deadline, and the process can exit.
+        stopping = threading.Event()
+        job = Job(model, self.me, round, head, base, self.ctx.config.miner,
+                  lambda: not stopping.is_set() and self.ctx.clock.now() < deadline,
                   self.ctx.metrics, feedback, self.optimizer)
         try:
             data = await asyncio.to_thread(self.strategy.build, job)
         except ValueError as exc:
             log.error("round %d: no submission: %s", round, exc)
             return
+        except asyncio.CancelledError:
+            stopping.set()
+            raise
         try:
             blob_hash = await asyncio.to_thread(self.ctx.blobs.put_bytes, data)
             error_hash = await keep_feedback(self.ctx, feedback)
