@@ -18,7 +18,7 @@ across validators.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -39,6 +39,10 @@ REASON_CHARS = 200
 
 # miner -> (its commitment, the revealed blob's bytes, or None when it could not be fetched)
 Submissions = Mapping[str, tuple[str, bytes | None]]
+
+
+class ScoringStopped(Exception):
+    """`Scorer.score_round` stopped before scoring every submission because its caller asked it to."""
 
 
 @dataclass(frozen=True)
@@ -136,8 +140,12 @@ class Scorer:
         global_tensors: Mapping[str, torch.Tensor],
         global_hash: str,
         submissions: Submissions,
+        keep_going: Callable[[], bool] = lambda: True,
     ) -> ScoreResult:
-        """Score every submission against the global state `global_hash` (held in `global_tensors`)."""
+        """Score every submission against the global state `global_hash` (held in `global_tensors`).
+
+        `keep_going` is asked before each submission; once it says False (the caller is going away)
+        scoring stops with ScoringStopped rather than return a partial result."""
         sequences = heldout_subset(self.heldout, round_seed, self.spec.data.heldout_sequences)
         apply_global(self.model, self.adapter, global_tensors)
         base_loss = self.loss(sequences)
@@ -146,6 +154,8 @@ class Scorer:
         entries: list[ScoreEntry] = []
         accepted: dict[str, dict[str, torch.Tensor]] = {}
         for miner in sorted(submissions):
+            if not keep_going():
+                raise ScoringStopped(f"round {round}: stopped after {len(entries)} of {len(submissions)} submissions")
             commitment, data = submissions[miner]
             if data is None:
                 entries.append(

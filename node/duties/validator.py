@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 
 import torch
@@ -172,8 +173,13 @@ class ValidatorDuties:
         submissions = {m: (plan.revealed[m], data) for m, data in zip(mine, fetched, strict=True)}
         head = await self.ctx.head()
         started = time.perf_counter()
-        result = await asyncio.to_thread(loaded.scorer.score_round, round, plan.seed, self.state.tensors,
-                                         head, submissions)
+        stopping = threading.Event()  # as a miner's training: cancelling cannot reach the scoring thread
+        try:
+            result = await asyncio.to_thread(loaded.scorer.score_round, round, plan.seed, self.state.tensors,
+                                             head, submissions, lambda: not stopping.is_set())
+        except asyncio.CancelledError:
+            stopping.set()  # the thread stops before its next submission, so the process can exit
+            raise
         self.ctx.metrics.submissions_scored(time.perf_counter() - started,
                                             [(e.verdict, e.reason) for e in result.entries])
         self._checked.add(round, result.accepted)

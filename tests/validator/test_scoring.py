@@ -20,7 +20,7 @@ from training.experts import extract
 from training.model import build_tiny_model, state_hash, tiny_config
 from training.tokenizer import ByteTokenizer
 from training.trainer import TrainConfig, train_experts
-from validator.scoring import Scorer, ScoreResult
+from validator.scoring import Scorer, ScoreResult, ScoringStopped
 
 ROUND = 1
 SEED = hashlib.sha256(b"scoring-round").hexdigest()
@@ -197,3 +197,17 @@ def test_batch_size_setting_does_not_change_the_losses(qwen) -> None:
     assert all(e.loss == pytest.approx(before[e.miner], abs=1e-6) for e in again.entries)
     with pytest.raises(ValueError, match="validator.batch_size"):
         Scorer(setup.model, setup.adapter, setup.spec, setup.scorer.heldout, batch_size=0)
+
+
+def test_scoring_stops_between_submissions_when_told_and_leaves_the_global_state(qwen) -> None:
+    setup, submissions, _ = qwen
+    asked: list[int] = []
+
+    def keep_going() -> bool:
+        asked.append(1)
+        return len(asked) <= 2  # score two submissions, then stop
+
+    with pytest.raises(ScoringStopped, match="stopped after 2 of 6 submissions"):
+        setup.scorer.score_round(ROUND, SEED, setup.global_tensors, setup.head, submissions, keep_going)
+    held = extract(setup.model, setup.adapter, setup.spec.group)  # no miner's experts left swapped in
+    assert all(torch.equal(held[name], setup.global_tensors[name]) for name in setup.global_tensors)
