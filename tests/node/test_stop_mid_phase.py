@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,18 +20,37 @@ from validator.scoring import Scorer
 pytestmark = pytest.mark.timeout(120)
 
 
+CAP = 3000  # steps of 10 ms: a loop that only a stopping node ends, capped so a failure cannot hang
+
+
+class LongWork:
+    """Stands in for torch work in a worker thread: runs until its `keep_going` says stop, or the cap.
+    The twins' manual clock stands still, so no deadline ends it."""
+
+    def __init__(self) -> None:
+        self.started, self.ended = threading.Event(), threading.Event()
+        self.steps = 0
+
+    def run(self, keep_going: Callable[[], bool]) -> None:
+        self.started.set()
+        while keep_going() and self.steps < CAP:
+            self.steps += 1
+            self.ended.wait(0.01)
+        self.ended.set()
+
+    async def ends_when(self, stop: Callable[[], Awaitable[None]]) -> None:
+        assert await asyncio.to_thread(self.started.wait, 30)
+        await stop()
+        assert await asyncio.to_thread(self.ended.wait, 10)
+        assert self.steps < CAP  # it stopped because the node did, not at the cap
+
+
 async def test_stopping_a_miner_ends_its_training_at_the_next_step(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    started, ended = threading.Event(), threading.Event()
-    steps: list[int] = []
+    work = LongWork()
 
     def build(self: HonestStrategy, job: Job) -> bytes:
-        started.set()
-        # the manual clock stands still, so only a stopping node ends this loop (or the 30 s cap)
-        while job.keep_going() and len(steps) < 3000:
-            steps.append(1)
-            ended.wait(0.01)
-        ended.set()
+        work.run(job.keep_going)
         raise ValueError("stopped")
 
     monkeypatch.setattr(HonestStrategy, "build", build)
@@ -39,28 +59,20 @@ async def test_stopping_a_miner_ends_its_training_at_the_next_step(tmp_path: Pat
         await net.start("validator-0")
         await net.start("miner-0")
         net.clock.set(net.schedule.phase_window(0, Phase.TRAIN)[0])
-        assert await asyncio.to_thread(started.wait, 30)
-        await net.stop("miner-0")
-        assert await asyncio.to_thread(ended.wait, 10)
-        assert len(steps) < 3000  # it stopped because the node did, not at the cap
+        await work.ends_when(lambda: net.stop("miner-0"))
     finally:
-        ended.set()
+        work.ended.set()
         await net.close()
 
 
 async def test_stopping_a_validator_ends_its_scoring_before_the_next_submission(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    started, ended = threading.Event(), threading.Event()
-    asked: list[int] = []
+    work = LongWork()
     real = Scorer.score_round
 
-    def score_round(self: Scorer, *args: Any, **kwargs: Any) -> Any:
+    def score_round(self: Scorer, *args: Any) -> Any:
         keep_going = args[-1]
-        started.set()
-        while keep_going() and len(asked) < 3000:  # a long round of submissions
-            asked.append(1)
-            ended.wait(0.01)
-        ended.set()
+        work.run(keep_going)  # a long round of submissions
         return real(self, *args[:-1], keep_going)
 
     monkeypatch.setattr(Scorer, "score_round", score_round)
@@ -71,10 +83,7 @@ async def test_stopping_a_validator_ends_its_scoring_before_the_next_submission(
         for phase in (Phase.TRAIN, Phase.COMMIT, Phase.REVEAL):
             await net.phase(0, phase)
         net.clock.set(net.schedule.phase_window(0, Phase.EVALUATE)[0])
-        assert await asyncio.to_thread(started.wait, 30)
-        await net.stop("validator-0")
-        assert await asyncio.to_thread(ended.wait, 10)
-        assert len(asked) < 3000  # it stopped because the node did, not at the cap
+        await work.ends_when(lambda: net.stop("validator-0"))
     finally:
-        ended.set()
+        work.ended.set()
         await net.close()
