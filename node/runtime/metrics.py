@@ -1,14 +1,16 @@
 """Prometheus metrics for one node, in a registry of its own (several nodes can share a process).
 
-Three sources: the network's counters (messages by kind and verdict, rejects per peer, bytes, blob
-fetches, peers), read at scrape time from `NetworkStats` so there is one count, not two; the
-scheduler's round and phase timings, pushed in by the node; and the work and results of the round,
-pushed in through small methods: `train_progress` (miner), `submissions_scored` and
-`seeds_withheld` (validator), `round_results` (any node, from the status views). Peer ids are
-unbounded and chosen by peers, so rejects per peer are exported for the top N only (labelled by the
-id's first 16 alphanumeric characters) plus one `other` series; verdict reasons are free text, so
-they are cut to their first clause and bounded in number; validator labels come from the spec's
-validator set. This module knows nothing about how the numbers are produced.
+Four sources: the process's own (prometheus-client's `process_*` memory, CPU, open files and
+threads, `python_gc_*` and `python_info`, as any Prometheus target exports them); the network's
+counters (messages by kind and verdict, rejects per peer, bytes, blob fetches, peers), read at
+scrape time from `NetworkStats` so there is one count, not two; the scheduler's round and phase
+timings, pushed in by the node; and the work and results of the round, pushed in through small
+methods: `train_progress` (miner), `submissions_scored` and `seeds_withheld` (validator),
+`round_results` (any node, from the status views). Peer ids are unbounded and chosen by peers, so
+rejects per peer are exported for the top N only (labelled by the id's first 16 alphanumeric
+characters) plus one `other` series; verdict reasons are free text, so they are cut to their first
+clause and bounded in number; validator labels come from the spec's validator set.
+This module knows nothing about how the numbers are produced.
 """
 
 from __future__ import annotations
@@ -17,7 +19,16 @@ import collections
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -37,6 +48,8 @@ class NodeMetrics:
         assert top_peers >= 1
         self.top_peers = top_peers
         self.registry = CollectorRegistry(auto_describe=True)
+        for collector in (ProcessCollector, GCCollector, PlatformCollector):
+            collector(registry=self.registry)
         self.round = Gauge("tessera_round", "The round in progress.", registry=self.registry)
         self.phase_seconds = Histogram("tessera_phase_duration_seconds", "Time the phase handler ran, by phase.",
                                        ["phase"], buckets=_PHASE_BUCKETS, registry=self.registry)
