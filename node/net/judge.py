@@ -11,12 +11,15 @@ peer but does not add to its penalty: GossipSub peers push their caches of recen
 node that just joined, and a relayer cannot make them on time. The seen-set can be seeded from
 storage after a restart. It also keeps the bytes of the envelopes it accepted in the current and the
 previous round (`recent`, capped at RECENT_BYTES_PER_ROUND), for a restarted peer to catch up on
-(`judge_replayed` judges those on the other side). Thread-safe: the libp2p host judges on its own thread. This module knows nothing
+(`judge_replayed` judges those on the other side). It notes the senders whose authentic messages
+arrive before their window opens (`NetworkStats.early`): one such sender has a clock that runs
+ahead, several at once mean ours runs behind (`clock_behind`), which the node reports. Thread-safe: the libp2p host judges on its own thread. This module knows nothing
 about transports or storage.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -24,12 +27,16 @@ from dataclasses import replace
 
 from node.net.config import P2PConfig
 from node.net.network import NetworkStats, PublishRefused
-from protocol.check import TOO_LATE, CheckContext, CheckResult, SeenKey, Verdict, check, window
+from protocol.check import TOO_EARLY, TOO_LATE, CheckContext, CheckResult, SeenKey, Verdict, check, window
 from protocol.messages import DecodeError, Envelope, decode_envelope
 from protocol.rounds import Schedule
 from protocol.spec import NetworkSpec
 
 SEEN_ROUNDS_KEPT = 3
+EARLY_ROUNDS_KEPT = 2
+CLOCK_SUSPECT_SENDERS = 2
+"""Distinct senders whose messages arrived before their windows (in EARLY_ROUNDS_KEPT rounds) that make this
+node suspect its own clock rather than theirs."""
 RECENT_BYTES_PER_ROUND = 16 * 2**20
 SeenEntry = tuple[str, str, str, int]
 """(message id, kind, sender, round) of an envelope accepted earlier, as storage keeps it."""
@@ -38,6 +45,23 @@ REPEAT_HEARTBEAT = CheckResult(Verdict.IGNORE, "repeat heartbeat", "one heartbea
 OVER_BUDGET = CheckResult(Verdict.IGNORE, "over budget")
 PENALISED = CheckResult(Verdict.IGNORE, "penalised peer")
 NOT_ASKED_FOR = CheckResult(Verdict.IGNORE, "not the round asked for")
+
+log = logging.getLogger(__name__)
+
+
+def clock_behind(stats: NetworkStats) -> dict[str, float] | None:
+    """What the early senders in `stats` say about this node's clock; None while fewer than
+    CLOCK_SUSPECT_SENDERS are early.
+
+    A message sent inside its window by a sender whose clock is right arrives here no earlier than
+    our clock's lag before that window, so each early sender's largest lead is a lower bound on the
+    lag. The bound reported is the CLOCK_SUSPECT_SENDERS-th largest, so one sender whose own clock runs
+    ahead cannot inflate it.
+    """
+    if len(stats.early) < CLOCK_SUSPECT_SENDERS:
+        return None
+    leads = sorted((lead for lead, _ in stats.early.values()), reverse=True)
+    return {"early_senders": len(leads), "behind_by_at_least_s": round(leads[CLOCK_SUSPECT_SENDERS - 1], 1)}
 
 
 class GossipJudge:
@@ -107,6 +131,9 @@ class GossipJudge:
             self.stats.messages[(kind, result.verdict.value)] += 1
             if result.verdict is Verdict.REJECT:
                 self._penalise(peer, now, scored=result.detail != TOO_LATE)
+                if result.detail == TOO_EARLY:
+                    assert envelope is not None
+                    self._note_early(envelope, now)
             elif result.verdict is Verdict.ACCEPT:
                 assert envelope is not None
                 self._record(envelope, data)
@@ -173,6 +200,19 @@ class GossipJudge:
             self._recent.setdefault(envelope.round, []).append(data)
             self._recent_bytes[envelope.round] += len(data)
 
+    def _note_early(self, envelope: Envelope, now: float) -> None:
+        lead = window(envelope.kind, envelope.round, self._schedule)[0] - now
+        known = self.stats.early.get(envelope.sender)
+        self.stats.early[envelope.sender] = (max(lead, known[0] if known else lead), now)
+        if known is None and len(self.stats.early) == CLOCK_SUSPECT_SENDERS:
+            behind = clock_behind(self.stats)
+            assert behind is not None
+            log.warning("messages from %d senders arrived before their windows opened, up to %.1f s early "
+                        "(the spec tolerates %.1f s): this node's clock is probably at least %.1f s behind; "
+                        "check that it keeps time (NTP)", len(self.stats.early),
+                        max(lead for lead, _ in self.stats.early.values()), self._schedule.clock_skew_s,
+                        behind["behind_by_at_least_s"])
+
     def _prune(self, latest: int) -> None:
         oldest = latest - SEEN_ROUNDS_KEPT
         if oldest > self._pruned_below:
@@ -182,7 +222,8 @@ class GossipJudge:
             self._first_seen = {k: m for k, m in self._first_seen.items() if k[2] >= oldest}
 
     def _roll(self, now: float) -> None:
-        """Start budgets and scores afresh when the round changes; forget penalties that ran out."""
+        """Start budgets and scores afresh when the round changes; forget penalties that ran out and early
+        senders not heard from in EARLY_ROUNDS_KEPT rounds."""
         current = self._schedule.round_at(now) if now >= self._schedule.genesis_ts else 0
         if current != self._round:
             self._round = current
@@ -191,6 +232,11 @@ class GossipJudge:
             self._spent.clear()
             self.stats.peer_scores.clear()
             self.stats.penalised = {p: t for p, t in self.stats.penalised.items() if t > now}
+        self.stats.early = self._recent_early(now)
+
+    def _recent_early(self, now: float) -> dict[str, tuple[float, float]]:
+        since = now - EARLY_ROUNDS_KEPT * self._schedule.round_seconds
+        return {s: e for s, e in self.stats.early.items() if e[1] > since}
 
     def _penalise(self, peer: str, now: float, scored: bool = True) -> None:
         self.stats.rejects_by_peer[peer] += 1
@@ -234,4 +280,5 @@ class GossipJudge:
             now = self._now()
             return replace(s, messages=Counter(s.messages), rejects_by_peer=Counter(s.rejects_by_peer),
                            peer_scores=dict(s.peer_scores),
-                           penalised={p: t for p, t in s.penalised.items() if t > now})
+                           penalised={p: t for p, t in s.penalised.items() if t > now},
+                           early=self._recent_early(now))

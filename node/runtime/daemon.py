@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, Container, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
-from node.net.judge import GossipJudge
+from node.net.judge import GossipJudge, clock_behind
 from node.net.network import Network, NetworkError, PublishRefused, Subscription
 from node.runtime.clock import Clock, SystemClock
 from node.runtime.config import NodeConfig
@@ -366,6 +366,7 @@ class Node:
             "learning": learning_settings(ctx.spec, ctx.config),
             "last_run": None if not self.scheduler.runs else _run_dict(self.scheduler.runs[-1]),
             "key_used_elsewhere": self.key_elsewhere,
+            "clock_behind": clock_behind(ctx.network.stats),
         }
 
     async def rewards(self) -> dict[str, Any]:

@@ -195,6 +195,9 @@ class _NetworkCollector:
                                   value=s.penalties)
         yield GaugeMetricFamily("tessera_penalised_peers", "Peers disconnected for penalties right now.",
                                 value=len(s.penalised))
+        yield GaugeMetricFamily("tessera_early_senders", "Senders whose messages arrived before their window "
+                                "opened in the last two rounds (two or more: this node's clock is probably "
+                                "behind).", value=len(s.early))
 
 
 def _top_rejects(s: NetworkStats, top: int) -> Metric:

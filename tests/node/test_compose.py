@@ -128,13 +128,14 @@ def test_alerts_and_dashboard_use_only_metrics_a_node_exports() -> None:
     alert_exprs = [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
     dashboard = json.loads((ROOT / "deploy/grafana/dashboards/tessera.json").read_text(encoding="utf-8"))
     panel_exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
-    used = {name for expr in alert_exprs + panel_exprs for name in re.findall(r"\b(?:tessera_\w+|up)\b", expr)}
+    names = r"\b(?:tessera_\w+|process_\w+|up)\b"
+    used = {name for expr in alert_exprs + panel_exprs for name in re.findall(names, expr)}
     assert used <= exported, sorted(used - exported)
     # Everything worth alerting on is on the dashboard.
     for metric in ("tessera_adopted_loss", "tessera_base_loss", "tessera_miner_rank", "tessera_miner_reward",
                    "tessera_train_tokens_per_second", "tessera_eval_seconds_sum", "tessera_phase_overruns_total",
                    "tessera_validator_agreement", "tessera_round_verdicts", "tessera_peers",
-                   "tessera_blob_fetches_total"):
+                   "tessera_blob_fetches_total", "tessera_early_senders", "process_resident_memory_bytes"):
         assert any(metric in expr for expr in panel_exprs), metric
     uids = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p.get("targets", [])}
     assert uids == {datasource_uid()}

@@ -178,6 +178,16 @@ async def test_clean_shutdown_closes_everything_and_state_survives(setup) -> Non
         await store.close()
 
 
+async def test_messages_from_several_senders_before_their_windows_say_our_clock_is_behind(setup) -> None:
+    node, probe, peer, hub, clock, spec, task = setup
+    assert (await node.status())["clock_behind"] is None
+    for who in (MINER, STRANGER):  # COMMIT of round 0: their reveals are 4 s early, and 3 s past the tolerance
+        early = seal(Reveal(round=0, commitment="99" * 32, size=10), spec.network_id, who)
+        hub.inject(early.to_bytes(), who.node_id, to=[VALIDATOR.node_id])
+    assert (await node.status())["clock_behind"] == {"early_senders": 2, "behind_by_at_least_s": 4.0}
+    assert "tessera_early_senders 2.0" in node.metrics_text().decode()
+
+
 async def test_a_message_signed_with_our_key_that_we_did_not_send_is_reported(
         setup, caplog: pytest.LogCaptureFixture) -> None:
     node, probe, peer, hub, clock, spec, task = setup

@@ -3,6 +3,9 @@ parser, and that free-text reasons stay a bounded set of labels."""
 
 from __future__ import annotations
 
+import sys
+
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from node.net.network import NetworkStats
@@ -91,3 +94,23 @@ def test_blob_counts_are_exported() -> None:
     assert got[("tessera_blob_fetches_total", (("result", "ok"),))] == 4
     assert got[("tessera_blob_fetches_total", (("result", "failed"),))] == 1
     assert got[("tessera_blobs_served_total", ())] == 2
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prometheus-client reads the process from /proc")
+def test_the_process_exports_its_memory_open_files_and_cpu() -> None:
+    """What Prometheus needs to see a node's memory grow: the process metrics, read at each scrape."""
+    metrics = NodeMetrics()
+    before = samples(metrics)
+    ballast = [bytearray(64 * 2**20)]  # touched below, so resident
+    ballast[0][:: 4096] = b"\1" * len(ballast[0][:: 4096])
+    opened = [open(__file__, "rb") for _ in range(8)]  # noqa: SIM115
+    try:
+        after = samples(metrics)
+    finally:
+        for f in opened:
+            f.close()
+    rss = ("process_resident_memory_bytes", ())
+    assert after[rss] - before[rss] >= 60 * 2**20
+    assert after[("process_open_fds", ())] - before[("process_open_fds", ())] >= 8
+    assert after[("process_cpu_seconds_total", ())] > 0
+    assert any(name == "python_info" for name, _ in after)  # labelled by the Python version

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from node.net.config import P2PConfig
-from node.net.judge import GossipJudge
+from node.net.judge import GossipJudge, clock_behind
 from node.net.network import BlobFetchError, NetworkError, PublishRefused
 from node.net.twin import MemoryHub, MemoryNetwork
 from node.runtime.clock import ManualClock
@@ -275,6 +275,40 @@ def test_late_messages_count_against_a_peer_but_do_not_penalise_it(
     early = [seal(Commit(round=1, commitment=f"{i:02x}" * 32), spec.network_id, miner_ids[1]) for i in range(4)]
     assert [judge.judge(e.to_bytes(), "relay")[0].detail for e in early] == ["too early"] * 4
     assert judge.is_penalised("relay")  # a message before its window is the sender's doing
+
+
+def test_several_senders_early_at_once_point_at_this_nodes_clock(
+    spec: NetworkSpec, clock: ManualClock, miner_ids: list[Identity], caplog: pytest.LogCaptureFixture
+) -> None:
+    judge = GossipJudge(spec, clock.now, P2PConfig(penalty_threshold=1000))
+    schedule = Schedule.from_spec(spec)
+    opens = schedule.phase_window(0, Phase.COMMIT)[0]
+    clock.set(opens - 20.0)  # TRAIN: a commit now is 20 s before its window (1 s tolerated)
+
+    def commit(who: Identity) -> bytes:
+        return seal(Commit(round=0, commitment="ab" * 32), spec.network_id, who).to_bytes()
+
+    with caplog.at_level("WARNING", logger="node.net.judge"):
+        assert judge.judge(commit(miner_ids[0]), "relay")[0].detail == "too early"
+        assert clock_behind(judge.stats) is None  # one early sender: its clock, most likely
+        forged = seal(Commit(round=0, commitment="cd" * 32), spec.network_id, miner_ids[0])
+        forged = forged.model_copy(update={"sender": miner_ids[1].node_id})
+        assert judge.judge(forged.to_bytes(), "relay")[0].reason == "bad signature"
+        assert clock_behind(judge.stats) is None  # a forgery names a sender it cannot speak for
+        assert not caplog.records
+        clock.advance(5.0)
+        assert judge.judge(commit(miner_ids[1]), "relay")[0].detail == "too early"
+        assert clock_behind(judge.snapshot()) == {"early_senders": 2, "behind_by_at_least_s": 15.0}
+        clock.advance(1.0)
+        assert judge.judge(commit(miner_ids[2]), "relay")[0].detail == "too early"
+    assert clock_behind(judge.stats) == {"early_senders": 3, "behind_by_at_least_s": 15.0}  # the 2nd largest lead
+    assert [r.getMessage() for r in caplog.records] == [
+        "messages from 2 senders arrived before their windows opened, up to 20.0 s early (the spec tolerates "
+        "1.0 s): this node's clock is probably at least 15.0 s behind; check that it keeps time (NTP)"]
+    clock.set(opens + 2 * schedule.round_seconds)  # two rounds without an early message: forgotten
+    assert clock_behind(judge.snapshot()) is None
+    assert judge.judge(heartbeat(spec, miner_ids[0], r=2).to_bytes(), "relay")[0].accepted
+    assert judge.stats.early == {}
 
 
 def test_a_judge_seeded_from_storage_knows_what_it_accepted_before_a_restart(

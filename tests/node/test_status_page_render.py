@@ -34,6 +34,7 @@ class FakeValidator:
     def __init__(self) -> None:
         self.broken = False
         self.key_used_elsewhere: dict[str, Any] | None = None
+        self.clock_behind: dict[str, Any] | None = None
 
     async def status(self) -> dict[str, Any]:
         if self.broken:
@@ -41,7 +42,8 @@ class FakeValidator:
         return {"role": "validator", "node_id": V, "network": EVIL, "network_id": "ff" * 32, "round": 1,
                 "phase": "train", "peers": 2, "head": "ee" * 32, "head_round": 0, "me": None,
                 "agreement": {"round": 0, "share": 1.0}, "next_phase": {"round": 1, "phase": "commit", "in_s": 65},
-                "learning": LEARNING, "key_used_elsewhere": self.key_used_elsewhere}
+                "learning": LEARNING, "key_used_elsewhere": self.key_used_elsewhere,
+                "clock_behind": self.clock_behind}
 
     async def rewards(self) -> dict[str, Any]:
         return {"entries": [], "standings": {B: 0.1, A: 0.3}}
@@ -103,6 +105,12 @@ def test_the_page_renders_peer_text_as_text(browser: Any, served: tuple[HttpApi,
     assert page.locator("#key-alert").inner_text() == (
         "Another node is running with this node's key: 2 message(s) signed with it reached this node that it "
         "did not send (the last a commit of round 1). Stop one of them, or give each its own key.")
+    assert page.locator("#clock-alert").is_hidden()
+    node.clock_behind = {"early_senders": 3, "behind_by_at_least_s": 42.5}
+    page.wait_for_selector("#clock-alert:not([hidden])", timeout=10_000)
+    assert page.locator("#clock-alert").inner_text() == (
+        "This node's clock is probably at least 42.5 s behind: messages from 3 senders arrived before their windows "
+        "opened. Peers judge this node's messages by their clocks; check that this machine keeps time (NTP).")
 
     node.broken = True
     page.wait_for_selector("#error:not([hidden])", timeout=10_000)

@@ -83,6 +83,11 @@ function renderGlance(status) {
   $("key-alert").textContent = elsewhere ? `Another node is running with this node's key: ${elsewhere.messages} ` +
     `message(s) signed with it reached this node that it did not send (the last a ${elsewhere.last_kind} of ` +
     `round ${elsewhere.last_round}). Stop one of them, or give each its own key.` : "";
+  const behind = status.clock_behind;
+  $("clock-alert").hidden = !behind;
+  $("clock-alert").textContent = behind ? `This node's clock is probably at least ${behind.behind_by_at_least_s} s ` +
+    `behind: messages from ${behind.early_senders} senders arrived before their windows opened. Peers judge this ` +
+    `node's messages by their clocks; check that this machine keeps time (NTP).` : "";
   tick();
 }
 
