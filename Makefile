@@ -17,10 +17,12 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(VENV)/bin/tessera simulate --validators 2 --miners 4 --rounds 3 --dir .demo --force
 
-# The browser test drives Debian's chromium; the compose test runs `docker-compose config`.
+# The browser test drives Debian's chromium; the compose test runs `docker-compose config`; the clock test
+# runs a node under faketime.
 test-tools:
-	@if ! { command -v chromium && command -v docker-compose; } >/dev/null && command -v apt-get >/dev/null; then \
-		apt-get update -q && apt-get install -y -q chromium docker-compose; fi
+	@if ! { command -v chromium && command -v docker-compose && command -v faketime; } >/dev/null \
+			&& command -v apt-get >/dev/null; then \
+		apt-get update -q && apt-get install -y -q chromium docker-compose faketime; fi
 
 # Two pytest workers, a test file to one worker: the network simulation (tests/integration/test_network.py)
 # spends most of its time waiting for round phases, so the other files run beside it.

@@ -1,0 +1,45 @@
+"""A node whose clock runs behind says so: real node processes over loopback libp2p, one miner started
+under libfaketime (`faketime`, which `make test` installs with apt) with its clock BEHIND_S seconds
+slow. The others' messages reach it before their windows open by its clock, and its /status and
+/metrics say its clock is probably behind; the nodes on time say nothing."""
+
+from __future__ import annotations
+
+import shutil
+import time
+import urllib.request
+from pathlib import Path
+
+from node.sim.process import SimSettings
+from node.sim.run import Simulation
+
+BEHIND_S = 12.0
+SLOW = "miner-1"
+
+
+def test_a_node_whose_clock_is_behind_reports_it_and_the_others_do_not(tmp_path: Path) -> None:
+    faketime = shutil.which("faketime")
+    assert faketime, "faketime is not installed; `make test` installs it with apt"
+    settings = SimSettings(validators=1, miners=2, round_seconds=60, train_share=0.6, inner_steps=5,
+                           start_delay_s=35)
+    with Simulation(tmp_path / "sim", settings) as sim:
+        sim.prepare()
+        slow = sim.nodes[SLOW]
+        slow.command = [faketime, "-f", f"-{BEHIND_S:g}s", *slow.command]
+        sim.start()
+        assert sim.schedule is not None
+        # The validator's seed commit and everyone's round-0 heartbeats are early for the slow miner at
+        # genesis, the other miner's commit at COMMIT.
+        behind = sim.wait_until(lambda: (sim.get(SLOW, "/status") or {}).get("clock_behind"),
+                                sim.schedule.genesis_ts - time.time() + 90, "the slow miner's report")
+        assert behind["early_senders"] >= 2
+        # each early sender's lead is a lower bound on the lag: a little under it by the delivery time
+        assert BEHIND_S - 5 < behind["behind_by_at_least_s"] <= BEHIND_S + 0.5
+        with urllib.request.urlopen(f"http://127.0.0.1:{slow.http_port}/metrics", timeout=5) as response:
+            metrics = response.read().decode()
+        assert any(line.startswith("tessera_early_senders ") and float(line.split()[1]) >= 2
+                   for line in metrics.splitlines())
+        for name in ("validator-0", "miner-0"):
+            status = sim.get(name, "/status")
+            assert status is not None and status["clock_behind"] is None, name
+        assert "this node's clock is probably at least" in slow.log_path.read_text(encoding="utf-8")
