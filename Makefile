@@ -53,6 +53,7 @@ bench: $(STAMP)
 	$(PY) bench/learning.py --domain records --form-base --out .bench/learning-form-records.json
 	$(PY) bench/simulation.py --out .bench/simulation.json
 	$(PY) bench/simulation.py --miners 8 --adversaries noise,copier,lazy,garbage --out .bench/simulation-adversarial.json
+	$(PY) bench/soak.py --out .bench/soak.json
 	$(PY) bench/gpu.py --out .bench/gpu.json
 
 clean:

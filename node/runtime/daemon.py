@@ -189,7 +189,7 @@ class HeartbeatDuties:
 class Node:
     """One running node. Build with `await Node.create(...)`; `await run()`; `stop()` from anywhere on the loop."""
 
-    def __init__(self, ctx: NodeContext, duties: Duties, lock: NodeLock) -> None:
+    def __init__(self, ctx: NodeContext, duties: Duties, lock: NodeLock, new_data_round: int = -1) -> None:
         self.ctx = ctx
         self.duties = duties
         self._lock = lock
@@ -198,6 +198,9 @@ class Node:
         self._stop = asyncio.Event()
         self.key_elsewhere: dict[str, Any] | None = None
         """Messages signed with our key that another node sent (`_signed_elsewhere`); None: none seen."""
+        self._new_data_round = new_data_round
+        """The round this node started in when its database was new then (else -1): messages of that round or
+        before signed with our key may be this key's own from before the data directory was made."""
         # Subscribe now, not in run(): gossip that arrives in between waits in the queue.
         self._subscription: Subscription = ctx.network.subscribe()
         ctx.local.handler = self._handle
@@ -212,6 +215,8 @@ class Node:
         clock = clock or SystemClock()
         # before the blob store, which sweeps temporary files a running node may be writing
         lock = await asyncio.to_thread(NodeLock.acquire, config.node.data_dir, config.node.key)
+        now, schedule = clock.now(), Schedule.from_spec(spec)
+        new_data_round = schedule.round_at(now) if not config.db_path.exists() and now >= schedule.genesis_ts else -1
         try:
             blobs = BlobStore(config.blob_dir)
             storage = await Storage.open(config.db_path)
@@ -225,7 +230,7 @@ class Node:
                 raise ValueError(f"network joined as {network.node_id[:12]} but the key is {identity.node_id[:12]}")
             metrics = NodeMetrics()
             metrics.bind_network(lambda: network.stats, lambda: len(network.peers()))
-            ctx = NodeContext(config, spec, Schedule.from_spec(spec), identity, clock, storage, blobs, network,
+            ctx = NodeContext(config, spec, schedule, identity, clock, storage, blobs, network,
                               metrics, LocalDelivery())
             # in a thread: a factory may hash or read files; it may refuse, e.g. a held-out file with the wrong hash
             node_duties = await asyncio.to_thread(duties or HeartbeatDuties, ctx)
@@ -235,7 +240,7 @@ class Node:
             await storage.close()
             lock.release()
             raise
-        return cls(ctx, node_duties, lock)
+        return cls(ctx, node_duties, lock, new_data_round)
 
     async def run(self) -> None:
         """Serve until `stop()`; always closes HTTP, network and storage on the way out."""
@@ -245,10 +250,13 @@ class Node:
                                                 self.ctx.config.http.port)
                 log.info("http api on %s", self.http.url)
             async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self._consume(self._subscription), name="gossip-consumer")]
-                await self._catch_up()
-                tasks.append(tg.create_task(self.scheduler.run(), name="scheduler"))
-                await self._stop.wait()
+                tasks = [tg.create_task(self._consume(self._subscription), name="gossip-consumer"),
+                         tg.create_task(self._catch_up(), name="catch-up")]
+                stopped = tg.create_task(self._stop.wait(), name="stop")
+                await asyncio.wait([tasks[-1], stopped], return_when=asyncio.FIRST_COMPLETED)
+                if not stopped.done():  # caught up: phases may run
+                    tasks.append(tg.create_task(self.scheduler.run(), name="scheduler"))
+                await stopped
                 for task in tasks:
                     task.cancel()
         finally:
@@ -302,7 +310,19 @@ class Node:
     def _signed_elsewhere(self, envelope: Envelope) -> None:
         """Our own messages never come back as deliveries (the judge records each as we send it, and after
         a restart is seeded with what storage holds), so one signed with our key came from another node
-        that has the key. It is still recorded and handed to the duties, as any accepted message is."""
+        that has the key. It is still recorded and handed to the duties, as any accepted message is.
+
+        Unless the database was new when this node started and the message is of that round or the one
+        before: a data directory removed while its key was kept leaves the key's earlier messages of the
+        round with peers, who hand them back. Those are logged, not counted; a node that really runs with
+        this key is reported from the next round on.
+        """
+        if envelope.round <= self._new_data_round:
+            log.warning("round %d: a %s signed with this node's key reached it from the network, and this "
+                        "node has no record of sending it; its database is new, so it is probably this key's "
+                        "own from before (if another node runs with the key, the next round shows it)",
+                        envelope.round, envelope.kind)
+            return
         self.key_elsewhere = {"messages": (self.key_elsewhere or {}).get("messages", 0) + 1,
                               "last_kind": envelope.kind, "last_round": envelope.round}
         self.ctx.metrics.key_elsewhere.inc()
