@@ -39,6 +39,7 @@ from bench.report import emit  # noqa: E402
 from bench.simulation import _commit  # noqa: E402
 from node.sim.process import SimNode, SimSettings, SimulationError  # noqa: E402
 from node.sim.run import Simulation  # noqa: E402
+from node.store.blobs import BlobStore  # noqa: E402
 
 MIB = 2**20
 QUANTITIES = ("rss_mib", "fds", "threads", "data_mib", "blobs")
@@ -63,7 +64,7 @@ def sample(node: SimNode) -> dict[str, float] | None:
         "fds": fds,
         "threads": int(status["Threads"]),
         "data_mib": sum(p.stat().st_size for p in files) / MIB,
-        "blobs": sum(1 for p in files if p.parent == blobs),
+        "blobs": len(BlobStore(blobs).hashes()) if blobs.is_dir() else 0,
     }
     metric = _metric(node, "process_resident_memory_bytes")
     if metric is not None:

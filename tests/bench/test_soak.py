@@ -12,6 +12,7 @@ from types import ModuleType
 import pytest
 
 from node.sim.process import SimNode
+from node.store.blobs import BlobStore
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "soak.py"
 
@@ -28,10 +29,9 @@ def soak() -> ModuleType:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the soak benchmark reads /proc")
 def test_a_reading_sees_the_process_memory_files_and_its_data_directory(soak: ModuleType, tmp_path: Path) -> None:
-    blobs = tmp_path / "data" / "blobs"
-    blobs.mkdir(parents=True)
+    store = BlobStore(tmp_path / "data" / "blobs")
     for i in range(3):
-        (blobs / f"{i:064x}").write_bytes(b"x" * 2**20)
+        store.put_bytes(bytes([i]) * 2**20)
     (tmp_path / "data" / "node.db").write_bytes(b"y" * 2**19)
     # holds 100 MiB and 20 extra open files
     script = ("import sys, time; b = bytearray(100 * 2**20); b[::4096] = b'1' * len(b[::4096]); "
