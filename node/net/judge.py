@@ -13,8 +13,9 @@ storage after a restart. It also keeps the bytes of the envelopes it accepted in
 previous round (`recent`, capped at RECENT_BYTES_PER_ROUND), for a restarted peer to catch up on
 (`judge_replayed` judges those on the other side). It notes the senders whose authentic messages
 arrive before their window opens (`NetworkStats.early`): one such sender has a clock that runs
-ahead, several at once mean ours runs behind (`clock_behind`), which the node reports. Thread-safe: the libp2p host judges on its own thread. This module knows nothing
-about transports or storage.
+ahead, several at once mean ours runs behind (`clock_behind`), which the node reports.
+Thread-safe: the libp2p host judges on its own thread. This module knows nothing about transports
+or storage.
 """
 
 from __future__ import annotations
