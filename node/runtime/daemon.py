@@ -213,12 +213,13 @@ class Node:
         spec = load_spec(config.node.spec)
         identity = await asyncio.to_thread(load_or_create_identity, config.node.key)
         clock = clock or SystemClock()
-        # before the blob store, which sweeps temporary files a running node may be writing
+        # before sweeping the blob store's temporary files, which a running node may be writing
         lock = await asyncio.to_thread(NodeLock.acquire, config.node.data_dir, config.node.key)
         now, schedule = clock.now(), Schedule.from_spec(spec)
         new_data_round = schedule.round_at(now) if not config.db_path.exists() and now >= schedule.genesis_ts else -1
         try:
             blobs = BlobStore(config.blob_dir)
+            blobs.sweep_temporary()  # ours alone now: what a crash left behind
             storage = await Storage.open(config.db_path)
         except BaseException:
             lock.release()

@@ -168,6 +168,7 @@ async def run_peer(args: argparse.Namespace) -> None:
     spec = load_spec(args.network_spec)
     identity = load_or_create_identity(args.key)
     store = BlobStore(Path(args.data_dir) / "blobs")
+    store.sweep_temporary()
     config = P2PConfig(host=args.host, port=args.port, bootstrap=tuple(args.bootstrap),
                        serve_rate_bytes_s=args.serve_rate, penalty_threshold=args.penalty_threshold,
                        supervise_interval_s=args.supervise_interval)

@@ -3,7 +3,9 @@
 Every write goes to a temp file under `root/tmp/`, is hashed while it is written, and is renamed
 into place (os.replace) only once its hash and size are verified; a failed or aborted write
 deletes its temp file (also when the disk refuses writes: the OSError reaches the caller and no
-partial blob stays), and temp files left by a crash are removed when the store opens. This
+partial blob stays). Temp files left by a crash are removed by `sweep_temporary`, which only the
+store's owner calls, when it opens the store (a node, once it holds its data directory's lock):
+anyone else may open the same directory to read it without touching writes in flight. This
 module knows nothing about the network, messages or what a blob contains.
 """
 
@@ -130,8 +132,14 @@ class BlobStore:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
         (self.root / TMP_DIR).mkdir(parents=True, exist_ok=True)
-        for stale in (self.root / TMP_DIR).iterdir():
-            stale.unlink(missing_ok=True)
+
+    def sweep_temporary(self) -> int:
+        """Delete the temp files of writes that never finished (a crash); returns how many. Only for the
+        store's owner, before it writes: another process's writes in flight would be deleted too."""
+        stale = list((self.root / TMP_DIR).iterdir())
+        for path in stale:
+            path.unlink(missing_ok=True)
+        return len(stale)
 
     def path(self, blob_hash: str) -> Path:
         _check_hash(blob_hash)
