@@ -6,7 +6,10 @@ Rules, identical on every node:
 - A miner is rejected when at least half of its counted verdicts (losses plus refusals) are
   refusals; a refusal is checkable by anyone (hash, header, finiteness), so safety wins a tie.
   Otherwise its loss is the median of the reported losses; with no loss and no refusal it is
-  unscored. Utility is max(0, base_loss - loss).
+  unscored. Its utility is max(0, median of base_v - loss_v) over the validators v that reported a
+  loss, each loss against that validator's own base loss: validators on other hardware or batch
+  sizes can measure the same base a few ulps apart, and a miner that sent the head back unchanged
+  must not gain by it.
 - Near-duplicates and miners with zero utility are not ranked. The others are ranked 1, 2, ... by
   loss ascending, ties broken by commitment hash ascending. Rank k <= K earns
   points(k) = (K - k + 1) / K, so rank 1 earns 1 and rank K earns 1/K.
@@ -126,24 +129,39 @@ def combine(
     return median(losses) if losses else None
 
 
+def utility(miner: str, assigned: Iterable[str], reports: Mapping[str, Mapping[str, Score]],
+            base_losses: Mapping[str, float]) -> float:
+    """max(0, median over the assigned validators that reported a loss of (their base loss - that loss))."""
+    gains = [base_losses[v] - score for v in sorted(assigned)
+             if not isinstance(score := reports.get(v, {}).get(miner), Refused) and score is not None]
+    return max(0.0, median(gains)) if gains else 0.0
+
+
 def rank_round(
     reports: Mapping[str, Mapping[str, Score]],
     assignment: Mapping[str, Iterable[str]],
-    base_loss: float,
+    base_losses: Mapping[str, float],
     commitments: Mapping[str, str],
     duplicates: Container[str],
     top_k: int,
 ) -> RoundRanking:
-    """Rank the miners of `assignment` (miner -> assigned validators) from validators' reports."""
-    if not (math.isfinite(base_loss) and base_loss >= 0):
-        raise ValueError(f"base_loss must be a finite non-negative number, got {base_loss}")
+    """Rank the miners of `assignment` (miner -> assigned validators) from validators' reports and the
+    base loss each validator reported (`base_losses`, by validator; one for every validator in `reports`)."""
+    for validator, loss in base_losses.items():
+        if not (math.isfinite(loss) and loss >= 0):
+            raise ValueError(f"validator {validator[:12]}'s base loss must be a finite non-negative number, "
+                             f"got {loss}")
+    unknown = sorted(set(reports) - set(base_losses))
+    if unknown:
+        raise ValueError(f"no base loss for validator {unknown[0][:12]}, whose report counts")
+    base_loss = median(base_losses.values()) if base_losses else 0.0
     if top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     missing = sorted(set(assignment) - set(commitments))
     if missing:
         raise ValueError(f"no commitment for assigned miner {missing[0]}")
 
-    eligible: list[tuple[float, str, str]] = []
+    eligible: list[tuple[float, str, str, float]] = []
     others: list[MinerResult] = []
     for miner in sorted(assignment):
         combined = combine(miner, assignment[miner], reports)
@@ -153,19 +171,19 @@ def rank_round(
         if combined is None:
             others.append(_unranked(miner, commitments[miner], None, 0.0, "unscored"))
             continue
-        utility = max(0.0, base_loss - combined)
+        gain = utility(miner, assignment[miner], reports, base_losses)
         if miner in duplicates:
-            others.append(_unranked(miner, commitments[miner], combined, utility, "near-duplicate"))
-        elif utility <= 0:
-            others.append(_unranked(miner, commitments[miner], combined, utility, "no utility"))
+            others.append(_unranked(miner, commitments[miner], combined, gain, "near-duplicate"))
+        elif gain <= 0:
+            others.append(_unranked(miner, commitments[miner], combined, gain, "no utility"))
         else:
-            eligible.append((combined, commitments[miner], miner))
+            eligible.append((combined, commitments[miner], miner, gain))
 
     ranked = []
-    for rank, (loss, commitment, miner) in enumerate(sorted(eligible), start=1):
+    for rank, (loss, commitment, miner, gain) in enumerate(sorted(eligible), start=1):
         points = rank_points(rank, top_k)
         reason = "" if points > 0 else "not ranked in top-K"
-        ranked.append(MinerResult(miner, commitment, loss, base_loss - loss, rank, points, reason))
+        ranked.append(MinerResult(miner, commitment, loss, gain, rank, points, reason))
     return RoundRanking(base_loss=base_loss, top_k=top_k, results=(*ranked, *others))
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from protocol.messages import ScoreReport
-from protocol.ranking import RoundRanking, Score, median, rank_round, scores_from_report
+from protocol.ranking import RoundRanking, Score, rank_round, scores_from_report
 from protocol.spec import NetworkSpec
 from training.experts import pseudo_gradient
 from training.outer import OuterConfig, near_duplicates, outer_step
@@ -96,8 +96,8 @@ def rank_reports(
 ) -> RoundRanking:
     """The round's ranking from the reports scored against `head` (every node can compute it; only
     validators holding the blobs know the near-duplicate flags, `duplicates`)."""
-    scores, base_loss = _scores(reports, commitments, head)
-    return rank_round(scores, assignment, base_loss, commitments, duplicates, spec.rewards.top_k)
+    scores, base_losses = _scores(reports, commitments, head)
+    return rank_round(scores, assignment, base_losses, commitments, duplicates, spec.rewards.top_k)
 
 
 def merge_round(
@@ -155,13 +155,12 @@ def _coverage(
 
 def _scores(
     reports: Mapping[str, ScoreReport], commitments: Mapping[str, str], head: str
-) -> tuple[dict[str, dict[str, Score]], float]:
+) -> tuple[dict[str, dict[str, Score]], dict[str, float]]:
+    """The counted reports' verdicts by validator, and each one's base loss."""
     counted = counted_reports(reports, head)
     if not counted:
         raise MergeInputError(
             f"no score report was made against the current head {head[:12]}; keep the state"
         )
-    base_loss = median(report.base_loss for report in counted.values())
-    return {
-        validator: scores_from_report(report, commitments) for validator, report in counted.items()
-    }, base_loss
+    return ({validator: scores_from_report(report, commitments) for validator, report in counted.items()},
+            {validator: report.base_loss for validator, report in counted.items()})

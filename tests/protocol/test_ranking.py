@@ -32,10 +32,11 @@ REPORTS = {
     V2: {M1: 2.4, M3: 2.5, M4: 1.0, M5: 3.5, M8: 1.2},
     V3: {M2: 2.2, M3: None, M5: 0.1, M8: Refused("non-finite values")},
 }
+BASE = {V1: 3.0, V2: 3.0, V3: 3.0}
 
 
 def test_hand_computed_round() -> None:
-    ranking = rank_round(REPORTS, ASSIGNMENT, 3.0, COMMITMENTS, {M7}, top_k=3)
+    ranking = rank_round(REPORTS, ASSIGNMENT, BASE, COMMITMENTS, {M7}, top_k=3)
     got = {r.miner: (r.loss, r.rank, r.points, r.reason) for r in ranking.results}
     assert got[M8] == (pytest.approx(1.1), 1, 1.0, "")
     assert got[M2] == (pytest.approx(2.2), 2, pytest.approx(2 / 3), "")
@@ -53,27 +54,42 @@ def test_hand_computed_round() -> None:
 
 
 def test_loss_equal_to_base_has_no_utility() -> None:
-    ranking = rank_round({V1: {M1: 3.0}}, {M1: (V1,)}, 3.0, {M1: "aa" * 32}, set(), top_k=1)
+    ranking = rank_round({V1: {M1: 3.0}}, {M1: (V1,)}, {V1: 3.0}, {M1: "aa" * 32}, set(), top_k=1)
     assert ranking.result(M1).reason == "no utility" and ranking.points() == {}
 
 
 def test_rejection_needs_half_the_verdicts() -> None:
     reports = {V1: {M1: Refused("bad header")}, V2: {M1: 1.0}, V3: {M1: 2.0}}
-    one_of_three = rank_round(reports, {M1: (V1, V2, V3)}, 3.0, {M1: "aa" * 32}, set(), top_k=1)
+    one_of_three = rank_round(reports, {M1: (V1, V2, V3)}, BASE, {M1: "aa" * 32}, set(), top_k=1)
     assert one_of_three.result(M1).loss == 1.5
     two_of_three = rank_round(
-        {**reports, V3: {M1: Refused("dtype")}}, {M1: (V1, V2, V3)}, 3.0, {M1: "aa" * 32}, set(), top_k=1
+        {**reports, V3: {M1: Refused("dtype")}}, {M1: (V1, V2, V3)}, BASE, {M1: "aa" * 32}, set(), top_k=1
     )
     assert two_of_three.result(M1).reason == "rejected: bad header"
 
 
+def test_a_miner_that_sent_the_head_back_has_no_utility_where_validators_base_losses_differ() -> None:
+    # Each validator measures the unchanged head exactly at its own base loss; theirs differ in the last bits
+    # (other hardware, another batch size), and the median base is above one of them.
+    base = {V1: 3.0000001, V2: 3.0, V3: 3.0000002}
+    lazy = {v: {M1: loss} for v, loss in base.items()}
+    ranking = rank_round(lazy, {M1: (V2,)}, base, {M1: "aa" * 32}, set(), top_k=1)
+    assert ranking.base_loss == 3.0000001  # the median, shown as the round's base
+    assert ranking.result(M1).utility == 0.0 and ranking.result(M1).reason == "no utility"
+    trained = {V1: {M1: 2.5000001}, V2: {M1: 2.4}, V3: {M1: 2.6}}  # gains 0.5, 0.6 and 0.4000002
+    ranking = rank_round(trained, {M1: (V1, V2, V3)}, base, {M1: "aa" * 32}, set(), top_k=1)
+    assert ranking.result(M1).utility == pytest.approx(0.5) and ranking.result(M1).loss == 2.5000001
+
+
 def test_bad_inputs() -> None:
     with pytest.raises(ValueError, match="no commitment"):
-        rank_round({}, {M1: (V1,)}, 3.0, {}, set(), top_k=1)
-    with pytest.raises(ValueError, match="base_loss"):
-        rank_round({}, {}, float("nan"), {}, set(), top_k=1)
+        rank_round({}, {M1: (V1,)}, {}, {}, set(), top_k=1)
+    with pytest.raises(ValueError, match="base loss must be a finite"):
+        rank_round({}, {}, {V1: float("nan")}, {}, set(), top_k=1)
+    with pytest.raises(ValueError, match="no base loss for validator"):
+        rank_round({V1: {M1: 2.0}}, {M1: (V1,)}, {}, {M1: "aa" * 32}, set(), top_k=1)
     with pytest.raises(ValueError, match="non-finite"):
-        rank_round({V1: {M1: float("inf")}}, {M1: (V1,)}, 3.0, {M1: "aa" * 32}, set(), top_k=1)
+        rank_round({V1: {M1: float("inf")}}, {M1: (V1,)}, {V1: 3.0}, {M1: "aa" * 32}, set(), top_k=1)
 
 
 def test_scores_from_report() -> None:

@@ -117,7 +117,7 @@ def test_trained_miner_ranks_above_noise_and_lazy(qwen) -> None:
     ranking = rank_round(
         {validator: scores_from_report(report, commitments)},
         {m: [validator] for m in submissions},
-        report.base_loss,
+        {validator: report.base_loss},
         commitments,
         (),
         setup.spec.rewards.top_k,
