@@ -5,7 +5,8 @@ round seed, then the miner's 32-byte public key, then the validator's 32-byte pu
 decoded from its hex). Each miner is assigned the R validators with the smallest distance (ties,
 which need a hash collision, fall to the smaller validator id), nearest first. When R exceeds the
 validator count every validator evaluates every miner. Everyone computes the same answer from the
-same round seed; this module knows nothing about scores or timing.
+same round seed. A round takes at most as many miners as one validator's score report can carry
+(`admit`); this module knows nothing about scores or timing.
 """
 
 from __future__ import annotations
@@ -40,6 +41,20 @@ def assign(
         return tuple(sorted(validator_ids, key=lambda v: (distance(round_seed, miner, v), v))[:r])
 
     return {miner: closest(miner) for miner in miner_ids}
+
+
+def admit(round_seed: str, miners: Iterable[str], capacity: int) -> tuple[str, ...]:
+    """The miners a round takes when more than `capacity` revealed, sorted by id: those with the smallest
+    SHA256(s_r || miner). The round seed is unknown until the commit window has closed, so no miner can
+    choose an identity or commitment that gets it in."""
+    miner_ids = _ids(miners, "miner")
+    _require_hex(round_seed, "round seed")
+    if capacity < 1:
+        raise ValueError(f"capacity must be >= 1, got {capacity}")
+    if len(miner_ids) <= capacity:
+        return tuple(miner_ids)
+    order = sorted(miner_ids, key=lambda m: (hashlib.sha256(bytes.fromhex(round_seed) + bytes.fromhex(m)).digest(), m))
+    return tuple(sorted(order[:capacity]))
 
 
 def assigned_to(

@@ -16,7 +16,17 @@ from protocol.encoding import canonical_json, sha256_hex
 from protocol.identity import Identity, verify
 
 Hex32 = Annotated[str, Field(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")]
-Round = Annotated[int, Field(ge=0)]
+MAX_ROUND = 10**15
+"""The largest round a message may name: far past any network's life (10**15 one-minute rounds are 2 billion
+years), and small enough that the schedule's float maths on it stays finite, so `check` can judge any
+envelope; a round near 10**309 from a peer overflowed there before the signature was checked."""
+Round = Annotated[int, Field(ge=0, le=MAX_ROUND)]
+
+
+MAX_REPORT_ENTRIES = 1024
+"""The most miners one ScoreReport names; a spec's message size limit may allow fewer (`report_capacity`)."""
+REPORT_REASON_CHARS = 48
+"""What `fit_report` cuts reasons to first, when a report would not fit in one message."""
 
 
 class DecodeError(ValueError):
@@ -80,7 +90,7 @@ class ScoreReport(_Message):
     kind: Literal["score_report"] = "score_report"
     base: Hex32
     base_loss: float = Field(ge=0, allow_inf_nan=False)
-    entries: tuple[ScoreEntry, ...] = Field(max_length=1024)
+    entries: tuple[ScoreEntry, ...] = Field(max_length=MAX_REPORT_ENTRIES)
 
 
 class GlobalState(_Message):
@@ -181,3 +191,40 @@ def _first_error(exc: ValidationError) -> str:
     err = exc.errors()[0]
     where = ".".join(str(p) for p in err["loc"]) or "value"
     return f"{where}: {err['msg']}"
+
+
+# -- score report size -----------------------------------------------------------------------------
+
+_LONGEST_ROUND = 10**15  # far past any network's life: 10**15 rounds of a minute is 2 billion years
+_LONGEST_LOSS = 2.2250738585072014e-308  # a finite non-negative float with one of the longest JSON forms
+
+
+def report_bytes(report: ScoreReport) -> int:
+    """The size of `report` sealed in an envelope (every network id, sender and signature has one length)."""
+    envelope = {"network": "0" * 64, "kind": report.kind, "sender": "0" * 64, "round": report.round,
+                "body": report.model_dump(mode="json", exclude={"kind"}), "signature": "0" * 128}
+    return len(canonical_json(envelope))
+
+
+def report_capacity(max_message_bytes: int) -> int:
+    """How many miners one ScoreReport can carry within `max_message_bytes`: every entry at its longest
+    with an empty reason (`fit_report` shortens reasons to fit), at most the report's entry limit."""
+    def longest(n: int) -> int:
+        entry = ScoreEntry(miner="f" * 64, commitment="f" * 64, loss=_LONGEST_LOSS, verdict="accept")
+        return report_bytes(ScoreReport(round=_LONGEST_ROUND, base="f" * 64, base_loss=_LONGEST_LOSS,
+                                        entries=(entry,) * n))
+
+    first, each = longest(1), longest(2) - longest(1)
+    return max(0, min(MAX_REPORT_ENTRIES, (max_message_bytes - first) // each + 1))
+
+
+def fit_report(report: ScoreReport, max_message_bytes: int) -> ScoreReport:
+    """`report` with its entries' reasons cut short, or dropped, if that is what it takes to fit in a
+    `max_message_bytes` envelope; unchanged when it fits. Reasons only explain a verdict to people."""
+    fitted = report
+    for keep in (REPORT_REASON_CHARS, 0):
+        if report_bytes(fitted) <= max_message_bytes:
+            break
+        fitted = report.model_copy(update={"entries": tuple(e.model_copy(update={"reason": e.reason[:keep]})
+                                                            for e in report.entries)})
+    return fitted

@@ -2,7 +2,9 @@
 
 A validator fixes the plan when EVALUATE starts and MERGE reuses it (node.store keeps it), so a
 reveal accepted later can no longer change seed or assignment; a miner computes the same plan a
-round later to rank the round from the public score reports. Validators that committed a seed and
+round later to rank the round from the public score reports. A round takes at most as many miners as
+one score report can name (`protocol.messages.report_capacity`): beyond that, the round seed picks
+which (`protocol.assignment.admit`), and the others are in the plan's reveals but not its assignment. Validators that committed a seed and
 did not reveal it are named in the plan, and lose reward-set standing: for the next
 SEED_WITHHOLD_ROUNDS rounds they are left out of the assignment (they score no miners, so their
 reports count for nobody). Every node computes that exclusion from the seed commits and reveals it
@@ -19,7 +21,8 @@ from collections.abc import Iterable
 
 from node.store.db import Storage
 from node.store.records import RoundPlan, SeedRecord
-from protocol.assignment import assign
+from protocol.assignment import admit, assign
+from protocol.messages import report_capacity
 from protocol.seeds import reveal_matches, round_seed
 from protocol.spec import NetworkSpec
 
@@ -83,5 +86,10 @@ async def make_plan(storage: Storage, spec: NetworkSpec, round: int) -> RoundPla
     elif excluded:
         log.info("round %d: validator(s) %s left out of the assignment: they withheld a seed in the last %d "
                  "round(s)", round, ", ".join(v[:12] for v in excluded), SEED_WITHHOLD_ROUNDS)
-    assignment = assign(seed, revealed, validators, spec.rewards.replication) if revealed else {}
+    admitted = admit(seed, revealed, report_capacity(spec.limits.max_message_bytes)) if revealed else ()
+    if len(admitted) < len(revealed):
+        log.warning("round %d: %d miners revealed, and a round takes %d (as many as one score report of at most "
+                    "limits.max_message_bytes = %d bytes can name); the rest are not scored this round", round,
+                    len(revealed), len(admitted), spec.limits.max_message_bytes)
+    assignment = assign(seed, admitted, validators, spec.rewards.replication) if admitted else {}
     return RoundPlan(round, seed, revealed, commits, assignment, withheld(seeds), excluded)

@@ -27,6 +27,7 @@ def round_report(plan: RoundPlan, head: str, ranking: RoundRanking | None, propo
         if miner not in miners:
             reason = ("no commit in the COMMIT window" if miner not in plan.commits
                       else "no reveal matching its commitment" if miner not in plan.revealed
+                      else "not admitted: more miners revealed than a round takes" if miner not in plan.assignment
                       else "not scored against the current global state")
             miners[miner] = {"id": miner, "verdict": "missing", "loss": None, "rank": None, "reward": 0.0,
                              "reason": reason}

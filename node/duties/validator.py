@@ -37,7 +37,7 @@ from node.duties.results import leaderboard, learn_results
 from node.net.network import NetworkError, PublishRefused
 from node.runtime.daemon import BuiltOnce, HeartbeatDuties, NodeContext
 from node.store.records import Proposal, RewardRecord, RoundPlan
-from protocol.messages import Envelope, GlobalState, Message, Reveal, SeedCommit, SeedReveal
+from protocol.messages import Envelope, GlobalState, Message, Reveal, SeedCommit, SeedReveal, fit_report
 from protocol.ranking import RoundRanking, update_standing
 from protocol.rounds import Phase
 from protocol.seeds import commitment, new_seed
@@ -188,7 +188,7 @@ class ValidatorDuties:
         for entry in result.entries:
             log.info("round %d: miner %s %s %s", round, entry.miner[:12], entry.verdict,
                      f"loss {entry.loss:.4f}" if entry.loss is not None else entry.reason)
-        await self._publish(result.report(round, head))
+        await self._publish(fit_report(result.report(round, head), self.ctx.spec.limits.max_message_bytes))
 
     async def _fetch(self, blob_hash: str, miner: str, loaded: _Loaded) -> bytes | None:
         await self._prefetch.wait(blob_hash)  # in the local store now, unless that fetch failed

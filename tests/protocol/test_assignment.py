@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.assignment import assign, assigned_to
+from protocol.assignment import admit, assign, assigned_to
 
 SEED = "5e" * 32
 VALIDATORS = [hashlib.sha256(f"v{i}".encode()).hexdigest() for i in range(10)]
@@ -68,3 +68,13 @@ def test_balanced_load(seed: bytes) -> None:
     expected = len(MINERS) * replication / len(VALIDATORS)
     # Each count is ~Binomial(2000, 0.3): sd ~20.5, so +-15% is more than 4 sd.
     assert all(abs(load[v] - expected) <= 0.15 * expected for v in VALIDATORS), load
+
+
+def test_a_round_admits_the_miners_the_seed_puts_first_when_too_many_revealed() -> None:
+    assert admit(SEED, MINERS[:10], 10) == tuple(sorted(MINERS[:10]))  # room for all
+    chosen = admit(SEED, reversed(MINERS[:100]), 7)
+    first = sorted(MINERS[:100], key=lambda m: hashlib.sha256(bytes.fromhex(SEED + m)).digest())[:7]
+    assert chosen == tuple(sorted(first))
+    assert admit("00" * 32, MINERS[:100], 7) != chosen  # another round, another draw
+    with pytest.raises(ValueError, match="capacity"):
+        admit(SEED, MINERS[:3], 0)
