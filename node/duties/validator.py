@@ -37,7 +37,16 @@ from node.duties.results import leaderboard, learn_results
 from node.net.network import NetworkError, PublishRefused
 from node.runtime.daemon import BuiltOnce, HeartbeatDuties, NodeContext
 from node.store.records import Proposal, RewardRecord, RoundPlan
-from protocol.messages import Envelope, GlobalState, Message, Reveal, SeedCommit, SeedReveal, fit_report
+from protocol.messages import (
+    Envelope,
+    GlobalState,
+    Message,
+    Reveal,
+    SeedCommit,
+    SeedReveal,
+    fit_report,
+    report_capacity,
+)
 from protocol.ranking import RoundRanking, update_standing
 from protocol.rounds import Phase
 from protocol.seeds import commitment, new_seed
@@ -82,7 +91,7 @@ class ValidatorDuties:
         self.synced = False
         self._loaded = BuiltOnce(lambda: _Loaded.create(ctx))
         self._checked = _Checked(-1)
-        self._prefetch = Prefetcher(ctx.network)
+        self._prefetch = Prefetcher(ctx.network, report_capacity(ctx.spec.limits.max_message_bytes))
         self._cap: int | None = None  # known once the model is loaded
 
     async def on_phase(self, round: int, phase: Phase) -> None:
