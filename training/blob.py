@@ -288,8 +288,10 @@ def _parse_entry(name: str, entry: object) -> TensorInfo:
 
 
 def _check_layout(tensors: Mapping[str, TensorInfo], buffer_len: int) -> None:
+    by_offset = sorted(tensors, key=lambda name: (tensors[name].begin, tensors[name].end, name))
     position = 0
-    for name, info in sorted(tensors.items(), key=lambda item: (item[1].begin, item[1].end)):
+    for name in by_offset:
+        info = tensors[name]
         if info.begin < position:
             raise BlobError(f"malformed header: offsets of {name[:80]!r} overlap another tensor")
         if info.begin > position:
@@ -299,3 +301,5 @@ def _check_layout(tensors: Mapping[str, TensorInfo], buffer_len: int) -> None:
         raise BlobError("truncated")
     if buffer_len > position:
         raise BlobError("malformed header: trailing bytes after the data buffer")
+    if by_offset != sorted(tensors):  # the same content in another order is another byte form
+        raise BlobError("malformed header: tensor data not laid out in name order")

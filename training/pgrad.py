@@ -23,7 +23,7 @@ names from being taken for a buffer, and then overwritten with one).
 Blob tensors for an expert tensor named N with C of its chunks drawn, K kept each:
     N.idx    U8 [C, K] if chunk <= 256, else I16   index of each kept entry inside its chunk, strictly ascending
     N.q      I8  [C, K] in [-127, 127] (int8)  or  U8 [C, ceil(K/4)] (2bit; unused codes zero)
-    N.scale  F32 [C]               finite, non-negative
+    N.scale  F32 [C]               finite, non-negative, and (int8) finite times 127 in fp32
 A tensor with no chunk drawn has no blob tensors. A tensor smaller than `chunk` is one
 chunk of its own size; otherwise its size must be a multiple of `chunk`. `check_compressed` refuses
 every other value a peer could send, with a distinct reason.
@@ -51,6 +51,8 @@ from training.experts import Tensors
 Quant = Literal["int8", "2bit"]
 ERROR_FORMAT = "tessera-error-feedback/1"
 _SUFFIXES = ("idx", "q", "scale")
+_LARGEST_CODE: dict[Quant, float] = {"int8": 127.0, "2bit": 1.0}
+"""The largest magnitude a code decodes to, in units of its chunk's scale."""
 
 
 @dataclass(frozen=True)
@@ -250,6 +252,8 @@ def check_compressed(blob: Tensors, shapes: Mapping[str, tuple[int, ...]], cfg: 
             return f"non-finite scale in {name}.scale"
         if bool((scale_C < 0).any()):
             return f"negative scale in {name}.scale"
+        if not bool(torch.isfinite(scale_C * _LARGEST_CODE[cfg.quant]).all()):
+            return f"scale overflows fp32 in {name}.scale"
         if cfg.quant == "int8" and bool((blob[f"{name}.q"] == -128).any()):
             return f"int8 value -128 in {name}.q"
         if cfg.quant == "2bit" and k % 4 and bool((blob[f"{name}.q"][:, -1] >> (2 * (k % 4))).any()):
@@ -264,7 +268,7 @@ def error_bytes(error: Tensors) -> bytes:
 
 
 def load_error(data: bytes, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    """A buffer written by `error_bytes`; ValueError unless it holds exactly `shapes` in fp32."""
+    """A buffer written by `error_bytes`; ValueError unless it holds exactly `shapes` in fp32, all finite."""
     try:
         error = safetensors.torch.load(data)
     except safetensors.SafetensorError as exc:
@@ -276,6 +280,8 @@ def load_error(data: bytes, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, 
     for name, shape in shapes.items():
         if tuple(error[name].shape) != tuple(shape) or error[name].dtype != torch.float32:
             raise ValueError(f"the error-feedback buffer's {name} is not fp32 of shape {list(shape)}")
+        if not bool(torch.isfinite(error[name]).all()):
+            raise ValueError(f"the error-feedback buffer's {name} holds non-finite values")
     return dict(sorted(error.items()))
 
 

@@ -7,8 +7,10 @@ matches the last submission it made, and a round built again after a crash start
 buffer. The buffer lives in pseudo-gradient space, not relative to a state: a round whose base is
 not the previous round's head (that state was not adopted, or the miner skipped rounds) simply adds
 the residual to its own update. What a round sent that was not merged is lost, not re-sent. A
-buffer whose blob is gone or unreadable (a miner away longer than the blob retention) starts empty,
-with a warning. This module knows nothing about training, the protocol or scoring.
+buffer whose blob is gone or unreadable (a miner away longer than the blob retention), or holds a
+NaN or an Inf, starts empty, with a warning; a round whose training diverged submits nothing and
+leaves the buffer as it was (node.duties.miner). This module knows nothing about training, the
+protocol or scoring.
 """
 
 from __future__ import annotations

@@ -18,7 +18,10 @@ A network whose spec says `[submission] format = "pgrad"` gets compressed pseudo
 (training.pgrad): G = Φ_t − Φ_i in fp32 plus the miner's error-feedback buffer, top-k per chunk and
 quantised; what was left unsent is the new buffer, kept across rounds and restarts by
 node.duties.feedback.
-This module knows nothing about scoring or merging.
+
+A round whose training diverged (NaN or Inf in the trained experts) has no submission: the miner
+encodes nothing, keeps its error-feedback buffer as it was and drops its kept AdamW state, which the
+diverged steps left non-finite (`Diverged`). This module knows nothing about scoring or merging.
 """
 
 from __future__ import annotations
@@ -71,14 +74,27 @@ def miner_seed(miner: str, round: int) -> int:
     return int.from_bytes(hashlib.sha256(f"tessera-miner:{miner}:{round}".encode()).digest()[:8], "big") >> 1
 
 
+class Diverged(ValueError):
+    """The trained experts hold NaN or Inf: training diverged, and there is nothing to submit."""
+
+
+def _check_finite(tensors: Mapping[str, torch.Tensor]) -> None:
+    """Diverged naming the first tensor, by name, that holds a NaN or an Inf."""
+    for name in sorted(tensors):
+        if not bool(torch.isfinite(tensors[name]).all()):
+            raise Diverged(f"training diverged: non-finite values in {name}")
+
+
 def encode_submission(spec: NetworkSpec, round: int, miner: str, head: str, tensors: Mapping[str, torch.Tensor],
                       base: Mapping[str, torch.Tensor] | None = None, feedback: ErrorFeedback | None = None) -> bytes:
     """The canonical blob of `tensors` in the spec's submission format, naming this round, miner and base.
 
     `experts`: the tensors in the spec's dtype. `pgrad`: G = `base` − `tensors` plus `feedback.error`,
     compressed on the chunks this round and miner draw; `feedback.error` becomes what those
-    chunks left unsent (without `feedback` nothing is kept).
+    chunks left unsent (without `feedback` nothing is kept). Diverged, with `feedback` untouched, when
+    `tensors` hold a NaN or an Inf.
     """
+    _check_finite(tensors)
     cfg = pgrad_config(spec)
     meta = BlobMeta(network=spec.network_id, round=round, miner=miner, base=head,
                     group={layer: list(ids) for layer, ids in spec.group.items()},
@@ -170,11 +186,20 @@ def build_submission(model: MinerModel, miner: str, round: int, head: str, base:
     a pgrad network's blob carries `feedback`'s buffer in and leaves the new one there, and a miner that
     keeps its optimizer (`[miner] keep_optimizer`) goes on from `optimizer`'s state and leaves the new one.
 
-    ValueError when `keep_going` is already False: the TRAIN deadline passed before training began."""
+    ValueError when `keep_going` is already False: the TRAIN deadline passed before training began.
+    Diverged when training did: `feedback` is left as it was, and `optimizer`'s state is dropped."""
     if not keep_going():  # the trainer would get no batch and blame the data
         raise ValueError("no time left to train: the TRAIN deadline had already passed when training would start")
     result = model.train(miner, round, base, section, keep_going, steps, progress, optimizer)
-    return encode_submission(model.spec, round, miner, head, result.tensors, base, feedback), result
+    try:
+        return encode_submission(model.spec, round, miner, head, result.tensors, base, feedback), result
+    except Diverged:
+        # The diverged steps updated the kept AdamW moments in place (torch loads a state without copying
+        # it), so the state from before this round is gone too: the next round starts AdamW at zero.
+        if optimizer is not None:
+            optimizer.state = None
+            log.warning("round %d: training diverged; dropping the kept optimizer state", round)
+        raise
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Content-addressed blob storage on disk: a blob lives at `root/ab/abcdef...` named by its SHA-256.
 
 Every write goes to a temp file under `root/tmp/`, is hashed while it is written, and is renamed
-into place (os.replace) only once its hash and size are verified; a failed or aborted write
+into place (os.replace) only once its hash and size are verified, and the rename is made durable
+(fsync of the directory, and of the root when that directory is new); a failed or aborted write
 deletes its temp file (also when the disk refuses writes: the OSError reaches the caller and no
 partial blob stays). Temp files left by a crash are removed by `sweep_temporary`, which only the
 store's owner calls, when it opens the store (a node, once it holds its data directory's lock):
@@ -38,6 +39,15 @@ class BlobTooLarge(BlobError):
 def _check_hash(blob_hash: str) -> None:
     if not is_hex_digest(blob_hash):
         raise BlobError(f"not a blob address (64 lower-case hex characters): {blob_hash!r}")
+
+
+def _fsync_directory(path: Path) -> None:
+    """Make the entries just renamed or made in directory `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class BlobWriter:
@@ -85,7 +95,8 @@ class BlobWriter:
         self._file.write(data)
 
     def commit(self) -> Path:
-        """Verify the hash, fsync and rename into place; raises HashMismatch (and deletes) otherwise."""
+        """Verify the hash, fsync, rename into place and fsync the directory it lands in (and the root when
+        that directory is new), so the blob survives a power cut; raises HashMismatch (and deletes) otherwise."""
         assert not self._done, "commit after commit/abort"
         assert self._stored == self.size, f"{self._stored} bytes stored but {self.size} accepted"
         actual = self._hasher.hexdigest()
@@ -97,8 +108,15 @@ class BlobWriter:
             self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
-            final.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                final.parent.mkdir()
+                new_directory = True
+            except FileExistsError:
+                new_directory = False
             os.replace(self.tmp_path, final)
+            _fsync_directory(final.parent)
+            if new_directory:
+                _fsync_directory(final.parent.parent)
         except OSError:  # a full or failing disk: nothing half-written stays behind
             self.abort()
             raise

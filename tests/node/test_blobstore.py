@@ -107,6 +107,30 @@ def test_the_owner_sweeps_stale_temp_files_and_a_reader_leaves_writes_in_flight_
     assert tmp_files(store) == []
 
 
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names synced descriptors through Linux's /proc")
+def test_a_commit_fsyncs_the_directory_it_renames_into_and_the_root_when_that_directory_is_new(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Storage records a blob (a submission, an error-feedback buffer) once the commit returns, so the
+    rename must survive a power cut, and so must a shard directory made for it."""
+    store = BlobStore(tmp_path)
+    synced: list[Path] = []
+    real = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    first = store.put_bytes(b"first")
+    root = tmp_path.resolve()
+    assert synced[0].parent == root / "tmp" and synced[1:] == [root / first[:2], root]
+    second = hashlib.sha256(b"second").hexdigest()
+    store.path(second).parent.mkdir(exist_ok=True)
+    synced.clear()
+    store.put_bytes(b"second")
+    assert synced[0].parent == root / "tmp" and synced[1:] == [root / second[:2]]
+
+
 def test_addresses_are_checked(tmp_path: Path) -> None:
     store = BlobStore(tmp_path)
     for bad in ("../etc/passwd", "AB" * 32, "ab" * 31):

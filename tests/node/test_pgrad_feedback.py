@@ -1,5 +1,6 @@
 """A pgrad miner's error-feedback buffer in storage: kept with the submission that left it, reloaded
-after a reopen, and started empty (with a warning) when its blob is gone or holds another group."""
+after a reopen, and started empty (with a warning) when its blob is gone, holds another group or holds
+a NaN."""
 
 from __future__ import annotations
 
@@ -48,20 +49,24 @@ async def test_the_buffer_is_kept_with_its_submission_and_reloaded(tmp_path: Pat
         await store.close()
 
 
-@pytest.mark.parametrize("damage", ["deleted", "other group"])
+@pytest.mark.parametrize("damage", ["deleted", "other group", "non-finite"])
 async def test_an_unusable_buffer_starts_empty(tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture) -> None:
     blobs = BlobStore(tmp_path / "blobs")
     store = await Storage.open(tmp_path / "node.db")
     try:
         ctx = SimpleNamespace(spec=PGRAD, storage=store, blobs=blobs)
-        error_hash = await keep_feedback(ctx, ErrorFeedback(_buffer()))  # type: ignore[arg-type]
+        buffer = _buffer()
+        if damage == "non-finite":  # what an earlier build kept from a diverged round
+            buffer["layers.0.experts.1.down_proj"][1, 0] = float("nan")
+        error_hash = await keep_feedback(ctx, ErrorFeedback(buffer))  # type: ignore[arg-type]
         assert error_hash is not None
         await store.set_submission(0, Submission("ab" * 32, 10), error_hash)
         if damage == "deleted":
             blobs.delete(error_hash)
-        shapes = SHAPES if damage == "deleted" else {"layers.0.experts.2.down_proj": (4, 2)}
+        shapes = {"layers.0.experts.2.down_proj": (4, 2)} if damage == "other group" else SHAPES
         with caplog.at_level(logging.WARNING):
             assert await load_feedback(ctx, shapes) == ErrorFeedback()  # type: ignore[arg-type]
         assert "starting from an empty one" in caplog.text
+        assert damage != "non-finite" or "down_proj holds non-finite values" in caplog.text
     finally:
         await store.close()

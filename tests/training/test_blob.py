@@ -120,6 +120,25 @@ def test_safetensors_library_output_is_not_canonical() -> None:
         decode_header(theirs, MAX_HEADER)
 
 
+def test_the_same_tensors_laid_out_out_of_name_order_are_refused() -> None:
+    """A canonical header whose offsets put two tensors' data the other way round holds the same content
+    in a second byte form: only encode_blob's layout (contiguous in sorted-name order) is accepted."""
+    tensors = make_tensors(torch.float32)
+    data = encode_blob(tensors, META)
+    (n,) = struct.unpack("<Q", data[:8])
+    header, body = json.loads(data[8 : 8 + n]), data[8 + n :]
+    first, second = sorted(k for k in header if k != "__metadata__")[:2]
+    (a0, a1), (b0, b1) = header[first]["data_offsets"], header[second]["data_offsets"]
+    header[second]["data_offsets"], header[first]["data_offsets"] = [a0, a0 + b1 - b0], [a0 + b1 - b0, b1]
+    raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    swapped = struct.pack("<Q", len(raw)) + raw + body[b0:b1] + body[a0:a1] + body[b1:]
+    loaded = safetensors.torch.load(swapped)
+    assert swapped != data and all(torch.equal(loaded[k], tensors[k]) for k in tensors)
+    with pytest.raises(BlobError, match="tensor data not laid out in name order"):
+        decode_header(swapped, MAX_HEADER)
+
+
 def test_oversized_header_refused_before_reading_it() -> None:
     claim = struct.pack("<Q", 1 << 30)
     with pytest.raises(BlobError) as info:

@@ -118,6 +118,7 @@ def test_2bit_payload_is_at_least_16x_smaller_than_bf16() -> None:
         (lambda b: b["t.scale"].__setitem__(0, float("nan")), "non-finite scale in t.scale"),
         (lambda b: b["t.scale"].__setitem__(1, float("inf")), "non-finite scale in t.scale"),
         (lambda b: b["t.scale"].__setitem__(0, -1.0), "negative scale in t.scale"),
+        (lambda b: b["t.scale"].__setitem__(1, 3.0e38), "scale overflows fp32 in t.scale"),
         (lambda b: b["t.q"].__setitem__((0, 0), -128), "int8 value -128 in t.q"),
     ],
 )
@@ -135,6 +136,20 @@ def test_2bit_padding_bits_of_a_short_tensor_must_be_zero() -> None:
     assert blob["t.q"].shape == (1, 1) and check_compressed(blob, {"t": (2,)}, cfg) == ""
     blob["t.q"][0, 0] |= 0b1100_0000
     assert check_compressed(blob, {"t": (2,)}, cfg) == "padding bits set in t.q"
+
+
+@pytest.mark.parametrize(("quant", "scale", "reason"), [
+    ("int8", 2.6e36, ""),  # 127 times it is 3.30e38, below fp32's largest, 3.40e38
+    ("int8", 2.7e36, "scale overflows fp32 in t.scale"),  # 3.43e38
+    ("2bit", torch.finfo(torch.float32).max, ""),
+])
+def test_a_scale_is_refused_exactly_when_its_largest_code_decodes_to_inf(quant: str, scale: float, reason: str) -> None:
+    cfg = PgradConfig(chunk=8, topk=4, quant=quant)  # type: ignore[arg-type]
+    blob, _ = encode({"t": torch.arange(16, dtype=torch.float32) - 3}, None, cfg)
+    blob["t.scale"][:] = scale
+    assert check_compressed(blob, {"t": (16,)}, cfg) == reason
+    if not reason:
+        assert bool(torch.isfinite(decode(blob, {"t": (16,)}, cfg)["t"]).all())
 
 
 @pytest.mark.parametrize(
@@ -162,6 +177,15 @@ def test_the_error_buffer_file_round_trips_and_refuses_another_group() -> None:
         load_error(b"\x00" * 8, SHAPES)
     with pytest.raises(ValueError, match="does not name tessera-error-feedback/1"):
         load_error(safetensors.torch.save(dict(error)), SHAPES)  # the right tensors, without the buffer's mark
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_the_error_buffer_file_refuses_non_finite_values(value: float) -> None:
+    """A diverged round's buffer must not carry its NaN or Inf into the rounds after a restart."""
+    _, error = encode(grads(), None, PgradConfig(chunk=4, topk=4, quant="2bit"))
+    error["layers.0.experts.1.gate_up_proj"][2, 1] = value
+    with pytest.raises(ValueError, match="buffer's layers.0.experts.1.gate_up_proj holds non-finite values"):
+        load_error(error_bytes(error), SHAPES)
 
 
 PARTS = {"a": (4, 4), "b": (2, 2), "c": (8,)}  # chunks of 4: a has 4, b 1, c 2; group-wide numbers 0-3, 4, 5-6
