@@ -195,7 +195,6 @@ def _first_error(exc: ValidationError) -> str:
 
 # -- score report size -----------------------------------------------------------------------------
 
-_LONGEST_ROUND = 10**15  # far past any network's life: 10**15 rounds of a minute is 2 billion years
 _LONGEST_LOSS = 2.2250738585072014e-308  # a finite non-negative float with one of the longest JSON forms
 
 
@@ -211,7 +210,7 @@ def report_capacity(max_message_bytes: int) -> int:
     with an empty reason (`fit_report` shortens reasons to fit), at most the report's entry limit."""
     def longest(n: int) -> int:
         entry = ScoreEntry(miner="f" * 64, commitment="f" * 64, loss=_LONGEST_LOSS, verdict="accept")
-        return report_bytes(ScoreReport(round=_LONGEST_ROUND, base="f" * 64, base_loss=_LONGEST_LOSS,
+        return report_bytes(ScoreReport(round=MAX_ROUND, base="f" * 64, base_loss=_LONGEST_LOSS,
                                         entries=(entry,) * n))
 
     first, each = longest(1), longest(2) - longest(1)

@@ -7,9 +7,12 @@ r-1's history (votes gossip missed while it restarted or before the mesh took it
 none the head stays. Adopting means holding the state blob
 (fetched from validators that voted for it when missing) after checking it: its hash (the fetch
 verifies it), that it is a global state of this network and expert group with finite values, and that
-it names the announced parent and round. Validators also need the outer momentum: its hash rides in
-GlobalState (`momentum`), is remembered per (state, voter), and a validator fetches and checks the
-momentum blob of the adopted state, so a validator that computed something else re-syncs. A node with
+it is a state of the round being settled. A vote counts for the hash it names, whatever parent it claims:
+the hash binds the blob's own parent, while the stored row keeps the parent of the first vote for that
+hash, which any one validator can write; adopting rewrites the row with the parent the checked blob
+names. Validators also need the outer momentum: its hash rides in GlobalState (`momentum`), is
+remembered per (state, voter), and a validator fetches and checks the momentum blob of the adopted
+state, so a validator that computed something else re-syncs. A node with
 no head past round 0 (a late joiner) learns it from the heads that validators' heartbeats announce, by
 the same weight rule; so does a node whose head differs from the one a weight majority of validators
 announce in this round's heartbeats (it missed the votes while it was down): after TRAIN it follows
@@ -263,12 +266,13 @@ class Consensus:
                             round)
             return
         try:
-            meta, tensors = await self._fetch_checked(winner.hash, list(winner.voters), shapes, winner)
+            meta, tensors = await self._fetch_checked(winner.hash, list(winner.voters), shapes, round)
         except SyncError as exc:
             log.error("round %d: cannot adopt %s: %s; the head stays", round, winner.hash[:12], exc)
             return
-        if await self.ctx.storage.head() != winner.hash:
-            await self.ctx.storage.mark_adopted(winner.hash)
+        moved = await self.ctx.storage.head() != winner.hash
+        await self.ctx.storage.mark_adopted(winner.hash, meta.base)
+        if moved:
             log.info("round %d: adopted global state %s (voters %s)", round, winner.hash[:12],
                      ", ".join(v[:8] for v in winner.voters))
         await self._take(round, winner, meta, tensors, shapes)
@@ -299,17 +303,17 @@ class Consensus:
         return bool(voted) and bool(set(self.ctx.spec.validator_weights) - voted)
 
     async def _fetch_checked(self, state_hash: str, providers: list[str], shapes: Shapes,
-                             announced: GlobalStateRecord | None = None) -> tuple[BlobMeta, dict[str, torch.Tensor]]:
-        """The state blob (fetched when not held), decoded and checked; SyncError names what is wrong."""
+                             round: int | None = None) -> tuple[BlobMeta, dict[str, torch.Tensor]]:
+        """The state blob (fetched when not held), decoded and checked, with `round` the round whose state
+        it must be; SyncError names what is wrong."""
         try:
             path = await self.ctx.network.fetch(state_hash, providers, self.state_cap(shapes))
             data = await asyncio.to_thread(path.read_bytes)
         except (NetworkError, OSError) as exc:
             raise SyncError(f"state {state_hash[:12]}: {exc}") from exc
         meta, tensors = await asyncio.to_thread(decode_state, data, self.ctx.spec, shapes)
-        if announced is not None and (meta.base, meta.round) != (announced.parent, announced.round):
-            raise SyncError(f"state {state_hash[:12]} names parent {meta.base[:12]} of round {meta.round}, "
-                            f"not the announced {announced.parent[:12]} of round {announced.round}")
+        if round is not None and meta.round != round:
+            raise SyncError(f"state {state_hash[:12]} is a state of round {meta.round}, not of round {round}")
         return meta, tensors
 
     async def _sync_momentum(self, winner: GlobalStateRecord, meta: BlobMeta, tensors: dict[str, torch.Tensor],

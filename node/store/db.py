@@ -156,9 +156,13 @@ class Storage(SqliteWorker):
         return [state_record(conn, row) for row in rows]
 
     @write
-    def mark_adopted(self, conn: sqlite3.Connection, state_hash: str) -> None:
-        """Flag a global state as adopted and make it the head."""
-        if conn.execute("UPDATE global_states SET adopted = 1 WHERE hash = ?", (state_hash,)).rowcount != 1:
+    def mark_adopted(self, conn: sqlite3.Connection, state_hash: str, parent: str) -> None:
+        """Flag a global state as adopted, with the `parent` its checked blob names, and make it the head.
+
+        The row's parent came from the first vote for the hash, which any one validator can write.
+        """
+        if conn.execute("UPDATE global_states SET adopted = 1, parent = ? WHERE hash = ?",
+                        (parent, state_hash)).rowcount != 1:
             raise ValueError(f"global state {state_hash} was never recorded; record it before adopting it")
         put(conn, _HEAD, state_hash)
 

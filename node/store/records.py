@@ -69,7 +69,11 @@ class ScoreRecord:
 
 @dataclass(frozen=True, slots=True)
 class GlobalStateRecord:
-    """An announced global state and the validators that announced it."""
+    """An announced global state and the validators that announced it.
+
+    `parent`, `round` and `contributors` are what the first vote for the hash said; only the hash is bound to
+    the blob. Adopting a state rewrites its parent with the one the checked blob names.
+    """
 
     hash: str
     parent: str

@@ -88,7 +88,7 @@ async def test_every_kind_round_trips(tmp_path: Path) -> None:
 async def test_reopened_store_sees_everything(tmp_path: Path) -> None:
     store = await Storage.open(tmp_path / "node.db")
     await fill(store)
-    await store.mark_adopted(h(9))
+    await store.mark_adopted(h(9), h(0))
     await store.set_momentum(h(5))
     await store.set_momentum_of(h(9), V1.node_id, h(4))
     await store.set_submission(3, Submission(h(1), 1234))
@@ -184,7 +184,7 @@ async def test_a_failed_write_leaves_nothing(tmp_path: Path) -> None:
         ledger = await store.rewards()
         assert ledger.entries == [] and ledger.standings == {}
         with pytest.raises(ValueError, match="never recorded"):
-            await store.mark_adopted(h(1))
+            await store.mark_adopted(h(1), h(0))
         assert await store.head() is None
     finally:
         await store.close()

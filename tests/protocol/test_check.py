@@ -7,10 +7,11 @@ from typing import Any
 
 import pytest
 
-from protocol.check import CheckContext, Verdict, check, check_bytes, window
+from protocol.check import TOO_EARLY, CheckContext, Verdict, check, check_bytes, window
 from protocol.encoding import canonical_json
 from protocol.identity import Identity
 from protocol.messages import (
+    MAX_ROUND,
     Commit,
     Envelope,
     GlobalState,
@@ -204,3 +205,23 @@ def test_check_bytes(spec, schedule, ctx_at, miner_ids) -> None:
     assert (garbage.verdict, garbage.reason, none) == (Verdict.REJECT, "malformed envelope", None)
     spaced = env.to_bytes().replace(b'","', b'", "', 1)
     assert check_bytes(spaced, ctx, 1000)[0].reason == "malformed envelope"
+
+
+@pytest.mark.parametrize("r", [MAX_ROUND + 1, 10**309], ids=["MAX_ROUND+1", "10**309"])
+def test_an_absurd_round_is_a_malformed_envelope_not_a_crash(r, spec, schedule, ctx_at, miner_ids) -> None:
+    # 10**309 used to overflow float in the schedule maths inside check, before the signature was checked
+    unsigned = {"network": spec.network_id, "kind": "heartbeat", "sender": miner_ids[0].node_id, "round": r,
+                "body": {"round": r, "role": "miner", "head": H}}
+    data = canonical_json({**unsigned, "signature": miner_ids[0].sign(canonical_json(unsigned)).hex()})
+    result, envelope = check_bytes(data, ctx_at(schedule.phase_window(R, Phase.TRAIN)[0]),
+                                   spec.limits.max_message_bytes)
+    assert (result.verdict, result.reason, envelope) == (Verdict.REJECT, "malformed envelope", None)
+    assert "less than or equal" in result.detail
+
+
+def test_the_largest_round_is_judged_by_its_window(spec, schedule, ctx_at, miner_ids) -> None:
+    env = seal(make_message("heartbeat", MAX_ROUND), spec.network_id, miner_ids[0])
+    result, _ = check_bytes(env.to_bytes(), ctx_at(schedule.phase_window(R, Phase.TRAIN)[0]),
+                            spec.limits.max_message_bytes)
+    assert (result.verdict, result.reason, result.detail) == (Verdict.REJECT, "outside heartbeat window",
+                                                              TOO_EARLY)
