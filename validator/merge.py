@@ -14,11 +14,14 @@ The steps:
    Φ_i = global − decode(G_i) (validator.scoring), so this compares the decoded pseudo-gradients
    up to fp32 rounding; with partitions, over the chunks both miners drew, so one run's update sent
    by two identities on their own draws is caught.) Lazy miners never reach this step: an unchanged
-   blob scores exactly L_base, so u_i = 0 and their zero update is never compared.
+   blob scores exactly its validator's L_base, so u_i = 0 and their zero update is never compared.
 3. Rank again with the flags (`protocol.ranking`), which gives points; the top-G ranked miners are
    merged by `training.outer.outer_step` with the spec's aggregation settings. In a pgrad network
    with partitions, each entry averages over the contributors that drew its chunk
    (`training.pgrad.coverage`; a miner's chunks are drawn from the reports' round and its id).
+   A step whose state or momentum would hold an Inf or a NaN (finite updates near fp32's range, in
+   experts the held-out subset never routes to, scaled by a large outer lr) is not taken: the round
+   is ranked and rewarded, and the state stays.
 When no miner qualifies no outer step is taken: the global tensors AND the momentum are returned
 as the very same objects, so the state keeps its bytes and its hash (momentum is not decayed either,
 since a decayed momentum would give validators that saw different rounds different states).
@@ -27,6 +30,7 @@ This module knows nothing about networking, storage or how losses were measured.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -39,6 +43,8 @@ from training.experts import pseudo_gradient
 from training.outer import OuterConfig, near_duplicates, outer_step
 from training.pgrad import chunk_draw, coverage
 from validator.checks import pgrad_config
+
+log = logging.getLogger(__name__)
 
 Tensors = Mapping[str, torch.Tensor]
 
@@ -135,6 +141,12 @@ def merge_round(
         global_tensors, [blobs[miner] for miner in contributors], utilities, momentum, outer_config(spec),
         None if masks is None else [masks[miner] for miner in contributors],
     )
+    overflowed = sorted(name for tensors in (new_global, new_momentum) for name, t in tensors.items()
+                        if not bool(torch.isfinite(t).all()))
+    if overflowed:
+        log.warning("the outer step over %s would put non-finite values in %s; the state stays",
+                    ", ".join(m[:12] for m in contributors), overflowed[0])
+        return MergeResult(ranking, ranking.points(), [], global_tensors, momentum, duplicates)
     return MergeResult(ranking, ranking.points(), contributors, new_global, new_momentum, duplicates)
 
 

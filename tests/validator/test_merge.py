@@ -171,3 +171,16 @@ def test_missing_candidate_blob_is_named(spec: NetworkSpec) -> None:
         rnd.merge(blobs={a: rnd.blobs[a], c: rnd.blobs[c]})
     assert info.value.miners == [b]
     assert rnd.merge(blobs={a: rnd.blobs[a], b: rnd.blobs[b]}).contributors == [b, a]
+
+
+def test_an_outer_step_that_would_overflow_fp32_is_not_taken(spec: NetworkSpec) -> None:
+    steep = spec.model_copy(update={"aggregation": spec.aggregation.model_copy(update={"outer_lr": 8.0})})
+    a, b = _miners(2)
+    glob = _global(spec)
+    huge = {name: torch.full_like(t, -3e38) for name, t in glob.items()}  # finite, as a checked blob must be
+    rnd = Round(steep, {a: huge, b: _moved(glob, 2)}, {a: 2.0, b: 2.5})
+    global_tensors, momentum = dict(rnd.head.tensors), dict(rnd.head.momentum)
+    result = merge_round(rnd.reports, rnd.assignment, rnd.commitments, rnd.blobs, global_tensors, momentum,
+                         steep, rnd.head.hash)
+    assert result.ranking.ranked() == (a, b) and result.points == {a: 1.0, b: pytest.approx(2 / 3)}  # rewarded
+    assert not result.changed and result.new_global is global_tensors and result.new_momentum is momentum
