@@ -21,6 +21,8 @@ TOO_LATE = "too late"
 """The detail of a REJECT for a message past its window: the one REJECT a relayer cannot avoid causing, since
 gossip peers push their caches of recent messages to a newcomer (node.net.judge counts it but does not
 penalise the peer for it)."""
+EQUIVOCATION = "equivocation"
+"""The reason of a REJECT for a sender's second, different message of one kind in one round."""
 TOO_EARLY = "too early"
 """The detail of a REJECT for an authentic message before its window: its sender's clock is ahead, or ours is
 behind (node.net.judge notes the senders; several at once point at our clock)."""
@@ -134,7 +136,7 @@ def _check_signed(envelope: Envelope, message: Message, message_id: str, ctx: Ch
     if envelope.kind != "heartbeat":
         first = ctx.first_seen.get((envelope.kind, envelope.sender, envelope.round))
         if first is not None and first != message_id:
-            return CheckResult(Verdict.REJECT, "equivocation", signed=True)
+            return CheckResult(Verdict.REJECT, EQUIVOCATION, signed=True)
     start = window(envelope.kind, envelope.round, ctx.schedule)[0]
     if ctx.now < start - ctx.schedule.clock_skew_s:
         return CheckResult(Verdict.REJECT, f"outside {envelope.kind} window", TOO_EARLY, signed=True)

@@ -6,9 +6,13 @@ budget per sender per round of the messages only that sender can have caused (IG
 it; forgeries and replays of its stale messages do not count), and peer penalties: a
 peer that sends more than `penalty_threshold` REJECTed messages in one round is penalised for
 `penalty_backoff_s` (its messages are IGNOREd unread; the libp2p host disconnects it and does not
-redial it meanwhile). A message REJECTed only for arriving after its window is counted against the
-peer but does not add to its penalty: GossipSub peers push their caches of recent messages to a
-node that just joined, and a relayer cannot make them on time. The seen-set can be seeded from
+redial it meanwhile). Only REJECTs that every honest relayer would have judged the same way add
+to a penalty (malformed, oversized, wrong network, bad signature, a validator's kind from another
+key): a message outside its window, or a second message of a sender for one round, is counted
+against the peer but does not add to its penalty, since the relayer accepted it by its own clock
+and seen-set (GossipSub peers push their caches of recent messages to a node that just joined, a
+relayer's clock may run a little ahead of ours, and a sender that signs two messages can hand one
+to each of two honest peers, who each relay theirs). The seen-set can be seeded from
 storage after a restart. It also keeps the bytes of the envelopes it accepted in the current and the
 previous round (`recent`, capped at RECENT_BYTES_PER_ROUND), for a restarted peer to catch up on
 (`judge_replayed` judges those on the other side). It notes the senders whose authentic messages
@@ -28,7 +32,17 @@ from dataclasses import replace
 
 from node.net.config import P2PConfig
 from node.net.network import NetworkStats, PublishRefused
-from protocol.check import TOO_EARLY, TOO_LATE, CheckContext, CheckResult, SeenKey, Verdict, check, window
+from protocol.check import (
+    EQUIVOCATION,
+    TOO_EARLY,
+    TOO_LATE,
+    CheckContext,
+    CheckResult,
+    SeenKey,
+    Verdict,
+    check,
+    window,
+)
 from protocol.messages import DecodeError, Envelope, decode_envelope
 from protocol.rounds import Schedule
 from protocol.spec import NetworkSpec
@@ -48,6 +62,12 @@ PENALISED = CheckResult(Verdict.IGNORE, "penalised peer")
 NOT_ASKED_FOR = CheckResult(Verdict.IGNORE, "not the round asked for")
 
 log = logging.getLogger(__name__)
+
+
+def _relayer_could_know(result: CheckResult) -> bool:
+    """Whether an honest peer relaying the message would have REJECTed it too: true unless the verdict
+    depends on the receiver's clock (the message's window) or on what it saw before (equivocation)."""
+    return result.detail not in (TOO_EARLY, TOO_LATE) and result.reason != EQUIVOCATION
 
 
 def clock_behind(stats: NetworkStats) -> dict[str, float] | None:
@@ -131,7 +151,7 @@ class GossipJudge:
             kind = envelope.kind if envelope is not None else "unknown"
             self.stats.messages[(kind, result.verdict.value)] += 1
             if result.verdict is Verdict.REJECT:
-                self._penalise(peer, now, scored=result.detail != TOO_LATE)
+                self._penalise(peer, now, scored=_relayer_could_know(result))
                 if result.detail == TOO_EARLY:
                     assert envelope is not None
                     self._note_early(envelope, now)

@@ -15,7 +15,7 @@ from node.net.twin import MemoryHub, MemoryNetwork
 from node.runtime.clock import ManualClock
 from node.store.blobs import BlobStore
 from protocol.identity import Identity
-from protocol.messages import Commit, Envelope, Heartbeat, ScoreReport, seal
+from protocol.messages import Commit, Envelope, Heartbeat, Reveal, ScoreReport, seal
 from protocol.rounds import Phase, Schedule
 from protocol.spec import NetworkSpec
 
@@ -262,7 +262,7 @@ async def test_a_peer_past_the_penalty_threshold_is_dropped_until_its_backoff_en
     assert (await sub.get(timeout=1)).peer == bad
 
 
-def test_late_messages_count_against_a_peer_but_do_not_penalise_it(
+def test_what_a_relayer_could_not_have_refused_counts_against_it_but_does_not_penalise_it(
     spec: NetworkSpec, clock: ManualClock, miner_ids: list[Identity]
 ) -> None:
     judge = GossipJudge(spec, clock.now, P2PConfig(penalty_threshold=3))
@@ -270,11 +270,20 @@ def test_late_messages_count_against_a_peer_but_do_not_penalise_it(
     late = [seal(Commit(round=0, commitment=f"{i:02x}" * 32), spec.network_id, miner_ids[0]) for i in range(10)]
     results = [judge.judge(e.to_bytes(), "relay")[0] for e in late]  # a cache a peer pushes to a newcomer
     assert {(r.verdict.value, r.reason, r.detail) for r in results} == {("reject", "outside commit window", "too late")}
-    assert judge.stats.rejects_by_peer == {"relay": 10} and judge.stats.peer_scores == {}
-    assert not judge.is_penalised("relay")
+    # A relayer whose clock runs a little ahead of ours passes on what it took to be on time.
     early = [seal(Commit(round=1, commitment=f"{i:02x}" * 32), spec.network_id, miner_ids[1]) for i in range(4)]
     assert [judge.judge(e.to_bytes(), "relay")[0].detail for e in early] == ["too early"] * 4
-    assert judge.is_penalised("relay")  # a message before its window is the sender's doing
+    # Senders that signed two reveals each and gave the other one to another honest peer, which relayed it first.
+    for i, sender in enumerate(miner_ids[:4]):
+        first, second = (seal(Reveal(round=0, commitment=f"{i:02x}{n:02x}" * 16, size=10), spec.network_id, sender)
+                         for n in (1, 2))
+        assert judge.judge(first.to_bytes(), "other relay")[0].accepted
+        assert judge.judge(second.to_bytes(), "relay")[0].reason == "equivocation"
+    assert judge.stats.rejects_by_peer == {"relay": 18} and judge.stats.peer_scores == {}
+    assert not judge.is_penalised("relay")
+    for _ in range(4):  # what any relayer would refuse does add up
+        judge.judge(b"junk", "relay")
+    assert judge.is_penalised("relay")
 
 
 def test_several_senders_early_at_once_point_at_this_nodes_clock(
