@@ -14,7 +14,6 @@ within the cap).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,9 +21,13 @@ from pathlib import Path
 from typing import Protocol
 
 from protocol.check import CheckResult
-from protocol.messages import MESSAGE_TYPES, Envelope, Message
+from protocol.messages import MESSAGE_TYPES, VALIDATOR_KINDS, Envelope, Message
 
 SUBSCRIPTION_QUEUE = 4096
+VALIDATOR_RESERVE = 512
+"""Room at the end of a subscription's queue that only validators' messages may take. Any key may mine
+and send heartbeats, so a flood of those from throwaway keys must not crowd out the seeds, reports
+and votes consensus needs (a dropped delivery is lost: the judge has marked it seen)."""
 
 
 class NetworkError(ValueError):
@@ -80,12 +83,17 @@ class Delivery:
         return self.result.message
 
 
+def room_for(kind: str) -> int:
+    """How many deliveries a queue may hold before one of `kind` is dropped."""
+    return SUBSCRIPTION_QUEUE if kind in VALIDATOR_KINDS else SUBSCRIPTION_QUEUE - VALIDATOR_RESERVE
+
+
 class Subscription:
     """Accepted envelopes of some kinds, in arrival order; iterate with `async for`, stop with `close()`."""
 
     def __init__(self, kinds: frozenset[str] | None, on_close: Callable[[Subscription], None]) -> None:
         self.kinds = kinds
-        self._queue: asyncio.Queue[Delivery | None] = asyncio.Queue(SUBSCRIPTION_QUEUE)
+        self._queue: asyncio.Queue[Delivery | None] = asyncio.Queue(SUBSCRIPTION_QUEUE + 1)  # + the end marker
         self._on_close = on_close
         self._closed = False
         self._waiting = 0
@@ -94,11 +102,11 @@ class Subscription:
         return self.kinds is None or kind in self.kinds
 
     def offer(self, delivery: Delivery) -> bool:
-        """Queue a delivery (call on the subscription's loop); False when the queue is full and it was dropped."""
-        try:
-            self._queue.put_nowait(delivery)
-        except asyncio.QueueFull:
+        """Queue a delivery (call on the subscription's loop); False when there is no room for its kind and it
+        was dropped."""
+        if self._closed or self._queue.qsize() >= room_for(delivery.envelope.kind):
             return False
+        self._queue.put_nowait(delivery)
         return True
 
     @property
@@ -117,8 +125,7 @@ class Subscription:
             return
         self._closed = True
         self._on_close(self)
-        with contextlib.suppress(asyncio.QueueFull):
-            self._queue.put_nowait(None)
+        self._queue.put_nowait(None)  # offers stop one short of the queue's size, so this always fits
 
     def __aiter__(self) -> AsyncIterator[Delivery]:
         return self
@@ -169,7 +176,7 @@ class Subscribers:
 
     def deliver(self, delivery: Delivery) -> None:
         if self._early is not None:  # no subscription yet
-            if len(self._early) < SUBSCRIPTION_QUEUE:
+            if len(self._early) < room_for(delivery.envelope.kind):
                 self._early.append(delivery)
             else:
                 self._stats.dropped_deliveries += 1

@@ -10,12 +10,22 @@ import pytest
 
 from node.net.config import P2PConfig
 from node.net.judge import GossipJudge, clock_behind
-from node.net.network import BlobFetchError, NetworkError, PublishRefused
+from node.net.network import (
+    SUBSCRIPTION_QUEUE,
+    VALIDATOR_RESERVE,
+    BlobFetchError,
+    Delivery,
+    NetworkError,
+    NetworkStats,
+    PublishRefused,
+    Subscribers,
+)
 from node.net.twin import MemoryHub, MemoryNetwork
 from node.runtime.clock import ManualClock
 from node.store.blobs import BlobStore
+from protocol.check import CheckResult, Verdict
 from protocol.identity import Identity
-from protocol.messages import Commit, Envelope, Heartbeat, Reveal, ScoreReport, seal
+from protocol.messages import Commit, Envelope, GlobalState, Heartbeat, Reveal, ScoreReport, seal
 from protocol.rounds import Phase, Schedule
 from protocol.spec import NetworkSpec
 
@@ -373,3 +383,27 @@ async def test_a_catch_up_skips_a_provider_that_holds_no_history(
     assert await late.catch_up(0, providers) == 1
     assert (await sub.get(timeout=1)).envelope == heartbeat(spec, miner_ids[0])
     assert await late.catch_up(0, providers) == 0  # v0 answers again; nothing is new now
+
+
+async def test_a_flood_of_miner_messages_cannot_crowd_out_validators_messages(
+    spec: NetworkSpec, validator_ids: list[Identity], miner_ids: list[Identity]
+) -> None:
+    """Any key may mine, so heartbeats and commits from throwaway keys fill a queue only up to the
+    validators' reserve; seeds, reports and votes still get in, and closing ends the iteration."""
+    stats = NetworkStats()
+    subs = Subscribers(stats)
+    sub = subs.add(None)
+    beat = heartbeat(spec, miner_ids[0])
+    vote = seal(GlobalState(round=0, hash="cd" * 32, parent="ab" * 32, contributors=()), spec.network_id,
+                validator_ids[0])
+    result = CheckResult(Verdict.ACCEPT, "ok", message=beat.message())
+    for _ in range(SUBSCRIPTION_QUEUE):
+        subs.deliver(Delivery(beat, result, "relay"))
+    assert sub.pending == SUBSCRIPTION_QUEUE - VALIDATOR_RESERVE
+    assert stats.dropped_deliveries == VALIDATOR_RESERVE
+    for _ in range(VALIDATOR_RESERVE):
+        subs.deliver(Delivery(vote, CheckResult(Verdict.ACCEPT, "ok", message=vote.message()), "relay"))
+    assert sub.pending == SUBSCRIPTION_QUEUE
+    sub.close()  # full as it is, the end marker still fits
+    got = [d.envelope.kind async for d in sub]
+    assert got.count("global_state") == VALIDATOR_RESERVE and len(got) == SUBSCRIPTION_QUEUE
