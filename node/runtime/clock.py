@@ -19,11 +19,19 @@ class Clock(Protocol):
 
     def now(self) -> float: ...
 
-    async def sleep_until(self, t: float) -> None: ...
+    async def sleep_until(self, t: float) -> None:
+        """Return once the clock reads `t`, or earlier if the clock was stepped back (the caller looks at
+        the time again)."""
+
+
+STEP_BACK_S = 1.0
+"""How far the wall clock must go back between two readings of a wait for the wait to end early."""
 
 
 class SystemClock:
-    """The host's wall clock. Waits in slices so a wall-clock step (NTP) is noticed within a slice."""
+    """The host's wall clock. Waits in slices so a wall-clock step (NTP) is noticed within a slice: a
+    step forward ends the wait, and so does a step back, since the caller may then be waiting for a
+    moment far in the future (the clock had been stepped ahead and is now corrected)."""
 
     def __init__(self, max_slice_s: float = 5.0) -> None:
         assert max_slice_s > 0
@@ -33,7 +41,11 @@ class SystemClock:
         return time.time()
 
     async def sleep_until(self, t: float) -> None:
-        while (remaining := t - time.time()) > 0:
+        last = time.time()
+        while (remaining := t - (now := time.time())) > 0:
+            if now < last - STEP_BACK_S:
+                return
+            last = now
             await asyncio.sleep(min(remaining, self._max_slice_s))
 
 

@@ -21,6 +21,7 @@ import asyncio
 import hashlib
 import logging
 import signal
+import sqlite3
 from collections.abc import Awaitable, Callable, Container, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
@@ -332,9 +333,17 @@ class Node:
                   "each its own key (tessera keygen)", envelope.round, envelope.kind, self.ctx.config.node.key)
 
     async def _handle(self, envelope: Envelope, message: Message) -> None:
-        """Record an accepted envelope, then hand it and its decoded message to the duties."""
-        if not await self.ctx.storage.record_accepted(envelope, message, self.ctx.clock.now()):
-            return  # stored before a restart (the duties saw it then), or an equivocation across one
+        """Record an accepted envelope, then hand it and its decoded message to the duties.
+
+        A message that cannot be recorded (a full or failing disk) is logged and left out, and the node
+        goes on: the duties never act on what storage does not hold."""
+        try:
+            if not await self.ctx.storage.record_accepted(envelope, message, self.ctx.clock.now()):
+                return  # stored before a restart (the duties saw it then), or an equivocation across one
+        except (sqlite3.Error, OSError) as exc:
+            log.error("round %d: cannot record a %s from %s, so it is left out: %s (is the disk of %s full?)",
+                      envelope.round, envelope.kind, envelope.sender[:12], exc, self.ctx.config.db_path)
+            return
         try:
             await self.duties.on_message(envelope, message)
         except Exception:
@@ -343,10 +352,19 @@ class Node:
 
     async def _on_phase(self, round: int, phase: Phase) -> None:
         log.info("round %d: %s", round, phase)
+        self.ctx.metrics.round.set(round)
         if phase is Phase.TRAIN:
+            began = [r for r in (await self.ctx.storage.latest_round(), *(run.round for run in self.scheduler.runs))
+                     if r is not None]
+            latest = max(began, default=None)
             await self.ctx.storage.record_round(round, self.ctx.schedule.round_start(round))
-            await self.ctx.storage.prune(round - self.ctx.config.storage.message_retention_rounds)
-            await self._prune_blobs()
+            if latest is not None and round > latest + 1:
+                # A long absence, or a wall clock stepped ahead (to be corrected later): what the rounds in
+                # between would have aged out is pruned next round, once this round is known to be real.
+                log.info("round %d: the last round this node ran was %d; pruning waits a round", round, latest)
+            else:
+                await self.ctx.storage.prune(round - self.ctx.config.storage.message_retention_rounds)
+                await self._prune_blobs()
         await self.duties.on_phase(round, phase)
 
     async def _on_run(self, run: PhaseRun) -> None:

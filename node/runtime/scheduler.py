@@ -8,7 +8,11 @@ Semantics:
 - a node started mid-phase runs that phase's handler at once (it resumes in the current round);
 - handlers run one at a time: one that overruns its phase delays the next, never overlaps it, and
   phases whose window passed meanwhile are skipped (logged) in favour of the one now in progress;
-- a handler that raises is logged and recorded as a failed run; the loop goes on.
+- a handler that raises is logged and recorded as a failed run; the loop goes on;
+- a clock stepped back waits for the phase that ran to end (no phase runs twice), unless it went
+  back more than a round before that phase began: then it is a clock that had been set ahead being
+  corrected, and the loop resumes at the phase of the corrected time (logged as an error; duties
+  check storage for what they already did).
 This module knows nothing about what a phase's duty does, messages, storage or networking.
 """
 
@@ -71,7 +75,10 @@ class Scheduler:
                 await self.clock.sleep_until(self.schedule.genesis_ts)
                 continue
             due = self.schedule.phase_at(now)
-            if last is not None and _index(due) <= _index(last):
+            if last is not None and now < self.schedule.phase_window(*last)[0] - self.schedule.round_seconds:
+                log.error("the clock went back from round %d %s to round %d %s: resuming there (was it set "
+                          "ahead? the duties check what they already did)", last[0], last[1], due[0], due[1])
+            elif last is not None and _index(due) <= _index(last):
                 if due != last:
                     log.warning("the clock went back to round %d %s; waiting for round %d %s to end",
                                 due[0], due[1], last[0], last[1])

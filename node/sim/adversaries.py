@@ -68,7 +68,9 @@ class Late(HonestStrategy):
         submission = await duty.ctx.storage.submission(round)
         if submission is not None:
             schedule = duty.ctx.schedule
-            await duty.ctx.clock.sleep_until(schedule.phase_window(round, Phase.COMMIT)[1] + schedule.clock_skew_s)
+            late = schedule.phase_window(round, Phase.COMMIT)[1] + schedule.clock_skew_s
+            while duty.ctx.clock.now() < late:  # a wait ends early if the clock is stepped back
+                await duty.ctx.clock.sleep_until(late)
             await duty.publish(Commit(round=round, commitment=submission.hash))
         return False
 

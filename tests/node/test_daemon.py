@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sqlite3
 from pathlib import Path
 
 import aiohttp
@@ -19,6 +20,7 @@ from node.runtime.daemon import CATCH_UP_WAIT_S, HeartbeatDuties, Node, NodeCont
 from node.store.blobs import BlobStore
 from node.store.db import Storage
 from node.store.lock import AlreadyRunning
+from node.store.records import Submission
 from protocol.identity import load_identity, save_identity
 from protocol.messages import Commit, Envelope, GlobalState, Heartbeat, Message, Reveal, seal
 from protocol.rounds import Phase
@@ -186,6 +188,43 @@ async def test_messages_from_several_senders_before_their_windows_say_our_clock_
         hub.inject(early.to_bytes(), who.node_id, to=[VALIDATOR.node_id])
     assert (await node.status())["clock_behind"] == {"early_senders": 2, "behind_by_at_least_s": 4.0}
     assert "tessera_early_senders 2.0" in node.metrics_text().decode()
+
+
+async def test_a_message_storage_cannot_record_is_left_out_and_the_node_goes_on(
+        setup, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    node, probe, peer, hub, clock, spec, task = setup
+    record = node.ctx.storage.record_accepted
+
+    async def full_once(envelope: Envelope, *args: object) -> bool:  # the disk is full for the commit only
+        if envelope.kind == "commit":
+            raise sqlite3.OperationalError("database or disk is full")
+        return await record(envelope, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(node.ctx.storage, "record_accepted", full_once)
+    with caplog.at_level("ERROR", logger="node.runtime.daemon"):
+        await peer.publish(seal(Commit(round=0, commitment="11" * 32), spec.network_id, MINER))
+        await peer.publish(seal(Heartbeat(round=0, role="miner", head="66" * 32), spec.network_id, MINER))
+        envelope, _ = await asyncio.wait_for(probe.messages.get(), WAIT_S)
+    assert envelope.kind == "heartbeat" and not task.done()  # the commit was left out; the node goes on
+    assert await node.ctx.storage.commits_for(0) == []
+    assert any("cannot record a commit" in r.getMessage() and "database or disk is full" in r.getMessage()
+               for r in caplog.records)
+
+
+async def test_a_round_far_past_the_last_one_prunes_nothing_until_the_next(setup) -> None:
+    """A clock stepped ten rounds ahead (to be corrected later) must not prune the real round's state."""
+    node, probe, peer, hub, clock, spec, task = setup
+    storage, round_s = node.ctx.storage, node.ctx.schedule.round_seconds
+    await storage.set_own_seed(0, "ab" * 32)
+    await storage.set_submission(0, Submission("cd" * 32, 10))
+    clock.set(spec.genesis_ts + 10 * round_s + 1)  # round 10 TRAIN; message retention is 8 rounds
+    await asyncio.wait_for(_until(lambda: (10, Phase.TRAIN) in probe.phases), WAIT_S)
+    await asyncio.wait_for(_until(lambda: any(r.round == 10 for r in node.scheduler.runs)), WAIT_S)
+    assert await storage.own_seed(0) == "ab" * 32 and await storage.submission(0) is not None
+    clock.set(spec.genesis_ts + 11 * round_s + 1)  # the next round: now it is real, and round 0 ages out
+    await asyncio.wait_for(_until(lambda: any(r.round == 11 for r in node.scheduler.runs)), WAIT_S)
+    assert await storage.own_seed(0) is None and await storage.submission(0) is None
+    assert "tessera_round 11.0" in node.metrics_text().decode()
 
 
 async def test_a_message_signed_with_our_key_that_we_did_not_send_is_reported(

@@ -145,9 +145,15 @@ async def test_manual_clock_wakes_sleepers_in_deadline_order() -> None:
 class SteppingClock(ManualClock):
     """A clock that NTP can step backwards."""
 
-    def step_back_to(self, t: float) -> None:
+    def step_back_to(self, t: float, wake: bool = False) -> None:
+        """`wake`: end every wait, as the system clock's waits end when it is stepped back."""
         assert t < self._now
         self._now = t
+        if wake:
+            for _, _, future in self._sleepers:
+                if not future.done():
+                    future.set_result(None)
+            self._sleepers.clear()
 
 
 async def test_a_clock_stepping_back_never_refires_a_phase() -> None:
@@ -166,6 +172,33 @@ async def test_a_clock_stepping_back_never_refires_a_phase() -> None:
     await step_to(clock, GENESIS + 90)  # round 1 COMMIT
     await stop(task)
     assert calls == [(1, Phase.TRAIN), (1, Phase.COMMIT)]
+
+
+async def test_a_clock_set_rounds_ahead_and_corrected_resumes_at_the_corrected_phase(
+        caplog: pytest.LogCaptureFixture) -> None:
+    clock = SteppingClock(GENESIS + 31)  # round 0 COMMIT
+    calls: list[tuple[int, Phase]] = []
+
+    async def handler(r: int, phase: Phase) -> None:
+        calls.append((r, phase))
+
+    scheduler = Scheduler(SCHEDULE, clock, handler)
+    task = asyncio.create_task(scheduler.run())
+    await until(lambda: clock.sleepers == 1)
+    await step_to(clock, GENESIS + 10 * SCHEDULE.round_seconds + 1)  # set 10 rounds ahead: round 10 TRAIN
+    clock.step_back_to(GENESIS + 36, wake=True)  # corrected: round 0 REVEAL
+    await until(lambda: clock.sleepers == 1)
+    await step_to(clock, GENESIS + 45)  # round 0 EVALUATE, as it would without the bogus hour
+    await stop(task)
+    assert calls == [(0, Phase.COMMIT), (10, Phase.TRAIN), (0, Phase.REVEAL), (0, Phase.EVALUATE)]
+    assert "the clock went back from round 10 train to round 0 reveal" in caplog.text
+
+
+async def test_system_clock_wait_ends_when_the_wall_clock_is_stepped_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    readings = iter([5000.0, 5000.0, 4000.0])  # a step of 1000 s back between two readings
+
+    monkeypatch.setattr("node.runtime.clock.time.time", lambda: next(readings, 4000.0))
+    await asyncio.wait_for(SystemClock(max_slice_s=0.01).sleep_until(9000.0), 1.0)  # not 5000 s
 
 
 async def test_system_clock_sleeps_until_a_wall_time() -> None:
