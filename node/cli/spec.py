@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from node.cli.common import spec_setting
+from node.cli.common import check_output_file, spec_setting, write_new_file
 from node.cli.main import command_group
 
 RULES = ("gate-mass", "token-freq", "differential", "activation-norm")
@@ -84,8 +84,7 @@ def run_spec_new(args: argparse.Namespace) -> int:
     from training.selection import select_experts
     from training.tokenizer import HFTokenizer, check_vocab
 
-    if args.out.exists():
-        raise ValueError(f"{args.out}: already exists; spec new never overwrites a spec")
+    check_output_file(args.out, "--out")  # an unwritable or taken --out fails before any work
     _check_options(args)
     judge_settings(args.spec_settings)  # a bad --set fails here, before the checkpoint is read
     validators = [_validator(text) for text in args.validator]
@@ -195,7 +194,6 @@ def _relative(path: Path, start: Path) -> str:
 
 
 def _write_new(path: Path, spec: dict[str, Any]) -> None:
-    from node.cli.common import write_atomically
     from node.sim.layout import to_toml
 
-    write_atomically(path, to_toml(spec))
+    write_new_file(path, to_toml(spec).encode("utf-8"), "--out")

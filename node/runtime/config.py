@@ -14,9 +14,10 @@ import json
 import os
 import tomllib
 from pathlib import Path
-from typing import Literal, get_origin
+from types import NoneType, UnionType
+from typing import Annotated, Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from node.net.config import P2PConfig
@@ -29,6 +30,16 @@ class ConfigError(ValueError):
     """A node config file is missing, not TOML, or invalid; the message names the field."""
 
 
+def _non_empty(value: Any) -> Any:
+    if value == "":  # Path("") is the current directory: a data_dir that silently lands next to the config
+        raise ValueError("an empty path; name a file or directory")
+    return value
+
+
+ConfigPath = Annotated[Path, BeforeValidator(_non_empty)]
+"""A path setting: relative to the config file's directory, never empty."""
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -37,9 +48,9 @@ class NodeSection(_Section):
     """Who this node is and where it keeps its files."""
 
     role: Role = Field(description="'miner' trains target experts; 'validator' scores and merges.")
-    spec: Path = Field(description="The network spec TOML every node of the network shares.")
-    key: Path = Field(default=Path("node.key"), description="Ed25519 key file; created (mode 0600) on first start.")
-    data_dir: Path = Field(default=Path("data"), description="SQLite state, blobs and the rewards ledger.")
+    spec: ConfigPath = Field(description="The network spec TOML every node of the network shares.")
+    key: ConfigPath = Field(default=Path("node.key"), description="Ed25519 key file; created (mode 0600) on first start.")
+    data_dir: ConfigPath = Field(default=Path("data"), description="SQLite state, blobs and the rewards ledger.")
 
 
 class HttpSection(_Section):
@@ -69,7 +80,7 @@ class MinerSection(_Section):
         description="Go on from the inner AdamW state of the last round trained, as DiLoCo's workers do, instead of "
         "starting it at zero each round; held in memory (a restart starts at zero).",
     )
-    data: Path | None = Field(default=None, description="Local training file overriding the spec's train files.")
+    data: ConfigPath | None = Field(default=None, description="Local training file overriding the spec's train files.")
     behaviour: Literal["honest", "lazy", "noise", "copier", "late", "garbage"] = Field(
         default="honest", description="Exists for simulations: anything but 'honest' plays an adversary."
     )
@@ -78,7 +89,7 @@ class MinerSection(_Section):
 class ValidatorSection(_Section):
     """How a validator evaluates."""
 
-    heldout: Path | None = Field(default=None, description="The held-out file whose SHA-256 the spec pins.")
+    heldout: ConfigPath | None = Field(default=None, description="The held-out file whose SHA-256 the spec pins.")
     device: str = Field(
         default="cpu", description="Torch device for scoring (cpu, cuda, cuda:1); 'auto' spreads the model over all GPUs."
     )
@@ -172,12 +183,46 @@ def parse_config(text: str, path: Path) -> NodeConfig:
     for key in data:
         if key.startswith("_"):  # BaseSettings reads `_env_file` and friends from init kwargs
             raise ConfigError(f"{path}: {key}: Extra inputs are not permitted")
+    _check_scalar_types(data, path)
     _check_overrides()
     try:
         config = NodeConfig(**data)
     except ValidationError as exc:
         raise ConfigError(_describe(exc, path)) from exc
     return config.resolved(path.parent.resolve())
+
+
+_TOML_TYPES: dict[type, tuple[tuple[type, ...], str]] = {
+    bool: ((bool,), "a valid boolean (true or false)"),
+    int: ((int,), "a valid integer"),
+    float: ((int, float), "a valid number"),
+}
+
+
+def _check_scalar_types(data: dict[str, Any], path: Path) -> None:
+    """Refuse a file value of another TOML type than its field's: pydantic would read `port = true` as 1,
+    `enabled = "off"` as false and `2.0` as 2. Environment overrides are text, and are parsed as such."""
+    for section, values in data.items():
+        field = NodeConfig.model_fields.get(section)
+        model = None if field is None else field.annotation
+        if not isinstance(values, dict) or not (isinstance(model, type) and issubclass(model, BaseModel)):
+            continue  # pydantic names what is wrong there
+        for name, value in values.items():
+            info = model.model_fields.get(name)
+            if info is None or (expected := _TOML_TYPES.get(_scalar(info.annotation))) is None:
+                continue
+            types, what = expected
+            if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+                raise ConfigError(f"{path}: {section}.{name}: Input should be {what}, "
+                                  f"got {json.dumps(value, default=str)}")
+
+
+def _scalar(annotation: Any) -> Any:
+    """`int` for `int` and `int | None`; other annotations as they are."""
+    if get_origin(annotation) is UnionType:
+        args = [arg for arg in get_args(annotation) if arg is not NoneType]
+        return args[0] if len(args) == 1 else annotation
+    return annotation
 
 
 def _check_overrides() -> None:

@@ -17,6 +17,7 @@ It computes no rewards or rankings. No other module names a storage key.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -235,7 +236,9 @@ class Storage(SqliteWorker):
         """Append ledger rounds not yet exported to `path` (one JSON object a line, fsynced).
 
         The file is appended before the export mark moves, so a crash in between repeats lines
-        (readers de-duplicate on round and miner) rather than losing them.
+        (readers de-duplicate on round and miner) rather than losing them. A failed append (a full
+        disk) is cut off again, and a torn last line that a crash left is dropped before appending:
+        its round was not marked exported, so it is written again whole.
         """
         done = int(get(conn, _EXPORTED) or -1)
         rows = conn.execute("SELECT round, miner, rank, points, utility, standing FROM rewards WHERE round > ? "
@@ -244,10 +247,7 @@ class Storage(SqliteWorker):
             return 0
         lines = "".join(json.dumps(RewardRecord(*row).as_dict(), sort_keys=True) + "\n" for row in rows)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(lines)
-            f.flush()
-            os.fsync(f.fileno())
+        _append_whole_lines(path, lines.encode("utf-8"))
         put(conn, _EXPORTED, str(max(row[0] for row in rows)))
         return len(rows)
 
@@ -393,3 +393,35 @@ class Storage(SqliteWorker):
             if report.get("global_hash") is not None:
                 losses[report["round"]] = {"hash": report["global_hash"], "loss": report["global_loss"]}
         return dict(sorted(losses.items()))
+
+
+def _append_whole_lines(path: Path, data: bytes) -> None:
+    """Append `data` (whole lines) to `path` and fsync; on failure the file ends at its last whole line."""
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        whole = _whole_lines_size(fd)
+        os.ftruncate(fd, whole)
+        try:
+            rest = memoryview(data)
+            while rest:
+                rest = rest[os.write(fd, rest):]
+            os.fsync(fd)
+        except OSError as exc:
+            with contextlib.suppress(OSError):  # if even this fails, the next export drops the torn line
+                os.ftruncate(fd, whole)
+            exc.filename = exc.filename or str(path)
+            raise
+    finally:
+        os.close(fd)
+
+
+def _whole_lines_size(fd: int) -> int:
+    """Bytes of the open file `fd` up to and including its last newline."""
+    end = os.fstat(fd).st_size
+    while end > 0:
+        start = max(0, end - 4096)
+        cut = os.pread(fd, end - start, start).rfind(b"\n")
+        if cut >= 0:
+            return start + cut + 1
+        end = start
+    return 0

@@ -119,7 +119,7 @@ class RewardsLedger:
 
 
 class StorageError(ValueError):
-    """The state file cannot be used: unreadable, corrupt, or written by a newer schema."""
+    """The state file cannot be used: unreadable, damaged, not a tessera state file, or written by a newer schema."""
 
 
 @dataclass(frozen=True, slots=True)

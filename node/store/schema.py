@@ -61,17 +61,39 @@ CREATE TABLE kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 
 
 def connect(path: Path) -> sqlite3.Connection:
+    """Open (creating or migrating) the state file at `path`; StorageError if it cannot be used as one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         conn = sqlite3.connect(path, isolation_level=None)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=FULL")
-        version = conn.execute("PRAGMA user_version").fetchone()[0]
     except sqlite3.DatabaseError as exc:
-        raise StorageError(f"{path}: not a usable SQLite state file: {exc}") from exc
-    if version > SCHEMA_VERSION:
+        raise StorageError(f"{path}: cannot open the state file: {exc}") from exc
+    try:
+        _prepare(conn, path)
+    except sqlite3.DatabaseError as exc:
         conn.close()
+        raise _refusal(path, exc) from exc
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _prepare(conn: sqlite3.Connection, path: Path) -> None:
+    """Check the file is an undamaged tessera state file, then create or migrate its schema.
+
+    The checks only read: a file refused here is left byte for byte as it was (WAL mode is set after them).
+    """
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    problem = conn.execute("PRAGMA quick_check(1)").fetchone()[0]  # reads every page once
+    if problem != "ok":
+        found = "; ".join(line for line in problem.splitlines() if not line.startswith("*** in database"))
+        raise StorageError(f"{path}: damaged: {found}; restore it from a backup or move it away")
+    if version > SCHEMA_VERSION:
         raise StorageError(f"{path}: schema version {version} is newer than this tessera ({SCHEMA_VERSION})")
+    if version == 0 and conn.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchone() is not None:
+        raise StorageError(f"{path}: not a tessera state file (an SQLite file with tables of its own); move it away")
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
     if version == 0:
         conn.executescript(f"BEGIN IMMEDIATE;\n{_SCHEMA}PRAGMA user_version = {SCHEMA_VERSION};\nCOMMIT;")
     elif version == 1:
@@ -79,7 +101,16 @@ def connect(path: Path) -> sqlite3.Connection:
         _migrate_v1(conn)
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         conn.execute("COMMIT")
-    return conn
+
+
+def _refusal(path: Path, exc: sqlite3.DatabaseError) -> StorageError:
+    """SQLite's own complaint about `path`, said as what it means for the operator."""
+    code = exc.sqlite_errorcode & 0xFF  # the primary code of an extended one (SQLITE_CORRUPT_INDEX, ...)
+    if code == sqlite3.SQLITE_NOTADB:
+        return StorageError(f"{path}: not a tessera state file ({exc}); move it away")
+    if code == sqlite3.SQLITE_CORRUPT:
+        return StorageError(f"{path}: damaged: {exc}; restore it from a backup or move it away")
+    return StorageError(f"{path}: cannot use the state file: {exc}")
 
 
 def _migrate_v1(conn: sqlite3.Connection) -> None:

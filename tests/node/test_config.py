@@ -45,10 +45,22 @@ def test_absolute_paths_stay_absolute(tmp_path: Path) -> None:
         (MINIMAL + '[p2p]\nbootstrap = ["127.0.0.1:4001"]\n', "p2p.bootstrap: '127.0.0.1:4001' is not a multiaddr"),
         (MINIMAL + "[p2p]\ndial_timeout_s = 0\n", "p2p.dial_timeout_s: Input should be greater than 0"),
         (MINIMAL + "[p2p]\npenalty_threshold = 0\n", "p2p.penalty_threshold: Input should be greater than or equal to 1"),
+        (MINIMAL + "[p2p]\nserve_rate_bytes_s = 1000\n", "p2p: serve_rate_bytes_s (1000) is below"),
+        (MINIMAL + "[p2p]\nblob_min_rate_bytes_s = 0\n", "p2p.blob_min_rate_bytes_s: Input should be greater than 0"),
         ('[node]\nrole = "miner"\n', "node.spec: Field required"),
         ('[node]\nrole = "validator"\nspec = "s.toml"\n', "validator.heldout: a validator needs"),
         ("[unknown]\nx = 1\n" + MINIMAL, "unknown: Extra inputs are not permitted"),
         ('_env_file = "x.env"\n' + MINIMAL, "_env_file: Extra inputs are not permitted"),
+        (MINIMAL + "[http]\nport = true\n", "http.port: Input should be a valid integer, got true"),
+        (MINIMAL + '[http]\nenabled = "off"\n', 'http.enabled: Input should be a valid boolean (true or false), got "off"'),
+        (MINIMAL + "[miner]\ncheckpointing = 1\n", "miner.checkpointing: Input should be a valid boolean"),
+        (MINIMAL + "[miner]\nmicro_batch_size = true\n", "miner.micro_batch_size: Input should be a valid integer"),
+        (MINIMAL + "[storage]\nmessage_retention_rounds = 2.0\n",
+         "storage.message_retention_rounds: Input should be a valid integer, got 2.0"),
+        (MINIMAL + "[p2p]\ndial_timeout_s = true\n", "p2p.dial_timeout_s: Input should be a valid number, got true"),
+        (MINIMAL + 'data_dir = ""\n', "node.data_dir: an empty path; name a file or directory"),
+        ('[node]\nrole = "miner"\nspec = ""\n', "node.spec: an empty path"),
+        (MINIMAL + '[miner]\ndata = ""\n', "miner.data: an empty path"),
     ],
 )
 def test_errors_name_the_file_and_field(tmp_path: Path, text: str, expected: str) -> None:
@@ -79,6 +91,24 @@ def test_environment_error_names_the_variable(tmp_path: Path, monkeypatch: pytes
     with pytest.raises(ConfigError) as info:
         load_config(write(tmp_path, MINIMAL))
     assert str(info.value).startswith("TESSERA_HTTP__PORT (environment): http.port: ")
+
+
+def test_overrides_are_text_parsed_as_before_but_an_empty_path_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write(tmp_path, MINIMAL + "[p2p]\ndial_timeout_s = 5\n")  # an integer is a number
+    for name, value in (("TESSERA_HTTP__ENABLED", "off"), ("TESSERA_HTTP__PORT", "9000"),
+                        ("TESSERA_MINER__CHECKPOINTING", "1"), ("TESSERA_STORAGE__BLOB_RETENTION_ROUNDS", "4")):
+        monkeypatch.setenv(name, value)
+    config = load_config(path)
+    assert (config.http.enabled, config.http.port, config.miner.checkpointing) == (False, 9000, True)
+    assert (config.storage.blob_retention_rounds, config.p2p.dial_timeout_s) == (4, 5.0)
+    for name, field in (("TESSERA_NODE__DATA_DIR", "node.data_dir"), ("TESSERA_MINER__DATA", "miner.data"),
+                        ("TESSERA_VALIDATOR__HELDOUT", "validator.heldout")):
+        monkeypatch.setenv(name, "")
+        with pytest.raises(ConfigError, match=rf"^{name} \(environment\): {field}: an empty path; name a file"):
+            load_config(path)
+        monkeypatch.delenv(name)
 
 
 def test_an_override_that_overrides_nothing_or_is_not_json_is_named(
@@ -113,12 +143,12 @@ def test_rendered_config_loads_back(tmp_path: Path) -> None:
 
 
 def test_every_p2p_setting_comes_from_the_file_or_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    text = MINIMAL + "[p2p]\nport = 0\nserve_rate_bytes_s = 1000.0\npenalty_threshold = 5\nexchange_interval_s = 2.5\n"
+    text = MINIMAL + "[p2p]\nport = 0\nserve_rate_bytes_s = 100000.0\npenalty_threshold = 5\nexchange_interval_s = 2.5\n"
     monkeypatch.setenv("TESSERA_P2P__PENALTY_BACKOFF_S", "60")
     monkeypatch.setenv("TESSERA_P2P__BOOTSTRAP", '["/ip4/10.0.0.1/tcp/4001/p2p/12D3KooWabc"]')
     config = load_config(write(tmp_path, text))
     assert isinstance(config.p2p, P2PConfig)  # the network layer's own type, handed down as is
-    assert (config.p2p.port, config.p2p.serve_rate_bytes_s, config.p2p.exchange_interval_s) == (0, 1000.0, 2.5)
+    assert (config.p2p.port, config.p2p.serve_rate_bytes_s, config.p2p.exchange_interval_s) == (0, 100000.0, 2.5)
     assert (config.p2p.penalty_threshold, config.p2p.penalty_backoff_s) == (5, 60.0)
     assert config.p2p.bootstrap == ("/ip4/10.0.0.1/tcp/4001/p2p/12D3KooWabc",)
     assert set(P2PConfig.model_fields) >= {"sender_budget", "penalty_threshold", "penalty_backoff_s", "max_peers"}

@@ -83,6 +83,44 @@ def test_spec_new_judges_the_whole_spec_before_writing_it(
     assert not (tmp_path / "net").exists()
 
 
+@pytest.mark.parametrize(("out", "match"), [
+    ("{tmp}/taken.toml", "--out {tmp}/taken.toml: already exists; choose another path (it is never overwritten)"),
+    ("{tmp}", "--out {tmp}: is a directory; give a file path"),
+    ("/proc/tessera-no-such-dir/spec.toml", "--out /proc/tessera-no-such-dir/spec.toml: cannot write a file there"),
+])
+def test_spec_new_refuses_an_unusable_out_before_any_work(
+        tmp_path: Path, data: tuple[Path, Path], capsys: pytest.CaptureFixture[str], out: str, match: str) -> None:
+    train, heldout = data
+    (tmp_path / "taken.toml").write_text("# someone's spec\n", encoding="utf-8")
+    refused(capsys, ["spec", "new", "--checkpoint", tmp_path / "no-such-checkpoint", "--train", train,
+                     "--heldout", heldout, "--validator", KEY, "--out", out.replace("{tmp}", str(tmp_path))],
+            match.replace("{tmp}", str(tmp_path)))
+    assert (tmp_path / "taken.toml").read_text(encoding="utf-8") == "# someone's spec\n"
+
+
+def test_spec_new_never_replaces_a_spec_that_appeared_while_it_ran(
+        tmp_path: Path, data: tuple[Path, Path], capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import training.checkpoint
+
+    checkpoint = write_hub_checkpoint(tmp_path / "ckpt", "qwen3_moe")
+    train, heldout = data
+    out = tmp_path / "net" / "spec.toml"
+    real_hash = training.checkpoint.checkpoint_hash
+
+    def hash_while_another_operator_writes_the_spec(path: Path) -> str:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("# another operator's spec\n", encoding="utf-8")
+        return real_hash(path)
+
+    monkeypatch.setattr(training.checkpoint, "checkpoint_hash", hash_while_another_operator_writes_the_spec)
+    refused(capsys, ["spec", "new", "--checkpoint", checkpoint, "--train", train, "--heldout", heldout,
+                     "--validator", KEY, "--timing", "sim", "--seq-len", "32", "--max-sequences", "16", "--out", out],
+            match=f"--out {out}: a file appeared there while this ran; it was not overwritten")
+    assert out.read_text(encoding="utf-8") == "# another operator's spec\n"
+    assert [p.name for p in out.parent.iterdir()] == ["spec.toml"]  # no temporary file left
+
+
 @pytest.mark.parametrize(("flags", "match"), [
     (["--family", "nope"], "unknown model family 'nope'; supported: qwen3_moe"),
     (["--validators", "0"], "a simulation network takes 1 to 64 validators, got 0"),

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import resource
+import signal
 import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -213,6 +217,52 @@ async def test_rewards_ledger_and_jsonl_export(tmp_path: Path) -> None:
         await store.close()
 
 
+@contextlib.contextmanager
+def file_size_limit(limit: int) -> Iterator[None]:
+    """Writes past `limit` bytes fail (EFBIG) as on a full disk: a write that crosses it lands in part."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+async def test_a_failed_rewards_export_leaves_the_file_as_it_was(tmp_path: Path) -> None:
+    out = tmp_path / "rewards.jsonl"
+    out.write_text(json.dumps({"round": -1, "note": "x" * (1 << 20)}) + "\n")  # larger than node.db and its WAL
+    before = out.read_bytes()
+    store = await Storage.open(tmp_path / "node.db")
+    try:
+        entries = [RewardRecord(0, h(i), i + 1, 1.0 / (i + 1), 0.5, 0.25) for i in range(200)]
+        await store.add_rewards(0, entries, {e.miner: e.standing for e in entries})
+        with file_size_limit(len(before) + 5000), pytest.raises(OSError) as caught:  # ~40 kB to append
+            await store.export_rewards_jsonl(out)
+        assert out.read_bytes() == before and caught.value.filename == str(out)
+        assert await store.export_rewards_jsonl(out) == 200  # space freed: the round is exported whole
+        lines = [json.loads(line) for line in out.read_text().splitlines()]
+        assert [line["round"] for line in lines] == [-1] + [0] * 200
+    finally:
+        await store.close()
+
+
+async def test_a_torn_last_rewards_line_is_dropped_before_appending(tmp_path: Path) -> None:
+    """What a crash in the middle of an append leaves: its round was not marked exported, so it comes again."""
+    out = tmp_path / "rewards.jsonl"
+    kept = json.dumps({"round": 0, "miner": h(1)}) + "\n"
+    out.write_text(kept + '{"round": 1, "miner": "' + "0" * 30)
+    store = await Storage.open(tmp_path / "node.db")
+    try:
+        await store.add_rewards(1, [RewardRecord(1, h(1), 1, 1.0, 0.5, 0.25)], {h(1): 0.25})
+        assert await store.export_rewards_jsonl(out) == 1
+        text = out.read_text()
+        assert text.startswith(kept) and [json.loads(line)["round"] for line in text.splitlines()] == [0, 1]
+    finally:
+        await store.close()
+
+
 async def test_wal_full_sync_and_schema_version(tmp_path: Path) -> None:
     path = tmp_path / "node.db"
     store = await Storage.open(path)
@@ -230,8 +280,42 @@ async def test_wal_full_sync_and_schema_version(tmp_path: Path) -> None:
 async def test_garbage_file_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "node.db"
     path.write_bytes(b"this is not a database" * 100)
-    with pytest.raises(StorageError, match="not a usable SQLite state file"):
+    with pytest.raises(StorageError, match="node.db: not a tessera state file"):
         await Storage.open(path)
+    assert path.read_bytes() == b"this is not a database" * 100
+
+
+async def test_a_damaged_file_is_refused_at_open(tmp_path: Path) -> None:
+    """Valid header, corrupted pages: refused at open with SQLite's finding, not at the first query."""
+    path = tmp_path / "node.db"
+    store = await Storage.open(path)
+    for i in range(200):
+        await accept(store, Heartbeat(round=i, role="miner", head=h(i)), make_identity(1000 + i), at=float(i))
+    await store.close()
+    data = bytearray(path.read_bytes())
+    data[-4000:-100] = b"\xff" * 3900  # the last page: a table or index page, not the header or the schema
+    path.write_bytes(data)
+    with pytest.raises(StorageError, match=r"node.db: damaged: .*; restore it from a backup or move it away") as caught:
+        await Storage.open(path)
+    assert isinstance(caught.value, ValueError) and "\n" not in str(caught.value)  # one `tessera: error:` line
+    assert path.read_bytes() == data
+
+
+async def test_a_foreign_sqlite_file_is_refused_untouched(tmp_path: Path) -> None:
+    path = tmp_path / "node.db"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE rounds (name TEXT)")  # user_version 0, with a table tessera would also create
+    conn.execute("INSERT INTO rounds VALUES ('theirs')")
+    conn.commit()
+    conn.close()
+    before = path.read_bytes()
+    with pytest.raises(StorageError, match="node.db: not a tessera state file"):
+        await Storage.open(path)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["node.db"]
+    conn = sqlite3.connect(path)
+    assert conn.execute("SELECT name FROM sqlite_master").fetchall() == [("rounds",)]
+    assert conn.execute("SELECT * FROM rounds").fetchall() == [("theirs",)]
+    conn.close()
 
 
 async def test_score_reports_come_back_whole(tmp_path: Path) -> None:
