@@ -8,7 +8,7 @@ does not import libp2p. This module knows nothing about sockets, messages or the
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class P2PConfig(BaseModel):
@@ -32,6 +32,14 @@ class P2PConfig(BaseModel):
     max_redial_backoff_s: float = Field(default=5.0, gt=0, description="Longest wait between two dials of a lost peer.")
     dial_timeout_s: float = Field(default=5.0, gt=0, description="Give up one dial after this long.")
     blob_idle_timeout_s: float = Field(default=30.0, gt=0, description="Abort a blob transfer idle this long.")
+    # 64 KiB/s is about a 20th of a 10 Mbit/s home uplink: a provider serving a dozen fetchers at once
+    # still gives each half again as much, and the idle timeout on top covers small blobs and slow starts;
+    # a peer that drips bytes to hold a transfer open has to send at least this much to do so.
+    blob_min_rate_bytes_s: float = Field(
+        default=64 * 1024,
+        gt=0,
+        description="Abort a blob transfer (either side) not done in blob_idle_timeout_s + size / this rate.",
+    )
     blob_chunk_bytes: int = Field(
         default=1 << 20, ge=1, description="Bytes per write when serving a blob and per disk write when fetching."
     )
@@ -51,6 +59,15 @@ class P2PConfig(BaseModel):
     penalty_backoff_s: float = Field(
         default=300.0, gt=0, description="How long a penalised peer stays disconnected and is not redialled."
     )
+
+    @model_validator(mode="after")
+    def _serve_rate_above_min_rate(self) -> P2PConfig:
+        if 0 < self.serve_rate_bytes_s < self.blob_min_rate_bytes_s:
+            raise ValueError(
+                f"serve_rate_bytes_s ({self.serve_rate_bytes_s:g}) is below blob_min_rate_bytes_s "
+                f"({self.blob_min_rate_bytes_s:g}): fetchers abort transfers that slow; raise it, or set 0 for no cap"
+            )
+        return self
 
     @field_validator("bootstrap")
     @classmethod

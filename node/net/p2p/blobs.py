@@ -2,14 +2,18 @@
 
 A request is the 32-byte hash; the answer is a status byte, an 8-byte size and the bytes. The
 fetching side checks the announced size against the cap, hashes while it reads and lets the blob
-store verify and rename (nothing partial is left behind). Runs on the trio thread of
-node.net.p2p.host; knows nothing about gossip, peers beyond their ids, or what a blob contains.
+store verify and rename (nothing partial is left behind). Either side gives up a transfer that is
+idle for `blob_idle_timeout_s`, or not done by its deadline (that timeout plus the size at
+`blob_min_rate_bytes_s`), so a peer that drips bytes holds a stream no longer than that. Runs on the
+trio thread of node.net.p2p.host; knows nothing about gossip, peers beyond their ids, or what a blob
+contains.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import BinaryIO
 
 import trio
 from libp2p.abc import IHost, INetStream
@@ -51,21 +55,29 @@ class BlobStreams:
             path = self.store.path(blob_hash)
             with open(path, "rb") as f:
                 size = path.stat().st_size
-                await stream.write(bytes([BLOB_OK]) + size.to_bytes(8, "big"))
-                rate = self.config.serve_rate_bytes_s
-                chunk_bytes = min(self.config.blob_chunk_bytes, FRAME_PAYLOAD_BYTES)  # one frame each, unsliced
-                chunk_bytes = max(1, min(chunk_bytes, int(rate / 10))) if rate > 0 else chunk_bytes
-                while chunk := await trio.to_thread.run_sync(f.read, chunk_bytes):  # disk reads off the trio thread
-                    with trio.fail_after(self.config.blob_idle_timeout_s):
-                        await stream.write(chunk)
-                    self.judge.count_blob(bytes_out=len(chunk))
-                    if rate > 0:
-                        await trio.sleep(len(chunk) / rate)
+                with trio.fail_after(self._deadline_s(size)):
+                    await self._send(stream, f, size)
             await stream.close()
             self.judge.count_blob(served=1)
         except Exception as exc:
             log.info("p2p: serving a blob failed: %r", exc)
             await reset(stream)
+
+    def _deadline_s(self, size: int) -> float:
+        """How long a transfer of `size` bytes may take, either side."""
+        return self.config.blob_idle_timeout_s + size / self.config.blob_min_rate_bytes_s
+
+    async def _send(self, stream: INetStream, f: BinaryIO, size: int) -> None:
+        await stream.write(bytes([BLOB_OK]) + size.to_bytes(8, "big"))
+        rate = self.config.serve_rate_bytes_s
+        chunk_bytes = min(self.config.blob_chunk_bytes, FRAME_PAYLOAD_BYTES)  # one frame each, unsliced
+        chunk_bytes = max(1, min(chunk_bytes, int(rate / 10))) if rate > 0 else chunk_bytes
+        while chunk := await trio.to_thread.run_sync(f.read, chunk_bytes):  # disk reads off the trio thread
+            with trio.fail_after(self.config.blob_idle_timeout_s):
+                await stream.write(chunk)
+            self.judge.count_blob(bytes_out=len(chunk))
+            if rate > 0:
+                await trio.sleep(len(chunk) / rate)
 
     async def fetch(self, host: IHost, blob_hash: str, providers: list[ID], max_bytes: int) -> Path:
         """The blob from the first provider that delivers it; BlobFetchError when none did."""
@@ -94,7 +106,11 @@ class BlobStreams:
             if size > max_bytes:
                 raise BlobFetchError(f"announced {size} bytes, over the {max_bytes}-byte cap")
             with self.store.open_writer(blob_hash, max_bytes) as writer:  # aborts (deletes) on any error
-                await self._receive_into(stream, writer, size)
+                with trio.move_on_after(self._deadline_s(size)) as transfer:
+                    await self._receive_into(stream, writer, size)
+                if transfer.cancelled_caught:
+                    raise BlobFetchError(f"{size} bytes not received within {self._deadline_s(size):.0f} s "
+                                         f"(under {self.config.blob_min_rate_bytes_s:.0f} bytes/s)")
                 path = await trio.to_thread.run_sync(writer.commit)
         except BaseException:
             await reset(stream)

@@ -13,17 +13,23 @@ any libp2p peer:
   packets of one message with one send, and joins the packets of a read once.
 - yamux takes a frame body straight from the session instead of copying it again.
 
+One change is not about speed: yamux closes the connection of a peer that sends a DATA frame past
+what is left of a stream's receive window, before reading its body, as go-yamux does; stock
+py-libp2p buffers it, so a peer that ignored windows made a stream nobody reads hold any amount.
+
 Two module-level names of py-libp2p are set on import: yamux's frame-size constant, and the class
 its upgrader builds for yamux, which it takes by name rather than from the host's muxer options.
-These rely on private details of libp2p==0.8.1 (pinned in pyproject.toml); tests/node/test_wire.py
-and an integration test hold them to the stock classes' behaviour. This module knows nothing about
-Tessera.
+These and the window check rely on private details of libp2p==0.8.1 (pinned in pyproject.toml);
+tests/node/test_wire.py and two integration tests (test_p2p.py, test_p2p_limits.py) hold them to
+it. This module knows nothing about Tessera.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
+import sys
 
 import libp2p.stream_muxer.yamux.yamux as yamux_module
 import trio
@@ -43,6 +49,8 @@ from libp2p.security.secure_session import SecureSession
 from libp2p.stream_muxer import muxer_multistream
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from noise.connection import NoiseConnection
+
+log = logging.getLogger(__name__)
 
 FRAME_BYTES = 1 << 20
 """Largest yamux frame this node sends, header included."""
@@ -175,10 +183,35 @@ class TunedSession(SecureSession):
         return b"".join(parts)
 
 
+class WindowExceeded(trio.TooSlowError):
+    """A peer sent a DATA frame larger than what is left of the stream's receive window.
+
+    A TooSlowError because that is the one error that every caller of `Yamux._read_data_body` answers by
+    closing the connection (as it does for a frame body that takes too long)."""
+
+
 class TunedYamux(Yamux):
-    """yamux whose DATA frame bodies come straight from the session, which returns exactly what was asked."""
+    """yamux whose DATA frame bodies come straight from the session, which returns exactly what was asked,
+    and which closes a connection whose peer sends past a stream's receive window."""
 
     async def _read_data_body(self, length: int) -> bytes:
+        # Stock 0.8.1 buffers every DATA frame up to MAX_WINDOW_SIZE (16 MiB) whatever is left of the
+        # stream's receive window: it only logs "peer exceeded receive window" and sets that window to 0,
+        # so a peer that ignores it grows the buffer of a stream nobody reads without bound. go-yamux ends
+        # the session on such a frame (ErrRecvWindowExceeded); so does this, before reading its body.
+        # handle_incoming calls this with the length alone: the frame's stream id and flags are its locals.
+        frame = sys._getframe(1).f_locals
+        stream = self.streams.get(frame["stream_id"])
+        if stream is not None:
+            window = stream.recv_window
+        elif frame["flags"] & yamux_module.FLAG_SYN:
+            window = yamux_module.DEFAULT_WINDOW_SIZE  # the frame opens the stream
+        else:
+            window = yamux_module.MAX_WINDOW_SIZE  # a stream already gone: the stock reader drops the bytes
+        if length > window:
+            log.warning("yamux: peer %s sent %d bytes on stream %d with %d left of its window; closing the "
+                        "connection", self.peer_id, length, frame["stream_id"], window)
+            raise WindowExceeded(f"{length}-byte DATA frame, {window} bytes of window left")
         with trio.fail_after(yamux_module._yamux_data_read_timeout()):
             body = await self.secured_conn.read(length)
             if len(body) < length:  # the session ended early: let the stock reader raise as it would
