@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -116,8 +117,10 @@ def round_verdict(whole_prev: float, whole_now: float, noise_prev: dict[str, flo
 # -- the simulation -----------------------------------------------------------------------------
 
 
-def run_simulation(directory: Path, settings: SimSettings, rounds: int, states: Path) -> tuple[list[dict[str, Any]], str]:
-    """Run the network for `rounds` rounds; copy each adopted state blob into `states`.
+def run_rounds(directory: Path, settings: SimSettings, rounds: int,
+               after_round: Callable[[Simulation, int, dict[str, Any]], str]) -> tuple[list[dict[str, Any]], str]:
+    """Run the network for `rounds` rounds, calling `after_round(sim, round, entry)` once the validators have
+    finished each (it returns the line printed for the round).
 
     Returns report.json's rounds and a failure message ("" when every round completed).
     """
@@ -131,18 +134,24 @@ def run_simulation(directory: Path, settings: SimSettings, rounds: int, states: 
         print(f"simulation in {directory}: genesis in {sim.schedule.genesis_ts - time.time():.0f} s",
               file=sys.stderr, flush=True)
         for r in range(rounds):
-            reports = sim.wait_round(r)
-            entries.append(sim.round_entry(r, reports))
+            entries.append(sim.round_entry(r, sim.wait_round(r)))
             sim.write_report(entries)
-            for h in {v["global_hash"] for v in entries[-1]["validators"] if v["global_hash"]}:
-                _copy_state(sim, h, states)
-            print(f"round {r}: base {entries[-1]['base_loss']} -> global {entries[-1]['global_loss']}",
-                  file=sys.stderr, flush=True)
+            print(f"round {r}: {after_round(sim, r, entries[-1])}", file=sys.stderr, flush=True)
     except SimulationError as exc:
         failure = str(exc)
     finally:
         sim.close()
     return entries, failure
+
+
+def run_simulation(directory: Path, settings: SimSettings, rounds: int, states: Path) -> tuple[list[dict[str, Any]], str]:
+    """Run the network for `rounds` rounds; copy each adopted state blob into `states`."""
+    def copy_states(sim: Simulation, r: int, entry: dict[str, Any]) -> str:
+        for h in {v["global_hash"] for v in entry["validators"] if v["global_hash"]}:
+            _copy_state(sim, h, states)
+        return f"base {entry['base_loss']} -> global {entry['global_loss']}"
+
+    return run_rounds(directory, settings, rounds, copy_states)
 
 
 def _copy_state(sim: Simulation, state_hash: str, states: Path) -> None:

@@ -36,8 +36,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report import emit  # noqa: E402
-from bench.simulation import _commit  # noqa: E402
-from node.sim.process import SimNode, SimSettings, SimulationError  # noqa: E402
+from bench.simulation import _commit, run_rounds  # noqa: E402
+from node.sim.process import SimNode, SimSettings  # noqa: E402
 from node.sim.run import Simulation  # noqa: E402
 from node.store.blobs import BlobStore  # noqa: E402
 
@@ -114,30 +114,17 @@ def summarise(series: dict[str, list[dict[str, Any]]], warmup: int) -> dict[str,
 def run(directory: Path, settings: SimSettings, rounds: int) -> tuple[dict[str, list[dict[str, Any]]],
                                                                          list[dict[str, Any]], str]:
     """Run the network for `rounds` rounds, sampling every node after each; returns series, rounds, failure."""
-    sim = Simulation(directory, settings)
     series: dict[str, list[dict[str, Any]]] = {}
-    entries: list[dict[str, Any]] = []
-    failure = ""
-    try:
-        sim.start()
-        assert sim.schedule is not None
-        print(f"soak in {directory}: genesis in {sim.schedule.genesis_ts - time.time():.0f} s",
-              file=sys.stderr, flush=True)
-        for r in range(rounds):
-            reports = sim.wait_round(r)
-            entries.append(sim.round_entry(r, reports))
-            sim.write_report(entries)
-            for name, node in sim.nodes.items():
-                reading = sample(node)
-                if reading is not None:
-                    series.setdefault(name, []).append({"round": r, **{k: round(v, 3) for k, v in reading.items()}})
-            worst = max(series.values(), key=lambda s: s[-1]["rss_mib"])[-1]
-            print(f"round {r}: global {entries[-1]['global_loss']}, largest RSS {worst['rss_mib']:.0f} MiB",
-                  file=sys.stderr, flush=True)
-    except SimulationError as exc:
-        failure = str(exc)
-    finally:
-        sim.close()
+
+    def sample_all(sim: Simulation, r: int, entry: dict[str, Any]) -> str:
+        for name, node in sim.nodes.items():
+            reading = sample(node)
+            if reading is not None:
+                series.setdefault(name, []).append({"round": r, **{k: round(v, 3) for k, v in reading.items()}})
+        largest = max(readings[-1]["rss_mib"] for readings in series.values())
+        return f"global {entry['global_loss']}, largest RSS {largest:.0f} MiB"
+
+    entries, failure = run_rounds(directory, settings, rounds, sample_all)
     return series, entries, failure
 
 

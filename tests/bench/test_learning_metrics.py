@@ -6,38 +6,25 @@ the miner steps spent; the `seeds` section reports ranges over seeds. Checked he
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.bench.scripts import load_bench
 
 CURVE = [(0, 2.0), (20, 1.5), (40, 1.0), (60, 1.0), (80, 0.5)]
-
-
-def _load(name: str) -> ModuleType:
-    """bench/`name`.py as a module (bench/ is a directory of scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through it
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def runs() -> ModuleType:
     """How a run reads against the ESFT curve."""
-    return _load("learning_runs")
+    return load_bench("learning_runs")
 
 
 @pytest.fixture(scope="module")
 def learning() -> ModuleType:
     """The arms the benchmark runs and the targets it reads."""
-    return _load("learning")
+    return load_bench("learning")
 
 
 def test_esft_steps_interpolate_between_curve_points_and_take_the_first_crossing(runs: ModuleType) -> None:

@@ -7,30 +7,24 @@ validators' `heldout_subset` picks; a subset's loss built from per-sequence sums
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
+from tests.bench.scripts import load_bench
 from training.data import heldout_subset
 from training.evaluate import heldout_loss
 from training.model import build_tiny_model, tiny_config
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "simulation.py"
 PAD = 256
 
 
 @pytest.fixture(scope="module")
 def sim() -> ModuleType:
     """bench/simulation.py as a module (bench/ is a directory of scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location("bench_simulation", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("simulation")
 
 
 def test_subsets_are_the_rows_validators_score(sim: ModuleType) -> None:

@@ -3,7 +3,6 @@ hand-made series that start with a warm-up."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -13,18 +12,13 @@ import pytest
 
 from node.sim.process import SimNode
 from node.store.blobs import BlobStore
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "soak.py"
+from tests.bench.scripts import load_bench
 
 
 @pytest.fixture(scope="module")
 def soak() -> ModuleType:
     """bench/soak.py as a module (bench/ is a directory of scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location("bench_soak", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("soak")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the soak benchmark reads /proc")
