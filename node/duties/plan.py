@@ -4,10 +4,10 @@ A validator fixes the plan when EVALUATE starts and MERGE reuses it (node.store 
 reveal accepted later can no longer change seed or assignment; a miner computes the same plan a
 round later to rank the round from the public score reports. A round takes at most as many miners as
 one score report can name (`protocol.messages.report_capacity`): beyond that, the round seed picks
-which (`protocol.assignment.admit`), and the others are in the plan's reveals but not its assignment. Validators that committed a seed and
-did not reveal it are named in the plan, and lose reward-set standing: for the next
-SEED_WITHHOLD_ROUNDS rounds they are left out of the assignment (they score no miners, so their
-reports count for nobody). Every node computes that exclusion from the seed commits and reveals it
+which (`protocol.assignment.admit`), and the others are in the plan's reveals but not its
+assignment. Validators that committed a seed and did not reveal it are named in the plan, and lose
+reward-set standing: for the next SEED_WITHHOLD_ROUNDS rounds they are left out of the assignment
+(they score no miners, so their reports count for nobody). Every node computes that exclusion from the seed commits and reveals it
 stored for those rounds. Before a validator fixes its plan, a commit it holds without the reveal (or
 the reverse, `unpaired`) sends it to a peer for the round's envelopes (node.duties.validator): gossip
 can miss a node, and a validator planning without a reveal the others have would vote alone. This
