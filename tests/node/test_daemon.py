@@ -227,6 +227,30 @@ async def test_a_round_far_past_the_last_one_prunes_nothing_until_the_next(setup
     assert "tessera_round 11.0" in node.metrics_text().decode()
 
 
+async def test_the_round_gauge_is_the_round_in_progress_while_its_first_phase_runs(tmp_path: Path) -> None:
+    config, spec = write_node(tmp_path)
+    clock = ManualClock(spec.genesis_ts + 5 * 60 + 1)  # round 5 TRAIN: a node (re)started there
+    release = asyncio.Event()
+
+    class LongTrain(Probe):
+        async def on_phase(self, round: int, phase: Phase) -> None:
+            await super().on_phase(round, phase)
+            await release.wait()  # a miner's TRAIN runs for most of the phase
+
+    hub = MemoryHub()
+    join(hub, spec, clock, MINER.node_id, tmp_path / "peer")  # a peer to catch up from, so it does not wait
+    node = await Node.create(config, network=join(hub, spec, clock, VALIDATOR.node_id, tmp_path / "b"),
+                             clock=clock, duties=LongTrain)
+    task = asyncio.create_task(node.run())
+    try:
+        await asyncio.wait_for(_until(lambda: (5, Phase.TRAIN) in node.duties.phases), WAIT_S)  # type: ignore[attr-defined]
+        assert "tessera_round 5.0" in node.metrics_text().decode()  # not 0 until the handler ends
+    finally:
+        release.set()
+        node.stop()
+        await asyncio.wait_for(task, WAIT_S)
+
+
 async def test_a_message_signed_with_our_key_that_we_did_not_send_is_reported(
         setup, caplog: pytest.LogCaptureFixture) -> None:
     node, probe, peer, hub, clock, spec, task = setup
