@@ -101,14 +101,25 @@ def encode_submission(spec: NetworkSpec, round: int, miner: str, head: str, tens
                     format=BLOB_FORMAT if cfg is None else PGRAD_FORMAT)
     if cfg is None:
         dtype = getattr(torch, spec.model.dtype)
-        return encode_blob({name: t.to(dtype) for name, t in tensors.items()}, meta)
+        return _within_header_cap(spec, encode_blob({name: t.to(dtype) for name, t in tensors.items()}, meta))
     if base is None:
         raise ValueError("a pgrad submission needs the state it was trained from (base)")
     draw = chunk_draw(spec.network_id, round, miner)
     blob, error = encode_pgrad(pseudo_gradient(base, tensors), None if feedback is None else feedback.error, cfg, draw)
+    data = _within_header_cap(spec, encode_blob(blob, meta))
     if feedback is not None:
         feedback.error = error
-    return encode_blob(blob, meta)
+    return data
+
+
+def _within_header_cap(spec: NetworkSpec, data: bytes) -> bytes:
+    """`data`, unless its header is over the spec's cap, which every validator would refuse it for."""
+    header_bytes = int.from_bytes(data[:8], "little")
+    if header_bytes > spec.limits.max_header_bytes:
+        raise ValueError(f"the blob's header is {header_bytes} bytes, over the spec's limits.max_header_bytes "
+                         f"({spec.limits.max_header_bytes}): validators refuse every blob of this expert group in "
+                         f"this format; the network's spec needs a larger limits.max_header_bytes")
+    return data
 
 
 @dataclass
