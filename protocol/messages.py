@@ -213,7 +213,8 @@ def report_capacity(max_message_bytes: int) -> int:
         return report_bytes(ScoreReport(round=MAX_ROUND, base="f" * 64, base_loss=_LONGEST_LOSS,
                                         entries=(entry,) * n))
 
-    first, each = longest(1), longest(2) - longest(1)
+    first = longest(1)
+    each = longest(2) - first
     return max(0, min(MAX_REPORT_ENTRIES, (max_message_bytes - first) // each + 1))
 
 

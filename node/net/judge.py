@@ -253,7 +253,7 @@ class GossipJudge:
             self._spent.clear()
             self.stats.peer_scores.clear()
             self.stats.penalised = {p: t for p, t in self.stats.penalised.items() if t > now}
-        self.stats.early = self._recent_early(now)
+            self.stats.early = self._recent_early(now)  # `snapshot` filters by time between round changes
 
     def _recent_early(self, now: float) -> dict[str, tuple[float, float]]:
         since = now - EARLY_ROUNDS_KEPT * self._schedule.round_seconds
