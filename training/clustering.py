@@ -24,6 +24,7 @@ from sklearn.decomposition import PCA
 from sklearn.metrics import silhouette_score
 from sklearn.preprocessing import StandardScaler
 
+from training.data import not_padding
 from training.selection import router_probs
 
 if TYPE_CHECKING:
@@ -76,7 +77,7 @@ def sequence_features(
     try:
         for start in range(0, rows_NS.shape[0], batch_size):
             ids_BS = rows_NS[start : start + batch_size]
-            mask_BS = ids_BS != pad_id
+            mask_BS = not_padding(ids_BS, pad_id)
             batch["doc_T"] = doc_N[start : start + batch_size, None].expand(ids_BS.shape).reshape(-1)[mask_BS.reshape(-1)]
             batch["keep_T"] = mask_BS.reshape(-1).to(device)
             out = model(input_ids=ids_BS.to(device), attention_mask=mask_BS.long().to(device), output_hidden_states=True)
@@ -123,7 +124,7 @@ def cluster_report(clustering: Clustering, documents: Sequence[torch.Tensor], pa
         members = [doc for doc, lab in zip(documents, clustering.labels, strict=True) if lab == label]
         counts: Counter[int] = Counter()
         for doc in members:
-            counts.update(int(t) for t in doc[doc != pad_id].tolist())
+            counts.update(int(t) for t in doc[not_padding(doc, pad_id)].tolist())
         clusters.append({"cluster": label, "documents": len(members), "top_tokens": counts.most_common(top)})
     return {
         "k": clustering.k,

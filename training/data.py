@@ -3,7 +3,8 @@
 Documents come from `.txt` (one document per blank-line-separated block), `.jsonl` (one JSON
 object per line with a string `text` field; blank lines are skipped) or `.parquet` (a `text`
 column). Each document is tokenized, followed by eos, and the stream of all documents in file
-order is cut into rows of `seq_len` tokens; the last partial row is padded with pad. Every
+order is cut into rows of `seq_len` tokens; the last partial row is padded with pad, and padding
+is that trailing run alone (`not_padding`): a tokenizer without a pad token pads with eos. Every
 step is deterministic: the same files give the same [N, seq_len] tensor on every machine, and
 shards, batch orders and held-out subsets come from explicit seeds (miner id, round, round seed).
 This module knows nothing about models, the network or where the files came from.
@@ -110,6 +111,16 @@ def pack(documents: Sequence[str], tokenizer: Tokenizer, seq_len: int) -> torch.
     if remainder:
         stream.extend([tokenizer.pad_id] * (seq_len - remainder))
     return torch.tensor(stream, dtype=torch.long).view(-1, seq_len)
+
+
+def not_padding(ids: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """True where `ids` (rows along the last dimension) holds a token rather than padding.
+
+    Padding is the run of `pad_id` that ends a row, the only place `pack` puts it. A tokenizer
+    without a pad token pads with eos, so an eos inside a row is a document boundary, not padding
+    (at worst a row's own final eos reads as padding)."""
+    trailing = (ids == pad_id).flip(-1).long().cumprod(-1).flip(-1)
+    return trailing == 0
 
 
 def load_sequences(paths: Sequence[str | Path], tokenizer: Tokenizer, seq_len: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from training.adapters import MoEAdapter, tensor_attr
+from training.data import not_padding
 from training.experts import ExpertGroup, Tensors, check_group, expert_names, insert, parse_name
 
 if TYPE_CHECKING:
@@ -33,8 +34,8 @@ class LossResult:
 
 
 def token_loss_sum(model: torch.nn.Module, ids_BL: torch.Tensor, pad_id: int) -> torch.Tensor:
-    """Summed next-token cross-entropy (fp32 scalar) over targets that are not `pad_id`."""
-    mask_BL = ids_BL != pad_id
+    """Summed next-token cross-entropy (fp32 scalar) over targets that are not padding (`not_padding`)."""
+    mask_BL = not_padding(ids_BL, pad_id)
     logits_BLV = model(input_ids=ids_BL, attention_mask=mask_BL.long(), use_cache=False).logits
     targets_BL = ids_BL[:, 1:].masked_fill(~mask_BL[:, 1:], -100)
     return F.cross_entropy(
@@ -73,7 +74,7 @@ def heldout_loss(
         for start in tqdm(starts, desc="eval", unit="batch", disable=not (progress and sys.stderr.isatty())):
             ids_BL = sequences[start : start + batch_size].to(input_device)
             total += float(token_loss_sum(model, ids_BL, pad_id))
-            tokens += int((ids_BL[:, 1:] != pad_id).sum())
+            tokens += int(not_padding(ids_BL, pad_id)[:, 1:].sum())
     finally:
         model.train(was_training)
     if tokens == 0:

@@ -33,7 +33,7 @@ import torch
 from transformers import PreTrainedModel
 
 from training.corpus import DOMAINS, generate
-from training.data import batches, pack
+from training.data import batches, not_padding, pack
 from training.evaluate import token_loss_sum
 from training.model import build_tiny_model, load_checkpoint, tiny_config
 from training.tokenizer import ByteTokenizer
@@ -121,7 +121,7 @@ def pretrain(cfg: PretrainConfig) -> PreTrainedModel:
     try:
         for _ in range(cfg.steps):
             ids_BL = next(stream)
-            tokens = int((ids_BL[:, 1:] != tokenizer.pad_id).sum())
+            tokens = int(not_padding(ids_BL, tokenizer.pad_id)[:, 1:].sum())
             loss = token_loss_sum(model, ids_BL, tokenizer.pad_id) / tokens
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch

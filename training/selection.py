@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 from training.adapters import tensor_attr
 from training.compressed import masked_routing
+from training.data import not_padding
 
 RULES = ("gate-mass", "token-freq", "differential", "activation-norm")
 MODES = ("global", "layerwise")
@@ -143,7 +144,7 @@ def routing_stats(
         starts = range(0, sequences.shape[0], batch_size)
         for start in tqdm(starts, desc="routing", unit="batch", disable=not (progress and sys.stderr.isatty())):
             ids_BS = sequences[start : start + batch_size].to(device)
-            mask_BS = ids_BS != pad_id
+            mask_BS = not_padding(ids_BS, pad_id)
             group_BS = groups[start : start + batch_size, None].expand(ids_BS.shape)
             for recorder in recorders.values():
                 recorder.mask_T = mask_BS.reshape(-1)

@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from training.adapters import MoEAdapter, decoder_layers
 from training.compressed import CompressedModel, compress
+from training.data import not_padding
 from training.evaluate import token_loss_sum
 from training.experts import ExpertGroup, check_group, insert, tensor_name
 from training.sparse_experts import LayerCopies, layer_copies, trainable_experts
@@ -217,7 +218,7 @@ def _step(
             f"{ids_BL.dtype} {tuple(ids_BL.shape)}"
         )
     ids_BL = ids_BL.to(device)
-    tokens = int((ids_BL[:, 1:] != cfg.pad_id).sum())
+    tokens = int(not_padding(ids_BL, cfg.pad_id)[:, 1:].sum())
     if tokens == 0:
         raise ValueError("a training batch holds only padding; nothing to learn from")
     optimizer.zero_grad(set_to_none=True)
