@@ -96,6 +96,11 @@ class MoEAdapter:
                     f"layer {layer}: gate_up_proj {tuple(gate_up.shape)}, down_proj {tuple(down.shape)} and "
                     f"router {tuple(weight_EH.shape)} are not [E, 2I, H], [E, H, I] and [E, H]"
                 )
+            if not 1 <= router_top_k(router) <= n:
+                raise ValueError(
+                    f"layer {layer}: the router picks {router_top_k(router)} experts per token of {n}; "
+                    "num_experts_per_tok must be between 1 and the number of experts"
+                )
 
     def route(
         self, router: torch.nn.Module, hidden_TH: torch.Tensor, allowed_E: torch.Tensor

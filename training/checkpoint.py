@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -80,6 +81,9 @@ def weight_files(directory: Path) -> list[Path]:
             names = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"{index}: not a valid safetensors index: {exc}") from exc
+        for name in names:  # a shard lies in the checkpoint directory itself, never elsewhere
+            if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name or "\\" in name:
+                raise ValueError(f"{index}: shard name {str(name)[:80]!r} is not a file name in the directory")
         files = sorted(directory / name for name in names)
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -232,18 +236,33 @@ def _read_header(path: Path) -> dict[str, Stored]:
             header = json.loads(handle.read(size))
     except (OSError, struct.error, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: not a readable safetensors file: {exc}") from exc
-    base = 8 + size
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: not a readable safetensors file: the header is not a JSON object")
+    base, file_size = 8 + size, path.stat().st_size
     out: dict[str, Stored] = {}
     for key, info in header.items():
         if key == "__metadata__":
             continue
-        dtype = _DTYPES.get(info.get("dtype"))
-        if dtype is None:
-            raise ValueError(f"{path}: {key} has dtype {info.get('dtype')}, which Tessera does not load "
+        malformed = f"{path}: the safetensors header entry of {key} is malformed; the checkpoint is damaged"
+        if not isinstance(info, dict):
+            raise ValueError(malformed)
+        code, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        dtype = _DTYPES.get(code) if isinstance(code, str) else None
+        if isinstance(code, str) and dtype is None:
+            raise ValueError(f"{path}: {key} has dtype {code}, which Tessera does not load "
                              "(FP8/quantized checkpoints are not supported)")
-        begin, end = info["data_offsets"]
-        out[key] = Stored(key, path, base + begin, end - begin, dtype, tuple(info["shape"]))
+        if (dtype is None or not _naturals(shape) or not _naturals(offsets) or len(offsets) != 2
+                or offsets[1] - offsets[0] != math.prod(shape) * getattr(torch, dtype).itemsize):
+            raise ValueError(malformed)
+        if base + offsets[1] > file_size:
+            raise ValueError(f"{path}: file ends inside {key}; the checkpoint is truncated")
+        out[key] = Stored(key, path, base + offsets[0], offsets[1] - offsets[0], dtype, tuple(shape))
     return out
+
+
+def _naturals(value: object) -> TypeGuard[list[int]]:
+    """Whether `value` is a JSON list of non-negative integers (a shape, or data offsets)."""
+    return isinstance(value, list) and all(type(v) is int and v >= 0 for v in value)
 
 
 def _read_bytes(stored: Stored) -> Iterator[bytes]:

@@ -68,7 +68,10 @@ def read_expert_pack(directory: str | Path) -> tuple[dict[str, Any], dict[str, t
         raise ValueError(f"{directory}: not a readable expert pack: {exc}") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != PACK_FORMAT:
         raise ValueError(f"{directory}: manifest format is not {PACK_FORMAT}")
-    group = {int(layer): ids for layer, ids in manifest["group"].items()}
+    try:
+        group = {int(layer): [int(e) for e in ids] for layer, ids in manifest["group"].items()}
+    except (KeyError, AttributeError, TypeError, ValueError) as exc:
+        raise ValueError(f"{directory}: the manifest's group is not {{layer: [expert ids]}}: {exc!r}") from exc
     check_same_names(dict.fromkeys(expert_names(group)), tensors, "expert pack")
     return manifest, tensors
 

@@ -31,6 +31,7 @@ from typing import Any, cast
 
 import torch
 import transformers.initialization as hf_init
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from transformers import (
     MODEL_FOR_CAUSAL_LM_MAPPING,
@@ -130,6 +131,10 @@ _TINY: dict[str, dict[str, Any]] = {
 _RANDOM_INITS = ("uniform_", "normal_", "trunc_normal_", "xavier_uniform_", "xavier_normal_",
                  "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_")
 _init_generator = threading.local()
+_CHECKPOINT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# What building a model from a checkpoint's config.json raises on values it cannot build (a zero head
+# count, a negative vocabulary, an unknown rope type, a field of the wrong type).
+_CONFIG_ERRORS = (ArithmeticError, AssertionError, KeyError, RuntimeError, TypeError, ValueError, StrictDataclassError)
 _SYNC_LOAD_ENV = "HF_DEACTIVATE_ASYNC_LOAD"
 
 
@@ -173,8 +178,12 @@ def meta_model(directory: str | Path) -> PreTrainedModel:
     """The checkpoint's model with no weights (on the meta device): names, shapes, layout; reads config.json only."""
     directory = Path(directory)
     config = _checkpoint_config(directory)
-    with torch.device("meta"):  # transformers leaves from_config unannotated
-        model: PreTrainedModel = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    try:
+        with torch.device("meta"):  # transformers leaves from_config unannotated
+            model: PreTrainedModel = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    except _CONFIG_ERRORS as exc:  # what torch and transformers raise on values they cannot build
+        raise ValueError(f"{directory}: config.json describes no buildable {config.model_type} model: "
+                         f"{type(exc).__name__}: {exc}") from exc
     adapter_for(config.model_type).check_layout(model)
     return model
 
@@ -327,7 +336,11 @@ def state_hash(model: torch.nn.Module) -> str:
 
 def _stored_dtype(config: PretrainedConfig) -> torch.dtype:
     dtype = getattr(config, "dtype", None) or torch.float32
-    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    loaded = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if loaded not in _CHECKPOINT_DTYPES:
+        raise ValueError(f"config.json has dtype {str(dtype)[:40]!r}; Tessera loads float32, bfloat16, float16 "
+                         "or float64 checkpoints")
+    return cast(torch.dtype, loaded)
 
 
 def _from_pretrained(
@@ -371,7 +384,7 @@ def _from_pretrained(
                 device_map=device_map, attn_implementation=attn_implementation,
                 experts_implementation="eager", output_loading_info=True,
             )
-    except (OSError, RuntimeError, SafetensorError) as exc:
+    except (OSError, SafetensorError, *_CONFIG_ERRORS) as exc:
         raise ValueError(f"{directory}: transformers cannot load this checkpoint: {exc}") from exc
     problems = sorted(info["missing_keys"]) + sorted(str(m) for m in info["mismatched_keys"])
     if problems:
@@ -416,10 +429,17 @@ def _check_hash(actual: str, expected: str) -> None:
 def _checkpoint_config(directory: Path) -> PretrainedConfig:
     raw = read_config(directory)
     family = family_of(raw)
-    if raw.get("quantization_config") is not None:
-        raise ValueError(f"{directory}: quantized checkpoints ({raw['quantization_config'].get('quant_method', '?')}) "
-                         "are not supported; use a bf16/fp16/fp32 checkpoint")
-    return _make_config(adapter_for(family), raw)
+    quantization = raw.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
+        raise ValueError(f"{directory}: quantized checkpoints ({str(method)[:40]}) are not supported; "
+                         "use a bf16/fp16/fp32 checkpoint")
+    config = _make_config(adapter_for(family), raw)
+    try:
+        _stored_dtype(config)
+    except ValueError as exc:
+        raise ValueError(f"{directory}: {exc}") from None
+    return config
 
 
 def _make_config(adapter: MoEAdapter, config: dict[str, Any]) -> PretrainedConfig:
@@ -430,7 +450,7 @@ def _make_config(adapter: MoEAdapter, config: dict[str, Any]) -> PretrainedConfi
         )
     try:
         return AutoConfig.for_model(adapter.family, **{k: v for k, v in config.items() if k != "model_type"})
-    except (TypeError, ValueError) as exc:
+    except (AttributeError, TypeError, ValueError, StrictDataclassError) as exc:  # e.g. an unknown dtype name
         raise ValueError(f"invalid {adapter.family} model config: {exc}") from exc
 
 

@@ -4,7 +4,7 @@
                    [--experts-only] [--heldout FILE] [--seed HEX]
 
 `--state` names a global state in a node's blob store (`DIR/blobs`, the node's `data_dir`);
-`--blob` names any canonical blob file of this network (a global state or a miner's submission).
+`--blob` names any canonical blob file of this network (a global state or a miner's full-expert submission).
 Without `--experts-only` the base model is loaded, the blob's experts are written into it and the
 result is saved with `training.export.export_checkpoint`. With `--experts-only` only the group is
 written, as an expert pack; `--heldout` adds the held-out loss of the state to its manifest (and
@@ -75,6 +75,8 @@ def run_export(args: argparse.Namespace) -> int:
 def _read_state(args: argparse.Namespace, spec: Any) -> tuple[bytes, Any, dict[str, Any]]:
     from node.cli.common import decode_network_blob
     from protocol.encoding import is_hex_digest
+    from training.blob import BLOB_FORMAT
+    from validator.state import GLOBAL_FORMAT
 
     if args.state is not None:
         if not is_hex_digest(args.state):
@@ -89,6 +91,9 @@ def _read_state(args: argparse.Namespace, spec: Any) -> tuple[bytes, Any, dict[s
     if args.state is not None and hashlib.sha256(data).hexdigest() != args.state:
         raise ValueError(f"{path}: content does not hash to {args.state}; the blob store is damaged")
     meta, tensors = decode_network_blob(path, data, spec)
+    if meta.format not in (BLOB_FORMAT, GLOBAL_FORMAT):  # a pgrad submission or momentum holds no weights
+        raise ValueError(f"{path}: the blob is a {meta.format} blob, not expert weights; export a global state "
+                         f"({GLOBAL_FORMAT}) or a miner's full-expert submission ({BLOB_FORMAT})")
     return data, meta, tensors
 
 

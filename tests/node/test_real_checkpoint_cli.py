@@ -22,7 +22,7 @@ from protocol.identity import Identity, save_identity
 from protocol.spec import TrainingSpec, load_spec
 from tests.training.hub_checkpoint import write_data, write_hub_checkpoint, write_tokenizer
 from training.adapters import ADAPTERS
-from training.blob import decode_blob
+from training.blob import BlobMeta, decode_blob, encode_blob
 from training.checkpoint import checkpoint_hash
 from training.data import heldout_subset, load_sequences
 from training.evaluate import heldout_loss
@@ -180,3 +180,19 @@ def test_real_processes_print_the_hash_and_refuse_with_exit_2(tmp_path: Path) ->
     assert done.returncode == 0 and done.stdout.strip() == checkpoint_hash(checkpoint)
     done = subprocess.run([*command, str(tmp_path)], capture_output=True, text=True, check=False)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "no config.json" in done.stderr
+
+
+@pytest.mark.parametrize("fmt", ["tessera-momentum/1", "tessera-pgrad/1"])
+def test_export_refuses_a_blob_that_holds_no_weights(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                     fmt: str) -> None:
+    checkpoint, spec_path, _ = new_network(tmp_path, capsys, "qwen3_moe")
+    spec = load_spec(spec_path)
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint))
+    momentum = {name: torch.full_like(t, 0.5) for name, t in extract(model, ADAPTERS["qwen3_moe"], spec.group).items()}
+    meta = BlobMeta(network=spec.network_id, round=3, miner="", base="cd" * 32,
+                    group={layer: list(ids) for layer, ids in spec.group.items()}, format=fmt)
+    blob = tmp_path / "momentum.blob"
+    blob.write_bytes(encode_blob(momentum, meta))
+    _refused(capsys, "export", "--spec", spec_path, "--blob", blob, "--out", tmp_path / "exported",
+             match=f"the blob is a {fmt} blob, not expert weights")
+    assert not (tmp_path / "exported").exists()
