@@ -31,7 +31,8 @@ def scoring_bytes(model: torch.nn.Module, batch_size: int, seq_len: int) -> int:
     config: Any = model.config
     vocab = int(config.vocab_size)
     element = next(model.parameters()).element_size()
-    logits = batch_size * seq_len * vocab * (element + 4)  # logits in the model dtype, then in fp32
+    # the logits in the model dtype, their fp32 copy and cross-entropy's fp32 log-softmax (training.evaluate)
+    logits = batch_size * seq_len * vocab * (element + 8)
     heads = int(getattr(config, "num_attention_heads", 1))
     scores = batch_size * heads * seq_len * seq_len * 4  # eager attention scores of one layer
     return int((weights + logits + scores) * _HEADROOM)
