@@ -47,6 +47,9 @@ class P2PConfig(BaseModel):
     forget_after_failures: int = Field(
         default=5, ge=1, description="Stop redialling a discovered (non-bootstrap) peer after this many failed dials."
     )
+    max_serves_per_peer: int = Field(
+        default=2, ge=1, description="Blob streams served to one peer at once; more are answered busy."
+    )
     serve_rate_bytes_s: float = Field(
         default=0.0, ge=0, description="Upload cap per blob stream in bytes/s; 0 serves as fast as the link allows."
     )

@@ -4,7 +4,9 @@ A request is the 32-byte hash; the answer is a status byte, an 8-byte size and t
 fetching side checks the announced size against the cap, hashes while it reads and lets the blob
 store verify and rename (nothing partial is left behind). Either side gives up a transfer that is
 idle for `blob_idle_timeout_s`, or not done by its deadline (that timeout plus the size at
-`blob_min_rate_bytes_s`), so a peer that drips bytes holds a stream no longer than that. Runs on the
+`blob_min_rate_bytes_s`), so a peer that drips bytes holds a stream no longer than that. A provider
+serves one peer at most `max_serves_per_peer` streams at once and answers more with BLOB_BUSY, so
+one peer cannot make it upload the same blob many times over in parallel. Runs on the
 trio thread of node.net.p2p.host; knows nothing about gossip, peers beyond their ids, or what a blob
 contains.
 """
@@ -31,7 +33,7 @@ from node.store.blobs import BlobStore, BlobWriter
 log = logging.getLogger(__name__)
 
 BLOB_PROTOCOL = TProtocol("/tessera/blob/1")
-BLOB_OK, BLOB_NOT_SERVED = 0, 1
+BLOB_OK, BLOB_NOT_SERVED, BLOB_BUSY = 0, 1, 2
 
 
 class BlobStreams:
@@ -42,9 +44,31 @@ class BlobStreams:
         self.judge = judge
         self.config = config
         self.served: set[str] = set()
+        self._serving: dict[ID, int] = {}  # streams being served, per peer
+
+    async def handle(self, stream: INetStream) -> None:
+        """The stream handler of BLOB_PROTOCOL: `serve` the request, or answer BLOB_BUSY when its peer
+        already has `max_serves_per_peer` streams being served."""
+        peer = stream.muxed_conn.peer_id
+        if self._serving.get(peer, 0) >= self.config.max_serves_per_peer:
+            try:
+                with trio.fail_after(self.config.blob_idle_timeout_s):
+                    await stream.write(bytes([BLOB_BUSY]) + (0).to_bytes(8, "big"))
+                    await stream.close()
+            except Exception as exc:
+                log.debug("p2p: answering a blob request busy failed: %r", exc)
+                await reset(stream)
+            return
+        self._serving[peer] = self._serving.get(peer, 0) + 1
+        try:
+            await self.serve(stream)
+        finally:
+            self._serving[peer] -= 1
+            if not self._serving[peer]:
+                del self._serving[peer]
 
     async def serve(self, stream: INetStream) -> None:
-        """Answer one request (the stream handler of BLOB_PROTOCOL)."""
+        """Answer one request."""
         try:
             with trio.fail_after(self.config.blob_idle_timeout_s):
                 blob_hash = (await read_exact(stream, 32)).hex()
@@ -102,7 +126,7 @@ class BlobStreams:
                 header = await read_exact(stream, 9)
             size = int.from_bytes(header[1:], "big")
             if header[0] != BLOB_OK:
-                raise BlobFetchError("not served")
+                raise BlobFetchError("busy serving us other blobs" if header[0] == BLOB_BUSY else "not served")
             if size > max_bytes:
                 raise BlobFetchError(f"announced {size} bytes, over the {max_bytes}-byte cap")
             with self.store.open_writer(blob_hash, max_bytes) as writer:  # aborts (deletes) on any error

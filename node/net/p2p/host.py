@@ -311,7 +311,7 @@ class P2PNetwork:
                               max_messages_per_topic_per_second=1000.0, eclipse_protection_enabled=False)
         pubsub = Pubsub(host, gossipsub, strict_signing=True)
         pubsub.set_topic_validator(self._topic, self._validate, False)
-        host.set_stream_handler(BLOB_PROTOCOL, self._blobs.serve)
+        host.set_stream_handler(BLOB_PROTOCOL, self._blobs.handle)
         host.set_stream_handler(HISTORY_PROTOCOL, self._history.serve)
         host.set_stream_handler(PEX_PROTOCOL, lambda stream: self._book.serve_exchange(host, stream, self.config.dial_timeout_s))
         self._host, self._pubsub = host, pubsub
@@ -419,7 +419,7 @@ class P2PNetwork:
             self._book.next_dial[peer_id] = trio.current_time() + backoff
             log.debug("p2p: dial %s failed (%d): %r", peer_id, failures, exc)
             if peer_id not in self._book.bootstrap and failures >= self.config.forget_after_failures:
-                self._book.discovered.pop(peer_id, None)
+                self._book.forget(peer_id)
         finally:
             self._book.dialing.discard(peer_id)
 

@@ -1,7 +1,10 @@
 """Who our peers are: node id <-> libp2p peer id, bootstrap addresses, the peer book, peer exchange.
 
 A node id is the hex Ed25519 public key that also signs the node's messages. The peer book keeps
-bootstrap peers forever and discovered ones until they fail too often. Peer exchange
+bootstrap peers forever and discovered ones until they fail too often; each discovered peer is
+charged to the peer that named it (itself when it dialled us), and one peer's names fill at most
+MAX_PEERS_PER_SOURCE places, so a peer that makes up ids by the hundred cannot crowd out honest
+peers; a bootstrap peer, which the operator chose, names as many as the book holds. Peer exchange
 (`/tessera/peers/1`) sends our listen addresses and gets back those of the peers the other side is
 connected to. Runs on the trio thread of node.net.p2p.host; knows nothing about gossip or blobs.
 """
@@ -31,6 +34,7 @@ PEX_PROTOCOL = TProtocol("/tessera/peers/1")
 MAX_PEX_FRAME = 64 * 1024
 MAX_PEX_PEERS = 64
 MAX_KNOWN_PEERS = 256
+MAX_PEERS_PER_SOURCE = MAX_KNOWN_PEERS // 8  # places in the book the peers named by one peer may take
 
 
 def keypair_for(identity: Identity) -> KeyPair:
@@ -72,12 +76,28 @@ class PeerBook:
     dialing: set[ID] = field(default_factory=set)
     last_exchange: dict[ID, float] = field(default_factory=dict)
     next_dial: dict[ID, float] = field(default_factory=dict)
+    sources: dict[ID, ID] = field(default_factory=dict)  # discovered peer -> the peer that named it
 
     def info(self, peer_id: ID) -> PeerInfo:
         return self.bootstrap.get(peer_id) or PeerInfo(peer_id, self.discovered[peer_id])
 
     def known(self) -> list[ID]:
         return list(self.bootstrap) + list(self.discovered)
+
+    def forget(self, peer_id: ID) -> None:
+        """Drop a discovered peer (it failed too often), freeing its place and its source's share."""
+        self.discovered.pop(peer_id, None)
+        self.sources.pop(peer_id, None)
+
+    def _add(self, peer_id: ID, addrs: list[multiaddr.Multiaddr], source: ID) -> None:
+        """Remember a discovered peer named by `source`, unless the book or `source`'s share is full."""
+        if peer_id in self.discovered or len(self.discovered) >= MAX_KNOWN_PEERS:
+            return
+        shared = sum(1 for s in self.sources.values() if s == source)
+        if source not in self.bootstrap and shared >= MAX_PEERS_PER_SOURCE:  # bootstraps are the operator's
+            return
+        self.discovered[peer_id] = addrs
+        self.sources[peer_id] = source
 
     @staticmethod
     async def disconnect(host: IHost, peer_id: ID, disconnecting: set[ID]) -> None:
@@ -102,9 +122,8 @@ class PeerBook:
                     await stream.close()
             for entry in reply["peers"][:MAX_PEX_PEERS]:
                 other = ID.from_base58(entry["id"])
-                known = other in self.discovered or other in self.bootstrap
-                if other != host.get_id() and not known and len(self.discovered) < MAX_KNOWN_PEERS:
-                    self.discovered[other] = [multiaddr.Multiaddr(a) for a in entry["addrs"][:8]]
+                if other != host.get_id() and other not in self.bootstrap:
+                    self._add(other, [multiaddr.Multiaddr(a) for a in entry["addrs"][:8]], peer_id)
         except Exception as exc:
             log.debug("p2p: peer exchange with %s failed: %r", peer_id, exc)
 
@@ -116,8 +135,10 @@ class PeerBook:
                 remote = stream.muxed_conn.peer_id
                 observed = stream.get_remote_address()
                 addrs = [_reachable(multiaddr.Multiaddr(a), observed) for a in request["addrs"][:8]]
-                if remote in self.discovered or len(self.discovered) < MAX_KNOWN_PEERS:
+                if remote in self.discovered:
                     self.discovered[remote] = addrs
+                else:
+                    self._add(remote, addrs, remote)
                 connected = set(host.get_connected_peers())
                 peers = [
                     {"id": p.to_base58(), "addrs": [str(a) for a in addrs]}
