@@ -276,8 +276,15 @@ class ValidatorDuties:
         return await asyncio.to_thread(merge)
 
     async def _propose(self, round: int, result: MergeResult, head: str) -> str | None:
-        """Store, serve and announce the merged state; None when this validator abstains."""
+        """Store, serve and announce the merged state; None when this validator abstains. Once our vote is
+        out, the proposal it named stands: a merge run again after a restart may see reports that came
+        in since, and must not serve or report a state other than the one we voted for."""
         assert self.state is not None
+        voted = await self.ctx.storage.proposal(round) if await self._published(round, "global_state") else None
+        if voted is not None:
+            self.ctx.network.serve(voted.state)
+            self.ctx.network.serve(voted.momentum)
+            return voted.state
         if not self.synced:
             log.warning("round %d: my outer momentum is not the network's; not proposing a state", round)
             return None
