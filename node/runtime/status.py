@@ -24,6 +24,7 @@ from protocol.rounds import PHASES
 if TYPE_CHECKING:
     from node.runtime.config import NodeConfig
     from node.runtime.daemon import Node
+    from node.store.records import GlobalStateRecord
     from protocol.spec import NetworkSpec
 
 ROUNDS_SHOWN = 32
@@ -68,15 +69,20 @@ class StatusViews:
         status["next_phase"] = {"round": r, "phase": str(phase), "in_s": round(max(0.0, start - now), 1)}
         status["phase_seconds"] = {str(p): length for p, length in zip(PHASES, ctx.schedule.lengths, strict=True)}
         head = status.get("head")
-        states = await ctx.storage.global_states()
+        states = await self._recent_states()
         status["head_round"] = next((s.round for s in states if s.hash == head), None)
         status["agreement"] = self._agreement(states)
         status["me"] = await self.miner(ctx.identity.node_id) if ctx.config.node.role == "miner" else None
         return status
 
     async def rewards(self) -> dict[str, Any]:
-        """The rewards ledger; on a node without one (a miner), standings computed from public rankings."""
+        """The ledger's entries of its last ROUNDS_SHOWN rounds (the whole ledger is the exported JSONL) and the
+        standings; on a node without a ledger (a miner), standings computed from public rankings."""
         rewards = await self.node.rewards()
+        entries = rewards.get("entries") or []
+        if entries:  # oldest round first
+            since = entries[-1]["round"] - ROUNDS_SHOWN + 1
+            rewards["entries"] = [e for e in entries if e["round"] >= since]
         if not rewards.get("standings"):
             rewards["standings"] = _standings(await self._views(), self.ctx.spec.rewards.ema_alpha)
         return rewards
@@ -107,7 +113,7 @@ class StatusViews:
     async def refresh_metrics(self) -> None:
         """Set the gauges that come from round results: losses, own rank and reward, agreement, verdicts."""
         views = await self._views()
-        states = await self.ctx.storage.global_states()
+        states = await self._recent_states()
         me = self.ctx.identity.node_id
         own = next((m for v in reversed(views) for m in v.miners if m["id"] == me and m["verdict"] != "missing"),
                    None)
@@ -159,12 +165,23 @@ class StatusViews:
         return RoundView(round, "public", results["base"], results["base_loss"], None, public_loss,
                          [rows[m] for m in sorted(rows)])
 
+    async def _recent_states(self) -> list[GlobalStateRecord]:
+        """The global states of the last ROUNDS_SHOWN rounds up to the clock's, oldest first.
+
+        Storage keeps every state ever announced, so reading them all would grow with the network's age."""
+        now, schedule = self.ctx.clock.now(), self.ctx.schedule
+        if now < schedule.genesis_ts:
+            return []
+        current = schedule.round_at(now)
+        return [s for r in range(max(0, current - ROUNDS_SHOWN), current + 1)
+                for s in await self.ctx.storage.global_states(r)]
+
     async def _seeds(self, round: int) -> dict[str, list[str]] | None:
         """From the round plan this validator fixed: who withheld a seed, who was left out of the assignment."""
         plan = await self.ctx.storage.round_plan(round)
         return None if plan is None else {"withheld": list(plan.unrevealed_seeds), "excluded": list(plan.excluded)}
 
-    def _agreement(self, states: list[Any]) -> dict[str, Any] | None:
+    def _agreement(self, states: list[GlobalStateRecord]) -> dict[str, Any] | None:
         """The share of validator weight behind the most-voted state of the latest round with votes."""
         if not states:
             return None

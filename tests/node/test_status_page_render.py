@@ -35,8 +35,18 @@ class FakeValidator:
         self.broken = False
         self.key_used_elsewhere: dict[str, Any] | None = None
         self.clock_behind: dict[str, Any] | None = None
+        self.hold = threading.Event()  # cleared: /status answers only once it is set again
+        self.hold.set()
+        self.in_flight = self.most_in_flight = 0
 
     async def status(self) -> dict[str, Any]:
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            while not self.hold.is_set():
+                await asyncio.sleep(0.01)
+        finally:
+            self.in_flight -= 1
         if self.broken:
             raise RuntimeError("storage is gone")
         return {"role": "validator", "node_id": V, "network": EVIL, "network_id": "ff" * 32, "round": 1,
@@ -115,6 +125,38 @@ def test_the_page_renders_peer_text_as_text(browser: Any, served: tuple[HttpApi,
     node.broken = True
     page.wait_for_selector("#error:not([hidden])", timeout=10_000)
     assert page.locator("#error").inner_text().startswith("cannot reach the node: /status: HTTP 500")
+    page.close()
+
+
+def test_a_slow_node_is_polled_once_at_a_time(browser: Any, served: tuple[HttpApi, FakeValidator]) -> None:
+    """A node slower to answer than the poll interval must not be sent a new set of requests at every tick."""
+    api, node = served
+    page = browser.new_page()
+    page.clock.install()
+    _ready(page, api.url)
+    node.hold.clear()
+    page.clock.run_for(16_000)  # three polls' worth while the first is still waiting
+    page.wait_for_timeout(500)
+    node.hold.set()
+    page.wait_for_timeout(500)
+    assert node.most_in_flight == 1
+    page.close()
+
+
+def test_a_node_gone_quiet_leaves_no_live_looking_numbers(browser: Any, served: tuple[HttpApi, FakeValidator]) -> None:
+    """When the node stops answering, the countdown stops and the last numbers are marked as stale."""
+    api, node = served
+    page = browser.new_page()
+    _ready(page, api.url)
+    assert page.locator("main.stale").count() == 0
+    node.broken = True
+    page.wait_for_selector("#error:not([hidden])", timeout=10_000)
+    assert page.locator("main.stale").count() == 1
+    assert page.locator("#countdown").inner_text() == "—"
+    node.broken = False
+    page.wait_for_selector("#error[hidden]", state="attached", timeout=10_000)
+    assert page.locator("main.stale").count() == 0
+    assert page.locator("#countdown").inner_text().startswith("commit of round 1 in")
     page.close()
 
 

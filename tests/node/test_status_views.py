@@ -14,14 +14,26 @@ from typing import Any
 import pytest
 
 from node.duties.results import learn_results
+from node.runtime.clock import ManualClock
 from node.runtime.config import NodeConfig
 from node.runtime.metrics import NodeMetrics
-from node.runtime.status import StatusViews, learning_settings
+from node.runtime.status import ROUNDS_SHOWN, StatusViews, learning_settings
 from node.store.db import Storage
+from node.store.records import RewardRecord, RewardsLedger
 from protocol.assignment import assign
 from protocol.identity import Identity
-from protocol.messages import Commit, Reveal, ScoreEntry, ScoreReport, SeedCommit, SeedReveal, seal
+from protocol.messages import (
+    Commit,
+    GlobalState,
+    Reveal,
+    ScoreEntry,
+    ScoreReport,
+    SeedCommit,
+    SeedReveal,
+    seal,
+)
 from protocol.ranking import rank_points
+from protocol.rounds import Schedule
 from protocol.seeds import commitment, round_seed
 from protocol.spec import NetworkSpec, parse_spec
 from tests.conftest import make_spec_dict
@@ -37,10 +49,12 @@ class FakeNode:
         self.own_reports = own_reports
 
     async def status(self) -> dict[str, Any]:
-        return {"role": self.ctx.config.node.role, "node_id": self.ctx.identity.node_id, "head": None}
+        return {"role": self.ctx.config.node.role, "node_id": self.ctx.identity.node_id,
+                "head": await self.ctx.storage.head()}
 
     async def rewards(self) -> dict[str, Any]:
-        return {"entries": [], "standings": {}}
+        ledger: RewardsLedger = await self.ctx.storage.rewards()
+        return ledger.as_dict()
 
     async def round_report(self, round: int) -> dict[str, Any] | None:
         return self.own_reports.get(round)
@@ -92,8 +106,10 @@ async def play_round_zero(storage: Storage, spec: NetworkSpec, validators: list[
 
 def views_for(storage: Storage, spec: NetworkSpec, me: Identity, role: str,
               own_reports: dict[int, dict[str, Any]] | None = None) -> StatusViews:
+    schedule = Schedule.from_spec(spec)
     ctx = SimpleNamespace(storage=storage, spec=spec, identity=me, metrics=NodeMetrics(),
-                          config=SimpleNamespace(node=SimpleNamespace(role=role)))
+                          config=SimpleNamespace(node=SimpleNamespace(role=role)), schedule=schedule,
+                          clock=ManualClock(schedule.round_start(1) + 1.0))
     return StatusViews(FakeNode(ctx, own_reports or {}))  # type: ignore[arg-type]
 
 
@@ -164,3 +180,47 @@ def test_status_says_how_the_network_learns(spec_dict: dict[str, Any], tmp_path:
     experts = learning_settings(parse_spec(make_spec_dict()), validator)
     assert experts["format"] == "experts" and experts["pgrad"] is None
     assert experts["keep_optimizer"] is None  # a miner's own setting; a validator has none
+
+
+async def test_status_and_a_scrape_read_only_the_last_rounds_global_states(
+        storage: Storage, spec: NetworkSpec, validator_ids: list[Identity]) -> None:
+    """Global states are kept for good; /status and each scrape must not read every one ever announced."""
+    schedule = Schedule.from_spec(spec)
+    rounds = 3 * ROUNDS_SHOWN
+    for r in range(rounds):
+        state = GlobalState(round=r, hash=f"{r + 1:064x}", parent=f"{r:064x}", contributors=())
+        for v in validator_ids[:2]:
+            await publish(storage, spec, v, state)
+    await storage.set_head(f"{rounds:064x}")  # the state of the last round
+    read: list[int] = []
+    real = storage.global_states
+
+    async def spy(round: int | None = None) -> Any:
+        states = await real(round)
+        read.append(len(states))
+        return states
+
+    storage.global_states = spy  # type: ignore[method-assign]
+    ctx = SimpleNamespace(storage=storage, spec=spec, identity=validator_ids[0], metrics=NodeMetrics(),
+                          config=SimpleNamespace(node=SimpleNamespace(role="validator")),
+                          clock=ManualClock(schedule.round_start(rounds) + 1.0), schedule=schedule)
+    views = StatusViews(FakeNode(ctx, {}))  # type: ignore[arg-type]
+    status = await views.status()
+    assert status["head_round"] == rounds - 1
+    assert status["agreement"]["round"] == rounds - 1 and status["agreement"]["share"] == pytest.approx(2 / 3)
+    await views.metrics_text()
+    assert sum(read) <= 2 * (ROUNDS_SHOWN + 1), f"read {sum(read)} global states for two requests"
+
+
+async def test_rewards_lists_the_ledger_of_the_last_rounds_only(storage: Storage, spec: NetworkSpec,
+                                                                miner_ids: list[Identity]) -> None:
+    """The ledger is kept for good (and exported as JSONL); /rewards must not grow with the network's age."""
+    rounds = 3 * ROUNDS_SHOWN
+    for r in range(rounds):
+        entries = [RewardRecord(r, m.node_id, i + 1, 1.0 / (i + 1), 0.0, 0.5) for i, m in enumerate(miner_ids)]
+        assert await storage.add_rewards(r, entries, {m.node_id: 0.5 for m in miner_ids})
+    views = views_for(storage, spec, miner_ids[0], "validator")
+    rewards = await views.rewards()
+    assert sorted({e["round"] for e in rewards["entries"]}) == list(range(rounds - ROUNDS_SHOWN, rounds))
+    assert len(rewards["entries"]) == ROUNDS_SHOWN * len(miner_ids)
+    assert rewards["standings"] == {m.node_id: 0.5 for m in miner_ids}

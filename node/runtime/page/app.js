@@ -8,6 +8,8 @@ const STANDINGS = 20;
 const SVG = "http://www.w3.org/2000/svg";
 let nextPhaseAt = null;
 let nextPhaseName = "";
+let loading = false;
+let again = false;
 
 const $ = (id) => document.getElementById(id);
 const short = (id) => (id ? String(id).slice(0, 12) : "—");
@@ -62,7 +64,9 @@ function renderGlance(status) {
   const agreement = status.agreement;
   nextPhaseAt = Date.now() + status.next_phase.in_s * 1000;
   nextPhaseName = `${status.next_phase.phase} of round ${status.next_phase.round}`;
-  const head = status.head ? `${short(status.head)}${status.head_round !== null ? ` (round ${status.head_round})` : " (base)"}` : "unknown";
+  // head_round is null for the base, and for a state older than the rounds the node looks back on.
+  const since = status.head_round !== null ? ` (round ${status.head_round})` : status.head === status.base ? " (base)" : "";
+  const head = status.head ? `${short(status.head)}${since}` : "unknown";
   const cards = [
     card("round", status.round === null ? "before genesis" : status.round, "glance-round"),
     card("phase", status.phase || "—", "glance-phase"),
@@ -221,7 +225,26 @@ async function renderMinerPage(status) {
   }
 }
 
-async function refresh() {
+// One poll at a time: a node slower than POLL_MS is not sent a new set of requests at every tick. A click while a
+// poll is out (`queue`) gets its own as soon as that one is back.
+async function refresh(queue = false) {
+  if (loading) {
+    again = again || queue;
+    return;
+  }
+  loading = true;
+  try {
+    await load();
+  } finally {
+    loading = false;
+  }
+  if (again) {
+    again = false;
+    refresh();
+  }
+}
+
+async function load() {
   try {
     const [status, rounds, rewards] = await Promise.all([getJSON("/status"), getJSON("/rounds"), getJSON("/rewards")]);
     renderGlance(status);
@@ -230,17 +253,22 @@ async function refresh() {
     renderStandings(rewards);
     await renderMinerPage(status);
     $("error").hidden = true;
+    document.querySelector("main").classList.remove("stale");
     $("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
     document.body.dataset.ready = "1";
   } catch (err) {
     $("error").hidden = false;
     $("error").textContent = `cannot reach the node: ${err.message}`;
+    // What is still shown is the last answer: dim it and stop the countdown rather than let it look live.
+    document.querySelector("main").classList.add("stale");
+    nextPhaseAt = null;
+    if ($("countdown")) $("countdown").textContent = "—";
   }
 }
 
 document.addEventListener("click", (event) => {
   const cell = event.target.closest("tr[data-miner]");
-  if (cell) { location.hash = `miner=${cell.dataset.miner}`; refresh(); }
+  if (cell) { location.hash = `miner=${cell.dataset.miner}`; refresh(true); }
 });
 refresh();
 setInterval(refresh, POLL_MS);
