@@ -43,6 +43,10 @@ class MoEAdapter:
     """Whether top-k weights are renormalised; None reads the router's own `norm_topk_prob` flag."""
     shared: tuple[str, ...] = ()
     """Attributes of the MoE block holding always-on shared experts (and their gate), if any."""
+    fp32_logits: bool = False
+    """Whether the router's logits are computed in fp32 (DeepSeek) rather than in the model's dtype."""
+    cast_weights: bool = True
+    """Whether top-k weights are cast to the logits' dtype (Qwen, OLMoE), not left in fp32 (Mixtral)."""
 
     def moe_layers(self, model: torch.nn.Module) -> list[int]:
         """Indices of the decoder layers that hold routed experts, ascending."""
@@ -110,7 +114,9 @@ class MoEAdapter:
         Returns (router logits [T, E], weights [T, K'], expert ids [T, K']) with K' = min(K, allowed).
         Softmax families take the softmax over the allowed experts' logits only; DeepSeek keeps its
         scaling factor, and V3 its sigmoid scores and correction bias, but group-limited routing is
-        dropped (the groups of a partial expert set are not meaningful).
+        dropped (the groups of a partial expert set are not meaningful). Logits and weights take the
+        dtypes the family's own router gives them (`fp32_logits`, `cast_weights`), so that with every
+        expert allowed the outputs equal the router's own in any model dtype, not only in fp32.
         """
         weight_EH = tensor_attr(router, "weight")
         hidden_TH = hidden_TH.reshape(-1, weight_EH.shape[1])
@@ -120,22 +126,27 @@ class MoEAdapter:
         renormalise = self.renormalise
         if renormalise is None:
             renormalise = bool(getattr(router, "norm_topk_prob", True))  # Mixtral always renormalises
-        if self.routing == "softmax":
+        if self.fp32_logits:
+            logits_TE = F.linear(hidden_TH.float(), weight_EH.float())
+        else:
             logits_TE = F.linear(hidden_TH, weight_EH)
+        if self.routing == "softmax":
             probs_TE = logits_TE.float().masked_fill(blocked_E, float("-inf")).softmax(dim=-1)
             weights_TK, index_TK = torch.topk(probs_TE, k, dim=-1)
             if renormalise:
                 weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
-            return logits_TE, (weights_TK * scale).to(logits_TE.dtype), index_TK
-        logits_TE = F.linear(hidden_TH.float(), weight_EH.float())
-        scores_TE = logits_TE.sigmoid()
-        bias_E = tensor_attr(router, "e_score_correction_bias")
-        choice_TE = (scores_TE + bias_E).masked_fill(blocked_E, float("-inf"))
-        index_TK = torch.topk(choice_TE, k, dim=-1, sorted=False)[1]
-        weights_TK = scores_TE.gather(1, index_TK)
-        if renormalise:
-            weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
-        return logits_TE, weights_TK * scale, index_TK
+        else:
+            scores_TE = logits_TE.sigmoid()
+            bias_E = tensor_attr(router, "e_score_correction_bias")
+            choice_TE = (scores_TE + bias_E).masked_fill(blocked_E, float("-inf"))
+            index_TK = torch.topk(choice_TE, k, dim=-1, sorted=False)[1]
+            weights_TK = scores_TE.gather(1, index_TK)
+            if renormalise:
+                weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+        weights_TK = weights_TK * scale
+        if self.cast_weights:
+            weights_TK = weights_TK.to(logits_TE.dtype)
+        return logits_TE, weights_TK, index_TK
 
     def _moe_block(self, model: torch.nn.Module, layer: int) -> torch.nn.Module:
         layers = decoder_layers(model)
@@ -154,9 +165,14 @@ ADAPTERS: dict[str, MoEAdapter] = {
         MoEAdapter("qwen3_moe", "softmax"),
         MoEAdapter("qwen2_moe", "softmax", shared=("shared_expert", "shared_expert_gate")),
         MoEAdapter("olmoe", "softmax"),
-        MoEAdapter("mixtral", "softmax"),
-        MoEAdapter("deepseek_v2", "softmax", renormalise=False, shared=("shared_experts",)),
-        MoEAdapter("deepseek_v3", "sigmoid", shared=("shared_experts",)),
+        MoEAdapter("mixtral", "softmax", cast_weights=False),
+        MoEAdapter(
+            "deepseek_v2", "softmax", renormalise=False, shared=("shared_experts",),
+            fp32_logits=True, cast_weights=False,
+        ),
+        MoEAdapter(
+            "deepseek_v3", "sigmoid", shared=("shared_experts",), fp32_logits=True, cast_weights=False
+        ),
     )
 }
 

@@ -127,3 +127,19 @@ def test_load_base_checks_the_hash(tmp_path: Path, spec_dict: dict) -> None:
     spec, path = _spec(tmp_path, spec_dict, expected, {"0": [8]})
     with pytest.raises(ValueError, match=r"experts \[8\] do not exist"):
         load_base(spec, path)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_route_with_every_expert_is_the_routers_own_in_bf16(family: str) -> None:
+    overrides = {"routed_scaling_factor": 2.5} if family.startswith("deepseek") else {}
+    model = build_tiny_model(family, tiny_config(family, **overrides), 0).to(torch.bfloat16)
+    adapter = adapter_for(family)
+    router = adapter.router(model, adapter.moe_layers(model)[0])
+    hidden = torch.randn(9, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    logits, weights, index = adapter.route(router, hidden, torch.ones(8, dtype=torch.bool))
+    own_logits, own_weights, own_index = router(hidden)
+    assert (logits.dtype, weights.dtype) == (own_logits.dtype, own_weights.dtype)
+    assert torch.equal(logits, own_logits)
+    order, own_order = index.sort(dim=-1).indices, own_index.sort(dim=-1).indices
+    assert torch.equal(index.gather(1, order), own_index.gather(1, own_order))
+    assert torch.equal(weights.gather(1, order), own_weights.gather(1, own_order))

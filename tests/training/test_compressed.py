@@ -109,3 +109,27 @@ def test_compress_onto_meta_never_touches_unselected_rows(make_tiny: Callable[..
     assert cm.experts(layer).num_experts == len(tiny.group[layer])
     with pytest.raises(ValueError, match="do not exist"):
         compress(tiny.model, tiny.adapter, {layer: [99]})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keeping_every_expert_gives_the_models_own_logits(tiny: Any, dtype: torch.dtype) -> None:
+    """Bit-equal in bf16 too: `route` must give logits and weights the dtypes of each family's own router.
+
+    Exact, not within a tolerance: with every expert kept the compressed model runs the same operations
+    on the same bytes as the full model, so any difference is a routing difference (in bf16, Mixtral's
+    fp32 top-k weights and DeepSeek-V2's fp32 router logits were each worth ~1e-2 in the logits).
+    """
+    randomise_router_bias(tiny)
+    model, adapter = tiny.model.to(dtype), tiny.adapter
+    every = {layer: list(range(adapter.num_experts(model))) for layer in adapter.moe_layers(model)}
+    ids = torch.randint(0, 256, (3, 32), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        own = model(input_ids=ids).logits
+        compressed = compress(model, adapter, every).model(input_ids=ids).logits
+        handles = masked_routing(model, adapter, every)
+        masked = model(input_ids=ids).logits
+        for handle in handles:
+            handle.remove()
+    assert own.dtype == dtype
+    assert torch.equal(compressed, own)
+    assert torch.equal(masked, own)
