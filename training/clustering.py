@@ -3,7 +3,8 @@
 Each document becomes one feature vector taken from the base model: its mean routing distribution in
 every MoE layer (concatenated) and its mean final hidden state, both over its non-padding tokens.
 Features are standardised, reduced with PCA and clustered with k-means (scikit-learn); unless k is
-given, it is the k in 2..max_k with the best silhouette score (ties to the smaller k). Everything is
+given, it is the k in 2..max_k with the best silhouette score (ties to the smaller k); documents the
+model reads alike (no k splits them) are refused. Everything is
 seeded, so the same documents give the same clusters. This module knows nothing about files; it
 reads token tensors and returns labels and a report.
 
@@ -41,7 +42,7 @@ class Clustering:
     labels: list[int]
     k: int
     silhouettes: dict[int, float]
-    """Silhouette score of every k tried (empty when k was given and is 1 or the number of documents)."""
+    """Silhouette score of every k tried whose k-means found two or more clusters (none for k 1 or D)."""
     components: int
     """PCA components the clustering ran on."""
 
@@ -110,9 +111,12 @@ def cluster(features: np.ndarray, k: int | None = None, max_k: int = MAX_K, seed
     silhouettes: dict[int, float] = {}
     for candidate in tried:
         labels[candidate] = KMeans(n_clusters=candidate, n_init=10, random_state=seed).fit_predict(reduced)
-        if 2 <= candidate < n:
+        if 2 <= candidate < n and len(set(labels[candidate].tolist())) >= 2:
             silhouettes[candidate] = float(silhouette_score(reduced, labels[candidate]))
-    best = k if k is not None else max(tried, key=lambda c: (silhouettes[c], -c))
+    if k is None and not silhouettes:
+        raise ValueError(f"the base model reads all {n} documents alike, so they cannot be split; give k "
+                         "to split them anyway")
+    best = k if k is not None else max(silhouettes, key=lambda c: (silhouettes[c], -c))
     return Clustering([int(v) for v in labels[best]], best, silhouettes, int(pca.n_components_))
 
 

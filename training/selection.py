@@ -184,21 +184,26 @@ def rule_scores(rule: str, domain: RoutingStats, general: RoutingStats | None = 
     raise ValueError(f"unknown selection rule {rule!r}; choose one of {', '.join(RULES)}")
 
 
+def check_budget(top_d: int | None, mass: float | None, num_experts: int) -> None:
+    """ValueError unless exactly one budget is given: 1 <= top_d <= num_experts, or mass in (0, 1]."""
+    if (top_d is None) == (mass is None):
+        raise ValueError("give exactly one budget: top_d or mass")
+    if top_d is not None and not 1 <= top_d <= num_experts:
+        raise ValueError(f"top_d must be between 1 and {num_experts}, got {top_d}")
+    if mass is not None and not 0 < mass <= 1:
+        raise ValueError(f"mass must be in (0, 1], got {mass}")
+
+
 def choose(scores_E: torch.Tensor, top_d: int | None = None, mass: float | None = None) -> list[int]:
     """Expert ids for one layer: the `top_d` highest scores, or the fewest reaching `mass` of the total.
 
     Ties go to the lower expert id. For `mass`, negative scores count as zero.
     """
-    if (top_d is None) == (mass is None):
-        raise ValueError("give exactly one budget: top_d or mass")
+    check_budget(top_d, mass, scores_E.numel())
     order = sorted(range(scores_E.numel()), key=lambda e: (-float(scores_E[e]), e))
     if top_d is not None:
-        if not 1 <= top_d <= scores_E.numel():
-            raise ValueError(f"top_d must be between 1 and {scores_E.numel()}, got {top_d}")
         return sorted(order[:top_d])
     assert mass is not None
-    if not 0 < mass <= 1:
-        raise ValueError(f"mass must be in (0, 1], got {mass}")
     positive = scores_E.double().clamp(min=0)
     total = float(positive.sum())
     if total <= 0:
@@ -260,8 +265,7 @@ def select_experts(
         raise ValueError(f"unknown selection mode {mode!r}; choose one of {', '.join(MODES)}")
     if rule == "differential" and general is None:
         raise ValueError("the differential rule needs general data (--general FILES)")
-    if (top_d is None) == (mass is None):
-        raise ValueError("give exactly one budget: top_d or mass")
+    check_budget(top_d, mass, adapter.num_experts(model))  # before any forward
     group: dict[int, list[int]] = {}
     scores: dict[int, torch.Tensor] = {}
     tokens = 0

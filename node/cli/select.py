@@ -18,6 +18,7 @@ import json
 import math
 import os
 import shutil
+import tempfile
 import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -132,12 +133,18 @@ def run_select_experts(args: argparse.Namespace) -> int:
         raise ValueError("--examples must be positive")
     if args.rule == "differential" and not args.general:
         raise ValueError("the differential rule needs general data (--general FILES)")
+    if args.top_d is not None and args.top_d < 1:
+        raise ValueError(f"--top-d must be at least 1, got {args.top_d}")
+    if args.mass is not None and not 0 < args.mass <= 1:
+        raise ValueError(f"--mass must be in (0, 1], got {args.mass}")
     check_output_file(args.out, "--out")
     if args.stability is not None:
         if args.stability.resolve() == args.out.resolve():
             raise ValueError(f"--stability {args.stability}: the same file as --out; give the report its own path")
         check_output_file(args.stability, "--stability")
     spec, model, adapter, tokenizer = load_spec_model(args.spec)
+    if args.top_d is not None and args.top_d > adapter.num_experts(model):
+        raise ValueError(f"--top-d {args.top_d}: the model has only {adapter.num_experts(model)} experts per layer")
     into = _check_into(args.into, spec) if args.into is not None else None
     texts = _documents(args.data)
     general_texts = _documents(args.general) if args.general else None
@@ -295,8 +302,9 @@ def run_cluster_data(args: argparse.Namespace) -> int:
         entry["top_tokens"] = [[token, count, tokenizer.decode([token])] for token, count in entry["top_tokens"]]
         entry["file"] = f"cluster-{entry['cluster']}.jsonl"
     report["data"] = _file_record(args.data)
-    temp = args.out.with_name(f".{args.out.name}.tmp")
-    shutil.rmtree(temp, ignore_errors=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    temp = Path(tempfile.mkdtemp(prefix=f".{args.out.name}.", suffix=".tmp", dir=args.out.parent))
+    temp.chmod(0o755)  # mkdtemp's 0700 would follow the directory to --out
     try:
         for label in range(clustering.k):
             members = [text for text, lab in zip(texts, clustering.labels, strict=True) if lab == label]

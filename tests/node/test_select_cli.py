@@ -240,3 +240,41 @@ def test_bad_seed_and_data_files_are_named(net: Path, tmp_path: Path, capsys: py
                            "--rule", "gate-mass", "--top-d", "2", "--out", tmp_path / "g.json")
     assert (code, err) == (2, f"tessera: error: {latin1}:1: not UTF-8 text (byte 0xe9 at offset 3)\n")
     assert sorted(tmp_path.iterdir()) == [group, latin1]
+
+
+@pytest.mark.parametrize(("budget", "says"), [
+    (("--top-d", "0"), "--top-d must be at least 1, got 0"),
+    (("--mass", "0"), "--mass must be in (0, 1], got 0.0"),
+    (("--mass", "1.5"), "--mass must be in (0, 1], got 1.5"),
+    (("--mass", "nan"), "--mass must be in (0, 1], got nan"),
+])
+def test_a_bad_budget_is_refused_before_the_model_loads(net: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch, budget: tuple[str, str],
+                                                        says: str) -> None:
+    def no_model(path: Path) -> None:
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("node.cli.select.load_spec_model", no_model)
+    code, _, err = tessera(capsys, "select-experts", "--spec", net / "spec.toml", "--data", net / "data/train.jsonl",
+                           "--rule", "gate-mass", *budget, "--out", tmp_path / "g.json")
+    assert (code, err) == (2, f"tessera: error: {says}\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_top_d_above_the_layer_names_the_flag(net: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = tessera(capsys, "select-experts", "--spec", net / "spec.toml", "--data", net / "data/train.jsonl",
+                           "--rule", "gate-mass", "--top-d", "9", "--out", tmp_path / "g.json")
+    assert (code, err) == (2, "tessera: error: --top-d 9: the model has only 8 experts per layer\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cluster_data_leaves_other_files_beside_its_out_dir_alone(net: Path, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    beside = tmp_path / ".clusters.tmp"
+    beside.mkdir()
+    (beside / "notes.txt").write_text("mine")
+    code, _, err = tessera(capsys, "cluster-data", "--spec", net / "spec.toml", "--data", net / "data/train.jsonl",
+                           net / "data/prose.jsonl", "--k", "2", "--out", tmp_path / "clusters")
+    assert code == 0, err
+    assert (beside / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".clusters.tmp", "clusters"]

@@ -119,3 +119,22 @@ def test_choose_budgets() -> None:
         choose(scores)
     with pytest.raises(ValueError, match="top_d must be between 1 and 5"):
         choose(scores, top_d=6)
+
+
+@pytest.mark.parametrize(("budget", "says"), [
+    ({"top_d": 0}, "top_d must be between 1 and 8, got 0"),
+    ({"top_d": 9}, "top_d must be between 1 and 8, got 9"),
+    ({"mass": 0.0}, r"mass must be in \(0, 1\], got 0.0"),
+    ({"mass": 1.5}, r"mass must be in \(0, 1\], got 1.5"),
+])
+def test_a_bad_budget_is_refused_before_any_forward(qwen: tuple[torch.nn.Module, object],
+                                                    budget: dict[str, float], says: str) -> None:
+    model, adapter = qwen
+    forwards: list[int] = []
+    handle = model.register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        with pytest.raises(ValueError, match=says):
+            select_experts(model, adapter, _data("arithmetic"), "gate-mass", mode="layerwise", **budget)
+    finally:
+        handle.remove()
+    assert forwards == []

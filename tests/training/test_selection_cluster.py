@@ -47,3 +47,10 @@ def test_bad_cluster_requests_are_refused() -> None:
     model, adapter = planted_domains()
     with pytest.raises(ValueError, match="no documents to cluster"):
         sequence_features(model, adapter, [])
+
+
+def test_documents_the_model_reads_alike_are_refused_in_one_line() -> None:
+    alike = np.ones((4, 6))
+    with pytest.warns(Warning):  # scikit-learn says so too (zero variance, fewer distinct points than clusters)
+        with pytest.raises(ValueError, match="the base model reads all 4 documents alike, so they cannot be split"):
+            cluster(alike)
