@@ -4,7 +4,8 @@ A spec fixes timing, the base model, the expert group, the data, the validator s
 aggregation and limits. Its SHA-256 over a canonical encoding is the network id carried in every
 message. Paths in a spec are relative to the spec file and stay as written in the canonical form,
 so the id does not depend on where a node keeps its files; the files themselves are pinned by
-hashes (`base_hash`, `heldout_sha256`). This module does not load models or data.
+hashes (`base_hash` and `config_sha256` for the model, `heldout_sha256` for the held-out data). This
+module does not load models or data.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ class ModelSpec(_Strict):
     init_seed: int = Field(default=0, ge=0, description="Seed that initialises a model built from `config`.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="Expert dtype in blobs.")
     base_hash: Hex32 = Field(description="SHA-256 of the base weights in canonical form.")
+    config_sha256: Hex32 | None = Field(
+        default=None, description="SHA-256 of the model config's JSON in canonical form (the checkpoint's "
+                                  "config.json, or the `config` file); None: the config is not pinned.")
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
@@ -220,6 +224,8 @@ class NetworkSpec(_Strict):
         data["group"] = {str(k): v for k, v in self.group.items()}
         if self.submission == SubmissionSpec():
             del data["submission"]  # a spec that keeps full-expert submissions has the id it had before
+        if self.model.config_sha256 is None:
+            del data["model"]["config_sha256"]  # so does a spec that does not pin its model config
         return canonical_json(data)
 
     @property
@@ -249,7 +255,8 @@ def parse_spec(data: dict[str, object]) -> NetworkSpec:
 
 
 SETTABLE_SECTIONS: dict[str, type[BaseModel]] = {
-    "training": TrainingSpec, "rewards": RewardSpec, "aggregation": AggregationSpec, "submission": SubmissionSpec}
+    "training": TrainingSpec, "rewards": RewardSpec, "aggregation": AggregationSpec, "submission": SubmissionSpec,
+    "limits": LimitSpec}
 """The spec sections a command line may set one field at a time (`--set SECTION.FIELD=VALUE`): the
 protocol's knobs. Timing, model, data and validators come from the command's own options."""
 

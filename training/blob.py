@@ -113,17 +113,28 @@ def max_blob_bytes(
 
 def encode_blob(tensors: Mapping[str, torch.Tensor], meta: BlobMeta) -> bytes:
     """Serialize tensors and metadata canonically: same inputs give the same bytes everywhere."""
-    infos: dict[str, TensorInfo] = {}
-    chunks: list[bytes] = []
-    offset = 0
-    for name in sorted(tensors):
-        tensor = tensors[name].detach().to("cpu").contiguous()
-        raw = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
-        infos[name] = TensorInfo(blob_dtype(tensor.dtype), tuple(tensor.shape), offset, offset + len(raw))
-        chunks.append(raw)
-        offset += len(raw)
+    infos = _layout({name: (blob_dtype(t.dtype), tuple(t.shape)) for name, t in tensors.items()})
+    chunks = [tensors[name].detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+              for name in infos]
     header = _header_bytes(infos, meta)
     return struct.pack("<Q", len(header)) + header + b"".join(chunks)
+
+
+def header_size(tensors: Mapping[str, tuple[str, tuple[int, ...]]], meta: BlobMeta) -> int:
+    """Bytes of the header `encode_blob` writes for tensors of these (dtype code, shape), from sizes alone."""
+    return len(_header_bytes(_layout(tensors), meta))
+
+
+def _layout(tensors: Mapping[str, tuple[str, tuple[int, ...]]]) -> dict[str, TensorInfo]:
+    """Where each tensor's data lies: in name order, back to back (the one canonical layout)."""
+    infos: dict[str, TensorInfo] = {}
+    offset = 0
+    for name in sorted(tensors):
+        code, shape = tensors[name]
+        size = math.prod(shape) * _ITEMSIZE[code]
+        infos[name] = TensorInfo(code, shape, offset, offset + size)
+        offset += size
+    return infos
 
 
 def decode_header(data: bytes, max_header_bytes: int) -> Header:

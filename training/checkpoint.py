@@ -13,7 +13,12 @@ loaded in the checkpoint's dtype. Each tensor is framed with the dtype it is sto
 compare the bytes they were given, whatever dtype they load them in. Checkpoint keys the model
 does not have (e.g. DeepSeek's MTP layer) are not part of the model and not hashed. `read_rows` reads
 chosen rows (experts) of one model tensor and nothing else, so a compressed miner never reads the
-experts it does not train. This module never builds a model, trains or knows about the network.
+experts it does not train. `config_hash` pins the model config beside the weights (a spec's
+`config_sha256`): SHA-256 of the config's JSON content in canonical form (protocol.encoding: sorted
+keys, compact, UTF-8), so key order and whitespace do not count but every value does, including ones
+that change the forward pass without changing a weight (top-k, norm_topk_prob, rope settings). It
+hashes the JSON as written, never transformers' view of it, which differs between transformers
+versions. This module never builds a model, trains or knows about the network.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 import torch
+
+from protocol.encoding import canonical_json, sha256_hex
 
 STATE_TAG = b"tessera-state/1\n"
 _CHUNK = 8 << 20
@@ -71,6 +78,14 @@ def read_config(directory: Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ValueError(f"{path}: the model config must be a JSON object")
     return config
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    """SHA-256 of a model config's JSON content in canonical form (module docstring); ValueError on NaN or Inf."""
+    try:
+        return sha256_hex(canonical_json(config))
+    except ValueError as exc:  # json.loads reads NaN and Infinity, which canonical JSON has no form for
+        raise ValueError(f"the model config holds a value JSON cannot hash canonically: {exc}") from exc
 
 
 def weight_files(directory: Path) -> list[Path]:

@@ -8,7 +8,8 @@ checkpoints default to sdpa. `load_compressed` (`load_compressed_base` for a spe
 compressed-mode miner's model Θ̃0 from a checkpoint without ever reading the group layers'
 unselected experts. `state_hash` is a loaded model's fingerprint and
 `training.checkpoint.checkpoint_hash` the same fingerprint streamed from a checkpoint's files; the
-spec pins it as `base_hash` (framing: training/checkpoint.py). Tiny models are initialised from a
+spec pins it as `base_hash` (framing: training/checkpoint.py), and the model config as
+`config_sha256` (`training.checkpoint.config_hash`) where it sets one. Tiny models are initialised from a
 local `torch.Generator`, never torch's global RNG: on import this module wraps the random init
 functions of `torch.nn.init` and `transformers.initialization` so that, inside `_drawing_from`,
 they draw from this thread's generator (outside it they behave exactly as before). The draws
@@ -47,6 +48,7 @@ from training.adapters import MoEAdapter, adapter_for, family_of
 from training.checkpoint import (
     STATE_TAG,
     checkpoint_hash,
+    config_hash,
     model_sources,
     read_config,
     read_rows,
@@ -139,7 +141,7 @@ _SYNC_LOAD_ENV = "HF_DEACTIVATE_ASYNC_LOAD"
 
 
 class BaseMismatchError(ValueError):
-    """The base model does not hash to the spec's `base_hash`."""
+    """The base model does not hash to the spec's `base_hash`, or its config not to `config_sha256`."""
 
 
 def tiny_config(family: str, **overrides: Any) -> dict[str, Any]:
@@ -256,7 +258,8 @@ def load_base(
     attn_implementation: str | None = None,
     progress: bool = False,
 ) -> tuple[PreTrainedModel, MoEAdapter]:
-    """The spec's base model and its adapter; refuses a base that does not hash to `base_hash`.
+    """The spec's base model and its adapter; refuses a base that does not hash to `base_hash` (or whose
+    config does not hash to `config_sha256`).
 
     A tiny model (`model.config`) is built in fp32 with eager attention on the CPU. A checkpoint is
     hashed from its files first, then loaded with `load_checkpoint(dtype, device_map,
@@ -306,18 +309,23 @@ def spec_model_config(spec: NetworkSpec, spec_path: str | Path) -> dict[str, Any
 
 def _tiny_base(spec: NetworkSpec, spec_path: str | Path) -> PreTrainedModel:
     """The spec's tiny model (`model.config` + `init_seed`), checked against `base_hash`."""
-    model = build_tiny_model(spec.model.family, spec_model_config(spec, spec_path), spec.model.init_seed)
+    config = spec_model_config(spec, spec_path)
+    assert spec.model.config is not None, "only a spec with model.config has a tiny base"
+    _check_config(config, spec, spec_dir_path(spec_path, spec.model.config))
+    model = build_tiny_model(spec.model.family, config, spec.model.init_seed)
     _check_hash(state_hash(model), spec.model.base_hash)
     return model
 
 
 def _checked_checkpoint(spec: NetworkSpec, spec_path: str | Path) -> Path:
-    """The spec's checkpoint directory, once its family and streamed hash match the spec."""
+    """The spec's checkpoint directory, once its family, config hash and streamed hash match the spec."""
     assert spec.model.checkpoint is not None, "the spec validator requires config or checkpoint"
     directory = spec_dir_path(spec_path, spec.model.checkpoint)
-    family = family_of(read_config(directory))
+    config = read_config(directory)
+    family = family_of(config)
     if family != spec.model.family:
         raise ValueError(f"{directory}: the checkpoint is {family!r}, but the spec's family is {spec.model.family!r}")
+    _check_config(config, spec, directory / "config.json")
     _check_hash(checkpoint_hash(directory), spec.model.base_hash)
     return directory
 
@@ -423,6 +431,24 @@ def _check_hash(actual: str, expected: str) -> None:
         raise BaseMismatchError(
             f"the base model hashes to {actual} but the spec's model.base_hash is {expected}; "
             "this node has a different base model than the network"
+        )
+
+
+def _check_config(config: dict[str, Any], spec: NetworkSpec, path: Path) -> None:
+    """Refuse a model config other than the one the spec pins (when it pins one): the base hash covers
+    weights only, and a config that routes or normalises differently gives every loss another value."""
+    expected = spec.model.config_sha256
+    if expected is None:
+        return
+    try:
+        actual = config_hash(config)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    if actual != expected:
+        raise BaseMismatchError(
+            f"{path}: the model config hashes to {actual} but the spec's model.config_sha256 is {expected}; "
+            "this node's config differs from the network's (any value counts, e.g. num_experts_per_tok or "
+            "rope settings): use the config file the network started from"
         )
 
 

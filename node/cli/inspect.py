@@ -62,7 +62,7 @@ def run_inspect_blob(args: argparse.Namespace) -> int:
         own = decode_header(data, spec.limits.max_header_bytes).meta
     except BlobError:
         own = None
-    model = _meta_base(spec, args.spec)
+    model = meta_base(spec, args.spec)
     adapter = adapter_for(spec.model.family)
     expect = Expectation(
         network=spec.network_id,
@@ -89,7 +89,7 @@ def run_inspect_blob(args: argparse.Namespace) -> int:
     return 0 if verdict.ok else 1
 
 
-def _meta_base(spec: NetworkSpec, spec_path: Path) -> torch.nn.Module:
+def meta_base(spec: NetworkSpec, spec_path: Path) -> torch.nn.Module:
     """The spec's base model on the meta device: the checkpoint's config.json or the tiny config."""
     import torch
 

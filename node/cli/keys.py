@@ -1,11 +1,16 @@
 """`tessera keygen` and `tessera spec check`: create a node key, validate a network spec.
 
-Both only touch the file the user names; neither needs torch or the network.
+Both only touch the files the user names and never the network. `spec check` also refuses a spec
+whose miners' blob headers could be over its `limits.max_header_bytes` (node.cli.spec.check_header_cap),
+from the base model's config alone (a model on the meta device, no weights); where the model's config
+is not at hand it says so on stderr and checks the spec file only.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 from node.cli.main import command_group
 
@@ -35,7 +40,19 @@ def run_keygen(args: argparse.Namespace) -> int:
 
 
 def run_spec_check(args: argparse.Namespace) -> int:
-    from protocol.spec import load_spec
+    from protocol.spec import load_spec, spec_dir_path
 
-    print(load_spec(args.file).network_id)
+    spec = load_spec(args.file)
+    source = spec_dir_path(args.file, spec.model.config or f"{spec.model.checkpoint}/config.json")
+    if source.is_file():
+        from node.cli.inspect import meta_base
+        from node.cli.spec import check_header_cap
+        from training.adapters import adapter_for
+        from training.experts import expected_shapes
+
+        shapes = expected_shapes(meta_base(spec, Path(args.file)), adapter_for(spec.model.family), spec.group)
+        check_header_cap(spec, shapes)
+    else:
+        print(f"tessera: note: {source} is not here; blob header sizes were not checked", file=sys.stderr)
+    print(spec.network_id)
     return 0

@@ -1,16 +1,19 @@
 """`tessera spec new` and `tessera spec hash-model`: start a network from a hub MoE checkpoint.
 
-    tessera spec hash-model DIR          print a checkpoint's base hash (streamed from its files)
+    tessera spec hash-model DIR [--config]   print a checkpoint's base hash (streamed from its files),
+                                             or with --config its config.json's hash (model.config_sha256)
     tessera spec new --checkpoint DIR --train FILE... --heldout FILE --validator KEY[:WEIGHT]...
                      [--rule R] [--top-d N | --mass P] [--timing PRESET] [--set SECTION.FIELD=VALUE]...
                      --out SPEC
 
-`spec new` hashes the base and the held-out file, takes the tokenizer from the checkpoint
-directory, runs Phase 1 selection (`training.selection.select_experts`) on the training data and
-writes a complete spec that `spec check` accepts; paths in it are relative to the spec file. `--set`
-gives the protocol's settings other than the defaults (`protocol.spec.SETTABLE_SECTIONS`). It
-checks everything before it writes, and writes nothing when a check fails. This module knows no
-selection or hashing rules of its own; heavy imports happen when a command runs.
+`spec new` hashes the base, its config.json and the held-out file, takes the tokenizer from the
+checkpoint directory, runs Phase 1 selection (`training.selection.select_experts`) on the training
+data and writes a complete spec that `spec check` accepts; paths in it are relative to the spec file.
+`--set` gives the protocol's settings other than the defaults (`protocol.spec.SETTABLE_SECTIONS`). It
+checks everything before it writes, including that every miner's blob header fits the spec's
+`limits.max_header_bytes` (`check_header_cap`, which `spec check` runs too), and writes nothing when
+a check fails. This module knows no selection or hashing rules of its own; heavy imports happen when
+a command runs.
 """
 
 from __future__ import annotations
@@ -19,12 +22,16 @@ import argparse
 import json
 import math
 import os
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from node.cli.common import check_output_file, spec_setting, write_new_file
 from node.cli.main import command_group
+
+if TYPE_CHECKING:
+    from protocol.spec import NetworkSpec
 
 RULES = ("gate-mass", "token-freq", "differential", "activation-norm")
 TIMING_PRESETS: dict[str, dict[str, float]] = {
@@ -39,6 +46,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     spec = command_group(subparsers, "spec", "work with network spec files")
     hash_model = spec.add_parser("hash-model", help="print a checkpoint directory's base hash")
     hash_model.add_argument("directory", type=Path, metavar="DIR", help="HF checkpoint directory")
+    hash_model.add_argument("--config", action="store_true",
+                            help="print the hash of its config.json (a spec's model.config_sha256) instead")
     hash_model.set_defaults(run=run_hash_model)
 
     new = spec.add_parser("new", help="write a network spec for a hub MoE checkpoint")
@@ -60,26 +69,28 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     new.add_argument("--genesis", help="UTC start of round 0, ISO 8601 (default: now)")
     new.add_argument("--set", action="append", default=[], type=spec_setting, metavar="SECTION.FIELD=VALUE",
                      dest="spec_settings",
-                     help="a value for the spec's [training], [rewards], [aggregation] or [submission] (repeatable), "
-                          "e.g. --set submission.format=pgrad --set aggregation.outer_lr=2.5")
+                     help="a value for the spec's [training], [rewards], [aggregation], [submission] or [limits] "
+                          "(repeatable), e.g. --set submission.format=pgrad --set aggregation.outer_lr=2.5")
     new.add_argument("--out", required=True, type=Path, metavar="SPEC", help="spec file to write; never overwritten")
     new.set_defaults(run=run_spec_new)
 
 
 def run_hash_model(args: argparse.Namespace) -> int:
     from training.adapters import family_of
-    from training.checkpoint import checkpoint_hash, read_config
+    from training.checkpoint import checkpoint_hash, config_hash, read_config
 
-    family_of(read_config(args.directory))
-    print(checkpoint_hash(args.directory))
+    config = read_config(args.directory)
+    family_of(config)
+    print(config_hash(config) if args.config else checkpoint_hash(args.directory))
     return 0
 
 
 def run_spec_new(args: argparse.Namespace) -> int:
     from protocol.spec import apply_settings, judge_settings, parse_spec
     from training.adapters import adapter_for
-    from training.checkpoint import checkpoint_hash
+    from training.checkpoint import checkpoint_hash, config_hash, read_config
     from training.data import check_disjoint, file_sha256, pack
+    from training.experts import expected_shapes
     from training.model import load_checkpoint
     from training.selection import select_experts
     from training.tokenizer import HFTokenizer, check_vocab
@@ -97,6 +108,7 @@ def run_spec_new(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ValueError(f"--heldout {args.heldout}: {exc}; hold those documents out of --train") from None
     checkpoint = args.checkpoint.resolve()
+    config_sha256 = config_hash(read_config(checkpoint))
     base_hash = checkpoint_hash(checkpoint)
     tokenizer = HFTokenizer(checkpoint)
     model = load_checkpoint(checkpoint, progress=True)
@@ -111,7 +123,7 @@ def run_spec_new(args: argparse.Namespace) -> int:
         "genesis": genesis,
         "timing": TIMING_PRESETS[args.timing],
         "model": {"family": adapter.family, "checkpoint": _relative(checkpoint, here), "base_hash": base_hash,
-                  "dtype": _blob_dtype(model)},
+                  "config_sha256": config_sha256, "dtype": _blob_dtype(model)},
         "group": selection["group"],
         "data": {"train": [_relative(p.resolve(), here) for p in args.train],
                  "heldout_sha256": file_sha256(args.heldout), "tokenizer": _relative(checkpoint, here),
@@ -119,11 +131,49 @@ def run_spec_new(args: argparse.Namespace) -> int:
         "validators": [{"key": key, "weight": weight} for key, weight in validators],
     }
     apply_settings(spec, args.spec_settings)
-    network_id = parse_spec(spec).network_id  # the whole spec is judged before a byte is written
+    judged = parse_spec(spec)  # the whole spec is judged before a byte is written
+    check_header_cap(judged, expected_shapes(model, adapter, judged.group))
+    network_id = judged.network_id
     _write_new(args.out, spec)
     print(json.dumps({"spec": str(args.out), "network_id": network_id, "base_hash": base_hash,
                       "group": selection["group"], "rule": args.rule}, indent=2, sort_keys=True))
     return 0
+
+
+def check_header_cap(spec: NetworkSpec, shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Refuse a spec whose miners' blobs could have a header over `limits.max_header_bytes`, which every
+    validator refuses; `shapes` are the group's expert tensors (`training.experts.expected_shapes`)."""
+    need, cap = submission_header_bytes(spec, shapes), spec.limits.max_header_bytes
+    if need > cap:
+        raise ValueError(
+            f"limits.max_header_bytes ({cap}) is too small: a miner's {spec.submission.format} blob for this expert "
+            f"group needs a header of up to {need} bytes, and validators refuse every blob over the limit; raise it "
+            f"(--set limits.max_header_bytes={need}) or choose fewer experts (--top-d, --mass, the group)")
+
+
+def submission_header_bytes(spec: NetworkSpec, shapes: Mapping[str, tuple[int, ...]]) -> int:
+    """The most bytes the header of a miner's blob can take in the spec's format, as `training.blob` writes it
+    (the miner encodes its blob that way and refuses one over the cap: node.duties.miner).
+
+    The bound is the blob with every chunk drawn (a pgrad draw carries some of them: fewer tensors, smaller
+    shapes and offsets) in round 999999999; it reads no weights, so `spec check` can run it on a meta model.
+    """
+    import dataclasses
+
+    from training.blob import BLOB_FORMAT, PGRAD_FORMAT, BlobMeta, blob_dtype, header_size
+    from training.pgrad import compressed_shapes
+    from validator.checks import pgrad_config
+
+    cfg = pgrad_config(spec)
+    if cfg is None:
+        code = blob_dtype(spec.model.dtype)
+        tensors = {name: (code, tuple(shape)) for name, shape in shapes.items()}
+    else:
+        tensors = compressed_shapes(shapes, dataclasses.replace(cfg, partitions=1))
+    meta = BlobMeta(network=spec.network_id, round=999_999_999, miner="f" * 64, base="f" * 64,
+                    group={layer: list(ids) for layer, ids in spec.group.items()},
+                    format=BLOB_FORMAT if cfg is None else PGRAD_FORMAT)
+    return header_size(tensors, meta)
 
 
 def _check_options(args: argparse.Namespace) -> None:

@@ -3,7 +3,8 @@
 `make_sim_network` lays out, under one directory:
     spec.toml                 the network spec (valid per protocol.spec)
     base/                     the base model: the pretrained tiny MoE of `training.pretrain` (an HF
-                              checkpoint, copied from the pretraining cache)
+                              checkpoint, copied from the pretraining cache; the spec pins its weights
+                              and its config.json)
     data/train.jsonl          miners' training data (arithmetic domain, which the base never saw)
     data/heldout.jsonl        validators' held-out data (same domain, another seed, disjoint)
     data/general.jsonl        mixed code and prose, for `select-experts --rule differential`
@@ -35,7 +36,7 @@ from node.sim.process import MAX_VALIDATORS
 from protocol.identity import Identity, save_identity
 from protocol.spec import SubmissionSpec, load_spec
 from training.adapters import ADAPTERS, adapter_for
-from training.checkpoint import checkpoint_hash
+from training.checkpoint import checkpoint_hash, config_hash, read_config
 from training.corpus import generate, write_documents
 from training.data import file_sha256, pack
 from training.model import load_checkpoint
@@ -110,7 +111,7 @@ def make_sim_network(
 def _write_network(directory: Path, validators: int, family: str, genesis: datetime | None,
                    timing: Mapping[str, float] | None, seed: int, experts_per_layer: int,
                    cache_dir: str | Path | None, submission_format: str) -> SimNetwork:
-    base_hash, group = _write_model_and_data(directory, family, seed, experts_per_layer, cache_dir)
+    base_hash, config_sha256, group = _write_model_and_data(directory, family, seed, experts_per_layer, cache_dir)
     ids, keys = [], []
     for i in range(validators):
         identity = sim_identity(seed, "validator", i)
@@ -124,7 +125,7 @@ def _write_network(directory: Path, validators: int, family: str, genesis: datet
         "name": f"sim-{seed}",
         "genesis": when.astimezone(UTC),
         "timing": {**DEFAULT_TIMING, **(timing or {})},
-        "model": {"family": family, "checkpoint": "base", "base_hash": base_hash},
+        "model": {"family": family, "checkpoint": "base", "base_hash": base_hash, "config_sha256": config_sha256},
         "group": {str(layer): experts for layer, experts in sorted(group.items())},
         "data": {
             "train": ["data/train.jsonl"],
@@ -171,7 +172,7 @@ def prepare_base(family: str, cache_dir: str | Path | None = None) -> Path:
 
 def _write_model_and_data(
     directory: Path, family: str, seed: int, experts_per_layer: int, cache_dir: str | Path | None
-) -> tuple[str, dict[int, list[int]]]:
+) -> tuple[str, str, dict[int, list[int]]]:
     base = prepare_base(family, cache_dir)
     shutil.copytree(base, directory / "base")
     train = generate("arithmetic", TRAIN_DOCS, seed)
@@ -188,7 +189,7 @@ def _write_model_and_data(
     sequences = pack(train, ByteTokenizer(), SEQ_LEN)[:SELECTION_SEQUENCES]
     selection = select_experts(model, adapter, sequences, "gate-mass", top_d=experts_per_layer)
     group = {int(layer): ids for layer, ids in selection["group"].items()}
-    return checkpoint_hash(directory / "base"), group
+    return checkpoint_hash(directory / "base"), config_hash(read_config(directory / "base")), group
 
 
 def to_toml(table: Mapping[str, object]) -> str:
