@@ -11,8 +11,11 @@ to this validator are fetched (capped), checked and scored off the event loop, a
 published. MERGE: wait for the other validators' reports (half the phase, then ask a peer for them),
 then `validator.merge.merge_round` on the SAME plan and the reports as stored whole; its
 MissingBlobError names the candidates this validator did not score, which are fetched and checked once
-into the round's checked-blob cache (`_Checked`, emptied after the merge). Rewards and their mark are
-one storage write; the new state and momentum are recorded as our proposal, served (again after any
+into the round's checked-blob cache (`_Checked`, emptied after the merge). The validators whose reports
+the merge used are fixed in storage before anything follows from it, so a merge run again after a
+restart ranks, rewards and proposes from the same reports (not from any that came in since), and the
+ledger, leaderboard, round report and vote agree. Rewards and their mark are one storage write; the new
+state and momentum are recorded as our proposal, served (again after any
 restart) and announced in GlobalState. The round report (node.duties.report) and leaderboard
 (node.duties.results) are stored; the loss of the ADOPTED state on round r's held-out subset is filled
 in once round r+1 has settled it. Each step checks storage first, so a restarted validator resumes
@@ -26,6 +29,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Mapping
 
 import torch
 
@@ -42,6 +46,7 @@ from protocol.messages import (
     GlobalState,
     Message,
     Reveal,
+    ScoreReport,
     SeedCommit,
     SeedReveal,
     fit_report,
@@ -240,30 +245,34 @@ class ValidatorDuties:
 
         deadline = start + MERGE_WAIT_SHARE * (end - start)
         late = self.ctx.clock.now() >= deadline  # restarted past the wait: no time to ask a peer either
-        if (not await wait_until(self.ctx.clock, self.arrivals, reports_in, deadline)
+        merged_from = await self.ctx.storage.merged_from(round)  # set: merged before a restart
+        if (merged_from is None and not await wait_until(self.ctx.clock, self.arrivals, reports_in, deadline)
                 and (late or await self.ctx.take_in_from_peer(round, reports_missing))):
             log.warning("round %d: merging without the reports of every validator that committed a seed",
                         round)
         head = await self.ctx.head()
+        reports = await self.ctx.storage.score_reports(round)
+        if merged_from is not None:  # reports that came in since must not change what we rewarded and voted
+            reports = {v: report for v, report in reports.items() if v in merged_from}
         try:
-            result = await self._merge_result(round, plan, head, loaded)
+            result = await self._merge_result(round, plan, head, loaded, reports)
         except MergeInputError as exc:
             log.warning("round %d: no merge: %s", round, exc)
             await self._write_report(round, plan, head, None, None)
             return
         finally:
             self._checked = _Checked(round + 1)  # accepted submissions are kept only until their merge
+        await self.ctx.storage.fix_merged_from(round, reports)
         await self._record_rewards(round, result)
-        reports = await self.ctx.storage.score_reports(round)
         await self.ctx.storage.set_round_results(round, leaderboard(round, head, result.ranking, reports, exact=True))
         proposed = await self._propose(round, result, head) if result.changed else None
         await self._write_report(round, plan, head, result.ranking, proposed)
 
-    async def _merge_result(self, round: int, plan: RoundPlan, head: str, loaded: _Loaded) -> MergeResult:
-        """`merge_round` on the stored reports and this round's checked blobs, fetching missing candidates once."""
+    async def _merge_result(self, round: int, plan: RoundPlan, head: str, loaded: _Loaded,
+                            reports: Mapping[str, ScoreReport]) -> MergeResult:
+        """`merge_round` on `reports` and this round's checked blobs, fetching missing candidates once."""
         assert self.state is not None
         state = self.state
-        reports = await self.ctx.storage.score_reports(round)
 
         def merge() -> MergeResult:
             return merge_round(reports, plan.assignment, plan.revealed, self._checked.of(round),

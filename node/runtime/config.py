@@ -17,7 +17,15 @@ from pathlib import Path
 from types import NoneType, UnionType
 from typing import Annotated, Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from node.net.config import P2PConfig
@@ -40,6 +48,12 @@ ConfigPath = Annotated[Path, BeforeValidator(_non_empty)]
 """A path setting: relative to the config file's directory, never empty."""
 
 
+def _bind_host(value: str) -> str:
+    if not value.strip():  # aiohttp (asyncio) binds every interface, not loopback, to an empty host
+        raise ValueError("an empty host would listen on every interface; name the address to bind, e.g. 127.0.0.1")
+    return value
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -57,7 +71,9 @@ class HttpSection(_Section):
     """The local HTTP API (/healthz, /status, /metrics, /rewards)."""
 
     enabled: bool = Field(default=True, description="Serve the HTTP API.")
-    host: str = Field(default="127.0.0.1", description="Bind address; keep it on loopback unless proxied.")
+    host: Annotated[str, AfterValidator(_bind_host)] = Field(
+        default="127.0.0.1", description="Bind address, never empty; keep it on loopback unless proxied."
+    )
     port: int = Field(default=8080, ge=0, le=65535, description="TCP port; 0 picks a free one.")
 
 

@@ -84,11 +84,22 @@ class NodeContext:
         """Sign, gossip, record and hand to our duties one of our own messages; PublishRefused if peers
         would reject it.
 
-        Recorded after gossiping, so a refused message leaves no trace; a duty that must not repeat
-        an action after a crash in between records its intent first (a typed storage write).
+        Noted as sent (`Storage.record_sent`) before it goes out, so that after a crash at any point the
+        node knows it as its own when peers hand it back; recorded as accepted after gossiping, so a
+        refused message leaves no trace; a duty that must not repeat an action after a crash in between
+        records its intent first (a typed storage write).
         """
         envelope = seal(message, self.spec.network_id, self.identity)
-        await self.network.publish(envelope)
+        try:
+            await self.storage.record_sent(envelope)
+        except (sqlite3.Error, OSError) as exc:
+            raise PublishRefused(f"{message.kind} for round {message.round}: cannot note it as sent: {exc} "
+                                 f"(is the disk of {self.config.db_path} full?)") from exc
+        try:
+            await self.network.publish(envelope)
+        except PublishRefused:
+            await self.storage.forget_sent(envelope.message_id)
+            raise
         assert self.local.handler is not None, "publish before the node was built"
         await self.local.handler(envelope, message)
         return envelope
@@ -305,14 +316,16 @@ class Node:
 
     async def _consume(self, subscription: Subscription) -> None:
         async for delivery in subscription:
-            if delivery.envelope.sender == self.ctx.identity.node_id:
-                self._signed_elsewhere(delivery.envelope)
-            await self._handle(delivery.envelope, delivery.message)
+            envelope = delivery.envelope
+            if envelope.sender == self.ctx.identity.node_id and not await self.ctx.storage.sent(envelope.message_id):
+                self._signed_elsewhere(envelope)
+            await self._handle(envelope, delivery.message)
 
     def _signed_elsewhere(self, envelope: Envelope) -> None:
-        """Our own messages never come back as deliveries (the judge records each as we send it, and after
-        a restart is seeded with what storage holds), so one signed with our key came from another node
-        that has the key. It is still recorded and handed to the duties, as any accepted message is.
+        """A message signed with our key that this node has no note of sending (`Storage.sent`, written
+        before each of ours goes out and kept across restarts) came from another node that has the key.
+        Our own come back after a restart: peers re-gossip them and hand them on as we catch up. It is
+        still recorded and handed to the duties, as any accepted message is.
 
         Unless the database was new when this node started and the message is of that round or the one
         before: a data directory removed while its key was kept leaves the key's earlier messages of the
@@ -408,8 +421,9 @@ class Node:
             "clock_behind": clock_behind(ctx.network.stats),
         }
 
-    async def rewards(self) -> dict[str, Any]:
-        return (await self.ctx.storage.rewards()).as_dict()
+    async def rewards(self, last_rounds: int | None = None, top: int | None = None) -> dict[str, Any]:
+        """The rewards ledger: entries of its last `last_rounds` rounds and the `top` best standings (None: all)."""
+        return (await self.ctx.storage.rewards(last_rounds, top)).as_dict()
 
     async def round_report(self, round: int) -> dict[str, Any] | None:
         """A validator's report of one round (None when it has none)."""

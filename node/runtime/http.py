@@ -1,17 +1,22 @@
 """The node's local HTTP API (aiohttp): the status page at /, and /healthz, /status, /rounds, /rounds/{r},
 /miners/{id}, /rewards and /metrics.
 
-Read-only and GET only; binds 127.0.0.1 unless configured otherwise. Bad input gets a 4xx with a
-one-line JSON reason, never a 500: a non-numeric or absurd round (400), an unknown round or miner
-(404), a query string over MAX_QUERY_CHARS (414), any other method (405). The page is three static
-files shipped in node/runtime/page/ (no CDN, and a Content-Security-Policy that lets it load
-nothing from elsewhere); it polls the JSON endpoints. It serves whatever a `StatusSource` (the
-running node's status views) reports, so it knows nothing about rounds, storage or the network.
+Read-only and GET only; binds 127.0.0.1 unless configured otherwise, every address of the host on one
+port. Bad input gets a 4xx with a one-line JSON reason, never a 500: a non-numeric or absurd round
+(400), an unknown round or miner (404), a query string over MAX_QUERY_CHARS (414), any other method
+(405). A view that fails (a storage error) gets a 500 with a one-line JSON reason, its traceback logged
+once. The page is three static files shipped in node/runtime/page/ (no CDN, and a
+Content-Security-Policy that lets it load nothing from elsewhere); it polls the JSON endpoints. It
+serves whatever a `StatusSource` (the running node's status views) reports, so it knows nothing about
+rounds, storage or the network.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -20,6 +25,7 @@ from aiohttp import web
 
 from node.runtime.metrics import CONTENT_TYPE
 
+log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 PAGE_DIR = Path(__file__).with_name("page")
 PAGE_FILES = {"/": ("index.html", "text/html"), "/app.js": ("app.js", "text/javascript"),
@@ -70,11 +76,10 @@ class HttpApi:
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
         try:
-            await web.TCPSite(runner, host, port).start()
+            bound = await _listen(runner, host, port)
         except OSError as exc:
             await runner.cleanup()
             raise ValueError(f"http: cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
-        bound = runner.addresses[0][1]
         return cls(runner, host, bound)
 
     @property
@@ -84,6 +89,18 @@ class HttpApi:
 
     async def close(self) -> None:
         await self._runner.cleanup()
+
+
+async def _listen(runner: web.AppRunner, host: str, port: int) -> int:
+    """Listen on every address `host` resolves to, all on one port, and return it. With port 0 the first
+    address picks a free port and the others take the same: asyncio would give each its own ("localhost"
+    is often both ::1 and 127.0.0.1), and the API could name only one of them."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)
+    for address in dict.fromkeys(str(info[4][0]) for info in infos):
+        await web.TCPSite(runner, address, port).start()
+        port = runner.addresses[0][1]
+    return port
 
 
 def _error(status: int, reason: str) -> web.Response:
@@ -103,6 +120,9 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         if exc.status < 400:
             raise
         return _error(exc.status, exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason)
+    except Exception as exc:  # a failing view (a storage error): the traceback to the log, the client a JSON 500
+        log.exception("http: %s %s failed", request.method, request.path[:200])
+        return _error(500, f"internal error ({type(exc).__name__}) in the node; its log has the details")
 
 
 async def _healthz(request: web.Request) -> web.Response:

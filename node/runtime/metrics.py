@@ -9,7 +9,8 @@ methods: `train_progress` (miner), `submissions_scored` and `seeds_withheld` (va
 `round_results` (any node, from the status views). Peer ids are unbounded and chosen by peers, so
 rejects per peer are exported for the top N only (labelled by the id's first 16 alphanumeric
 characters) plus one `other` series; verdict reasons are free text, so they are cut to their first
-clause and bounded in number; validator labels come from the spec's validator set.
+clause and bounded in number (the scored counter for the process's life, the last round's verdicts per
+round); validator labels come from the spec's validator set.
 This module knows nothing about how the numbers are produced.
 """
 
@@ -37,7 +38,7 @@ from node.net.network import NetworkStats
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 15, 30, 60, 300, 900, 3600)
 _EVAL_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
-MAX_REASONS = 16  # distinct verdict reasons exported; the rest are counted as "other"
+MAX_REASONS = 16  # distinct verdict reasons a metric exports; the rest are counted as "other"
 _REASON_CHARS = 48
 
 
@@ -91,7 +92,7 @@ class NodeMetrics:
                                          "round's assignment for withholding a seed.", registry=r)
         self.key_elsewhere = Counter("tessera_key_used_elsewhere", "Messages signed with this node's key that "
                                      "reached it from the network and that it has no record of sending.", registry=r)
-        self._reasons: set[str] = set()
+        self._scored_reasons: set[str] = set()
 
     def bind_network(self, stats: Callable[[], NetworkStats], peers: Callable[[], int]) -> None:
         """Export the network's counters, read at each scrape."""
@@ -120,7 +121,7 @@ class NodeMetrics:
         """A validator scored `len(verdicts)` submissions (verdict, reason) in `seconds` all told."""
         for verdict, reason in verdicts:
             self.eval_seconds.observe(seconds / len(verdicts))
-            self.scored.labels(verdict=verdict, reason=self._reason(reason)).inc()
+            self.scored.labels(verdict=verdict, reason=self._scored_reason(reason)).inc()
 
     def seeds_withheld(self, withheld: Sequence[str], excluded: Sequence[str]) -> None:
         """A validator's round plan: validators that withheld their seed in it, and those it excluded."""
@@ -141,20 +142,33 @@ class NodeMetrics:
             self.own_reward.set(own.get("reward") or 0.0)
         if agreement is not None:
             self.agreement.set(agreement["share"])
+        # A gauge rebuilt from one round: its MAX_REASONS most common reasons get a label of their own, whatever
+        # earlier rounds or the scored counter saw; reasons that share a label add up.
+        labelled = [(verdict, _clause(reason)) for verdict, reason in verdicts]
+        common = collections.Counter(label for _, label in labelled)
+        shown = set(sorted(common, key=lambda label: (-common[label], label))[:MAX_REASONS])
         self.verdicts.clear()
-        for (verdict, reason), n in sorted(collections.Counter(verdicts).items()):
-            self.verdicts.labels(verdict=verdict, reason=self._reason(reason)).set(n)
+        for (verdict, label), n in sorted(collections.Counter(
+                (verdict, label if label in shown else "other") for verdict, label in labelled).items()):
+            self.verdicts.labels(verdict=verdict, reason=label).set(n)
 
-    def _reason(self, reason: str) -> str:
-        """A bounded label for a free-text reason: its first clause, at most MAX_REASONS distinct ones."""
-        label = (reason.split(":")[0].strip() or "ok")[:_REASON_CHARS]
-        if label not in self._reasons and len(self._reasons) >= MAX_REASONS:
+    def _scored_reason(self, reason: str) -> str:
+        """A counter's label for a reason: its first clause, the first MAX_REASONS distinct ones for good (a
+        counter cannot relabel what it counted), the rest "other". Reasons name tensors, some of them chosen by
+        miners ("unexpected tensor <name>"), so they are not a closed set."""
+        label = _clause(reason)
+        if label not in self._scored_reasons and len(self._scored_reasons) >= MAX_REASONS:
             return "other"
-        self._reasons.add(label)
+        self._scored_reasons.add(label)
         return label
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _clause(reason: str) -> str:
+    """A free-text reason's first clause, cut short: "rejected: hash mismatch" -> "rejected"; "" -> "ok"."""
+    return (reason.split(":")[0].strip() or "ok")[:_REASON_CHARS]
 
 
 class _NetworkCollector:

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     from protocol.spec import NetworkSpec
 
 ROUNDS_SHOWN = 32
+STANDINGS_SHOWN = 20
+"""/rewards lists this many best standings, as many as the page shows (STANDINGS in page/app.js): the ledger
+keeps a standing for every miner key it ever rewarded."""
 
 
 @dataclass(frozen=True)
@@ -76,15 +79,13 @@ class StatusViews:
         return status
 
     async def rewards(self) -> dict[str, Any]:
-        """The ledger's entries of its last ROUNDS_SHOWN rounds (the whole ledger is the exported JSONL) and the
-        standings; on a node without a ledger (a miner), standings computed from public rankings."""
-        rewards = await self.node.rewards()
-        entries = rewards.get("entries") or []
-        if entries:  # oldest round first
-            since = entries[-1]["round"] - ROUNDS_SHOWN + 1
-            rewards["entries"] = [e for e in entries if e["round"] >= since]
-        if not rewards.get("standings"):
-            rewards["standings"] = _standings(await self._views(), self.ctx.spec.rewards.ema_alpha)
+        """The ledger's entries of its last ROUNDS_SHOWN rounds and its STANDINGS_SHOWN best standings (the whole
+        ledger is the exported JSONL, each line with the miner's standing after its round); on a node without
+        a ledger (a miner), the best standings computed from public rankings."""
+        rewards = await self.node.rewards(last_rounds=ROUNDS_SHOWN, top=STANDINGS_SHOWN)
+        if not rewards["standings"]:
+            standings = _standings(await self._views(), self.ctx.spec.rewards.ema_alpha)
+            rewards["standings"] = dict(list(standings.items())[:STANDINGS_SHOWN])
         return rewards
 
     async def rounds(self) -> list[dict[str, Any]]:

@@ -21,7 +21,7 @@ import contextlib
 import json
 import os
 import sqlite3
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,7 @@ _SEED = "seed:{}"  # round -> this validator's own seed
 _REWARDED = "rewarded:{}"  # round -> "1" once the round's rewards are in the ledger
 _REPORT = "round_report:{}"  # round -> this validator's JSON report of the round
 _PROPOSAL = "proposal:{}"  # round -> JSON {state, momentum} this validator proposed
+_MERGED_FROM = "merged_from:{}"  # round -> JSON list of the validators whose reports this validator's merge used
 _EXPORTED = "rewards_exported_through"
 
 class Storage(SqliteWorker):
@@ -83,6 +84,22 @@ class Storage(SqliteWorker):
                                             verdict, reason, received_at))
         return stored
 
+    @write
+    def record_sent(self, conn: sqlite3.Connection, envelope: Envelope) -> None:
+        """Note that we are about to hand `envelope` (signed with our key) to the network: written before it
+        goes out, so that a node killed right after knows it as its own when peers hand it back."""
+        conn.execute("INSERT OR IGNORE INTO sent VALUES (?, ?, ?)", (envelope.message_id, envelope.kind, envelope.round))
+
+    @write
+    def forget_sent(self, conn: sqlite3.Connection, message_id: str) -> None:
+        """Drop the note of an envelope the network refused to send (it never left this node)."""
+        conn.execute("DELETE FROM sent WHERE id = ?", (message_id,))
+
+    @read
+    def sent(self, conn: sqlite3.Connection, message_id: str) -> bool:
+        """Whether this node handed the envelope `message_id` to the network (`record_sent`)."""
+        return conn.execute("SELECT 1 FROM sent WHERE id = ?", (message_id,)).fetchone() is not None
+
     @read
     def accepted_since(self, conn: sqlite3.Connection, min_round: int) -> list[tuple[str, str, str, int]]:
         """(id, kind, sender, round) of every accepted message from `min_round` on, oldest first: the
@@ -93,15 +110,17 @@ class Storage(SqliteWorker):
 
     @write
     def prune(self, conn: sqlite3.Connection, before_round: int) -> int:
-        """Forget the message log and this node's per-round working state (own seeds, submissions,
-        proposals, announced momenta of states no longer current) of rounds before `before_round`;
-        returns how many rows went. Payloads, plans, reports, leaderboards and the ledger stay.
+        """Forget the message log, the note of what we sent, and this node's per-round working state (own
+        seeds, submissions, proposals, the reports merged from, announced momenta of states no longer
+        current) of rounds before `before_round`; returns how many rows went. Payloads, plans, reports,
+        leaderboards and the ledger stay.
 
         Safe once gossip for those rounds is IGNOREd as old: the payload tables keep the data and
         the first-message-per-sender rule, which do not depend on this log.
         """
         gone = conn.execute("DELETE FROM messages WHERE round < ?", (before_round,)).rowcount
-        for prefix in (_SEED, _SUBMISSION, _PROPOSAL):
+        gone += conn.execute("DELETE FROM sent WHERE round < ?", (before_round,)).rowcount
+        for prefix in (_SEED, _SUBMISSION, _PROPOSAL, _MERGED_FROM):
             head = prefix.format("")
             gone += conn.execute("DELETE FROM kv WHERE substr(key, 1, ?) = ? AND CAST(substr(key, ?) AS INTEGER) < ?",
                                  (len(head), head, len(head) + 1, before_round)).rowcount
@@ -225,10 +244,16 @@ class Storage(SqliteWorker):
         return get(conn, _REWARDED.format(round)) is not None
 
     @read
-    def rewards(self, conn: sqlite3.Connection) -> RewardsLedger:
-        rows = conn.execute("SELECT round, miner, rank, points, utility, standing FROM rewards "
-                            "ORDER BY round, rank, miner").fetchall()
-        standings = dict(conn.execute("SELECT miner, standing FROM standings ORDER BY standing DESC, miner"))
+    def rewards(self, conn: sqlite3.Connection, last_rounds: int | None = None,
+                top: int | None = None) -> RewardsLedger:
+        """The ledger's entries of its last `last_rounds` rounds, oldest first, and the `top` best standings,
+        best first (None: all of either). Bounded, the read does not grow with the ledger's age."""
+        since = -1 if last_rounds is None else conn.execute(
+            "SELECT COALESCE(MAX(round), 0) - ? + 1 FROM rewards", (last_rounds,)).fetchone()[0]
+        rows = conn.execute("SELECT round, miner, rank, points, utility, standing FROM rewards WHERE round >= ? "
+                            "ORDER BY round, rank, miner", (since,)).fetchall()
+        standings = dict(conn.execute("SELECT miner, standing FROM standings ORDER BY standing DESC, miner LIMIT ?",
+                                      (-1 if top is None else top,)))
         return RewardsLedger([RewardRecord(*row) for row in rows], standings)
 
     @write
@@ -350,6 +375,19 @@ class Storage(SqliteWorker):
         """Record our proposal of `round` and the momentum we announce with it, in one transaction."""
         put(conn, _PROPOSAL.format(round), json.dumps({"state": proposal.state, "momentum": proposal.momentum}))
         put(conn, _MOMENTUM_OF.format(proposal.state, me), proposal.momentum)
+
+    @write
+    def fix_merged_from(self, conn: sqlite3.Connection, round: int, validators: Iterable[str]) -> None:
+        """Fix the validators whose score reports our merge of `round` uses (its rewards, leaderboard and
+        vote follow from them); a set fixed before stays."""
+        if get(conn, _MERGED_FROM.format(round)) is None:
+            put(conn, _MERGED_FROM.format(round), json.dumps(sorted(validators)))
+
+    @read
+    def merged_from(self, conn: sqlite3.Connection, round: int) -> frozenset[str] | None:
+        """The validators whose reports our merge of `round` used (`fix_merged_from`); None before it."""
+        text = get(conn, _MERGED_FROM.format(round))
+        return None if text is None else frozenset(json.loads(text))
 
     @read
     def round_report(self, conn: sqlite3.Connection, round: int) -> dict[str, Any] | None:

@@ -1,9 +1,12 @@
 """The SQLite schema of a node's state file, its migrations, and the rows each gossip payload writes.
 
 Version 2 adds `round_plans` (the plan a validator fixes when EVALUATE starts), `round_results`
-(each round's leaderboard, which every node computes) and keeps every score report whole (`score_reports.body`, the report's canonical JSON); version-1 files are
-migrated in place on open. Functions here take an open connection inside the caller's
-transaction. This module knows nothing about asyncio or about what the rows mean to a duty.
+(each round's leaderboard, which every node computes) and keeps every score report whole
+(`score_reports.body`, the report's canonical JSON); version 3 adds `sent` (the id of every envelope this
+node signed and handed to the network, written before it goes out, so that a restarted node knows its own
+messages when peers hand them back). Older files are migrated in place on open, one version after the
+other. Functions here take an open connection inside the caller's transaction. This module knows nothing
+about asyncio or about what the rows mean to a duty.
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ from protocol.messages import (
     SeedReveal,
 )
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _V2 = ("CREATE TABLE round_plans (round INTEGER PRIMARY KEY, plan TEXT NOT NULL)",
        "CREATE TABLE round_results (round INTEGER PRIMARY KEY, results TEXT NOT NULL)")
+# IF NOT EXISTS: a version-1 or -2 file may be one that tests turned back from a current one
+_V3 = ("CREATE TABLE IF NOT EXISTS sent (id TEXT PRIMARY KEY, kind TEXT NOT NULL, round INTEGER NOT NULL)",)
 
 _SCHEMA = """
 CREATE TABLE rounds (round INTEGER PRIMARY KEY, started_at REAL NOT NULL, seed TEXT);
@@ -56,7 +61,7 @@ CREATE TABLE standings (miner TEXT PRIMARY KEY, standing REAL NOT NULL, round IN
 CREATE TABLE nodes (node_id TEXT PRIMARY KEY, role TEXT NOT NULL, head TEXT NOT NULL, round INTEGER NOT NULL,
     last_seen REAL NOT NULL);
 CREATE TABLE kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-""" + "".join(f"{statement};\n" for statement in _V2)
+""" + "".join(f"{statement};\n" for statement in (*_V2, *_V3))
 
 
 
@@ -96,9 +101,12 @@ def _prepare(conn: sqlite3.Connection, path: Path) -> None:
     conn.execute("PRAGMA synchronous=FULL")
     if version == 0:
         conn.executescript(f"BEGIN IMMEDIATE;\n{_SCHEMA}PRAGMA user_version = {SCHEMA_VERSION};\nCOMMIT;")
-    elif version == 1:
+    elif version < SCHEMA_VERSION:
         conn.execute("BEGIN IMMEDIATE")
-        _migrate_v1(conn)
+        if version == 1:
+            _migrate_v1(conn)
+        for statement in _V3:
+            conn.execute(statement)
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         conn.execute("COMMIT")
 

@@ -61,6 +61,8 @@ def test_absolute_paths_stay_absolute(tmp_path: Path) -> None:
         (MINIMAL + 'data_dir = ""\n', "node.data_dir: an empty path; name a file or directory"),
         ('[node]\nrole = "miner"\nspec = ""\n', "node.spec: an empty path"),
         (MINIMAL + '[miner]\ndata = ""\n', "miner.data: an empty path"),
+        (MINIMAL + '[http]\nhost = ""\n', "http.host: an empty host would listen on every interface"),
+        (MINIMAL + '[http]\nhost = " "\n', "http.host: an empty host would listen on every interface"),
     ],
 )
 def test_errors_name_the_file_and_field(tmp_path: Path, text: str, expected: str) -> None:
@@ -109,6 +111,9 @@ def test_overrides_are_text_parsed_as_before_but_an_empty_path_is_refused(
         with pytest.raises(ConfigError, match=rf"^{name} \(environment\): {field}: an empty path; name a file"):
             load_config(path)
         monkeypatch.delenv(name)
+    monkeypatch.setenv("TESSERA_HTTP__HOST", "")  # would bind every interface, not loopback
+    with pytest.raises(ConfigError, match=r"^TESSERA_HTTP__HOST \(environment\): http.host: an empty host"):
+        load_config(path)
 
 
 def test_an_override_that_overrides_nothing_or_is_not_json_is_named(

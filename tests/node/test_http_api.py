@@ -4,6 +4,7 @@ status page is served from the package with nothing to load from elsewhere, and 
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -16,6 +17,7 @@ from node.net.network import NetworkStats
 from node.runtime.config import HttpSection
 from node.runtime.http import MAX_QUERY_CHARS, PAGE_DIR, HttpApi
 from node.runtime.metrics import NodeMetrics, peer_label
+from node.store.records import StorageError
 
 MINER = "ab" * 32
 ROUND = {"round": 3, "source": "public", "base": "cd" * 32, "base_loss": 2.5, "global_hash": None,
@@ -159,6 +161,51 @@ async def test_an_oversized_request_line_is_refused(api: HttpApi) -> None:
 async def test_port_in_use_is_a_clear_error(api: HttpApi) -> None:
     with pytest.raises(ValueError, match=f"http: cannot listen on 127.0.0.1:{api.port}"):
         await HttpApi.start(FakeNode(), "127.0.0.1", api.port)
+
+
+async def test_a_host_of_two_addresses_listens_on_one_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """"localhost" is often both ::1 and 127.0.0.1; with port 0 each would get its own free port."""
+    loop = asyncio.get_running_loop()
+    real = loop.getaddrinfo
+
+    async def both(host: Any, *args: Any, **kwargs: Any) -> list[Any]:
+        if host != "localhost":
+            return await real(host, *args, **kwargs)
+        return [*await real("::1", *args, **kwargs), *await real("127.0.0.1", *args, **kwargs)]
+
+    monkeypatch.setattr(loop, "getaddrinfo", both)
+    try:
+        server = await HttpApi.start(FakeNode(), "localhost", 0)
+    except ValueError as exc:  # no IPv6 loopback here
+        pytest.skip(str(exc))
+    try:
+        assert server.url == f"http://localhost:{server.port}"
+        for address in ("[::1]", "127.0.0.1"):
+            status, _, _ = await request(f"http://{address}:{server.port}/healthz")
+            assert status == 200, address
+    finally:
+        await server.close()
+
+
+class FailingNode(FakeNode):
+    async def rewards(self) -> dict[str, Any]:
+        raise StorageError("database disk image is malformed\nat /var/lib/tessera/node.db")
+
+
+async def test_a_failing_view_gets_a_json_500_and_one_logged_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    server = await HttpApi.start(FailingNode())
+    try:
+        async with aiohttp.ClientSession() as session, session.get(f"{server.url}/rewards") as response:
+            assert response.status == 500 and response.content_type == "application/json"
+            body = await response.json()
+        status, _, _ = await request(f"{server.url}/status")  # the others still answer
+    finally:
+        await server.close()
+    assert status == 200
+    assert set(body) == {"error"} and "StorageError" in body["error"] and "\n" not in body["error"], body
+    assert "/var/lib" not in body["error"]  # details go to the node's log, not to whoever asks
+    logged = [r for r in caplog.records if r.exc_info is not None]
+    assert len(logged) == 1 and "/rewards" in logged[0].getMessage()
 
 
 def test_peer_labels_are_bounded() -> None:

@@ -64,6 +64,27 @@ def test_reasons_are_bounded_labels() -> None:
     assert "reason 0" in reasons and not any(":" in r for r in reasons)
 
 
+def test_the_last_rounds_verdicts_are_labelled_whatever_came_before() -> None:
+    """Scored reasons name tensors (a miner picks some of the names), so that counter's labels run out;
+    the last round's verdicts must still show their own reasons, and reasons sharing a label add up."""
+    metrics = NodeMetrics()
+    metrics.submissions_scored(1.0, [("reject", f"unexpected tensor t{i}") for i in range(MAX_REASONS)])
+    for r in range(3):  # each round's reasons new
+        metrics.round_results(base_loss=None, adopted_loss=None, own=None, agreement=None,
+                              verdicts=[("accept", f"reason {r}.{i}") for i in range(MAX_REASONS)])
+    metrics.round_results(base_loss=None, adopted_loss=None, own=None, agreement=None,
+                          verdicts=[("accept", "not ranked in top-K"), ("reject", "rejected: hash mismatch"),
+                                    ("reject", "rejected: blob too large")])
+    verdicts = {labels: v for (name, labels), v in samples(metrics).items() if name == "tessera_round_verdicts"}
+    assert verdicts == {(("reason", "not ranked in top-K"), ("verdict", "accept")): 1,
+                        (("reason", "rejected"), ("verdict", "reject")): 2}
+    many = [("reject", f"rejected {i}") for i in range(MAX_REASONS + 3)] + [("reject", "rejected 0")]
+    metrics.round_results(base_loss=None, adopted_loss=None, own=None, agreement=None, verdicts=many)
+    verdicts = {dict(labels)["reason"]: v for (name, labels), v in samples(metrics).items()
+                if name == "tessera_round_verdicts"}
+    assert len(verdicts) == MAX_REASONS + 1 and verdicts["rejected 0"] == 2 and verdicts["other"] == 3
+
+
 def test_phase_runs_count_overruns_and_skips() -> None:
     metrics = NodeMetrics()
     metrics.phase_run(4, "evaluate", 12.0, 0.1, ok=True, overran=True, skipped=2)

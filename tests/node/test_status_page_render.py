@@ -1,8 +1,8 @@
 """The status page's script against a fake node in headless Chromium, in seconds: what peers chose (a
 reason, a network name) is shown as text and never run as markup, standings are ordered best first,
 a validator's page shows any miner's history from its link, the header says how the network learns,
-a failing node shows an error instead of stale numbers, and a node whose key another node uses says
-so. The page on a real simulation is checked in tests/integration/test_network.py."""
+a failing node shows an error instead of stale numbers, leaderboards of rounds the node no longer
+serves go, and a node whose key another node uses says so. The page on a real simulation is checked in tests/integration/test_network.py."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ class FakeValidator:
         self.hold = threading.Event()  # cleared: /status answers only once it is set again
         self.hold.set()
         self.in_flight = self.most_in_flight = 0
+        self.rounds_shown = ROUNDS
 
     async def status(self) -> dict[str, Any]:
         self.in_flight += 1
@@ -59,7 +60,7 @@ class FakeValidator:
         return {"entries": [], "standings": {B: 0.1, A: 0.3}}
 
     async def rounds(self) -> list[dict[str, Any]]:
-        return ROUNDS
+        return self.rounds_shown
 
     async def round_report(self, round: int) -> dict[str, Any] | None:
         return ROUNDS[0] if round == 0 else None
@@ -157,6 +158,20 @@ def test_a_node_gone_quiet_leaves_no_live_looking_numbers(browser: Any, served: 
     page.wait_for_selector("#error[hidden]", state="attached", timeout=10_000)
     assert page.locator("main.stale").count() == 0
     assert page.locator("#countdown").inner_text().startswith("commit of round 1 in")
+    page.close()
+
+
+def test_leaderboards_go_when_no_round_shown_has_miners(browser: Any, served: tuple[HttpApi, FakeValidator]) -> None:
+    """Once the rounds the node serves have no miners (the window moved past the last scored round), the
+    tables of earlier polls must not stay on screen as if current."""
+    api, node = served
+    page = browser.new_page()
+    _ready(page, api.url)
+    assert page.locator("table.leaderboard").count() == 1
+    node.rounds_shown = [{**ROUNDS[0], "round": 40, "miners": []}]
+    page.wait_for_selector("#leaderboards > p.muted", timeout=10_000)
+    assert page.locator("table.leaderboard").count() == 0
+    assert page.locator("#leaderboards").inner_text() == "no scored round yet"
     page.close()
 
 

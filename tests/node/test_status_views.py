@@ -16,8 +16,9 @@ import pytest
 from node.duties.results import learn_results
 from node.runtime.clock import ManualClock
 from node.runtime.config import NodeConfig
+from node.runtime.daemon import Node
 from node.runtime.metrics import NodeMetrics
-from node.runtime.status import ROUNDS_SHOWN, StatusViews, learning_settings
+from node.runtime.status import ROUNDS_SHOWN, STANDINGS_SHOWN, StatusViews, learning_settings
 from node.store.db import Storage
 from node.store.records import RewardRecord, RewardsLedger
 from protocol.assignment import assign
@@ -52,9 +53,7 @@ class FakeNode:
         return {"role": self.ctx.config.node.role, "node_id": self.ctx.identity.node_id,
                 "head": await self.ctx.storage.head()}
 
-    async def rewards(self) -> dict[str, Any]:
-        ledger: RewardsLedger = await self.ctx.storage.rewards()
-        return ledger.as_dict()
+    rewards = Node.rewards  # the node's own: it only reads ctx.storage
 
     async def round_report(self, round: int) -> dict[str, Any] | None:
         return self.own_reports.get(round)
@@ -224,3 +223,27 @@ async def test_rewards_lists_the_ledger_of_the_last_rounds_only(storage: Storage
     assert sorted({e["round"] for e in rewards["entries"]}) == list(range(rounds - ROUNDS_SHOWN, rounds))
     assert len(rewards["entries"]) == ROUNDS_SHOWN * len(miner_ids)
     assert rewards["standings"] == {m.node_id: 0.5 for m in miner_ids}
+
+
+async def test_rewards_reads_only_the_rounds_and_standings_it_shows(storage: Storage, spec: NetworkSpec,
+                                                                    miner_ids: list[Identity]) -> None:
+    """The ledger and the standings table keep every round and every miner key ever rewarded; a request
+    reads the last ROUNDS_SHOWN rounds and the best STANDINGS_SHOWN standings, whatever the network's age."""
+    rounds, keys = 3 * ROUNDS_SHOWN, [f"{i:064x}" for i in range(3 * STANDINGS_SHOWN)]
+    for r in range(rounds):
+        entries = [RewardRecord(r, m.node_id, i + 1, 1.0 / (i + 1), 0.0, 0.5) for i, m in enumerate(miner_ids)]
+        assert await storage.add_rewards(r, entries, {k: (i + 1) / 1000 for i, k in enumerate(keys)})
+    real, read = storage.rewards, []
+
+    async def spy(*args: Any) -> RewardsLedger:
+        ledger = await real(*args)
+        read.append((len(ledger.entries), len(ledger.standings)))
+        return ledger
+
+    storage.rewards = spy  # type: ignore[method-assign]
+    rewards = await views_for(storage, spec, miner_ids[0], "validator").rewards()
+    assert read == [(ROUNDS_SHOWN * len(miner_ids), STANDINGS_SHOWN)]
+    assert list(rewards["standings"]) == keys[::-1][:STANDINGS_SHOWN]  # best first
+    assert {e["round"] for e in rewards["entries"]} == set(range(rounds - ROUNDS_SHOWN, rounds))
+    whole = await storage.rewards()
+    assert len(whole.entries) == rounds * len(miner_ids) and len(whole.standings) == len(keys)

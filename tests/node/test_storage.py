@@ -213,6 +213,8 @@ async def test_rewards_ledger_and_jsonl_export(tmp_path: Path) -> None:
         assert list(ledger.standings) == [M1.node_id, M0.node_id]  # best standing first
         assert ledger.standings[M0.node_id] == pytest.approx(0.21)
         assert ledger.as_dict()["entries"][0]["points"] == 1.0
+        last = await store.rewards(last_rounds=1, top=1)  # the latest round of the ledger, the best standing
+        assert [(e.round, e.miner) for e in last.entries] == [(2, M1.node_id)] and list(last.standings) == [M1.node_id]
     finally:
         await store.close()
 

@@ -161,7 +161,10 @@ function head(names) {
 
 function renderLeaderboards(rounds, me) {
   const shown = rounds.filter((r) => r.miners.length).slice(-LEADERBOARDS).reverse();
-  if (!shown.length) return;
+  if (!shown.length) {  // none of the rounds the node keeps now had miners: drop the tables of older polls
+    $("leaderboards").replaceChildren(el("p", "no scored round yet", "muted"));
+    return;
+  }
   const tables = shown.map((r) => {
     const table = el("table", null, "leaderboard");
     table.dataset.round = r.round;
