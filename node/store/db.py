@@ -224,8 +224,9 @@ class Storage(SqliteWorker):
     @write
     def add_rewards(self, conn: sqlite3.Connection, round: int, entries: Sequence[RewardRecord],
                     standings: Mapping[str, float]) -> bool:
-        """Append one round to the ledger, replace every listed miner's standing and mark the round
-        rewarded, all in one transaction; False (writing nothing) when the round is already rewarded."""
+        """Append one round to the ledger, make `standings` the standings (every miner's after this round:
+        one no longer listed has decayed below the floor and goes) and mark the round rewarded, all in one
+        transaction; False (writing nothing) when the round is already rewarded."""
         if get(conn, _REWARDED.format(round)) is not None:
             return False
         for e in entries:
@@ -233,7 +234,8 @@ class Storage(SqliteWorker):
                 raise ValueError(f"reward entry for round {e.round} passed with round {round}")
             conn.execute("INSERT INTO rewards VALUES (?, ?, ?, ?, ?, ?)",
                          (e.round, e.miner, e.rank, e.points, e.utility, e.standing))
-        conn.executemany("INSERT OR REPLACE INTO standings VALUES (?, ?, ?)",
+        conn.execute("DELETE FROM standings")
+        conn.executemany("INSERT INTO standings VALUES (?, ?, ?)",
                          [(miner, standing, round) for miner, standing in sorted(standings.items())])
         put(conn, _REWARDED.format(round), "1")
         return True

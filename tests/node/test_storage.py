@@ -417,3 +417,17 @@ async def test_pruning_forgets_old_working_state_and_keeps_the_record(tmp_path: 
         assert len(await store.commits_for(3)) == 2
     finally:
         await store.close()
+
+
+async def test_a_miner_whose_standing_decayed_away_leaves_the_standings(tmp_path: Path) -> None:
+    """`add_rewards` is given every miner's standing after the round; one that fell below the floor
+    (protocol.ranking.update_standing drops it) must not keep its last value, nor a row, for good."""
+    store = await Storage.open(tmp_path / "node.db")
+    try:
+        await store.add_rewards(1, [RewardRecord(1, M0.node_id, 1, 1.0, 0.2, 0.3)], {M0.node_id: 0.3, M1.node_id: 0.15})
+        await store.add_rewards(2, [], {M1.node_id: 0.1})
+        ledger = await store.rewards(last_rounds=0)
+        assert ledger.standings == {M1.node_id: 0.1}
+        assert ledger.entries == []  # last_rounds=0: the standings alone
+    finally:
+        await store.close()
