@@ -11,8 +11,9 @@ COPY protocol ./protocol
 COPY training ./training
 COPY validator ./validator
 COPY node ./node
-# torch first, with the project's pin, then the project itself.
-RUN pip install --no-cache-dir torch==2.13.0 \
+# torch first, with the project's pin (constraints.txt), from PyTorch's CPU index: PyPI's Linux wheel of the
+# same version is the CUDA build, which pulls gigabytes of nvidia-* wheels. Then the project itself.
+RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
  && pip install --no-cache-dir -c constraints.txt .
 
 ENTRYPOINT ["tessera"]

@@ -18,11 +18,15 @@ demo: $(STAMP)
 	$(VENV)/bin/tessera simulate --validators 2 --miners 4 --rounds 3 --dir .demo --force
 
 # The browser test drives Debian's chromium; the compose test runs `docker-compose config`; the clock test
-# runs a node under faketime.
+# runs a node under faketime; the alert test runs promtool.
 test-tools:
 	@if ! { command -v chromium && command -v docker-compose && command -v faketime; } >/dev/null \
 			&& command -v apt-get >/dev/null; then \
 		apt-get update -q && apt-get install -y -q chromium docker-compose faketime; fi
+	@# promtool alone (tests/node/test_alerts.py runs the alert rules' unit tests), out of Debian's package
+	@if ! command -v promtool >/dev/null && ! [ -x $(VENV)/bin/promtool ] && command -v apt-get >/dev/null; then \
+		tmp=$$(mktemp -d) && (cd $$tmp && { apt-get download -q prometheus || { apt-get update -q && apt-get download -q prometheus; }; }) \
+		&& dpkg-deb -x $$tmp/prometheus_*.deb $$tmp/x && cp $$tmp/x/usr/bin/promtool $(VENV)/bin/ && rm -rf $$tmp; fi
 
 # Two pytest workers, a test file to one worker: the network simulation (tests/integration/test_network.py)
 # spends most of its time waiting for round phases, so the other files run beside it.

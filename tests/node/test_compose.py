@@ -151,3 +151,27 @@ def test_docker_compose_accepts_the_file() -> None:
     result = subprocess.run(["docker-compose", "-f", str(COMPOSE), "config", "-q"], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_dockerfile_installs_the_pinned_cpu_torch_before_the_project() -> None:
+    """PyPI's Linux wheel of torch is the CUDA build (gigabytes of nvidia-* wheels); this machine's pip finds the
+    CPU wheel in /opt/wheels, a fresh image's pip does not, so the Dockerfile names PyTorch's CPU index."""
+    pin = next(line for line in (ROOT / "constraints.txt").read_text(encoding="utf-8").splitlines()
+               if line.startswith("torch=="))
+    text = (ROOT / "Dockerfile").read_text(encoding="utf-8").replace("\\\n", " ")
+    installs = [shlex.split(cmd) for line in text.splitlines() if line.startswith("RUN ")
+                for cmd in line.removeprefix("RUN ").split("&&") if "pip install" in cmd]
+    torch_install, project_install = installs[0], installs[1]
+    assert pin in torch_install
+    assert "--index-url" in torch_install, "torch would come from PyPI: the CUDA build"
+    assert torch_install[torch_install.index("--index-url") + 1] == "https://download.pytorch.org/whl/cpu"
+    assert project_install[-3:] == ["-c", "constraints.txt", "."]
+
+
+def test_dashboard_loss_panel_averages_only_validators_with_a_loss() -> None:
+    """A miner's adopted loss is the public one, a round behind a validator's (its next reports are not out
+    yet), and a node with no results reads 0: averaging them all gives a loss no state had."""
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/tessera.json").read_text(encoding="utf-8"))
+    panel = next(p for p in dashboard["panels"] if p["title"] == "Held-out loss")
+    for target in panel["targets"]:
+        assert re.fullmatch(r'avg\(tessera_(adopted|base)_loss\{role="validator"\} > 0\)', target["expr"]), target
