@@ -116,9 +116,11 @@ class StatusViews:
         views = await self._views()
         states = await self._recent_states()
         me = self.ctx.identity.node_id
-        own = next((m for v in reversed(views) for m in v.miners if m["id"] == me and m["verdict"] != "missing"),
-                   None)
         last = next((v for v in reversed(views) if v.miners), None)
+        own = None  # a miner's result in the last round with miners: nothing scored there earned nothing
+        if self.ctx.config.node.role == "miner" and last is not None:
+            own = next((m for m in last.miners if m["id"] == me and m["verdict"] != "missing"),
+                       {"loss": None, "rank": None, "reward": 0.0})
         self.ctx.metrics.round_results(
             base_loss=next((v.base_loss for v in reversed(views) if v.base_loss is not None), None),
             adopted_loss=next((v.global_loss for v in reversed(views) if v.global_loss is not None), None),

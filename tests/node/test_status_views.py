@@ -18,7 +18,7 @@ from node.runtime.clock import ManualClock
 from node.runtime.config import NodeConfig
 from node.runtime.daemon import Node
 from node.runtime.metrics import NodeMetrics
-from node.runtime.status import ROUNDS_SHOWN, STANDINGS_SHOWN, StatusViews, learning_settings
+from node.runtime.status import ROUNDS_SHOWN, STANDINGS_SHOWN, RoundView, StatusViews, learning_settings
 from node.store.db import Storage
 from node.store.records import RewardRecord, RewardsLedger
 from protocol.assignment import assign
@@ -247,3 +247,26 @@ async def test_rewards_reads_only_the_rounds_and_standings_it_shows(storage: Sto
     assert {e["round"] for e in rewards["entries"]} == set(range(rounds - ROUNDS_SHOWN, rounds))
     whole = await storage.rewards()
     assert len(whole.entries) == rounds * len(miner_ids) and len(whole.standings) == len(keys)
+
+
+async def test_a_miner_left_out_of_the_last_round_reads_no_reward(storage: Storage, spec: NetworkSpec,
+                                                                    miner_ids: list[Identity]) -> None:
+    """The own-result gauges follow the last round with miners: a miner rewarded once and then not
+    scored (it missed a commit, or its blob never came) must not go on showing its old reward, or
+    TesseraMinerUnrewarded could never fire for it."""
+    me, other = miner_ids[0], miner_ids[1]
+    row = {"verdict": "accept", "reason": "", "loss": 2.0, "rank": 1, "reward": 1.0}
+    rounds = [RoundView(0, "public", BASE, 3.0, None, None, [{"id": me.node_id, **row}]),
+              RoundView(1, "public", BASE, 3.0, None, None, [{"id": other.node_id, **row}])]
+    views = views_for(storage, spec, me, "miner")
+
+    async def fake_views() -> list[RoundView]:
+        return rounds
+
+    views._views = fake_views  # type: ignore[method-assign]
+    await views.refresh_metrics()
+    text = views.ctx.metrics.render().decode()
+    assert "tessera_miner_reward 0.0" in text and "tessera_miner_rank 0.0" in text
+    rounds[1].miners.append({"id": me.node_id, **row, "reward": 0.25, "rank": 2})
+    await views.refresh_metrics()
+    assert "tessera_miner_reward 0.25" in views.ctx.metrics.render().decode()
