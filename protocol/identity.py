@@ -56,10 +56,42 @@ def public_key_hex(key: Ed25519PublicKey) -> str:
     return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw).hex()
 
 
+# The points of order 1, 2, 4 and 8 by their y coordinate (libsodium's list; p, p + 1 and p - 1 are y's
+# non-canonical spellings of 0, 1 and -1). The x sign bit (the top bit) does not change a point's order.
+_SMALL_ORDER_Y = frozenset(bytes.fromhex(h) for h in (
+    "00" * 32,
+    "01" + "00" * 31,
+    "26e8958fc2b227b045c3f489f2ef98f0d5dfac05d3c63339b13802886d53fc05",
+    "c7176a703d4dd84fba3c0b760d10670f2a2053fa2c39ccc64ec7fd7792ac037a",
+    "ec" + "ff" * 30 + "7f",
+    "ed" + "ff" * 30 + "7f",
+    "ee" + "ff" * 30 + "7f",
+))
+_P = 2**255 - 19
+
+
+def is_weak_key(raw: bytes) -> bool:
+    """True when 32-byte `raw` is a small-order point or a non-canonical encoding (y >= p).
+
+    OpenSSL verifies Ed25519 without the cofactor and accepts such keys: with the identity point as the
+    key and as R, and S = 0, one signature verifies for every message, so anyone could sign as that id.
+    A generated key is never weak.
+    """
+    y = bytes([*raw[:31], raw[31] & 0x7F])
+    return y in _SMALL_ORDER_Y or int.from_bytes(y, "little") >= _P
+
+
 def verify(node_id: str, data: bytes, signature: bytes) -> bool:
-    """True when `signature` is `node_id`'s Ed25519 signature of `data`; never raises."""
+    """True when `signature` is `node_id`'s Ed25519 signature of `data`; never raises.
+
+    A weak key (`is_weak_key`) or a signature whose R is one verifies nothing: such signatures bind no
+    message to a signer.
+    """
     try:
-        key = Ed25519PublicKey.from_public_bytes(bytes.fromhex(node_id))
+        raw = bytes.fromhex(node_id)
+        if len(raw) != 32 or len(signature) != 64 or is_weak_key(raw) or is_weak_key(signature[:32]):
+            return False
+        key = Ed25519PublicKey.from_public_bytes(raw)
         key.verify(signature, data)
     except (ValueError, InvalidSignature):
         return False

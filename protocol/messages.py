@@ -157,6 +157,9 @@ class Envelope(BaseModel):
             msg = cls.model_validate_json(canonical_json({**self.body, "kind": self.kind}))
         except ValidationError as exc:
             raise DecodeError(f"{self.kind} body: {_first_error(exc)}") from exc
+        # One message, one body: a float field takes a JSON integer, so 2 and 2.0 would both decode to it.
+        if canonical_json(msg.model_dump(mode="json", exclude_unset=True, exclude={"kind"})) != canonical_json(self.body):
+            raise DecodeError(f"{self.kind} body: not in canonical form (write every float with a fraction, e.g. 2.0)")
         return msg  # type: ignore[return-value]
 
 

@@ -81,7 +81,10 @@ def median(values: Iterable[float]) -> float:
     mid = len(ordered) // 2
     if len(ordered) % 2:
         return ordered[mid]
-    return (ordered[mid - 1] + ordered[mid]) / 2
+    middle = (ordered[mid - 1] + ordered[mid]) / 2
+    if math.isinf(middle) and math.isfinite(ordered[mid - 1]) and math.isfinite(ordered[mid]):
+        return ordered[mid - 1] / 2 + ordered[mid] / 2  # the sum overflowed; halves first (only then)
+    return middle
 
 
 def rank_points(rank: int, top_k: int) -> float:

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
-from protocol.spec import NetworkSpec
+from protocol.spec import MIN_PHASE_S, NetworkSpec
 
 
 class Phase(StrEnum):
@@ -42,8 +42,8 @@ class Schedule:
 
     def __post_init__(self) -> None:
         for phase, length in zip(PHASES, self.lengths, strict=True):
-            if not (math.isfinite(length) and length > 0):
-                raise ValueError(f"{phase} phase length must be a positive number of seconds, got {length}")
+            if not (math.isfinite(length) and length >= MIN_PHASE_S):
+                raise ValueError(f"{phase} phase length must be at least {MIN_PHASE_S} seconds, got {length}")
         if not (math.isfinite(self.clock_skew_s) and self.clock_skew_s >= 0):
             raise ValueError(f"clock skew must be >= 0 seconds, got {self.clock_skew_s}")
         if not math.isfinite(self.genesis_ts):

@@ -20,10 +20,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from protocol.encoding import canonical_json, sha256_hex
+from protocol.identity import is_weak_key
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v2", "deepseek_v3")
 Family = Literal["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v2", "deepseek_v3"]
 Hex32 = Annotated[str, Field(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")]
+MIN_PHASE_S = 0.001
+"""The shortest phase, in seconds: still thousands of float steps at any timestamp a network lives at. A
+phase near a nanosecond is below a timestamp's resolution (about 2e-7 s near 2026), its window collapses
+and round arithmetic finds no phase at all."""
 
 
 class SpecError(ValueError):
@@ -39,11 +44,11 @@ class _Strict(BaseModel):
 class TimingSpec(_Strict):
     """Phase lengths in seconds; round r starts at genesis + r * round_seconds."""
 
-    train_s: float = Field(gt=0, description="TRAIN: miners train, validators publish seed commits.")
-    commit_s: float = Field(gt=0, description="COMMIT: miners publish commitments.")
-    reveal_s: float = Field(gt=0, description="REVEAL: miners reveal and serve blobs, validators reveal seeds.")
-    evaluate_s: float = Field(gt=0, description="EVALUATE: validators score and publish reports.")
-    merge_s: float = Field(gt=0, description="MERGE: validators combine, reward, aggregate, publish state.")
+    train_s: float = Field(ge=MIN_PHASE_S, description="TRAIN: miners train, validators publish seed commits.")
+    commit_s: float = Field(ge=MIN_PHASE_S, description="COMMIT: miners publish commitments.")
+    reveal_s: float = Field(ge=MIN_PHASE_S, description="REVEAL: miners reveal and serve blobs, validators reveal seeds.")
+    evaluate_s: float = Field(ge=MIN_PHASE_S, description="EVALUATE: validators score and publish reports.")
+    merge_s: float = Field(ge=MIN_PHASE_S, description="MERGE: validators combine, reward, aggregate, publish state.")
     clock_skew_s: float = Field(default=2.0, ge=0, description="Tolerance on every phase boundary.")
 
     @model_validator(mode="after")
@@ -102,6 +107,14 @@ class ValidatorEntry(_Strict):
 
     key: Hex32 = Field(description="Ed25519 public key, hex (the validator's node id).")
     weight: float = Field(default=1.0, gt=0, description="Stake: weight in global-state votes.")
+
+    @field_validator("key")
+    @classmethod
+    def _strong_key(cls, value: str) -> str:
+        if is_weak_key(bytes.fromhex(value)):
+            raise ValueError("not a usable Ed25519 public key (a small-order point or a non-canonical encoding, "
+                             "for which anyone can sign)")
+        return value
 
 
 class RewardSpec(_Strict):
@@ -202,6 +215,12 @@ class NetworkSpec(_Strict):
         keys = [v.key for v in value]
         if len(set(keys)) != len(keys):
             raise ValueError("a validator key appears twice")
+        try:
+            total = math.fsum(v.weight for v in value)
+        except OverflowError:
+            total = math.inf
+        if not math.isfinite(2 * total):  # votes compare twice a hash's backing with the total
+            raise ValueError("the validators' weights add up to more than a float holds")
         return value
 
     @property
@@ -238,10 +257,16 @@ def parse_spec(data: dict[str, object]) -> NetworkSpec:
     """Validate a spec from already-decoded TOML data; raises SpecError naming the field."""
     fixed = dict(data)
     if isinstance(fixed.get("group"), dict):
-        try:
-            fixed["group"] = {int(k): v for k, v in fixed["group"].items()}  # type: ignore[attr-defined]
-        except ValueError as exc:
-            raise SpecError("group: layer keys must be integers, e.g. 0 = [1, 5]") from exc
+        group: dict[int, object] = {}
+        for key, experts in fixed["group"].items():  # type: ignore[attr-defined]
+            try:
+                layer = int(key)
+            except ValueError as exc:
+                raise SpecError("group: layer keys must be integers, e.g. 0 = [1, 5]") from exc
+            if layer in group:
+                raise SpecError(f"group: layer {layer} is given twice, as {key!r} and another spelling")
+            group[layer] = experts
+        fixed["group"] = group
     if isinstance(fixed.get("genesis"), str):
         try:
             fixed["genesis"] = datetime.fromisoformat(fixed["genesis"])  # type: ignore[arg-type]
