@@ -8,22 +8,26 @@ a fixed number of selected experts per layer and reports, in one run:
   AdamW over every parameter, `full`, `compressed`) for the memory and speed ratios, since full
   fine-tuning of the whole shape does not fit one 80 GB GPU;
 - validator seconds per submission (swap the experts in, held-out loss, restore) over a bare forward.
+Every run of one shape starts from the same weights (each weight row drawn from a seed of its name
+and row, so a compressed model's kept experts are the full model's) and trains on the same batches;
+`loss_before_update` is each run's loss on its first batch before any update (the compressed model
+is the pruned one, so its loss differs by the pruning alone).
 Shapes: `olmoe-1b-7b` (16 layers, 64 experts, hidden 2048, expert intermediate 1024, top-8, 8
 selected) and `qwen3-30b-a3b` (48 layers, 128 experts, hidden 2048, intermediate 768, top-8, 4
 selected; only the compressed miner, which is what must fit a 24 GB card). Without CUDA it runs a
 scaled-down shape on the CPU and says so in `device`; memory there is the bytes of weights,
 trainable copies, gradients and AdamW state (not a peak). Imports only torch, transformers and
-training/, so it runs on a GPU machine without the node's other dependencies.
+training/ (and the standard-library bench/report.py), so it runs on a GPU machine without the node's other dependencies.
 Usage: python bench/gpu.py --out FILE.json [--shape olmoe-1b-7b|qwen3-30b-a3b] [--steps N]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -33,6 +37,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.report import emit, out_file  # noqa: E402
 from training.adapters import MoEAdapter, adapter_for, tensor_attr  # noqa: E402
 from training.compressed import CompressedModel, compress  # noqa: E402
 from training.evaluate import heldout_loss, loss_with_experts  # noqa: E402
@@ -64,7 +69,7 @@ CPU_SEQ_LEN, CPU_SELECTED, HELDOUT_SEQUENCES = 256, 2, 4
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="where to write the JSON results")
+    parser.add_argument("--out", type=out_file, required=True, help="where to write the JSON results")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="olmoe-1b-7b")
     parser.add_argument("--steps", type=int, default=4, help="timed optimizer steps per run (one more warms up)")
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing in sparse runs")
@@ -99,11 +104,10 @@ def main() -> int:
         out["slice_compressed_vs_fft_memory"] = slice_compressed[0] / fft[0]
         out["slice_tokens_per_s_ratio"] = slice_compressed[1] / fft[1]
         out.update(bench.validator())
+    out["loss_before_update"] = bench.losses_before_update
     if not cuda:  # timings on a shared CPU say little when it is busy; record how busy it was
         out["cpu_load_average_1min"] = os.getloadavg()[0]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
-    print(json.dumps(out, indent=2, sort_keys=True))
+    emit(dict(sorted(out.items())), args.out)
     return 0
 
 
@@ -113,7 +117,8 @@ class Bench:
     def __init__(self, shape: dict[str, Any], device: torch.device, steps: int, checkpointing: bool) -> None:
         self.shape, self.device, self.steps, self.checkpointing = shape, device, steps, checkpointing
         self.adapter: MoEAdapter = adapter_for(shape["family"])
-        self.gen = torch.Generator().manual_seed(0)
+        self.losses_before_update: dict[str, float] = {}
+        """Each run's loss on its first batch before any update, by run (`compressed_16_layers`, `fft_4_layers`)."""
 
     def sparse(self, forward: Literal["full", "compressed"], layers: int) -> tuple[float, float]:
         """(memory GiB, tokens/s) of sparse training in `forward` mode on the first `layers` layers."""
@@ -129,7 +134,8 @@ class Bench:
         cfg = TrainConfig(steps=self.steps + 2, lr=1e-4, batch_size=1, forward=forward, device=str(self.device),
                           checkpointing=self.checkpointing, pad_id=-1)
         clock = _Clock(self._batches(self.steps + 1))
-        train_experts(target, self.adapter, group, iter(clock), cfg)
+        result = train_experts(target, self.adapter, group, iter(clock), cfg)
+        self.losses_before_update[f"{forward}_{layers}_layers"] = result.losses[0]
         trainable = sum(len(e) for e in group.values()) * _expert_bytes(meta, self.adapter) * 4  # copy, grad, AdamW
         model = target.model if isinstance(target, CompressedModel) else target
         return self._memory(model, trainable), self._tokens_per_s(clock)
@@ -143,6 +149,7 @@ class Bench:
         for ids_BL in clock:
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
                 loss = model(input_ids=ids_BL.to(self.device), labels=ids_BL.to(self.device)).loss
+            self.losses_before_update.setdefault(f"fft_{layers}_layers", float(loss.detach()))
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -174,8 +181,10 @@ class Bench:
         return model
 
     def _batches(self, n: int) -> list[torch.Tensor]:
+        """The first `n` batches of one seeded stream: every run sees the same ones."""
         vocab, length = self.shape["config"]["vocab_size"], self.shape["seq_len"]
-        return [torch.randint(0, vocab, (1, length), generator=self.gen) for _ in range(n)]
+        generator = torch.Generator().manual_seed(0)
+        return [torch.randint(0, vocab, (1, length), generator=generator) for _ in range(n)]
 
     def _reset(self) -> None:
         if self.device.type == "cuda":
@@ -214,14 +223,20 @@ class _Clock:
 
 
 def _materialise(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """Give a meta-device model random weights on `device` (norms 1, biases 0) and fresh rotary buffers."""
+    """Give a meta-device model random weights on `device` (norms 1, biases 0) and fresh rotary buffers.
+
+    Row r of weight `name` is drawn from the seed crc32(f"{name}:{r}"), so every model of a shape gets
+    the same weights, and a compressed model (kept experts first) the rows the full model has for them."""
     model.to_empty(device=device)
+    generator = torch.Generator(device=device)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim == 1:
                 p.fill_(1.0 if "norm" in name else 0.0)
-            else:
-                p.normal_(0.0, 0.02)
+                continue
+            for row, values in enumerate(p):
+                generator.manual_seed(zlib.crc32(f"{name}:{row}".encode()))
+                values.normal_(0.0, 0.02, generator=generator)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.zero_()

@@ -32,7 +32,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.report import emit  # noqa: E402
+from bench.report import emit, out_file  # noqa: E402
 
 OLD_COMMIT = "7069fea"
 OLD_FILES = ("training/__init__.py", "training/model.py", "training/adapters.py", "training/experts.py")
@@ -142,7 +142,7 @@ def main() -> None:
         child(sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else None)
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, help="also write the JSON report here")
+    parser.add_argument("--out", type=out_file, help="also write the JSON report here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="tessera-load-") as tmp:
         directory = Path(tmp) / "checkpoint"

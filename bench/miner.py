@@ -3,6 +3,8 @@
 Each mode runs in its own subprocess (so peak memory is its own): it builds the same Qwen3-MoE
 model (hidden 256, 4 MoE layers of 32 experts, expert intermediate 256, top-4), packs the same
 synthetic arithmetic batches, runs one untimed warm-up step, then times `--steps` steps.
+Both start from the same weights (seed 0) and see the same batches in the same order; the warm-up
+step's loss is each side's loss before any update (`loss_before_update`, equal up to float error).
 - sparse: `training.trainer.train_experts` on 1/8 of the experts of every layer (4 of 32);
 - full:   AdamW over every parameter of the model, the same loss and gradient clipping.
 Reported ratios (sparse / full):
@@ -34,7 +36,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.report import emit  # noqa: E402
+from bench.report import emit, out_file  # noqa: E402
 
 FAMILY = "qwen3_moe"
 OVERRIDES = {
@@ -113,7 +115,7 @@ def _run_sparse(model: Any, adapter: Any, group: dict[int, list[int]], stream: I
     from training.blob import BlobMeta, encode_blob
     from training.trainer import TrainConfig, train_experts
 
-    train_experts(model, adapter, group, stream, TrainConfig(steps=1, lr=LR, batch_size=BATCH))
+    warm_up = train_experts(model, adapter, group, stream, TrainConfig(steps=1, lr=LR, batch_size=BATCH))
     clock = _StepClock(stream)
     result = train_experts(model, adapter, group, clock, TrainConfig(steps=steps, lr=LR, batch_size=BATCH))
     step_s = clock.step_seconds()
@@ -122,7 +124,8 @@ def _run_sparse(model: Any, adapter: Any, group: dict[int, list[int]], stream: I
     expert_bytes = sum(t.numel() * t.element_size() for t in result.tensors.values())
     model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     return step_s, {"blob_bytes": len(blob), "expert_bytes": expert_bytes,
-                    "model_bytes": model_bytes, "first_loss": result.losses[0], "last_loss": result.losses[-1]}
+                    "model_bytes": model_bytes, "loss_before_update": warm_up.losses[0],
+                    "first_loss": result.losses[0], "last_loss": result.losses[-1]}
 
 
 def _run_full(model: Any, stream: Iterator[Any], steps: int) -> tuple[list[tuple[float, float]], dict[str, Any]]:
@@ -137,17 +140,19 @@ def _run_full(model: Any, stream: Iterator[Any], steps: int) -> tuple[list[tuple
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
-    step(next(stream))
+    before = step(next(stream))
     clock = _StepClock(stream)
     losses = [step(ids) for _, ids in zip(range(steps), clock, strict=False)]
-    return clock.step_seconds(), {"first_loss": losses[0], "last_loss": losses[-1]}
+    return clock.step_seconds(), {"loss_before_update": before, "first_loss": losses[0], "last_loss": losses[-1]}
 
 
 def _spawn(mode: str, steps: int) -> dict[str, Any]:
     out = subprocess.run([sys.executable, __file__, "--worker", mode, "--steps", str(steps)],
-                         capture_output=True, text=True, check=True, cwd=ROOT)
+                         capture_output=True, text=True, check=False, cwd=ROOT)
+    if out.returncode != 0:
+        raise RuntimeError(f"the {mode} worker failed:\n{out.stderr[-2000:]}")
     report: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return report
 
@@ -155,9 +160,11 @@ def _spawn(mode: str, steps: int) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out", type=out_file)
     parser.add_argument("--worker", choices=("sparse", "full"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1, got {args.steps}")
     if args.worker:
         print(json.dumps(_worker(args.worker, args.steps)))
         return 0
@@ -180,6 +187,7 @@ def main() -> int:
         "payload_bytes": sparse["blob_bytes"], "selected_expert_bytes": sparse["expert_bytes"],
         "blob_header_bytes": header, "full_model_bytes": sparse["model_bytes"],
         "payload_is_experts_plus_header": 0 < header <= 8 + (1 << 20),
+        "loss_before_update": {"sparse": sparse["loss_before_update"], "full": full["loss_before_update"]},
         "sparse": sparse, "full": full,
     }
     emit(report, args.out)

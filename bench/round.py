@@ -24,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.report import emit  # noqa: E402
+from bench.report import emit, out_file  # noqa: E402
 from node.sim.process import SimSettings  # noqa: E402
 from node.sim.run import Simulation  # noqa: E402
 from protocol.rounds import PHASES  # noqa: E402
@@ -71,8 +71,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2, help="rounds to measure (default 2)")
     parser.add_argument("--round-seconds", type=float, default=80.0, help="round length (default 80)")
     parser.add_argument("--train-share", type=float, default=0.9, help="TRAIN's share of a round (default 0.9)")
-    parser.add_argument("--out", type=Path, help="write the JSON here (default: stdout only)")
+    parser.add_argument("--out", type=out_file, help="write the JSON here (default: stdout only)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     result = measure(args.rounds, SimSettings(round_seconds=args.round_seconds, train_share=args.train_share))
     emit(result, args.out)
     return 0

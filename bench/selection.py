@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.report import emit  # noqa: E402
+from bench.report import emit, out_file  # noqa: E402
 
 FAMILY = "qwen3_moe"
 SEQ_LEN = 64
@@ -36,7 +36,7 @@ def main() -> int:
     parser.add_argument("--top-d", type=int, default=2, help="experts per layer in the selected group")
     parser.add_argument("--heldout", type=int, default=48, help="held-out sequences of SEQ_LEN tokens")
     parser.add_argument("--seeds", type=int, default=3, help="random selections per keep fraction")
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out", type=out_file)
     args = parser.parse_args()
 
     import torch

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.report import emit  # noqa: E402
+from bench.report import emit, out_file  # noqa: E402
 from node.sim.peer import PeerProcess  # noqa: E402
 from node.store.blobs import BlobStore  # noqa: E402
 from protocol.identity import Identity  # noqa: E402
@@ -171,11 +171,13 @@ def gossip_latency(root: Path, spec: Path, messages: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--out", required=True, type=out_file)
     parser.add_argument("--size-mb", type=int, default=64)
     parser.add_argument("--messages", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=5, help="blob transfers per path; the best counts")
     args = parser.parse_args()
+    if min(args.size_mb, args.messages, args.repeats) < 1:
+        parser.error("--size-mb, --messages and --repeats must be at least 1")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         spec = write_spec(root)

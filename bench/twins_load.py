@@ -36,7 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tests.node.twins as twins  # noqa: E402
-from bench.report import emit  # noqa: E402
+from bench.report import emit, out_file  # noqa: E402
 from protocol.rounds import PHASES, Phase  # noqa: E402
 from validator.scoring import Scorer  # noqa: E402
 
@@ -150,8 +150,10 @@ def main() -> None:
     parser.add_argument("--validators", type=int, default=3)
     parser.add_argument("--miners", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--out", type=out_file, default=None)
     args = parser.parse_args()
+    if min(args.validators, args.miners, args.rounds) < 1:
+        parser.error("--validators, --miners and --rounds must be at least 1")
     logging.basicConfig(level=logging.ERROR)
     twins.WAIT_S = WAIT_S
     before = rss_mib()

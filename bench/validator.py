@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.miner import FAMILY, OVERRIDES, SELECTED_PER_LAYER, SEQ_LEN  # noqa: E402  (the same model)
-from bench.report import emit  # noqa: E402
+from bench.report import emit, out_file  # noqa: E402
 
 EVAL_BATCH = 16
 
@@ -30,8 +30,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--sequences", type=int, default=32)
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out", type=out_file)
     args = parser.parse_args()
+    if args.repeats < 1 or args.sequences < 1:
+        parser.error(f"--repeats and --sequences must be at least 1, got {args.repeats} and {args.sequences}")
 
     import torch
 
