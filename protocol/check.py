@@ -83,8 +83,14 @@ def window(kind: str, r: int, schedule: Schedule) -> tuple[float, float]:
         return schedule.phase_window(r, Phase.TRAIN)
     if kind == "commit":
         return schedule.phase_window(r, Phase.COMMIT)
-    if kind in ("reveal", "seed_reveal"):
+    if kind == "reveal":
         return schedule.phase_window(r, Phase.REVEAL)
+    if kind == "seed_reveal":
+        # 2 x skew into REVEAL every node whose clock is within the skew of the revealer's has closed its
+        # commit window, so no miner can see a seed and still commit. A skew over a quarter of REVEAL
+        # cannot keep that (seeds then open halfway through REVEAL); spec presets and simulations keep it.
+        start, end = schedule.phase_window(r, Phase.REVEAL)
+        return start + min(2 * schedule.clock_skew_s, (end - start) / 2), end
     if kind == "score_report":
         return schedule.phase_window(r, Phase.EVALUATE)[0], schedule.phase_window(r, Phase.MERGE)[1]
     if kind == "global_state":

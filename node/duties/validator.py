@@ -41,6 +41,7 @@ from node.duties.results import leaderboard, learn_results
 from node.net.network import NetworkError, PublishRefused
 from node.runtime.daemon import BuiltOnce, HeartbeatDuties, NodeContext
 from node.store.records import Proposal, RewardRecord, RoundPlan
+from protocol.check import window
 from protocol.messages import (
     Envelope,
     GlobalState,
@@ -153,6 +154,12 @@ class ValidatorDuties:
             await self._publish(SeedCommit(round=round, commitment=commitment(seed)))
 
     async def _reveal_seed(self, round: int) -> None:
+        """Reveal our seed of `round` when its window opens, 2 x clock_skew_s into REVEAL: until then some node
+        whose clock is behind ours may still take a commit, and a miner that saw the seed could choose its
+        commit by it."""
+        opens = window("seed_reveal", round, self.ctx.schedule)[0]
+        while self.ctx.clock.now() < opens:
+            await self.ctx.clock.sleep_until(opens)
         seed = await self.ctx.storage.own_seed(round)
         mine = [s for s in await self.ctx.storage.seeds_for(round) if s.validator == self.me]
         if seed is not None and mine and mine[0].commitment and not mine[0].seed:

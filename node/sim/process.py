@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from node.runtime.config import MinerSection
-from protocol.spec import judge_settings
+from protocol.spec import TimingSpec, judge_settings
 
 # The simulation adversaries are every `miner.behaviour` but "honest".
 ADVERSARY_KINDS: tuple[str, ...] = tuple(
@@ -29,6 +29,7 @@ ADVERSARY_KINDS: tuple[str, ...] = tuple(
 # How the time after TRAIN is split between the other phases.
 AFTER_TRAIN_SHARES = {"commit_s": 0.2, "reveal_s": 0.33, "evaluate_s": 0.3, "merge_s": 0.17}
 MIN_AFTER_TRAIN_S = 6.0
+DEFAULT_SKEW_S: float = TimingSpec.model_fields["clock_skew_s"].default
 MAX_START_DELAY_S = 86400.0
 MAX_VALIDATORS = 64  # a simulation runs on one machine; every validator's key goes into the spec
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,7 +110,9 @@ class SimSettings:
     def timing(self) -> dict[str, float]:
         rest = (1 - self.train_share) * self.round_seconds
         timing = {"train_s": round(self.train_share * self.round_seconds, 3)}
-        return timing | {name: round(share * rest, 3) for name, share in AFTER_TRAIN_SHARES.items()}
+        timing |= {name: round(share * rest, 3) for name, share in AFTER_TRAIN_SHARES.items()}
+        # The spec's default skew, unless REVEAL is too short for seeds to wait 2 x skew (protocol.check.window)
+        return timing | {"clock_skew_s": min(DEFAULT_SKEW_S, round(timing["reveal_s"] / 4, 3))}
 
     def miner_kinds(self) -> list[str]:
         return ["honest"] * (self.miners - len(self.adversaries)) + list(self.adversaries)

@@ -31,7 +31,7 @@ from node.store.blobs import BlobStore
 from protocol.identity import save_identity
 from protocol.rounds import PHASES, Phase, Schedule
 from protocol.spec import apply_settings, load_spec
-from tests.node.twins import write_network
+from tests.node.twins import phase_done, write_network
 from training.blob import decode_header
 from training.data import file_sha256
 from validator.state import GlobalExperts
@@ -83,7 +83,7 @@ class Net:
 
     async def phase(self, r: int, phase: Phase) -> None:
         """Move the clock to the start of `phase` and wait until every node ran it and took in its gossip."""
-        self.clock.set(max(self.clock.now(), self.schedule.phase_window(r, phase)[0]))
+        self.clock.set(max(self.clock.now(), phase_done(self.schedule, r, phase)))
         await until(lambda: all(any((run.round, run.phase) == (r, str(phase)) for run in n.scheduler.runs)
                                 for n in self.nodes.values()), f"round {r} {phase}")
         await until(lambda: all(n.gossip_idle for n in self.nodes.values()), "gossip to be consumed")

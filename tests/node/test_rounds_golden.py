@@ -34,7 +34,7 @@ from node.store.blobs import BlobStore
 from protocol.identity import save_identity
 from protocol.rounds import PHASES, Phase, Schedule
 from protocol.spec import load_spec
-from tests.node.twins import WAIT_S, identity, until, write_network
+from tests.node.twins import WAIT_S, identity, phase_done, until, write_network
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -75,7 +75,7 @@ async def _run(tmp_path: Path) -> dict[str, Any]:
     try:
         for r in range(ROUNDS):
             for phase in PHASES:
-                clock.set(schedule.phase_window(r, phase)[0])
+                clock.set(phase_done(schedule, r, phase))
                 await until(lambda r=r, phase=phase: all(  # type: ignore[misc]
                     any((run.round, run.phase) == (r, str(phase)) for run in n.scheduler.runs) for n in nodes.values()),
                     f"round {r} {phase}")

@@ -25,6 +25,7 @@ from node.runtime.config import NodeConfig
 from node.runtime.daemon import Node
 from node.sim.adversaries import miner_factory
 from node.store.blobs import BlobStore
+from protocol.check import window
 from protocol.identity import Identity, save_identity
 from protocol.rounds import PHASES, Phase, Schedule
 from protocol.spec import load_spec
@@ -101,6 +102,14 @@ momentum = 0.5
     return root / "spec.toml"
 
 
+def phase_done(schedule: Schedule, r: int, phase: Phase) -> float:
+    """The earliest time every node can have finished its handler of `phase`: its start, or for REVEAL
+    the opening of the seed_reveal window, which validators wait for."""
+    if phase is Phase.REVEAL:
+        return window("seed_reveal", r, schedule)[0]
+    return schedule.phase_window(r, phase)[0]
+
+
 async def until(condition: Callable[[], bool], what: str) -> None:
     deadline = time.monotonic() + WAIT_S
     while not condition():
@@ -159,7 +168,8 @@ class Twins:
     async def phase(self, r: int, phase: Phase, after_s: float = 0.0) -> None:
         """Move the clock to `after_s` past the start of `phase` and wait until every node ran it and
         took in its gossip."""
-        self.clock.set(max(self.clock.now(), self.schedule.phase_window(r, phase)[0] + after_s))
+        start = self.schedule.phase_window(r, phase)[0]
+        self.clock.set(max(self.clock.now(), start + after_s, phase_done(self.schedule, r, phase)))
         await self.ran(r, phase)
 
     async def ran(self, r: int, phase: Phase) -> None:

@@ -45,16 +45,6 @@ def make_message(kind: str, r: int = R) -> Message:
 
 
 KINDS = ["seed_commit", "seed_reveal", "commit", "reveal", "score_report", "global_state", "heartbeat"]
-# A time inside each kind's window for round R: (phase, offset into it) -> checked below.
-ON_TIME = {
-    "seed_commit": (R, Phase.TRAIN),
-    "seed_reveal": (R, Phase.REVEAL),
-    "commit": (R, Phase.COMMIT),
-    "reveal": (R, Phase.REVEAL),
-    "score_report": (R, Phase.MERGE),
-    "global_state": (R + 1, Phase.TRAIN),
-    "heartbeat": (R, Phase.EVALUATE),
-}
 
 
 @pytest.fixture
@@ -81,7 +71,7 @@ def sender_for(kind: str, validator_ids: list[Identity], miner_ids: list[Identit
 @pytest.mark.parametrize("kind", KINDS)
 def test_on_time_is_accepted(kind, spec, schedule, ctx_at, validator_ids, miner_ids) -> None:
     env = seal(make_message(kind), spec.network_id, sender_for(kind, validator_ids, miner_ids))
-    start, end = schedule.phase_window(*ON_TIME[kind])
+    start, end = window(kind, R, schedule)
     for now in (start, (start + end) / 2, end - 0.01):
         result = check(env, ctx_at(now))
         assert result.verdict is Verdict.ACCEPT, now
@@ -109,6 +99,9 @@ def test_outside_window_is_rejected(kind, spec, schedule, ctx_at, validator_ids,
 
 def test_windows_of_each_kind(schedule: Schedule) -> None:
     assert window("commit", R, schedule) == schedule.phase_window(R, Phase.COMMIT)
+    reveal = schedule.phase_window(R, Phase.REVEAL)
+    assert window("reveal", R, schedule) == reveal
+    assert window("seed_reveal", R, schedule) == (reveal[0] + 2 * schedule.clock_skew_s, reveal[1])
     assert window("score_report", R, schedule) == (
         schedule.phase_window(R, Phase.EVALUATE)[0],
         schedule.round_start(R + 1),
@@ -117,6 +110,31 @@ def test_windows_of_each_kind(schedule: Schedule) -> None:
         schedule.phase_window(R, Phase.MERGE)[0],
         schedule.phase_window(R + 1, Phase.TRAIN)[1],
     )
+
+
+@pytest.mark.parametrize("offset", [-1.0, -0.5, 0.0, 0.5, 1.0])
+def test_a_seed_is_on_time_only_where_no_commit_of_its_round_is(offset, spec, schedule, ctx_at, validator_ids,
+                                                                 miner_ids) -> None:
+    """The round seed is unknown to every miner until commits close: a validator reveals when the
+    seed_reveal window opens by its clock, and a node whose clock is off by up to the skew then takes
+    no commit of the round; nor does any node that takes the seed itself. (This spec's skew is 1 s.)"""
+    skew = schedule.clock_skew_s
+    seed = seal(make_message("seed_reveal"), spec.network_id, validator_ids[0])
+    commit = seal(make_message("commit"), spec.network_id, miner_ids[0])
+    revealed_at = window("seed_reveal", R, schedule)[0]
+    late = check(commit, ctx_at(revealed_at + offset * skew))
+    assert (late.verdict, late.reason) == (Verdict.REJECT, "outside commit window")
+    earliest = revealed_at - skew  # the first moment any node takes the seed
+    assert check(seed, ctx_at(earliest)).verdict is Verdict.ACCEPT
+    assert check(seed, ctx_at(earliest - 0.01)).verdict is Verdict.REJECT
+    assert check(commit, ctx_at(earliest)).verdict is Verdict.REJECT
+
+
+def test_a_spec_whose_skew_outgrows_reveal_opens_seeds_halfway_through_it(spec: NetworkSpec) -> None:
+    wide = Schedule.from_spec(spec.model_copy(update={"timing": spec.timing.model_copy(
+        update={"clock_skew_s": spec.timing.reveal_s})}))
+    start, end = wide.phase_window(R, Phase.REVEAL)
+    assert window("seed_reveal", R, wide) == ((start + end) / 2, end)
 
 
 def test_old_round_is_ignored(spec, schedule, ctx_at, miner_ids) -> None:
@@ -170,7 +188,7 @@ def test_wrong_network_is_rejected(spec, schedule, ctx_at, miner_ids) -> None:
 @pytest.mark.parametrize("kind", ["seed_commit", "seed_reveal", "score_report", "global_state"])
 def test_validator_kinds_from_non_validator_rejected(kind, spec, ctx_at, schedule, miner_ids) -> None:
     env = seal(make_message(kind), spec.network_id, miner_ids[0])
-    result = check(env, ctx_at(schedule.phase_window(*ON_TIME[kind])[0]))
+    result = check(env, ctx_at(window(kind, R, schedule)[0]))
     assert (result.verdict, result.reason) == (Verdict.REJECT, "not a validator")
 
 

@@ -1,0 +1,34 @@
+"""A validator reveals its round seed only when the seed_reveal window opens, 2 x clock_skew_s into
+REVEAL: before that a node whose clock is behind by the skew still takes commits, and a miner that saw
+the seed could choose what to commit by it (protocol.check.window)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from protocol.check import window
+from protocol.rounds import Phase
+from tests.node.twins import Twins, until
+
+
+async def test_a_validator_reveals_its_seed_only_once_no_node_takes_a_commit(tmp_path: Path) -> None:
+    net = Twins(tmp_path, validators=1)
+    await net.start("validator-0")
+    await net.start("miner-0")
+    try:
+        for phase in (Phase.TRAIN, Phase.COMMIT):
+            await net.phase(0, phase)
+        validator = net.nodes["validator-0"]
+        reveal_start = net.schedule.phase_window(0, Phase.REVEAL)[0]
+        opens = window("seed_reveal", 0, net.schedule)[0]
+        assert opens == reveal_start + 2 * net.spec.timing.clock_skew_s
+        net.clock.set(reveal_start + 0.5 * (opens - reveal_start))
+        await until(
+            lambda: validator.scheduler.current == (0, Phase.REVEAL), "the validator to enter REVEAL")
+        await asyncio.sleep(0.2)  # what it would publish at once has had time to be stored
+        assert [s.seed for s in await validator.ctx.storage.seeds_for(0)] == [None]
+        await net.phase(0, Phase.REVEAL)  # the window opens
+        assert all(s.seed for s in await validator.ctx.storage.seeds_for(0))
+    finally:
+        await net.close()
