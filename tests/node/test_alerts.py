@@ -47,7 +47,8 @@ def test_counter_alerts_fire_on_a_series_born_at_one() -> None:
 
 
 def test_validators_disagree_only_below_two_thirds() -> None:
-    match = re.fullmatch(r"tessera_validator_agreement < (\d+)/(\d+)|tessera_validator_agreement < ([\d.]+)",
+    match = re.fullmatch(r"tessera_validator_agreement < (?:(\d+)/(\d+)|([\d.]+))"
+                         r"(?: and tessera_validator_agreement > 0)?",  # 0: a node that has seen no votes
                          alert_exprs()["TesseraValidatorsDisagree"])
     assert match, "TesseraValidatorsDisagree should compare the agreement share with a constant"
     threshold = int(match[1]) / int(match[2]) if match[1] else float(match[3])
