@@ -43,7 +43,7 @@ TARGET_DOMAINS = ("arithmetic", "records", "facts")
 FORMS = {"arithmetic": "tallies", "records": "ledgers", "facts": "gazette"}
 """Each target domain's form without its content (training.corpus): what a base that knows the form reads."""
 _RECIPE = "tessera-pretrain/1"
-"""Bump when the training recipe below changes, so old cache entries are not reused."""
+"""Bump when the training recipe below changes (the tiny config and the corpus are in the key already)."""
 
 
 @dataclass(frozen=True)
@@ -77,8 +77,13 @@ class PretrainConfig:
             raise ValueError(f"pretrain domains must be a non-empty subset of {', '.join(DOMAINS)}")
 
     def key(self) -> str:
-        """16 hex digits of SHA-256 over the recipe tag and these settings: the cache entry's name."""
-        settings = json.dumps({"recipe": _RECIPE, **asdict(self)}, sort_keys=True)
+        """16 hex digits of SHA-256 over the recipe tag, these settings, the family's tiny config and the corpus
+        itself: the cache entry's name, so a change to `training.model`'s tiny config or to `training.corpus`'s
+        documents makes a new entry rather than reusing a base trained on the old ones."""
+        corpus = hashlib.sha256(json.dumps(general_corpus(self)).encode("utf-8")).hexdigest()
+        settings = json.dumps(
+            {"recipe": _RECIPE, **asdict(self), "model": tiny_config(self.family), "corpus": corpus}, sort_keys=True
+        )
         return hashlib.sha256(settings.encode("utf-8")).hexdigest()[:16]
 
 

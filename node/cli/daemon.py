@@ -7,6 +7,7 @@ stays fast. This module only turns arguments into calls on node.runtime.config a
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import logging
 import math
@@ -47,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def run_init(args: argparse.Namespace) -> int:
     """Judge everything first (spec, held-out file, the config as written, an existing key), then write."""
-    from node.cli.common import write_atomically
+    from node.cli.common import write_new_file
     from node.runtime.config import parse_config, render_config
     from protocol.identity import load_identity, load_or_create_identity
     from protocol.spec import load_spec
@@ -78,7 +79,7 @@ def run_init(args: argparse.Namespace) -> int:
         load_identity(config.node.key)  # a key already there must be usable before the config points at it
     directory.mkdir(parents=True, exist_ok=True)
     identity = load_or_create_identity(config.node.key)
-    write_atomically(config_path, text)
+    write_new_file(config_path, text.encode("utf-8"), "node config")  # another `tessera init` may have run
     print(f"{config_path}\t{identity.node_id}")
     return 0
 
@@ -115,16 +116,22 @@ def run_status(args: argparse.Namespace) -> int:
     else:
         from node.runtime.config import load_config
 
-        http = load_config(args.config).http
-        if not http.enabled:
+        api = load_config(args.config).http
+        if not api.enabled:
             raise ValueError(f"{args.config}: http.enabled is false; the node serves no status")
-        host = "127.0.0.1" if http.host in ("0.0.0.0", "") else http.host
-        url = f"http://{host}:{http.port}"
+        host = "127.0.0.1" if api.host in ("0.0.0.0", "") else api.host
+        url = f"http://{host}:{api.port}"
     try:
         with urllib.request.urlopen(f"{url}/status", timeout=args.timeout) as response:
-            status = json.load(response)
-    except (urllib.error.URLError, OSError, ValueError) as exc:
+            body = response.read()
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
         raise ValueError(f"{url}/status: no answer from the node ({exc})") from exc
+    try:
+        status = json.loads(body)
+    except ValueError:
+        status = None
+    if not isinstance(status, dict):
+        raise ValueError(f"{url}/status: the answer is not a node's status (a JSON object); is a Tessera node there?")
     print(json.dumps(status, indent=2, sort_keys=True))
     return 0
 

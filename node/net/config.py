@@ -8,6 +8,8 @@ does not import libp2p. This module knows nothing about sockets, messages or the
 
 from __future__ import annotations
 
+import ipaddress
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
@@ -71,6 +73,15 @@ class P2PConfig(BaseModel):
                 f"({self.blob_min_rate_bytes_s:g}): fetchers abort transfers that slow; raise it, or set 0 for no cap"
             )
         return self
+
+    @field_validator("host")
+    @classmethod
+    def _ipv4(cls, value: str) -> str:
+        try:
+            ipaddress.IPv4Address(value)  # the host listens on /ip4/<host>/tcp/<port>
+        except ValueError:
+            raise ValueError(f"{value!r} is not an IPv4 address like 127.0.0.1 or 0.0.0.0") from None
+        return value
 
     @field_validator("bootstrap")
     @classmethod

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 import os
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -132,6 +134,10 @@ def test_bootstrap_refuses_bad_input_with_one_line_and_no_key_written(
     assert code == 2 and capsys.readouterr().err == (
         "tessera: error: --port: Input should be less than or equal to 65535\n")
     assert not (tmp_path / "k").exists()
+    code = main(["bootstrap", "--spec", spec, "--key", str(tmp_path / "k"), "--host", "nohost"])
+    assert code == 2 and capsys.readouterr().err == (
+        "tessera: error: --host: 'nohost' is not an IPv4 address like 127.0.0.1 or 0.0.0.0\n")
+    assert not (tmp_path / "k").exists()  # refused before the key was written
 
 
 def test_the_bootstrap_command_is_not_the_test_harness() -> None:
@@ -140,3 +146,60 @@ def test_the_bootstrap_command_is_not_the_test_harness() -> None:
     probe = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert probe.stdout.strip() == "False", probe.stderr
     assert "node.sim.peer" not in (ROOT / "node" / "cli" / "bootstrap.py").read_text()
+
+
+@pytest.mark.parametrize(
+    ("answer", "reason"),
+    [
+        (b"SSH-2.0-OpenSSH_9.6\r\n", "no answer from the node"),  # not HTTP at all
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{", "no answer from the node"),  # cut short
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n[1,2]", "not a node's status"),  # JSON, not a status
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", "not a node's status"),
+    ],
+)
+def test_status_against_something_that_answers_garbage_is_one_line_and_exit_2(
+    answer: bytes, reason: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        def reply() -> None:
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(answer)
+
+        thread = threading.Thread(target=reply, daemon=True)
+        thread.start()
+        code = main(["status", "--url", f"http://127.0.0.1:{server.getsockname()[1]}", "--timeout", "5"])
+        thread.join(5)
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == "" and reason in captured.err, captured
+    assert captured.err.startswith("tessera: error: ") and captured.err.count("\n") == 1
+
+
+def test_status_with_a_url_it_cannot_use_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    for url in ("http://127.0.0.1:abc", "http://exa mple.com"):
+        assert main(["status", "--url", url, "--timeout", "1"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"tessera: error: {url}/status: ") and err.count("\n") == 1, err
+
+
+def test_init_never_overwrites_a_config_that_appeared_while_it_ran(
+    write_spec, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import protocol.identity
+
+    spec, node_dir = str(write_spec()), tmp_path / "node"
+    config_path = node_dir / "node.toml"
+    create = protocol.identity.load_or_create_identity
+
+    def racing_init(path: Path) -> protocol.identity.Identity:  # another `tessera init` wrote its config meanwhile
+        config_path.write_text("# the other node's config\n", encoding="utf-8")
+        return create(path)
+
+    monkeypatch.setattr(protocol.identity, "load_or_create_identity", racing_init)
+    assert main(["init", "--role", "miner", "--spec", spec, "--dir", str(node_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tessera: error: node config {config_path}: ") and "not overwritten" in err
+    assert err.count("\n") == 1
+    assert config_path.read_text(encoding="utf-8") == "# the other node's config\n"
+    assert sorted(p.name for p in node_dir.iterdir()) == ["node.key", "node.toml"]  # no temporary file left

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
+import training.corpus as corpus_module
+import training.model as model_module
 import training.pretrain as pretrain_module
 from training.data import pack
 from training.evaluate import heldout_loss
@@ -46,6 +49,21 @@ def test_the_cache_is_keyed_by_the_settings_and_reused(tmp_path: Path, monkeypat
     assert pretrained_base(tmp_path, QUICK) == path
     assert PretrainConfig(steps=31, batch_size=4, docs_per_domain=40).key() != QUICK.key()
     assert PretrainConfig(family="mixtral").key() != PretrainConfig().key()
+
+
+def test_a_base_trained_on_another_tiny_config_or_corpus_is_not_reused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, key = pretrained_base(tmp_path, QUICK), QUICK.key()
+    with monkeypatch.context() as patch:  # training.model's tiny config changed: smaller experts
+        patch.setitem(model_module._TINY, QUICK.family, {**tiny_config(QUICK.family), "moe_intermediate_size": 16})
+        assert QUICK.key() != key
+        smaller = pretrained_base(tmp_path, QUICK)
+        assert smaller != path and json.loads((smaller / "config.json").read_text())["moe_intermediate_size"] == 16
+    with monkeypatch.context() as patch:  # training.corpus's prose changed
+        patch.setitem(corpus_module._GENERATORS, "prose", lambda rng: f"a different sentence {rng.randint(0, 9)}.")
+        assert QUICK.key() != key
+    assert QUICK.key() == key and pretrained_base(tmp_path, QUICK) == path
 
 
 def test_each_target_domain_has_a_base_that_never_saw_it() -> None:
