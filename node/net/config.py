@@ -18,7 +18,7 @@ class P2PConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    host: str = Field(default="127.0.0.1", description="Listen IP; 0.0.0.0 accepts peers from other hosts.")
+    host: str = Field(default="127.0.0.1", description="Listen IPv4 address; 0.0.0.0 accepts peers from other hosts.")
     port: int = Field(default=4001, ge=0, le=65535, description="Listen TCP port; 0 picks a free one.")
     bootstrap: tuple[str, ...] = Field(
         default=(), description="Bootstrap multiaddrs ending in /p2p/<peer id> (give several); redialled forever."
