@@ -99,7 +99,8 @@ def verify(node_id: str, data: bytes, signature: bytes) -> bool:
 
 
 def save_identity(identity: Identity, path: str | Path) -> None:
-    """Write the key as PKCS#8 PEM with mode 0600, atomically; refuses to overwrite."""
+    """Write the key as PKCS#8 PEM with mode 0600, atomically; refuses to overwrite, also a key another
+    process wrote while this one ran (the file is linked into place, never renamed over it)."""
     path = Path(path)
     if path.is_dir():
         raise KeyFileError(f"{path}: is a directory; give the key file's path")
@@ -119,7 +120,11 @@ def save_identity(identity: Identity, path: str | Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
+        os.link(tmp, path)
+        tmp.unlink()
+    except FileExistsError:
+        tmp.unlink(missing_ok=True)
+        raise KeyFileError(f"{path}: a key file appeared there while this ran; refusing to overwrite it") from None
     except OSError as exc:
         with contextlib.suppress(OSError):  # the temporary file may never have been created
             tmp.unlink()
@@ -154,5 +159,9 @@ def load_or_create_identity(path: str | Path) -> Identity:
     """Load the node's key, creating it on first start."""
     path = Path(path)
     if not path.exists():
-        save_identity(Identity.generate(), path)
+        try:
+            save_identity(Identity.generate(), path)
+        except KeyFileError:
+            if not path.is_file():
+                raise  # else another process created it meanwhile: this node uses that key
     return load_identity(path)

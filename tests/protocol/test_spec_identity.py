@@ -148,6 +148,33 @@ def test_key_file_errors(tmp_path) -> None:
         load_identity(locked)
 
 
+def test_a_key_written_by_another_process_meanwhile_is_kept_and_used(tmp_path, monkeypatch) -> None:
+    """Two `tessera init` runs on one directory: the one that finishes second must neither replace the
+    first one's key (whose node id it printed) nor use another."""
+    path = tmp_path / "node.key"
+    other = Identity.from_seed(bytes(32))
+    fsync = os.fsync
+
+    def racing_fsync(fd: int) -> None:  # the other process saves its key between our check and our write
+        fsync(fd)
+        if not raced:  # (its own temporary file would be named by its own pid)
+            raced.append(True)
+            path.write_bytes(other.private_key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+            path.chmod(0o600)
+
+    raced: list[bool] = []
+
+    monkeypatch.setattr(os, "fsync", racing_fsync)
+    with pytest.raises(KeyFileError, match="appeared there while this ran; refusing to overwrite"):
+        save_identity(Identity.generate(), path)
+    assert load_identity(path).node_id == other.node_id
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["node.key"]  # no temporary file left
+    path.unlink()
+    raced.clear()  # the same race on a node's first start: it uses the key that won
+    assert load_or_create_identity(path).node_id == other.node_id
+
+
 def test_load_or_create_is_stable(tmp_path) -> None:
     path = tmp_path / "node.key"
     first = load_or_create_identity(path)
