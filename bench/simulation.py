@@ -59,7 +59,7 @@ from node.store.blobs import BlobStore  # noqa: E402
 from node.store.db import Storage  # noqa: E402
 from protocol.spec import load_spec  # noqa: E402
 from training.blob import decode_blob  # noqa: E402
-from training.data import heldout_subset, load_sequences  # noqa: E402
+from training.data import heldout_subset, load_sequences, not_padding  # noqa: E402
 from training.evaluate import heldout_loss, token_loss_sum  # noqa: E402
 from training.experts import extract, insert  # noqa: E402
 from training.model import load_base  # noqa: E402
@@ -189,7 +189,7 @@ def sequence_losses(model: torch.nn.Module, sequences_NL: torch.Tensor, pad_id: 
     """Per sequence: summed next-token loss (float64) and scored-token count, by `training.evaluate`'s own sum."""
     model.eval()
     sums = [float(token_loss_sum(model, ids_1L, pad_id)) for ids_1L in torch.split(sequences_NL, 1)]
-    counts = (sequences_NL[:, 1:] != pad_id).sum(1)
+    counts = not_padding(sequences_NL, pad_id)[:, 1:].sum(1)
     return torch.tensor(sums, dtype=torch.float64), counts
 
 

@@ -43,6 +43,10 @@ def run_spec_check(args: argparse.Namespace) -> int:
     from protocol.spec import load_spec, spec_dir_path
 
     spec = load_spec(args.file)
+    if spec.timing.clock_skew_s > spec.timing.reveal_s / 4:  # protocol.check.window: seeds open at most halfway
+        print(f"tessera: warning: timing.clock_skew_s ({spec.timing.clock_skew_s}) is over a quarter of "
+              f"timing.reveal_s ({spec.timing.reveal_s}): a miner could see the round seed while nodes still take "
+              "its commit; lengthen REVEAL or narrow the skew", file=sys.stderr)
     source = spec_dir_path(args.file, spec.model.config or f"{spec.model.checkpoint}/config.json")
     if source.is_file():
         from node.cli.inspect import meta_base

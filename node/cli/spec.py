@@ -44,7 +44,8 @@ TIMING_PRESETS: dict[str, dict[str, float]] = {
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add `spec new` and `spec hash-model` to the `tessera spec` group."""
     spec = command_group(subparsers, "spec", "work with network spec files")
-    hash_model = spec.add_parser("hash-model", help="print a checkpoint directory's base hash")
+    hash_model = spec.add_parser("hash-model", help="print a checkpoint directory's base hash (or, with --config, "
+                                 "its config.json's)")
     hash_model.add_argument("directory", type=Path, metavar="DIR", help="HF checkpoint directory")
     hash_model.add_argument("--config", action="store_true",
                             help="print the hash of its config.json (a spec's model.config_sha256) instead")

@@ -169,7 +169,7 @@ class StatusViews:
                          [rows[m] for m in sorted(rows)])
 
     async def _recent_states(self) -> list[GlobalStateRecord]:
-        """The global states of the last ROUNDS_SHOWN rounds up to the clock's, oldest first.
+        """The global states of the clock's round and the ROUNDS_SHOWN before it, oldest first.
 
         Storage keeps every state ever announced, so reading them all would grow with the network's age."""
         now, schedule = self.ctx.clock.now(), self.ctx.schedule

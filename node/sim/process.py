@@ -112,7 +112,7 @@ class SimSettings:
         timing = {"train_s": round(self.train_share * self.round_seconds, 3)}
         timing |= {name: round(share * rest, 3) for name, share in AFTER_TRAIN_SHARES.items()}
         # The spec's default skew, unless REVEAL is too short for seeds to wait 2 x skew (protocol.check.window)
-        return timing | {"clock_skew_s": min(DEFAULT_SKEW_S, round(timing["reveal_s"] / 4, 3))}
+        return timing | {"clock_skew_s": min(DEFAULT_SKEW_S, math.floor(timing["reveal_s"] / 4 * 1000) / 1000)}
 
     def miner_kinds(self) -> list[str]:
         return ["honest"] * (self.miners - len(self.adversaries)) + list(self.adversaries)

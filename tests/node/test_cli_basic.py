@@ -78,6 +78,15 @@ def test_spec_check_prints_network_id(spec_dict, write_spec) -> None:
     assert result.stdout.strip() == parse_spec(spec_dict).network_id
 
 
+def test_spec_check_warns_of_a_skew_that_lets_seeds_out_while_commits_are_taken(spec_dict, write_spec) -> None:
+    assert "warning" not in tessera("spec", "check", str(write_spec(spec_dict))).stderr  # skew 1 s, REVEAL 10 s
+    data = copy.deepcopy(spec_dict)
+    data["timing"]["clock_skew_s"] = data["timing"]["reveal_s"] / 2
+    result = tessera("spec", "check", str(write_spec(data)))
+    assert result.returncode == 0 and result.stdout.strip() == parse_spec(data).network_id  # still a valid spec
+    assert "tessera: warning: timing.clock_skew_s (5.0) is over a quarter of timing.reveal_s" in result.stderr
+
+
 @pytest.mark.parametrize(
     ("section", "key", "value", "field"),
     [

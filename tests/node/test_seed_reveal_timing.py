@@ -26,7 +26,7 @@ async def test_a_validator_reveals_its_seed_only_once_no_node_takes_a_commit(tmp
         net.clock.set(reveal_start + 0.5 * (opens - reveal_start))
         await until(
             lambda: validator.scheduler.current == (0, Phase.REVEAL), "the validator to enter REVEAL")
-        await asyncio.sleep(0.2)  # what it would publish at once has had time to be stored
+        await asyncio.sleep(1.0)  # what it would publish at once (in milliseconds) has had time to be stored
         assert [s.seed for s in await validator.ctx.storage.seeds_for(0)] == [None]
         await net.phase(0, Phase.REVEAL)  # the window opens
         assert all(s.seed for s in await validator.ctx.storage.seeds_for(0))
