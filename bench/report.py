@@ -1,14 +1,13 @@
 """Benchmark output: each benchmark prints its JSON report and, given a path, writes it there too.
 
-The file is written whole or not at all: into a temporary file beside it, then renamed over it, so
-a run that fails while writing leaves an earlier report at that path as it was.
+The file is written whole or not at all (`training.blob.write_blob_file`), so a run that fails while
+writing leaves an earlier report at that path as it was.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +24,7 @@ def emit(report: dict[str, Any], out: Path | None) -> None:
     text = json.dumps(report, indent=2)
     print(text)
     if out is not None:
+        from training.blob import write_blob_file  # imports torch: only where a report is written
+
         out.parent.mkdir(parents=True, exist_ok=True)
-        partial = out.with_name(f".{out.name}.partial")
-        try:
-            partial.write_text(text + "\n", encoding="utf-8")
-            os.replace(partial, out)
-        finally:
-            partial.unlink(missing_ok=True)
+        write_blob_file(out, (text + "\n").encode("utf-8"))

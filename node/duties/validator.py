@@ -327,8 +327,7 @@ class ValidatorDuties:
     async def _record_rewards(self, round: int, result: MergeResult) -> None:
         if await self.ctx.storage.rewarded(round):
             return
-        ledger = await self.ctx.storage.rewards(last_rounds=0)  # the standings, none of the ledger's entries
-        standings = update_standing(ledger.standings, result.points, self.ctx.spec.rewards.ema_alpha)
+        standings = update_standing(await self.ctx.storage.standings(), result.points, self.ctx.spec.rewards.ema_alpha)
         entries = [RewardRecord(round, r.miner, r.rank, r.points, r.utility, standings.get(r.miner, 0.0))
                    for r in result.ranking.results if r.rank is not None]
         await self.ctx.storage.add_rewards(round, entries, standings)  # one transaction with the mark

@@ -169,15 +169,13 @@ class StatusViews:
                          [rows[m] for m in sorted(rows)])
 
     async def _recent_states(self) -> list[GlobalStateRecord]:
-        """The global states of the clock's round and the ROUNDS_SHOWN before it, oldest first.
+        """The global states from ROUNDS_SHOWN rounds before the clock's on, oldest first.
 
         Storage keeps every state ever announced, so reading them all would grow with the network's age."""
         now, schedule = self.ctx.clock.now(), self.ctx.schedule
         if now < schedule.genesis_ts:
             return []
-        current = schedule.round_at(now)
-        return [s for r in range(max(0, current - ROUNDS_SHOWN), current + 1)
-                for s in await self.ctx.storage.global_states(r)]
+        return await self.ctx.storage.global_states(since=max(0, schedule.round_at(now) - ROUNDS_SHOWN))
 
     async def _seeds(self, round: int) -> dict[str, list[str]] | None:
         """From the round plan this validator fixed: who withheld a seed, who was left out of the assignment."""

@@ -168,11 +168,14 @@ class Storage(SqliteWorker):
         return [ScoreRecord(*row) for row in rows]
 
     @read
-    def global_states(self, conn: sqlite3.Connection, round: int | None = None) -> list[GlobalStateRecord]:
-        """Announced global states (all rounds, or one), each with the validators that voted for it."""
+    def global_states(self, conn: sqlite3.Connection, round: int | None = None,
+                      since: int | None = None) -> list[GlobalStateRecord]:
+        """Announced global states (all rounds, one `round`, or those from round `since` on), each with the
+        validators that voted for it."""
         sql = "SELECT hash, parent, round, contributors, adopted FROM global_states"
-        rows = conn.execute(sql + (" WHERE round = ?" if round is not None else "") + " ORDER BY round, hash",
-                            () if round is None else (round,)).fetchall()
+        where, args = (" WHERE round = ?", (round,)) if round is not None else (
+            (" WHERE round >= ?", (since,)) if since is not None else ("", ()))
+        rows = conn.execute(sql + where + " ORDER BY round, hash", args).fetchall()
         return [state_record(conn, row) for row in rows]
 
     @write
@@ -244,6 +247,11 @@ class Storage(SqliteWorker):
     def rewarded(self, conn: sqlite3.Connection, round: int) -> bool:
         """Whether round `round`'s rewards are in the ledger."""
         return get(conn, _REWARDED.format(round)) is not None
+
+    @read
+    def standings(self, conn: sqlite3.Connection) -> dict[str, float]:
+        """Every rewarded miner's standing after the last rewarded round."""
+        return dict(conn.execute("SELECT miner, standing FROM standings ORDER BY miner"))
 
     @read
     def rewards(self, conn: sqlite3.Connection, last_rounds: int | None = None,

@@ -194,8 +194,8 @@ async def test_status_and_a_scrape_read_only_the_last_rounds_global_states(
     read: list[int] = []
     real = storage.global_states
 
-    async def spy(round: int | None = None) -> Any:
-        states = await real(round)
+    async def spy(round: int | None = None, since: int | None = None) -> Any:
+        states = await real(round, since)
         read.append(len(states))
         return states
 

@@ -427,7 +427,7 @@ async def test_a_miner_whose_standing_decayed_away_leaves_the_standings(tmp_path
         await store.add_rewards(1, [RewardRecord(1, M0.node_id, 1, 1.0, 0.2, 0.3)], {M0.node_id: 0.3, M1.node_id: 0.15})
         await store.add_rewards(2, [], {M1.node_id: 0.1})
         ledger = await store.rewards(last_rounds=0)
-        assert ledger.standings == {M1.node_id: 0.1}
+        assert ledger.standings == {M1.node_id: 0.1} == await store.standings()
         assert ledger.entries == []  # last_rounds=0: the standings alone
     finally:
         await store.close()
