@@ -3,6 +3,7 @@ parser, and that free-text reasons stay a bounded set of labels."""
 
 from __future__ import annotations
 
+import mmap
 import sys
 
 import pytest
@@ -122,14 +123,17 @@ def test_the_process_exports_its_memory_open_files_and_cpu() -> None:
     """What Prometheus needs to see a node's memory grow: the process metrics, read at each scrape."""
     metrics = NodeMetrics()
     before = samples(metrics)
-    ballast = [bytearray(64 * 2**20)]  # touched below, so resident
-    ballast[0][:: 4096] = b"\1" * len(ballast[0][:: 4096])
+    # A fresh anonymous mapping, every page written: resident whatever the allocator kept from earlier tests
+    # (a 64 MiB bytearray can land on pages freed but still resident, and leave the RSS unchanged).
+    ballast = mmap.mmap(-1, 64 * 2**20)
+    ballast[:: mmap.PAGESIZE] = b"\1" * len(ballast[:: mmap.PAGESIZE])
     opened = [open(__file__, "rb") for _ in range(8)]  # noqa: SIM115
     try:
         after = samples(metrics)
     finally:
         for f in opened:
             f.close()
+        ballast.close()
     rss = ("process_resident_memory_bytes", ())
     assert after[rss] - before[rss] >= 60 * 2**20
     assert after[("process_open_fds", ())] - before[("process_open_fds", ())] >= 8
