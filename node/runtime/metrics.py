@@ -76,12 +76,8 @@ class NodeMetrics:
                                registry=r)
         self.adopted_loss = Gauge("tessera_adopted_loss", "Held-out loss of the last adopted global state.",
                                   registry=r)
-        self.own_loss = Gauge("tessera_miner_loss", "This miner's combined loss in its last scored round.",
-                              registry=r)
-        self.own_rank = Gauge("tessera_miner_rank", "This miner's rank in its last scored round (0: unranked).",
-                              registry=r)
-        self.own_reward = Gauge("tessera_miner_reward", "Points this miner earned in its last scored round.",
-                                registry=r)
+        self.own = _OwnResults()
+        r.register(self.own)
         self.verdicts = Gauge("tessera_round_verdicts", "Miners of the last round with results, by verdict and reason.",
                               ["verdict", "reason"], registry=r)
         self.agreement = Gauge("tessera_validator_agreement", "Share of validator weight behind the most-voted "
@@ -131,15 +127,13 @@ class NodeMetrics:
 
     def round_results(self, base_loss: float | None, adopted_loss: float | None, own: dict[str, Any] | None,
                       agreement: dict[str, Any] | None, verdicts: list[tuple[str, str]]) -> None:
-        """The latest round results: losses, this miner's own `{loss, rank, reward}`, agreement, verdicts."""
+        """The latest round results: losses, agreement, verdicts, and on a miner (`own` given, also when its last
+        round did not score it: `{loss: None, rank: None, reward: 0.0}`) its own `{loss, rank, reward}`."""
         for gauge, value in ((self.base_loss, base_loss), (self.adopted_loss, adopted_loss)):
             if value is not None:
                 gauge.set(value)
         if own is not None:
-            if own.get("loss") is not None:
-                self.own_loss.set(own["loss"])
-            self.own_rank.set(own.get("rank") or 0)
-            self.own_reward.set(own.get("reward") or 0.0)
+            self.own.result = (own.get("loss"), own.get("rank") or 0, own.get("reward") or 0.0)
         if agreement is not None:
             self.agreement.set(agreement["share"])
         # A gauge rebuilt from one round: its MAX_REASONS most common reasons get a label of their own, whatever
@@ -169,6 +163,37 @@ class NodeMetrics:
 def _clause(reason: str) -> str:
     """A free-text reason's first clause, cut short: "rejected: hash mismatch" -> "rejected"; "" -> "ok"."""
     return (reason.split(":")[0].strip() or "ok")[:_REASON_CHARS]
+
+
+class _OwnResults:
+    """A miner's own result in the last round with miners, exported by miners only (`result` set), so that
+    an alert on them needs no role label from the scrape config. The loss has no sample in a round that
+    scored no loss for the miner (left out, rejected): its last loss would read as current."""
+
+    def __init__(self) -> None:
+        self.result: tuple[float | None, int, float] | None = None
+        """(loss, rank with 0 for unranked, reward) once the node has told it is a miner."""
+
+    def describe(self) -> list[Metric]:
+        return list(self._families(None))
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families(self.result)
+
+    @staticmethod
+    def _families(result: tuple[float | None, int, float] | None) -> Iterator[Metric]:
+        loss = GaugeMetricFamily("tessera_miner_loss", "This miner's held-out loss as validators scored it in the "
+                                 "last round with miners; no sample when that round scored it no loss.")
+        rank = GaugeMetricFamily("tessera_miner_rank", "This miner's rank in the last round with miners "
+                                 "(0: unranked or not scored). Miners only.")
+        reward = GaugeMetricFamily("tessera_miner_reward", "Points this miner earned in the last round with "
+                                   "miners (0: none or not scored). Miners only.")
+        if result is not None:
+            if result[0] is not None:
+                loss.add_metric([], result[0])
+            rank.add_metric([], result[1])
+            reward.add_metric([], result[2])
+        yield from (loss, rank, reward)
 
 
 class _NetworkCollector:

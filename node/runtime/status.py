@@ -117,10 +117,13 @@ class StatusViews:
         states = await self._recent_states()
         me = self.ctx.identity.node_id
         last = next((v for v in reversed(views) if v.miners), None)
-        own = None  # a miner's result in the last round with miners: nothing scored there earned nothing
-        if self.ctx.config.node.role == "miner" and last is not None:
-            own = next((m for m in last.miners if m["id"] == me and m["verdict"] != "missing"),
-                       {"loss": None, "rank": None, "reward": 0.0})
+        own = None  # a miner's result in the last round with miners: nothing scored there earned nothing, and
+        if self.ctx.config.node.role == "miner":  # a loss not scored there is not shown (not its last one)
+            rows = [] if last is None else last.miners
+            row = next((m for m in rows if m["id"] == me and m["verdict"] != "missing"), None)
+            own = {"loss": None, "rank": None, "reward": 0.0} if row is None else {
+                "loss": row["loss"] if row["verdict"] == "accept" else None, "rank": row["rank"],
+                "reward": row["reward"]}
         self.ctx.metrics.round_results(
             base_loss=next((v.base_loss for v in reversed(views) if v.base_loss is not None), None),
             adopted_loss=next((v.global_loss for v in reversed(views) if v.global_loss is not None), None),

@@ -49,12 +49,36 @@ def test_round_results_set_losses_own_result_agreement_and_replace_verdicts() ->
     got = samples(metrics)
     assert got[("tessera_base_loss", ())] == 3.0  # unknown this time: the last known value stays
     assert got[("tessera_adopted_loss", ())] == 2.25
-    assert got[("tessera_miner_loss", ())] == 2.4
+    assert ("tessera_miner_loss", ()) not in got  # not scored in the last round: no loss, not its old one
     assert got[("tessera_miner_rank", ())] == 0  # unranked
     assert got[("tessera_miner_reward", ())] == 0.0
     assert got[("tessera_validator_agreement", ())] == 0.75
     verdicts = {labels: v for (name, labels), v in got.items() if name == "tessera_round_verdicts"}
     assert verdicts == {(("reason", "ok"), ("verdict", "accept")): 2}  # the last round's, not a running sum
+
+
+def test_a_miners_loss_is_not_shown_stale_once_a_round_scores_it_none() -> None:
+    metrics = NodeMetrics()
+    metrics.round_results(base_loss=None, adopted_loss=None, own={"loss": 2.4, "rank": 1, "reward": 1.0},
+                          agreement=None, verdicts=[])
+    assert samples(metrics)[("tessera_miner_loss", ())] == 2.4
+    metrics.round_results(base_loss=None, adopted_loss=None, own={"loss": None, "rank": None, "reward": 0.0},
+                          agreement=None, verdicts=[])
+    got = samples(metrics)
+    assert ("tessera_miner_loss", ()) not in got
+    assert got[("tessera_miner_reward", ())] == 0.0 and got[("tessera_miner_rank", ())] == 0
+
+
+def test_only_a_miner_exports_its_own_result_gauges() -> None:
+    """TesseraMinerUnrewarded fires on `tessera_miner_reward == 0`: a validator (no `own`) must export no such
+    sample, or the alert needs a role label that only the bundled scrape config adds."""
+    metrics = NodeMetrics()
+    metrics.round_results(base_loss=3.0, adopted_loss=2.5, own=None, agreement={"share": 1.0},
+                          verdicts=[("accept", "")])
+    text = metrics.render().decode()
+    assert "# TYPE tessera_miner_reward gauge" in text  # described, so the name is known
+    got = samples(metrics)
+    assert not [name for name, _ in got if name.startswith("tessera_miner_")]
 
 
 def test_reasons_are_bounded_labels() -> None:

@@ -270,3 +270,40 @@ async def test_a_miner_left_out_of_the_last_round_reads_no_reward(storage: Stora
     rounds[1].miners.append({"id": me.node_id, **row, "reward": 0.25, "rank": 2})
     await views.refresh_metrics()
     assert "tessera_miner_reward 0.25" in views.ctx.metrics.render().decode()
+
+
+async def test_a_miners_loss_follows_the_last_round_like_its_reward(storage: Storage, spec: NetworkSpec,
+                                                                    miner_ids: list[Identity]) -> None:
+    """A miner scored once, then rejected or left out, shows no loss: its old one would read as current."""
+    me, other = miner_ids[0], miner_ids[1]
+    row = {"verdict": "accept", "reason": "", "loss": 2.0, "rank": 1, "reward": 1.0}
+    rounds = [RoundView(0, "public", BASE, 3.0, None, None, [{"id": me.node_id, **row}])]
+    views = views_for(storage, spec, me, "miner")
+
+    async def fake_views() -> list[RoundView]:
+        return rounds
+
+    views._views = fake_views  # type: ignore[method-assign]
+    await views.refresh_metrics()
+    assert "tessera_miner_loss 2.0" in views.ctx.metrics.render().decode()
+    for mine in ([], [{"id": me.node_id, **row, "verdict": "reject", "reason": "rejected: hash mismatch",
+                       "loss": 9.0, "rank": None, "reward": 0.0}]):
+        rounds.append(RoundView(len(rounds), "public", BASE, 3.0, None, None,
+                                [{"id": other.node_id, **row}, *mine]))
+        await views.refresh_metrics()
+        text = views.ctx.metrics.render().decode()
+        assert "\ntessera_miner_loss " not in text and "\ntessera_miner_reward 0.0" in text, text
+
+
+async def test_a_validator_exports_no_miner_result_gauges(storage: Storage, spec: NetworkSpec,
+                                                          miner_ids: list[Identity]) -> None:
+    row = {"verdict": "accept", "reason": "", "loss": 2.0, "rank": 1, "reward": 1.0}
+    views = views_for(storage, spec, miner_ids[0], "validator")
+
+    async def fake_views() -> list[RoundView]:
+        return [RoundView(0, "validator", BASE, 3.0, None, None, [{"id": miner_ids[1].node_id, **row}])]
+
+    views._views = fake_views  # type: ignore[method-assign]
+    await views.refresh_metrics()
+    text = views.ctx.metrics.render().decode()
+    assert not [line for line in text.splitlines() if line.startswith("tessera_miner_")], text
