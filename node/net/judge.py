@@ -53,6 +53,10 @@ CLOCK_SUSPECT_SENDERS = 2
 """Distinct senders whose messages arrived before their windows (in EARLY_ROUNDS_KEPT rounds) that make this
 node suspect its own clock rather than theirs."""
 RECENT_BYTES_PER_ROUND = 16 * 2**20
+REJECT_PEERS_KEPT = 1024
+"""Peers whose REJECT counts are kept one by one; past that the half with the fewest are added up under
+OTHER_PEERS, so that peers that come and go (fresh ids cost nothing) cannot grow the counts without bound."""
+OTHER_PEERS = "other"
 SeenEntry = tuple[str, str, str, int]
 """(message id, kind, sender, round) of an envelope accepted earlier, as storage keeps it."""
 
@@ -260,7 +264,12 @@ class GossipJudge:
         return {s: e for s, e in self.stats.early.items() if e[1] > since}
 
     def _penalise(self, peer: str, now: float, scored: bool = True) -> None:
-        self.stats.rejects_by_peer[peer] += 1
+        counts = self.stats.rejects_by_peer
+        counts[peer] += 1
+        if len(counts) > REJECT_PEERS_KEPT:
+            fewest = sorted((n, p) for p, n in counts.items() if p != OTHER_PEERS)[: len(counts) // 2]
+            for _, p in fewest:
+                counts[OTHER_PEERS] += counts.pop(p)
         if not scored:
             return
         score = self.stats.peer_scores.get(peer, 0) + 1

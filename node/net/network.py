@@ -48,6 +48,7 @@ class NetworkStats:
 
     messages: Counter[tuple[str, str]] = field(default_factory=Counter)
     rejects_by_peer: Counter[str] = field(default_factory=Counter)
+    """REJECTs by peer; past node.net.judge.REJECT_PEERS_KEPT peers, those with the fewest count as "other"."""
     gossip_bytes_in: int = 0
     gossip_bytes_out: int = 0
     blob_bytes_in: int = 0

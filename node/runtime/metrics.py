@@ -33,6 +33,7 @@ from prometheus_client import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from node.net.judge import OTHER_PEERS
 from node.net.network import NetworkStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -243,13 +244,17 @@ def _top_rejects(s: NetworkStats, top: int) -> Metric:
     family = CounterMetricFamily("tessera_peer_rejects", "Rejected messages per peer (top N, rest as 'other').",
                                  labels=["peer"])
     by_label: dict[str, int] = {}
+    folded = 0  # peers the judge already added up as OTHER_PEERS
     for peer, n in s.rejects_by_peer.items():
+        if peer == OTHER_PEERS:
+            folded = n
+            continue
         label = peer_label(peer)
         by_label[label] = by_label.get(label, 0) + n
     ranked = sorted(by_label.items(), key=lambda kv: (-kv[1], kv[0]))
     for label, n in ranked[:top]:
         family.add_metric([label], n)
-    rest = sum(n for _, n in ranked[top:])
+    rest = folded + sum(n for _, n in ranked[top:])
     if rest:
         family.add_metric(["other"], rest)
     return family

@@ -9,8 +9,11 @@ import sys
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from node.net.config import P2PConfig
+from node.net.judge import REJECT_PEERS_KEPT, GossipJudge
 from node.net.network import NetworkStats
 from node.runtime.metrics import MAX_REASONS, NodeMetrics
+from protocol.spec import NetworkSpec
 
 
 def samples(metrics: NodeMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -163,3 +166,23 @@ def test_the_process_exports_its_memory_open_files_and_cpu() -> None:
     assert after[("process_open_fds", ())] - before[("process_open_fds", ())] >= 8
     assert after[("process_cpu_seconds_total", ())] > 0
     assert any(name == "python_info" for name, _ in after)  # labelled by the Python version
+
+
+def test_peers_that_come_and_go_do_not_grow_the_reject_counts_without_bound(spec: NetworkSpec) -> None:
+    """Fresh peer ids cost nothing: past REJECT_PEERS_KEPT peers the judge adds up those with the fewest
+    REJECTs, and the exported counts neither lose one nor go down."""
+    judge = GossipJudge(spec, lambda: spec.genesis_ts + 1.0, P2PConfig(penalty_threshold=1000))
+    metrics = NodeMetrics(top_peers=4)
+    metrics.bind_network(lambda: judge.snapshot(), lambda: 0)
+    for _ in range(5):
+        judge.judge(b"not an envelope", "Q" * 16 + "loud")
+    totals = []
+    for i in range(3 * REJECT_PEERS_KEPT):
+        judge.judge(b"not an envelope", f"{i:016d}")
+        if i % 500 == 0:
+            totals.append(sum(v for (name, _), v in samples(metrics).items() if name == "tessera_peer_rejects_total"))
+    assert len(judge.stats.rejects_by_peer) <= REJECT_PEERS_KEPT + 1
+    got = samples(metrics)
+    assert got[("tessera_peer_rejects_total", (("peer", "Q" * 16),))] == 5  # the loudest peer keeps its own count
+    assert sum(v for (name, _), v in got.items() if name == "tessera_peer_rejects_total") == 5 + 3 * REJECT_PEERS_KEPT
+    assert totals == sorted(totals) and got[("tessera_peer_rejects_total", (("peer", "other"),))] > totals[-1] - 5
