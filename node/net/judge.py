@@ -15,9 +15,11 @@ relayer's clock may run a little ahead of ours, and a sender that signs two mess
 to each of two honest peers, who each relay theirs). The seen-set can be seeded from
 storage after a restart. It also keeps the bytes of the envelopes it accepted in the current and the
 previous round (`recent`, capped at RECENT_BYTES_PER_ROUND), for a restarted peer to catch up on
-(`judge_replayed` judges those on the other side). It notes the senders whose authentic messages
-arrive before their window opens (`NetworkStats.early`): one such sender has a clock that runs
-ahead, several at once mean ours runs behind (`clock_behind`), which the node reports.
+(`judge_replayed` judges those on the other side). It notes the validators whose authentic messages
+arrive before their window opens (`NetworkStats.early`): one such validator has a clock that runs
+ahead, several at once mean ours runs behind (`clock_behind`), which the node reports. Only validators
+count: they are few and known, where anyone can make keys, and two fresh keys' heartbeats for a far
+round would otherwise tell every node that its clock is days behind.
 Thread-safe: the libp2p host judges on its own thread. This module knows nothing about transports
 or storage.
 """
@@ -49,9 +51,9 @@ from protocol.spec import NetworkSpec
 
 SEEN_ROUNDS_KEPT = 3
 EARLY_ROUNDS_KEPT = 2
-CLOCK_SUSPECT_SENDERS = 2
-"""Distinct senders whose messages arrived before their windows (in EARLY_ROUNDS_KEPT rounds) that make this
-node suspect its own clock rather than theirs."""
+CLOCK_SUSPECT_VALIDATORS = 2
+"""Distinct validators whose messages arrived before their windows (in EARLY_ROUNDS_KEPT rounds) that make
+this node suspect its own clock rather than theirs; all of them in a network with fewer."""
 RECENT_BYTES_PER_ROUND = 16 * 2**20
 REJECT_PEERS_KEPT = 1024
 """Peers whose REJECT counts are kept one by one; past that the half with the fewest are added up under
@@ -74,19 +76,24 @@ def _relayer_could_know(result: CheckResult) -> bool:
     return result.detail not in (TOO_EARLY, TOO_LATE) and result.reason != EQUIVOCATION
 
 
-def clock_behind(stats: NetworkStats) -> dict[str, float] | None:
-    """What the early senders in `stats` say about this node's clock; None while fewer than
-    CLOCK_SUSPECT_SENDERS are early.
+def clock_suspects(spec: NetworkSpec) -> int:
+    """How many early validators make a node of `spec`'s network suspect its own clock."""
+    return min(CLOCK_SUSPECT_VALIDATORS, len(spec.validator_weights))
 
-    A message sent inside its window by a sender whose clock is right arrives here no earlier than
-    our clock's lag before that window, so each early sender's largest lead is a lower bound on the
-    lag. The bound reported is the CLOCK_SUSPECT_SENDERS-th largest, so one sender whose own clock runs
-    ahead cannot inflate it.
+
+def clock_behind(stats: NetworkStats, suspects: int) -> dict[str, float] | None:
+    """What the early validators in `stats` say about this node's clock; None while fewer than `suspects`
+    (`clock_suspects`) are early.
+
+    A message sent inside its window by a validator whose clock is right arrives here no earlier than
+    our clock's lag before that window, so each early validator's largest lead is a lower bound on the
+    lag. The bound reported is the `suspects`-th largest, so one validator whose own clock runs ahead
+    cannot inflate it where there are more.
     """
-    if len(stats.early) < CLOCK_SUSPECT_SENDERS:
+    if len(stats.early) < suspects:
         return None
     leads = sorted((lead for lead, _ in stats.early.values()), reverse=True)
-    return {"early_senders": len(leads), "behind_by_at_least_s": round(leads[CLOCK_SUSPECT_SENDERS - 1], 1)}
+    return {"early_validators": len(leads), "behind_by_at_least_s": round(leads[suspects - 1], 1)}
 
 
 class GossipJudge:
@@ -104,6 +111,7 @@ class GossipJudge:
         self.penalty_threshold = config.penalty_threshold
         self.penalty_backoff_s = config.penalty_backoff_s
         self._validators = spec.validator_weights
+        self.clock_suspects = clock_suspects(spec)
         self._schedule = Schedule.from_spec(spec)
         self._now = now
         self._lock = threading.Lock()
@@ -158,7 +166,8 @@ class GossipJudge:
                 self._penalise(peer, now, scored=_relayer_could_know(result))
                 if result.detail == TOO_EARLY:
                     assert envelope is not None
-                    self._note_early(envelope, now)
+                    if envelope.sender in self._validators:
+                        self._note_early(envelope, now)
             elif result.verdict is Verdict.ACCEPT:
                 assert envelope is not None
                 self._record(envelope, data)
@@ -229,10 +238,10 @@ class GossipJudge:
         lead = window(envelope.kind, envelope.round, self._schedule)[0] - now
         known = self.stats.early.get(envelope.sender)
         self.stats.early[envelope.sender] = (max(lead, known[0] if known else lead), now)
-        if known is None and len(self.stats.early) == CLOCK_SUSPECT_SENDERS:
-            behind = clock_behind(self.stats)
+        if known is None and len(self.stats.early) == self.clock_suspects:
+            behind = clock_behind(self.stats, self.clock_suspects)
             assert behind is not None
-            log.warning("messages from %d senders arrived before their windows opened, up to %.1f s early "
+            log.warning("messages from %d validator(s) arrived before their windows opened, up to %.1f s early "
                         "(the spec tolerates %.1f s): this node's clock is probably at least %.1f s behind; "
                         "check that it keeps time (NTP)", len(self.stats.early),
                         max(lead for lead, _ in self.stats.early.values()), self._schedule.clock_skew_s,
@@ -248,7 +257,7 @@ class GossipJudge:
 
     def _roll(self, now: float) -> None:
         """Start budgets and scores afresh when the round changes; forget penalties that ran out and early
-        senders not heard from in EARLY_ROUNDS_KEPT rounds."""
+        validators not heard from in EARLY_ROUNDS_KEPT rounds."""
         current = self._schedule.round_at(now) if now >= self._schedule.genesis_ts else 0
         if current != self._round:
             self._round = current

@@ -65,7 +65,7 @@ class NetworkStats:
     penalties: int = 0
     """How many times a peer was penalised (disconnected and barred) since start."""
     early: dict[str, tuple[float, float]] = field(default_factory=dict)
-    """Senders whose authentic messages arrived before their window opened, beyond the clock-skew tolerance,
+    """Validators whose authentic messages arrived before their window opened, beyond the clock-skew tolerance,
     in about the last two rounds -> (the most seconds one arrived before its window, when the last arrived)."""
 
 

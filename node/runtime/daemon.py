@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable, Container, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
-from node.net.judge import GossipJudge, clock_behind
+from node.net.judge import GossipJudge, clock_behind, clock_suspects
 from node.net.network import Network, NetworkError, PublishRefused, Subscription
 from node.runtime.clock import Clock, SystemClock
 from node.runtime.config import NodeConfig
@@ -242,7 +242,7 @@ class Node:
             elif network.node_id != identity.node_id:
                 raise ValueError(f"network joined as {network.node_id[:12]} but the key is {identity.node_id[:12]}")
             metrics = NodeMetrics()
-            metrics.bind_network(lambda: network.stats, lambda: len(network.peers()))
+            metrics.bind_network(lambda: network.stats, lambda: len(network.peers()), clock_suspects(spec))
             ctx = NodeContext(config, spec, schedule, identity, clock, storage, blobs, network,
                               metrics, LocalDelivery())
             # in a thread: a factory may hash or read files; it may refuse, e.g. a held-out file with the wrong hash
@@ -418,7 +418,7 @@ class Node:
             "learning": learning_settings(ctx.spec, ctx.config),
             "last_run": None if not self.scheduler.runs else _run_dict(self.scheduler.runs[-1]),
             "key_used_elsewhere": self.key_elsewhere,
-            "clock_behind": clock_behind(ctx.network.stats),
+            "clock_behind": clock_behind(ctx.network.stats, clock_suspects(ctx.spec)),
         }
 
     async def rewards(self, last_rounds: int | None = None, top: int | None = None) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from prometheus_client import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from node.net.judge import OTHER_PEERS
+from node.net.judge import CLOCK_SUSPECT_VALIDATORS, OTHER_PEERS, clock_behind
 from node.net.network import NetworkStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -91,9 +91,10 @@ class NodeMetrics:
                                      "reached it from the network and that it has no record of sending.", registry=r)
         self._scored_reasons: set[str] = set()
 
-    def bind_network(self, stats: Callable[[], NetworkStats], peers: Callable[[], int]) -> None:
-        """Export the network's counters, read at each scrape."""
-        self.registry.register(_NetworkCollector(stats, peers, self.top_peers))
+    def bind_network(self, stats: Callable[[], NetworkStats], peers: Callable[[], int],
+                     clock_suspects: int = CLOCK_SUSPECT_VALIDATORS) -> None:
+        """Export the network's counters, read at each scrape; `clock_suspects`: node.net.judge.clock_suspects."""
+        self.registry.register(_NetworkCollector(stats, peers, self.top_peers, clock_suspects))
 
     def phase_run(self, round: int, phase: str, duration_s: float, late_s: float, ok: bool,
                   overran: bool = False, skipped: int = 0) -> None:
@@ -198,10 +199,12 @@ class _OwnResults:
 
 
 class _NetworkCollector:
-    def __init__(self, stats: Callable[[], NetworkStats], peers: Callable[[], int], top: int) -> None:
+    def __init__(self, stats: Callable[[], NetworkStats], peers: Callable[[], int], top: int,
+                 clock_suspects: int) -> None:
         self._stats = stats
         self._peers = peers
         self._top = top
+        self._clock_suspects = clock_suspects
 
     def describe(self) -> list[Metric]:
         return list(self._families(NetworkStats(), 0))
@@ -235,9 +238,12 @@ class _NetworkCollector:
                                   value=s.penalties)
         yield GaugeMetricFamily("tessera_penalised_peers", "Peers disconnected for penalties right now.",
                                 value=len(s.penalised))
-        yield GaugeMetricFamily("tessera_early_senders", "Senders whose messages arrived before their window "
-                                "opened in the last two rounds (two or more: this node's clock is probably "
-                                "behind).", value=len(s.early))
+        yield GaugeMetricFamily("tessera_early_validators", "Validators whose messages arrived before their "
+                                "window opened in the last two rounds.", value=len(s.early))
+        behind = clock_behind(s, self._clock_suspects)
+        yield GaugeMetricFamily("tessera_clock_behind_seconds", "How far this node's clock lags the validators' "
+                                "at least, where enough of them were early to say (0: not known to lag).",
+                                value=0.0 if behind is None else behind["behind_by_at_least_s"])
 
 
 def _top_rejects(s: NetworkStats, top: int) -> Metric:

@@ -217,7 +217,7 @@ def test_metrics_of_a_miner_and_a_validator(net: NetworkRun) -> None:
         assert value(samples, "tessera_phase_overruns_total") >= 0
         assert value(samples, "tessera_round_verdicts", verdict="accept") >= 1
         assert value(samples, "tessera_key_used_elsewhere_total") == 0  # its own messages, before and after a restart
-        assert value(samples, "tessera_early_senders") == 0  # one machine, one clock
+        assert value(samples, "tessera_early_validators") == 0  # one machine, one clock
         assert value(samples, "process_resident_memory_bytes") > 50 * 2**20  # torch alone takes more
     answered = [s for n in sim.nodes.values() if n.role in ("miner", "validator") and (s := sim.get(n.name, "/status"))]
     assert len(answered) >= 2 and all(s["key_used_elsewhere"] is None for s in answered)

@@ -1,10 +1,12 @@
 """docker-compose.yml runs real `tessera` subcommands on config files that exist in deploy/ and load;
-Prometheus scrapes every node, and its alert rules and the Grafana dashboard only use metrics a node
-exports; `docker-compose config` accepts the file (the Makefile installs docker-compose)."""
+its init job leaves a whole network or none, even when killed part-way (its script runs here, on a
+fake `tessera`); Prometheus scrapes every node, and its alert rules and the Grafana dashboard only use
+metrics a node exports; `docker-compose config` accepts the file (the Makefile installs docker-compose)."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
@@ -41,7 +43,8 @@ def tessera_argv(service: dict) -> list[str]:
     """The arguments after `tessera` that a service runs (through the image's entrypoint or `sh -c`)."""
     command = service.get("command", [])
     if service.get("entrypoint") == ["sh", "-c"]:
-        words = shlex.split(command[0])
+        lines = [shlex.split(line) for line in command[0].splitlines()]
+        words = next(words for words in lines if "tessera" in words)
         return words[words.index("tessera") + 1:]
     return list(command)
 
@@ -78,7 +81,78 @@ def test_every_config_file_exists_in_deploy_and_loads() -> None:
     assert len({c.node.data_dir for c in loaded.values()}) == 6
     assert len({c.node.key for c in loaded.values()}) == 6
     assert {str(loaded[f"validator-{i}"].node.key) for i in range(2)} == {
-        "/net/keys/validator-0.key", "/net/keys/validator-1.key"}
+        "/net/network/keys/validator-0.key", "/net/network/keys/validator-1.key"}
+
+
+# `tessera spec init --sim DIR` as far as the init job can tell: it refuses a non-empty DIR, writes keys,
+# data and the spec last, and FAKE_KILL makes it die by SIGKILL before the spec or half-way through it.
+FAKE_SPEC_INIT = """#!/bin/sh
+while [ $# -gt 0 ]; do if [ "$1" = --sim ]; then dir="$2"; fi; shift; done
+if [ -d "$dir" ] && [ -n "$(ls -A "$dir")" ]; then echo "$dir: directory is not empty" >&2; exit 2; fi
+mkdir -p "$dir/keys" "$dir/data"
+for i in 0 1; do echo key > "$dir/keys/validator-$i.key"; done
+echo heldout > "$dir/data/heldout.jsonl"
+if [ "${FAKE_KILL:-}" = before-spec ]; then kill -9 $$; fi
+echo 'name = "sim-0"' > "$dir/spec.toml"
+if [ "${FAKE_KILL:-}" = in-spec ]; then kill -9 $$; fi
+echo 'complete = true' >> "$dir/spec.toml"
+"""
+COMPLETE_SPEC = 'name = "sim-0"\ncomplete = true\n'
+
+
+def at_volume(path: str, volume: Path) -> str:
+    """`path` with the `net` volume's mount point /net replaced by `volume`."""
+    return re.sub(r"(?<![\w.$])/net(?!\w)", str(volume), path)
+
+
+def run_init(volume: Path, fake_bin: Path, kill: str = "") -> subprocess.CompletedProcess[str]:
+    """Run the init service's command as its container would, with `volume` as /net."""
+    init = services()["init"]
+    assert init["entrypoint"] == ["sh", "-c"] and "net:/net" in init["volumes"]
+    script, *args = (at_volume(word.replace("$$", "$"), volume) for word in init["command"])  # compose's escape
+    env = {**os.environ, "PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}", "FAKE_KILL": kill}
+    return subprocess.run(["sh", "-c", script, *args], capture_output=True, text=True, env=env, timeout=60)
+
+
+def network_paths_nodes_read(volume: Path) -> list[Path]:
+    """Every file in the `net` volume a node service opens: spec, validator keys, held-out data."""
+    paths = []
+    for name, service in services().items():
+        argv = tessera_argv(service)
+        if "--config" in argv:
+            node = load_config(ROOT / "deploy" / argv[argv.index("--config") + 1].removeprefix(CONFIG_MOUNT))
+            paths += [str(node.node.spec), str(node.node.key)]
+            if node.validator.heldout is not None:
+                paths.append(str(node.validator.heldout))
+        elif name == "bootstrap":
+            paths.append(argv[argv.index("--spec") + 1])
+    return sorted({Path(at_volume(p, volume)) for p in paths if p.startswith("/net/")})
+
+
+@pytest.mark.parametrize("kill", ["before-spec", "in-spec"])
+def test_an_init_killed_part_way_leaves_no_network_and_the_next_init_writes_it_whole(
+        kill: str, tmp_path: Path) -> None:
+    fake_bin, volume = tmp_path / "bin", tmp_path / "net"
+    fake_bin.mkdir()
+    volume.mkdir()
+    (fake_bin / "tessera").write_text(FAKE_SPEC_INIT, encoding="utf-8")
+    (fake_bin / "tessera").chmod(0o755)
+    read = network_paths_nodes_read(volume)
+    assert len(read) == 4, read  # the spec, two validator keys, the held-out data
+
+    killed = run_init(volume, fake_bin, kill)
+    assert killed.returncode != 0, "the init job reported success for a network it did not finish"
+    assert [p for p in read if p.exists()] == [], "a killed init left part of a network where nodes read it"
+
+    again = run_init(volume, fake_bin)
+    assert again.returncode == 0, f"a killed init wedged the next one: {again.stderr}"
+    assert [p for p in read if not p.exists()] == []
+    spec = next(p for p in read if p.name == "spec.toml")
+    assert spec.read_text(encoding="utf-8") == COMPLETE_SPEC
+
+    (fake_bin / "tessera").write_text("#!/bin/sh\nexit 99\n", encoding="utf-8")
+    assert run_init(volume, fake_bin).returncode == 0, "a restarted stack must keep its network"
+    assert spec.read_text(encoding="utf-8") == COMPLETE_SPEC
 
 
 def test_configs_name_the_bootstrap_peer_the_bootstrap_service_runs() -> None:
@@ -135,7 +209,7 @@ def test_alerts_and_dashboard_use_only_metrics_a_node_exports() -> None:
     for metric in ("tessera_adopted_loss", "tessera_base_loss", "tessera_miner_rank", "tessera_miner_reward",
                    "tessera_train_tokens_per_second", "tessera_eval_seconds_sum", "tessera_phase_overruns_total",
                    "tessera_validator_agreement", "tessera_round_verdicts", "tessera_peers",
-                   "tessera_blob_fetches_total", "tessera_early_senders", "process_resident_memory_bytes"):
+                   "tessera_blob_fetches_total", "tessera_clock_behind_seconds", "process_resident_memory_bytes"):
         assert any(metric in expr for expr in panel_exprs), metric
     uids = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p.get("targets", [])}
     assert uids == {datasource_uid()}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,7 +28,7 @@ from protocol.check import CheckResult, Verdict
 from protocol.identity import Identity
 from protocol.messages import Commit, Envelope, GlobalState, Heartbeat, Reveal, ScoreReport, seal
 from protocol.rounds import Phase, Schedule
-from protocol.spec import NetworkSpec
+from protocol.spec import NetworkSpec, parse_spec
 
 
 @pytest.fixture
@@ -296,8 +297,9 @@ def test_what_a_relayer_could_not_have_refused_counts_against_it_but_does_not_pe
     assert judge.is_penalised("relay")
 
 
-def test_several_senders_early_at_once_point_at_this_nodes_clock(
-    spec: NetworkSpec, clock: ManualClock, miner_ids: list[Identity], caplog: pytest.LogCaptureFixture
+def test_several_validators_early_at_once_point_at_this_nodes_clock(
+    spec: NetworkSpec, clock: ManualClock, validator_ids: list[Identity], miner_ids: list[Identity],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     judge = GossipJudge(spec, clock.now, P2PConfig(penalty_threshold=1000))
     schedule = Schedule.from_spec(spec)
@@ -308,26 +310,43 @@ def test_several_senders_early_at_once_point_at_this_nodes_clock(
         return seal(Commit(round=0, commitment="ab" * 32), spec.network_id, who).to_bytes()
 
     with caplog.at_level("WARNING", logger="node.net.judge"):
-        assert judge.judge(commit(miner_ids[0]), "relay")[0].detail == "too early"
-        assert clock_behind(judge.stats) is None  # one early sender: its clock, most likely
-        forged = seal(Commit(round=0, commitment="cd" * 32), spec.network_id, miner_ids[0])
-        forged = forged.model_copy(update={"sender": miner_ids[1].node_id})
+        # Anyone can make keys: miners' early messages, however many and however early, say nothing.
+        for who in miner_ids:
+            assert judge.judge(commit(who), "relay")[0].detail == "too early"
+            assert judge.judge(heartbeat(spec, who, r=100_000).to_bytes(), "relay")[0].detail == "too early"
+        assert judge.stats.early == {} and clock_behind(judge.stats, judge.clock_suspects) is None
+        assert judge.judge(commit(validator_ids[0]), "relay")[0].detail == "too early"
+        assert clock_behind(judge.stats, judge.clock_suspects) is None  # one early validator: its clock, most likely
+        forged = seal(Commit(round=0, commitment="cd" * 32), spec.network_id, validator_ids[0])
+        forged = forged.model_copy(update={"sender": validator_ids[1].node_id})
         assert judge.judge(forged.to_bytes(), "relay")[0].reason == "bad signature"
-        assert clock_behind(judge.stats) is None  # a forgery names a sender it cannot speak for
+        assert clock_behind(judge.stats, judge.clock_suspects) is None  # a forgery names a sender it cannot speak for
         assert not caplog.records
         clock.advance(5.0)
-        assert judge.judge(commit(miner_ids[1]), "relay")[0].detail == "too early"
-        assert clock_behind(judge.snapshot()) == {"early_senders": 2, "behind_by_at_least_s": 15.0}
+        assert judge.judge(commit(validator_ids[1]), "relay")[0].detail == "too early"
+        assert clock_behind(judge.snapshot(), 2) == {"early_validators": 2, "behind_by_at_least_s": 15.0}
         clock.advance(1.0)
-        assert judge.judge(commit(miner_ids[2]), "relay")[0].detail == "too early"
-    assert clock_behind(judge.stats) == {"early_senders": 3, "behind_by_at_least_s": 15.0}  # the 2nd largest lead
+        assert judge.judge(commit(validator_ids[2]), "relay")[0].detail == "too early"
+    assert clock_behind(judge.stats, 2) == {"early_validators": 3, "behind_by_at_least_s": 15.0}  # the 2nd largest
     assert [r.getMessage() for r in caplog.records] == [
-        "messages from 2 senders arrived before their windows opened, up to 20.0 s early (the spec tolerates "
+        "messages from 2 validator(s) arrived before their windows opened, up to 20.0 s early (the spec tolerates "
         "1.0 s): this node's clock is probably at least 15.0 s behind; check that it keeps time (NTP)"]
     clock.set(opens + 2 * schedule.round_seconds)  # two rounds without an early message: forgotten
-    assert clock_behind(judge.snapshot()) is None
+    assert clock_behind(judge.snapshot(), 2) is None
     assert judge.judge(heartbeat(spec, miner_ids[0], r=2).to_bytes(), "relay")[0].accepted
     assert judge.stats.early == {}
+
+
+def test_in_a_network_of_one_validator_that_validator_early_is_enough(
+    spec_dict: dict[str, Any], clock: ManualClock, validator_ids: list[Identity]
+) -> None:
+    spec = parse_spec({**spec_dict, "validators": spec_dict["validators"][:1]})
+    judge = GossipJudge(spec, clock.now)
+    assert judge.clock_suspects == 1
+    clock.set(Schedule.from_spec(spec).round_start(1) - 10.0)
+    early = seal(Heartbeat(round=1, role="validator", head="ab" * 32), spec.network_id, validator_ids[0])
+    assert judge.judge(early.to_bytes(), "relay")[0].detail == "too early"
+    assert clock_behind(judge.stats, judge.clock_suspects) == {"early_validators": 1, "behind_by_at_least_s": 10.0}
 
 
 def test_a_judge_seeded_from_storage_knows_what_it_accepted_before_a_restart(

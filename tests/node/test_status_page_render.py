@@ -117,11 +117,11 @@ def test_the_page_renders_peer_text_as_text(browser: Any, served: tuple[HttpApi,
         "Another node is running with this node's key: 2 message(s) signed with it reached this node that it "
         "did not send (the last a commit of round 1). Stop one of them, or give each its own key.")
     assert page.locator("#clock-alert").is_hidden()
-    node.clock_behind = {"early_senders": 3, "behind_by_at_least_s": 42.5}
+    node.clock_behind = {"early_validators": 3, "behind_by_at_least_s": 42.5}
     page.wait_for_selector("#clock-alert:not([hidden])", timeout=10_000)
     assert page.locator("#clock-alert").inner_text() == (
-        "This node's clock is probably at least 42.5 s behind: messages from 3 senders arrived before their windows "
-        "opened. Peers judge this node's messages by their clocks; check that this machine keeps time (NTP).")
+        "This node's clock is probably at least 42.5 s behind: messages from 3 validator(s) arrived before their "
+        "windows opened. Peers judge this node's messages by their clocks; check that this machine keeps time (NTP).")
 
     node.broken = True
     page.wait_for_selector("#error:not([hidden])", timeout=10_000)

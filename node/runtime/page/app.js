@@ -90,7 +90,7 @@ function renderGlance(status) {
   const behind = status.clock_behind;
   $("clock-alert").hidden = !behind;
   $("clock-alert").textContent = behind ? `This node's clock is probably at least ${behind.behind_by_at_least_s} s ` +
-    `behind: messages from ${behind.early_senders} senders arrived before their windows opened. Peers judge this ` +
+    `behind: messages from ${behind.early_validators} validator(s) arrived before their windows opened. Peers judge this ` +
     `node's messages by their clocks; check that this machine keeps time (NTP).` : "";
   tick();
 }
