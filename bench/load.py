@@ -14,6 +14,8 @@ peak memory is its own:
   experts. `compressed_miner_*` keys: their peak RSS in GiB, its ratio, seconds, the bytes Θ̃0 holds.
 `peak_rss_ratio` = peak RSS (VmHWM) above the process's RSS once torch and transformers are
 imported, divided by the checkpoint's bytes; target <= 1.3. Seconds are wall-clock.
+Each load is also checked for content, after its peak is read: the `tessera` and `plain` models must
+hash (`training.model.state_hash`) as the model that was written, and the two compressed models alike.
 Usage: python bench/load.py [--out FILE.json]
 """
 
@@ -26,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,15 +45,15 @@ CONFIG = {"hidden_size": 768, "num_hidden_layers": 12, "num_experts": 32, "moe_i
 GROUP = {layer: list(range(layer % 8, 32, 8)) for layer in range(12)}
 
 
-def write_checkpoint(directory: Path) -> int:
-    """Write the benchmark checkpoint; returns its weight bytes."""
-    from training.model import build_tiny_model, tiny_config
+def write_checkpoint(directory: Path) -> dict[str, Any]:
+    """Write the benchmark checkpoint; returns its weight bytes and the written model's state hash."""
+    from training.model import build_tiny_model, state_hash, tiny_config
 
     model = build_tiny_model("qwen3_moe", tiny_config("qwen3_moe", **CONFIG), seed=0)
     model.save_pretrained(str(directory))
     size = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
     assert size >= 1 << 30, f"benchmark checkpoint is only {size} bytes; raise CONFIG"
-    return size
+    return {"bytes": size, "state_sha256": state_hash(model)}
 
 
 def measure(mode: str, directory: Path, extra_path: str | None = None) -> dict[str, Any]:
@@ -68,24 +71,25 @@ def measure(mode: str, directory: Path, extra_path: str | None = None) -> dict[s
 def child(mode: str, directory: str, extra_path: str | None) -> None:
     if extra_path:
         sys.path.insert(0, extra_path)
-    import torch  # noqa: F401
+    import torch
     import transformers  # noqa: F401
 
     runtime_kb = _rss_kb()
     started = time.perf_counter()
     if mode == "write":
-        print(json.dumps({"bytes": write_checkpoint(Path(directory))}))
+        print(json.dumps(write_checkpoint(Path(directory))))
         return
+    loaded: torch.nn.Module | None = None
     if mode == "tessera":
         from training.model import load_checkpoint
 
-        load_checkpoint(directory)
+        loaded = load_checkpoint(directory)
     elif mode == "hash":
         from training.checkpoint import checkpoint_hash
 
         checkpoint_hash(directory)
     elif mode == "plain":
-        transformers.AutoModelForCausalLM.from_pretrained(directory)
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(directory)
     elif mode in ("compressed_full_load", "compressed_skip"):
         from training.adapters import adapter_for
         from training.compressed import compress
@@ -95,15 +99,29 @@ def child(mode: str, directory: str, extra_path: str | None) -> None:
             cut = load_compressed(directory, GROUP)
         else:
             cut = compress(load_checkpoint(directory), adapter_for("qwen3_moe"), GROUP)
+        loaded = cut.model
         held = sum(t.nbytes for t in (*cut.model.parameters(), *cut.model.buffers()))
     else:
         old_model = importlib.import_module("training.model")  # the 7069fea module, first on sys.path
         old_model.load_checkpoint("qwen3_moe", directory)
     seconds = time.perf_counter() - started
-    report = {"seconds": seconds, "peak_above_runtime_bytes": (_status_kb("VmHWM") - runtime_kb) * 1024}
+    report: dict[str, Any] = {"seconds": seconds, "peak_above_runtime_bytes": (_status_kb("VmHWM") - runtime_kb) * 1024}
     if mode.startswith("compressed"):
         report["held_bytes"] = held
+    if loaded is not None:  # after the peak is read: hashing is no part of the load
+        from training.model import state_hash
+
+        report["state_sha256"] = state_hash(loaded)
     print(json.dumps(report))
+
+
+def check_loads(written: str, runs: Mapping[str, Mapping[str, Any]]) -> None:
+    """Each load holds the weights it should, not only as many bytes: `tessera` and `plain` the model
+    whose state hash was `written`, and both compressed modes the same compressed model."""
+    for mode in ("tessera", "plain"):
+        assert runs[mode]["state_sha256"] == written, f"{mode} loaded other weights than were written"
+    full_load, skip = runs["compressed_full_load"]["state_sha256"], runs["compressed_skip"]["state_sha256"]
+    assert full_load == skip, "the two ways built different compressed models"
 
 
 def _gib(nbytes: int) -> float:
@@ -147,13 +165,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tessera-load-") as tmp:
         directory = Path(tmp) / "checkpoint"
         started = time.perf_counter()
-        size = measure("write", directory)["bytes"]
+        written = measure("write", directory)
+        size = written["bytes"]
         write_seconds = time.perf_counter() - started
         runs = {mode: measure(mode, directory)
                 for mode in ("tessera", "hash", "plain", "compressed_full_load", "compressed_skip")}
         runs["old"] = measure("old", directory, str(old_package(Path(tmp) / "old")))
+    check_loads(written["state_sha256"], runs)
     full_load, skip = runs["compressed_full_load"], runs["compressed_skip"]
-    assert full_load["held_bytes"] == skip["held_bytes"], "both ways build the same compressed model"
     report: dict[str, Any] = {
         "checkpoint_bytes": size,
         "write_seconds": round(write_seconds, 2),

@@ -96,7 +96,10 @@ def run_simulate(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         failure = "interrupted"
     finally:
-        sim.close()
+        try:
+            sim.close()
+        except KeyboardInterrupt:  # another Ctrl-C while the nodes stopped: close() killed them
+            failure = failure or "interrupted"
         signal.signal(signal.SIGTERM, previous)
     if sim.network is not None:
         print(f"report: {sim.write_report(rounds)}")

@@ -15,6 +15,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -181,6 +183,26 @@ class SimNode:
             assert self.proc is not None
             self.proc.kill()
             self.proc.wait(30)
+
+
+@contextlib.contextmanager
+def interrupts_noted() -> Iterator[list[int]]:
+    """Within the block, SIGINT and SIGTERM are appended to the yielded list instead of handled.
+
+    For clean-up that must finish: a Ctrl-C there would otherwise raise KeyboardInterrupt half-way
+    and leave node processes running. Only the main thread can set handlers; elsewhere the list
+    stays empty and signals are handled as before."""
+    noted: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield noted
+        return
+    signums = (signal.SIGINT, signal.SIGTERM)
+    previous = {signum: signal.signal(signum, lambda signum, frame: noted.append(signum)) for signum in signums}
+    try:
+        yield noted
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _die_with_parent() -> None:

@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 import tomllib
@@ -35,6 +34,7 @@ from node.sim.process import (
     SimSettings,
     SimulationError,
     first_listen_port,
+    interrupts_noted,
     next_free_port,
 )
 from node.store.db import Storage
@@ -43,6 +43,7 @@ from protocol.rounds import PHASES, Phase, Schedule
 from protocol.spec import apply_settings, load_spec
 
 POLL_S = 1.0
+STOP_POLL_S = 0.05
 
 T = TypeVar("T")
 
@@ -189,19 +190,24 @@ class Simulation:
         node.start()
 
     def close(self) -> None:
-        """Stop every node: SIGTERM to all at once, then SIGKILL to any still running after the timeout."""
-        running = [n for n in self.nodes.values() if n.alive]
-        for node in running:
-            node.stopped_on_purpose = True
-            assert node.proc is not None
-            node.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.settings.stop_timeout_s
-        for node in running:
-            assert node.proc is not None
-            try:
-                node.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+        """Stop every node: SIGTERM to all at once, then SIGKILL to any still running after the timeout.
+
+        An interrupt (Ctrl-C or SIGTERM, however many) cannot cut this short and leave nodes running: it
+        ends the wait at once, every node still running gets SIGKILL, and then KeyboardInterrupt is raised.
+        """
+        with interrupts_noted() as interrupts:
+            running = [n for n in self.nodes.values() if n.alive]
+            for node in running:
+                node.stopped_on_purpose = True
+                assert node.proc is not None
+                node.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + self.settings.stop_timeout_s
+            while any(n.alive for n in running) and not interrupts and time.monotonic() < deadline:
+                time.sleep(STOP_POLL_S)
+            for node in running:
                 node.kill()
+        if interrupts:
+            raise KeyboardInterrupt
 
     def __enter__(self) -> Simulation:
         return self

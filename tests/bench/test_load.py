@@ -1,0 +1,74 @@
+"""bench/load.py checks what its loads hold, not only how many bytes: a load of other weights of the same
+size fails the benchmark. `main` runs on the children's reports, the children on a small checkpoint of the
+benchmark's shape: a 1 GB checkpoint is not written."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.bench.scripts import BENCH, load_bench
+from training.model import build_tiny_model, state_hash, tiny_config
+
+WRITTEN = "a" * 64
+COMPRESSED = "c" * 64
+
+
+def reports(**hashes: str) -> dict[str, dict[str, Any]]:
+    """What each child reports when every load holds what it should, with `hashes` put in by mode."""
+    runs: dict[str, dict[str, Any]] = {
+        "write": {"bytes": 1 << 30, "state_sha256": WRITTEN},
+        "tessera": {"state_sha256": WRITTEN}, "hash": {}, "plain": {"state_sha256": WRITTEN}, "old": {},
+        "compressed_full_load": {"held_bytes": 1 << 27, "state_sha256": COMPRESSED},
+        "compressed_skip": {"held_bytes": 1 << 27, "state_sha256": COMPRESSED},
+    }
+    for mode, digest in hashes.items():
+        runs[mode]["state_sha256"] = digest
+    for run in runs.values():
+        run.update(seconds=1.0, peak_above_runtime_bytes=1 << 29)
+    return runs
+
+
+def run_main(runs: dict[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Any]:
+    load = load_bench("load")
+    emitted: list[dict[str, Any]] = []
+    monkeypatch.setattr(load, "measure", lambda mode, directory, extra_path=None: runs[mode])
+    monkeypatch.setattr(load, "old_package", lambda root: tmp_path)
+    monkeypatch.setattr(load, "emit", lambda report, out: emitted.append(report))
+    monkeypatch.setattr(sys, "argv", ["load.py"])
+    load.main()
+    return emitted[0]
+
+
+def test_loads_that_hold_the_written_weights_pass(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    report = run_main(reports(), monkeypatch, tmp_path)
+    assert report["checkpoint_bytes"] == 1 << 30
+
+
+@pytest.mark.parametrize(("mode", "message"), [
+    ("compressed_skip", "the two ways built different compressed models"),
+    ("tessera", "tessera loaded other weights than were written"),
+    ("plain", "plain loaded other weights than were written"),
+])
+def test_a_load_of_other_weights_of_the_same_size_fails_the_benchmark(
+        mode: str, message: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    with pytest.raises(AssertionError, match=message):
+        run_main(reports(**{mode: "d" * 64}), monkeypatch, tmp_path)
+
+
+def test_every_checked_child_reports_the_hash_of_what_it_loaded(tmp_path: Path) -> None:
+    """The children themselves, on a small checkpoint of the benchmark's shape (12 layers of 32 experts)."""
+    model = build_tiny_model("qwen3_moe", tiny_config("qwen3_moe", num_hidden_layers=12, num_experts=32), seed=0)
+    model.save_pretrained(str(tmp_path))
+    runs = {}
+    for mode in ("tessera", "plain", "compressed_full_load", "compressed_skip"):
+        child = subprocess.run([sys.executable, str(BENCH / "load.py"), "--child", mode, str(tmp_path)],
+                               capture_output=True, text=True, timeout=300, check=True)
+        runs[mode] = json.loads(child.stdout.strip().splitlines()[-1])
+    load_bench("load").check_loads(state_hash(model), runs)
+    assert runs["tessera"]["state_sha256"] != runs["compressed_skip"]["state_sha256"]
