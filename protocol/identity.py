@@ -8,6 +8,7 @@ that group or others can read is refused. This module knows nothing about messag
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 from dataclasses import dataclass
@@ -98,9 +99,18 @@ def verify(node_id: str, data: bytes, signature: bytes) -> bool:
     return True
 
 
+# What link(2) answers on a filesystem without hard links (some FUSE, SMB and FAT mounts), or with no
+# room for another link to the file.
+_NO_HARD_LINKS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS})
+
+
 def save_identity(identity: Identity, path: str | Path) -> None:
     """Write the key as PKCS#8 PEM with mode 0600, atomically; refuses to overwrite, also a key another
-    process wrote while this one ran (the file is linked into place, never renamed over it)."""
+    process wrote while this one ran (the file is linked into place, never renamed over it).
+
+    On a filesystem without hard links the key is created at `path` itself with O_EXCL (so still never
+    over another key), synced, and removed again if writing it fails: no partial key is left there.
+    """
     path = Path(path)
     if path.is_dir():
         raise KeyFileError(f"{path}: is a directory; give the key file's path")
@@ -114,13 +124,15 @@ def save_identity(identity: Identity, path: str | Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        _write_synced(tmp, pem, os.O_TRUNC)
         try:
-            os.write(fd, pem)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.link(tmp, path)
+            os.link(tmp, path)
+        except FileExistsError:
+            raise
+        except OSError as exc:
+            if exc.errno not in _NO_HARD_LINKS:
+                raise
+            _write_synced(path, pem, os.O_EXCL)
         tmp.unlink()
     except FileExistsError:
         tmp.unlink(missing_ok=True)
@@ -129,6 +141,22 @@ def save_identity(identity: Identity, path: str | Path) -> None:
         with contextlib.suppress(OSError):  # the temporary file may never have been created
             tmp.unlink()
         raise KeyFileError(f"{path}: cannot write the key file: {exc.strerror or exc}") from exc
+
+
+def _write_synced(path: Path, data: bytes, flag: int) -> None:
+    """Create `path` (mode 0600; `flag` O_EXCL or O_TRUNC) holding `data`, synced to disk; a file this
+    call created is removed again when writing it fails, so none is left half-written."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | flag, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    os.close(fd)
 
 
 def load_identity(path: str | Path) -> Identity:

@@ -1,7 +1,8 @@
 """`tessera keygen` and `tessera spec check`: create a node key, validate a network spec.
 
 Both only touch the files the user names and never the network. `spec check` also refuses a spec
-whose miners' blob headers could be over its `limits.max_header_bytes` (node.cli.spec.check_header_cap),
+whose blob headers (a miner's submission, a validator's global state or momentum) could be over its
+`limits.max_header_bytes` (node.cli.spec.check_header_cap),
 from the base model's config alone (a model on the meta device, no weights); where the model's config
 is not at hand it says so on stderr and checks the spec file only.
 """
@@ -54,8 +55,11 @@ def run_spec_check(args: argparse.Namespace) -> int:
         from training.adapters import adapter_for
         from training.experts import expected_shapes
 
-        shapes = expected_shapes(meta_base(spec, Path(args.file)), adapter_for(spec.model.family), spec.group)
-        check_header_cap(spec, shapes)
+        try:
+            shapes = expected_shapes(meta_base(spec, Path(args.file)), adapter_for(spec.model.family), spec.group)
+            check_header_cap(spec, shapes)
+        except ValueError as exc:
+            raise ValueError(f"{args.file}: {exc}") from None
     else:
         print(f"tessera: note: {source} is not here; blob header sizes were not checked", file=sys.stderr)
     print(spec.network_id)

@@ -20,6 +20,7 @@ import os
 import shutil
 import tempfile
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -172,39 +173,86 @@ def run_select_experts(args: argparse.Namespace) -> int:
         documents = as_documents(texts[: args.max_sequences])
         stability = stability_report(model, adapter, documents, args.rule, top_d=args.top_d, mass=args.mass,
                                      general=general, mode=args.mode, pad_id=tokenizer.pad_id)
-    write_new_file(args.out, _json_bytes(selection), "--out")
+    update = _judge_into(into, selection["group"], model, adapter) if into is not None else None
     summary: dict[str, Any] = {"group": selection["group"], "rule": args.rule, "mode": args.mode, "out": str(args.out)}
-    if stability is not None:
-        write_new_file(args.stability, _json_bytes(stability), "--stability")
-        summary["stability"] = {n: round(c["pairwise_jaccard"], 4) for n, c in stability["counts"].items()}
-    if into is not None:
-        summary["into"] = _write_into(args.into, into, selection["group"])
+    written: list[Path] = []
+    try:  # a write that fails takes back the new files written before it, so a failed run leaves nothing
+        write_new_file(args.out, _json_bytes(selection), "--out")
+        written.append(args.out)
+        if stability is not None:
+            write_new_file(args.stability, _json_bytes(stability), "--stability")
+            written.append(args.stability)
+            summary["stability"] = {n: round(c["pairwise_jaccard"], 4) for n, c in stability["counts"].items()}
+        if update is not None:
+            summary["into"] = _write_into(update)
+    except BaseException:
+        for path in written:
+            path.unlink(missing_ok=True)
+        raise
     print(json.dumps(summary, indent=2, sort_keys=True))
     return 0
 
 
-def _check_into(path: Path, spec: Any) -> dict[str, Any]:
-    """The raw TOML of the spec the group goes into, refused if its base model is not the one measured."""
+@dataclass(frozen=True)
+class _Into:
+    """The spec `--into` names, as read before the work: its path (a link followed), bytes and TOML."""
+
+    path: Path
+    data: bytes
+    raw: dict[str, Any]
+    network_id: str
+
+
+@dataclass(frozen=True)
+class _IntoUpdate:
+    """The spec `--into` will hold, judged whole before anything is written."""
+
+    into: _Into
+    text: str
+    network_id: str
+
+
+def _check_into(path: Path, spec: Any) -> _Into:
+    """The spec the group goes into, refused if its base model is not the one measured or it cannot be
+    rewritten in its directory."""
     from protocol.spec import load_spec
 
     target = load_spec(path)
     if target.model.base_hash != spec.model.base_hash:
         raise ValueError(f"--into {path}: its base model ({target.model.base_hash[:16]}...) is not the one "
                          f"measured ({spec.model.base_hash[:16]}...)")
-    return tomllib.loads(path.read_text(encoding="utf-8"))
+    resolved = path.resolve()
+    check_output_file(resolved, "--into", replace=True)
+    data = resolved.read_bytes()
+    return _Into(path=resolved, data=data, raw=tomllib.loads(data.decode("utf-8")), network_id=target.network_id)
 
 
-def _write_into(path: Path, raw: dict[str, Any], group: dict[str, list[int]]) -> dict[str, str]:
+def _judge_into(into: _Into, group: dict[str, list[int]], model: Any, adapter: Any) -> _IntoUpdate:
+    """The spec with the new group, judged as `spec check` judges it (the blob header cap included)."""
+    from node.cli.spec import check_header_cap
     from node.sim.layout import to_toml
-    from protocol.spec import load_spec, parse_spec
+    from protocol.spec import parse_spec
+    from training.experts import expected_shapes
 
-    before = load_spec(path).network_id
-    updated = {**raw, "group": group}
-    after = parse_spec(updated).network_id
-    write_atomically(path, to_toml(updated))
-    return {"spec": str(path), "network_id_before": before, "network_id": after,
+    updated = {**into.raw, "group": group}
+    judged = parse_spec(updated)
+    try:
+        check_header_cap(judged, expected_shapes(model, adapter, judged.group))
+    except ValueError as exc:
+        raise ValueError(f"--into {into.path}: with this group, {exc}") from exc
+    return _IntoUpdate(into=into, text=to_toml(updated), network_id=judged.network_id)
+
+
+def _write_into(update: _IntoUpdate) -> dict[str, str]:
+    """Replace the spec atomically, unless it changed since it was read (an edit is never lost)."""
+    into = update.into
+    if into.path.read_bytes() != into.data:
+        raise ValueError(f"--into {into.path}: the spec changed while this ran; it was not updated "
+                         "(run again, or write the group from --out into it)")
+    write_atomically(into.path, update.text)
+    return {"spec": str(into.path), "network_id_before": into.network_id, "network_id": update.network_id,
             "note": "the network id changed; nodes of the old network will not accept this spec"
-            if after != before else "the group was already this one; the network id is unchanged"}
+            if update.network_id != into.network_id else "the group was already this one; the network id is unchanged"}
 
 
 def run_eval_subset(args: argparse.Namespace) -> int:

@@ -10,10 +10,10 @@
 checkpoint directory, runs Phase 1 selection (`training.selection.select_experts`) on the training
 data and writes a complete spec that `spec check` accepts; paths in it are relative to the spec file.
 `--set` gives the protocol's settings other than the defaults (`protocol.spec.SETTABLE_SECTIONS`). It
-checks everything before it writes, including that every miner's blob header fits the spec's
-`limits.max_header_bytes` (`check_header_cap`, which `spec check` runs too), and writes nothing when
-a check fails. This module knows no selection or hashing rules of its own; heavy imports happen when
-a command runs.
+checks everything before it writes, including that every blob header (a miner's submission, a
+validator's global state and momentum) fits the spec's `limits.max_header_bytes` (`check_header_cap`,
+which `spec check` runs too), and writes nothing when a check fails. This module knows no selection or
+hashing rules of its own; heavy imports happen when a command runs.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def run_spec_new(args: argparse.Namespace) -> int:
     check_output_file(args.out, "--out")  # an unwritable or taken --out fails before any work
     _check_options(args)
     judge_settings(args.spec_settings)  # a bad --set fails here, before the checkpoint is read
-    validators = [_validator(text) for text in args.validator]
+    validators = _validators(args.validator)
     genesis = _genesis(args.genesis)
     top_d = args.top_d if args.top_d is not None or args.mass is not None else 2
     train_documents = [doc for path in args.train for doc in _documents("--train", path)]
@@ -110,6 +110,7 @@ def run_spec_new(args: argparse.Namespace) -> int:
         raise ValueError(f"--heldout {args.heldout}: {exc}; hold those documents out of --train") from None
     checkpoint = args.checkpoint.resolve()
     config_sha256 = config_hash(read_config(checkpoint))
+    _check_top_d(top_d, checkpoint)
     base_hash = checkpoint_hash(checkpoint)
     tokenizer = HFTokenizer(checkpoint)
     model = load_checkpoint(checkpoint, progress=True)
@@ -142,14 +143,35 @@ def run_spec_new(args: argparse.Namespace) -> int:
 
 
 def check_header_cap(spec: NetworkSpec, shapes: Mapping[str, tuple[int, ...]]) -> None:
-    """Refuse a spec whose miners' blobs could have a header over `limits.max_header_bytes`, which every
-    validator refuses; `shapes` are the group's expert tensors (`training.experts.expected_shapes`)."""
-    need, cap = submission_header_bytes(spec, shapes), spec.limits.max_header_bytes
-    if need > cap:
-        raise ValueError(
-            f"limits.max_header_bytes ({cap}) is too small: a miner's {spec.submission.format} blob for this expert "
-            f"group needs a header of up to {need} bytes, and validators refuse every blob over the limit; raise it "
-            f"(--set limits.max_header_bytes={need}) or choose fewer experts (--top-d, --mass, the group)")
+    """Refuse a spec whose blobs could have a header over `limits.max_header_bytes`, which every node refuses:
+    a miner's submission, or the global state and momentum blobs validators write and every node reads
+    (fp32 and named by no miner: in a bf16 network of many experts they can need more than a submission);
+    `shapes` are the group's expert tensors (`training.experts.expected_shapes`)."""
+    submission, state, cap = submission_header_bytes(spec, shapes), state_header_bytes(spec, shapes), \
+        spec.limits.max_header_bytes
+    need = max(submission, state)
+    if need <= cap:
+        return
+    blob = (f"a miner's {spec.submission.format} blob" if submission >= state
+            else "the validators' global state and momentum blobs")
+    raise ValueError(
+        f"limits.max_header_bytes ({cap}) is too small: {blob} for this expert group can need a header of up to "
+        f"{need} bytes, and every node refuses a blob over the limit; raise it to {need} (`spec new`: --set "
+        f"limits.max_header_bytes={need}; a spec file: its [limits]) or choose fewer experts (--top-d, --mass, "
+        "the group)")
+
+
+def state_header_bytes(spec: NetworkSpec, shapes: Mapping[str, tuple[int, ...]]) -> int:
+    """The most bytes the header of a global state or momentum blob can take, as `validator.state` writes
+    them (fp32 tensors of the group's shapes, no miner) in round 999999999; it reads no weights."""
+    from training.blob import BlobMeta, header_size
+    from validator.state import GLOBAL_FORMAT, MOMENTUM_FORMAT, STATE_MINER
+
+    tensors = {name: ("F32", tuple(shape)) for name, shape in shapes.items()}
+    group = {layer: list(ids) for layer, ids in spec.group.items()}
+    return max(header_size(tensors, BlobMeta(network=spec.network_id, round=999_999_999, miner=STATE_MINER,
+                                             base="f" * 64, group=group, format=fmt))
+               for fmt in (GLOBAL_FORMAT, MOMENTUM_FORMAT))
 
 
 def submission_header_bytes(spec: NetworkSpec, shapes: Mapping[str, tuple[int, ...]]) -> int:
@@ -206,6 +228,30 @@ def _documents(flag: str, path: Path) -> list[str]:
     return documents
 
 
+def _check_top_d(top_d: int | None, checkpoint: Path) -> None:
+    """Refuse, before a weight is read, a --top-d over the experts per layer of the checkpoint's config."""
+    from training.adapters import adapter_for
+    from training.model import meta_model
+
+    if top_d is None:
+        return
+    meta = meta_model(checkpoint)
+    experts = adapter_for(meta.config.model_type).num_experts(meta)
+    if top_d > experts:
+        raise ValueError(f"--top-d {top_d}: the checkpoint has only {experts} experts per layer")
+
+
+def _validators(texts: list[str]) -> list[tuple[str, float]]:
+    """The --validator options as (node id, weight); a node id given twice is refused, naming it."""
+    validators = [_validator(text) for text in texts]
+    seen: set[str] = set()
+    for key, _ in validators:
+        if key in seen:
+            raise ValueError(f"--validator {key}: given twice; name each validator once, with its weight")
+        seen.add(key)
+    return validators
+
+
 def _validator(text: str) -> tuple[str, float]:
     from protocol.encoding import is_hex_digest
 
@@ -229,7 +275,7 @@ def _genesis(text: str | None) -> datetime:
     except ValueError:
         raise ValueError(f"--genesis {text!r}: not an ISO 8601 time like 2026-01-01T00:00:00Z") from None
     if value.tzinfo is None:
-        raise ValueError(f"--genesis {text!r}: give a UTC offset, e.g. {text}Z")
+        raise ValueError(f"--genesis {text!r}: give a UTC offset, e.g. {value.isoformat()}Z")
     return value.astimezone(UTC)
 
 

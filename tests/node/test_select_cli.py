@@ -11,6 +11,7 @@ import errno
 import json
 import os
 import shutil
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -278,3 +279,74 @@ def test_cluster_data_leaves_other_files_beside_its_out_dir_alone(net: Path, tmp
     assert code == 0, err
     assert (beside / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == [".clusters.tmp", "clusters"]
+
+
+def _into_run(net: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], target: Path,
+              top_d: str = "2") -> tuple[int, str, str]:
+    return tessera(capsys, "select-experts", "--spec", net / "spec.toml", "--data", net / "data/train.jsonl",
+                   "--rule", "gate-mass", "--top-d", top_d, "--examples", "1", "--into", target,
+                   "--stability", tmp_path / "stability.json", "--out", tmp_path / "g.json")
+
+
+def test_a_failed_into_write_takes_back_out_and_stability(net: Path, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    target = tmp_path / "into.toml"
+    shutil.copy(net / "spec.toml", target)
+    untouched = target.read_bytes()
+    real_replace = os.replace
+
+    def disk_full_at_spec(src: str | Path, dst: str | Path) -> None:
+        if Path(dst) == target:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dst))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", disk_full_at_spec)  # the last step of updating the spec
+    code, _, err = _into_run(net, tmp_path, capsys, target)
+    assert (code, err) == (2, f"tessera: error: {target}: {os.strerror(errno.ENOSPC)}\n")
+    assert target.read_bytes() == untouched and sorted(tmp_path.iterdir()) == [target]
+
+
+def test_into_refuses_a_group_over_its_header_cap_before_writing(net: Path, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    spec = tomllib.loads((net / "spec.toml").read_text())
+    spec["limits"] = {"max_header_bytes": 1024}
+    target = tmp_path / "into.toml"
+    target.write_text(to_toml(spec), encoding="utf-8")
+    untouched = target.read_bytes()
+    code, _, err = _into_run(net, tmp_path, capsys, target, top_d="8")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"tessera: error: --into {target}: with this group, limits.max_header_bytes (1024) is too "
+                          "small: a miner's experts blob for this expert group can need a header of up to "), err
+    assert target.read_bytes() == untouched and sorted(tmp_path.iterdir()) == [target]
+
+
+def test_into_never_loses_an_edit_made_while_it_ran(net: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import training.selection
+
+    target = tmp_path / "into.toml"
+    shutil.copy(net / "spec.toml", target)
+    edited = target.read_text() + "# the operator's note\n"
+    real_select = training.selection.select_experts
+
+    def edit_meanwhile(*args: object, **kwargs: object) -> object:
+        target.write_text(edited)
+        return real_select(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(training.selection, "select_experts", edit_meanwhile)
+    code, _, err = _into_run(net, tmp_path, capsys, target)
+    assert (code, err) == (2, f"tessera: error: --into {target}: the spec changed while this ran; it was not updated "
+                              "(run again, or write the group from --out into it)\n")
+    assert target.read_text() == edited and sorted(tmp_path.iterdir()) == [target]
+
+
+def test_into_follows_a_link_to_the_spec(net: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    real = tmp_path / "specs" / "into.toml"
+    real.parent.mkdir()
+    shutil.copy(net / "spec.toml", real)
+    link = tmp_path / "into.toml"
+    link.symlink_to(real)
+    code, _, err = _into_run(net, tmp_path, capsys, link)
+    assert code == 0, err
+    assert link.is_symlink() and load_spec(real).group == {0: PLANTED, 1: PLANTED}

@@ -53,6 +53,8 @@ def data(tmp_path: Path) -> tuple[Path, Path]:
     (["--train", "{data}"], "--train {data}: is a directory"),
     (["--heldout", "{data}/train.jsonl"], "--heldout {data}/train.jsonl: held-out data shares"),
     (["--train", "{data}/latin1.txt"], "{data}/latin1.txt:1: not UTF-8 text (byte 0xe9 at offset 3)"),
+    (["--validator", f"{KEY}:2"], f"--validator {KEY}: given twice; name each validator once, with its weight"),
+    (["--genesis", "2026-01-01"], "--genesis '2026-01-01': give a UTC offset, e.g. 2026-01-01T00:00:00Z"),
 ])
 def test_spec_new_refuses_before_reading_the_checkpoint_and_writes_nothing(
         tmp_path: Path, data: tuple[Path, Path], capsys: pytest.CaptureFixture[str], extra: list[str],
@@ -140,3 +142,32 @@ def test_a_sim_network_that_fails_part_way_leaves_nothing(tmp_path: Path) -> Non
     with pytest.raises(ValueError, match=r"spec.toml: timing.commit_s: Input should be a finite number"):
         make_sim_network(tmp_path / "empty", validators=1, timing={"commit_s": math.nan})
     assert list((tmp_path / "empty").iterdir()) == []
+
+
+def test_spec_new_refuses_a_top_d_over_the_checkpoints_experts_before_loading_it(
+        tmp_path: Path, data: tuple[Path, Path], capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    checkpoint = write_hub_checkpoint(tmp_path / "ckpt", "qwen3_moe")
+    train, heldout = data
+    capsys.readouterr()
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the checkpoint was loaded")
+
+    monkeypatch.setattr("training.model.load_checkpoint", never)
+    out = tmp_path / "net" / "spec.toml"
+    refused(capsys, ["spec", "new", "--checkpoint", checkpoint, "--train", train, "--heldout", heldout,
+                     "--validator", KEY, "--top-d", "9", "--seq-len", "32", "--out", out],
+            "tessera: error: --top-d 9: the checkpoint has only 8 experts per layer")
+    assert not (tmp_path / "net").exists()
+
+
+def test_spec_check_names_the_spec_whose_group_the_model_cannot_hold(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A group edited by hand to name a layer the model has no experts in is refused naming the file."""
+    make_sim_network(tmp_path / "net", validators=1)
+    spec = tmp_path / "net" / "spec.toml"
+    text = spec.read_text(encoding="utf-8")
+    assert "\n[group]\n" in text
+    spec.write_text(text.replace("\n[group]\n", "\n[group]\n99 = [0]\n"), encoding="utf-8")
+    refused(capsys, ["spec", "check", spec], match=f"{spec}: group layer 99 is not an MoE layer of the model")
