@@ -3,7 +3,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo test check lint bench clean test-tools
+.PHONY: demo test check bench clean test-tools
 
 $(STAMP): pyproject.toml constraints.txt
 	@# py-libp2p builds fastecdsa from source, which needs the GMP headers.

@@ -46,7 +46,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                           "2-bit, with error feedback; the spec's default [submission] parameters) (default experts)")
     sim.add_argument("--set", action="append", default=[], type=spec_setting, metavar="SECTION.FIELD=VALUE",
                      dest="spec_settings",
-                     help="write a value into the network spec's [training], [rewards], [aggregation] or [submission] "
+                     help="write a value into the network spec's [training], [rewards], [aggregation], [submission] or "
+                          "[limits] "
                           "(repeatable; after --inner-steps and --format), e.g. --set aggregation.outer_lr=2.5")
     sim.add_argument("--keep-optimizer", action="store_true",
                      help="miners keep their AdamW state from round to round ([miner] keep_optimizer)")
