@@ -39,12 +39,12 @@ import torch
 
 from node.duties.consensus import Consensus
 from node.duties.feedback import ErrorFeedback, keep_feedback, load_feedback
-from node.duties.results import learn_results
+from node.duties.results import learn_results, unheard_by
 from node.net.network import PublishRefused
 from node.runtime.config import MinerSection
 from node.runtime.daemon import BuiltOnce, DutiesFactory, HeartbeatDuties, NodeContext
 from node.runtime.metrics import NodeMetrics
-from node.store.records import Submission
+from node.store.records import RoundPlan, Submission
 from protocol.messages import Commit, Envelope, Message, Reveal
 from protocol.rounds import Phase
 from protocol.spec import NetworkSpec, spec_dir_path
@@ -315,7 +315,9 @@ class MinerDuties:
         await self.consensus.on_phase(round, phase, model.shapes)
         await self.heartbeat.on_phase(round, phase)
         if phase is Phase.TRAIN:
-            await learn_results(self.ctx.storage, self.ctx.spec, round - 1)
+            plan = await learn_results(self.ctx.storage, self.ctx.spec, round - 1)
+            if plan is not None:
+                await self._say_if_unheard(plan)
             await self._train(round, model)
         elif phase is Phase.COMMIT:
             await self._commit(round)
@@ -327,6 +329,15 @@ class MinerDuties:
     async def on_message(self, envelope: Envelope, message: Message) -> None:
         await self.consensus.on_message(envelope, message)
         self.arrivals.set()
+
+    async def _say_if_unheard(self, plan: RoundPlan) -> None:
+        """Warn when every validator assigned to this miner reported on the round and none named it."""
+        unheard = unheard_by(plan, await self.ctx.storage.score_reports(plan.round), self.ctx.identity.node_id)
+        if unheard:
+            log.warning("round %d: the validator(s) assigned to this miner (%s) reported on the round without "
+                        "naming it: its commit or reveal did not reach them within their windows. Check that "
+                        "this machine keeps time (NTP; peers refuse messages from a clock that runs ahead as "
+                        "early) and that peers can reach it", plan.round, ", ".join(v[:12] for v in unheard))
 
     # -- TRAIN --------------------------------------------------------------------------------
 

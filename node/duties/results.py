@@ -20,6 +20,7 @@ from typing import Any
 
 from node.duties.plan import make_plan
 from node.store.db import Storage
+from node.store.records import RoundPlan
 from protocol.messages import ScoreReport
 from protocol.ranking import RoundRanking
 from protocol.spec import NetworkSpec
@@ -43,21 +44,35 @@ def leaderboard(round: int, head: str, ranking: RoundRanking, reports: Mapping[s
     return {"round": round, "base": head, "base_loss": ranking.base_loss, "exact": exact, "miners": miners}
 
 
-async def learn_results(storage: Storage, spec: NetworkSpec, round: int) -> None:
-    """Rank a settled round from the public reports, unless its leaderboard is already stored."""
+async def learn_results(storage: Storage, spec: NetworkSpec, round: int) -> RoundPlan | None:
+    """Rank a settled round from the public reports, unless its leaderboard is already stored; the plan it
+    was ranked on, or None where it was not ranked now."""
     if round < 0 or await storage.round_results(round) is not None:
-        return
+        return None
     reports = await storage.score_reports(round)
     plan = await storage.round_plan(round) or await make_plan(storage, spec, round)
     if not reports or plan is None:
-        return
+        return None
     head = await _round_head(storage, spec, round)
     try:
         ranking = rank_reports(reports, plan.assignment, plan.revealed, head, spec)
     except MergeInputError as exc:
         log.info("round %d: no leaderboard: %s", round, exc)
-        return
+        return None
     await storage.set_round_results(round, leaderboard(round, head, ranking, reports, exact=False))
+    return plan
+
+
+def unheard_by(plan: RoundPlan, reports: Mapping[str, ScoreReport], miner: str) -> tuple[str, ...]:
+    """The validators assigned to `miner` in `plan` when every one of them reported on the round without
+    naming it, so none took its commit or reveal in its window; () otherwise (not assigned, named by one,
+    or a report that has not arrived, which says nothing)."""
+    assigned = plan.assignment.get(miner, ())
+    if not all(v in reports for v in assigned):
+        return ()
+    if any(entry.miner == miner for v in assigned for entry in reports[v].entries):
+        return ()
+    return assigned
 
 
 async def _round_head(storage: Storage, spec: NetworkSpec, round: int) -> str:
