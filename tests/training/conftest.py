@@ -3,12 +3,14 @@
 `tiny` is parametrised over all six families and gives a `Tiny(family, model, adapter, group)`;
 the group takes experts 1 and 3 of the first MoE layer and expert 2 of the second. The factories
 `make_tiny(family, seed=0)` and `pattern(n, length, seed, ...)` are fixtures too; `pattern` makes a
-deterministic, easily learnable domain: rotations of a short repeating byte pattern.
+deterministic, easily learnable domain: rotations of a short repeating byte pattern. `good` is a
+tiny Qwen3-MoE checkpoint directory written with `save_pretrained`, once per module.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
@@ -64,3 +66,10 @@ def make_tiny_fixture() -> Callable[..., Tiny]:
 @pytest.fixture(name="pattern")
 def pattern_fixture() -> Callable[..., torch.Tensor]:
     return pattern_sequences
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("good")
+    build_tiny_model("qwen3_moe", tiny_config("qwen3_moe"), 0).save_pretrained(str(directory))
+    return directory

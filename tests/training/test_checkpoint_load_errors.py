@@ -9,7 +9,6 @@ differs from the config's are named by key; what transformers raises for weights
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -17,18 +16,8 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from training.model import build_tiny_model, load_checkpoint, tiny_config
-
-
-@pytest.fixture(scope="module")
-def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("good")
-    build_tiny_model("qwen3_moe", tiny_config("qwen3_moe"), 0).save_pretrained(str(directory))
-    return directory
-
-
-def _copy(good: Path, tmp_path: Path) -> Path:
-    return Path(shutil.copytree(good, tmp_path / "ckpt"))
+from tests.training.test_hostile_checkpoint import _copy
+from training.model import load_checkpoint
 
 
 @pytest.mark.parametrize("bug", [KeyError("layers"), AssertionError("an invariant"), TypeError("an argument")])

@@ -20,16 +20,9 @@ from safetensors.torch import save_file
 
 from training.checkpoint import checkpoint_hash
 from training.export import PACK_FORMAT, PACK_MANIFEST, PACK_TENSORS, read_expert_pack
-from training.model import build_tiny_model, load_checkpoint, tiny_config
+from training.model import load_checkpoint
 
 Header = dict[str, Any]
-
-
-@pytest.fixture(scope="module")
-def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("good")
-    build_tiny_model("qwen3_moe", tiny_config("qwen3_moe"), 0).save_pretrained(str(directory))
-    return directory
 
 
 def _copy(good: Path, tmp_path: Path) -> Path:
