@@ -5,7 +5,8 @@ simulation timing: 80 s rounds with TRAIN 90 % of them) as real processes on loo
 - each miner's training wall time per round from its log ("round R: trained N steps in S s"),
 - every node's recorded phase-handler runs (start and end wall time, from its state file).
 Reported:
-- `train_share`: mean over miners and rounds of training wall time / round length; target >= 0.8;
+- `train_share`: mean over miners and rounds of training wall time / round length, a miner-round with
+  no training run counting as 0; target >= 0.8;
 - `train_window_share`: the same over the TRAIN window only;
 - `phase_seconds`: per phase, the mean over rounds of the longest handler run of any node;
 - `rounds`: the per-round report the simulation wrote (losses, verdicts, hashes).
@@ -32,6 +33,16 @@ from protocol.rounds import PHASES  # noqa: E402
 TRAINED = re.compile(r"round (?P<round>\d+): trained (?P<steps>\d+) steps in (?P<seconds>[\d.]+) s")
 
 
+def training_runs(logs: list[str], miners: int, rounds: int) -> tuple[list[float], list[int]]:
+    """From the miners' logs: training seconds per miner-round, one for each of the `miners` × `rounds` (a
+    miner-round with no training run, late or failed, counts as 0 s, not as absent), and the steps of the
+    runs there were."""
+    runs = [m for log in logs for m in TRAINED.finditer(log) if int(m["round"]) < rounds]
+    if not runs:
+        raise SystemExit("no miner logged a training run; see the node logs")
+    return [float(m["seconds"]) for m in runs] + [0.0] * (miners * rounds - len(runs)), [int(m["steps"]) for m in runs]
+
+
 def measure(rounds: int, settings: SimSettings) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tessera-bench-round-") as tmp, \
             Simulation(Path(tmp) / "sim", settings) as sim:
@@ -43,10 +54,7 @@ def measure(rounds: int, settings: SimSettings) -> dict[str, Any]:
         assert sim.schedule is not None
         round_s, train_s = sim.schedule.round_seconds, sim.schedule.train_s
         logs = [n.log_path.read_text(errors="replace") for n in sim.nodes.values() if n.role == "miner"]
-    training = [float(m["seconds"]) for log in logs for m in TRAINED.finditer(log) if int(m["round"]) < rounds]
-    steps = [int(m["steps"]) for log in logs for m in TRAINED.finditer(log) if int(m["round"]) < rounds]
-    if not training:
-        raise SystemExit("no miner logged a training run; see the node logs")
+    training, steps = training_runs(logs, settings.miners, rounds)
     phase_seconds = {str(p): round(statistics.mean(e["phase_seconds"].get(str(p), 0.0) for e in entries), 3)
                      for p in PHASES}
     mean_train = statistics.mean(training)
@@ -57,7 +65,8 @@ def measure(rounds: int, settings: SimSettings) -> dict[str, Any]:
         "validators": settings.validators,
         "rounds_measured": rounds,
         "miner_train_seconds": {"mean": round(mean_train, 3), "min": round(min(training), 3),
-                                "max": round(max(training), 3), "runs": len(training)},
+                                "max": round(max(training), 3), "runs": len(steps),
+                                "runs_expected": settings.miners * rounds},
         "miner_inner_steps": {"mean": round(statistics.mean(steps), 1), "min": min(steps), "max": max(steps)},
         "train_share": round(mean_train / round_s, 3),
         "train_window_share": round(mean_train / train_s, 3),
