@@ -388,6 +388,13 @@ def test_replayed_envelopes_are_judged_on_time_in_their_own_window_and_otherwise
     assert late.judge_replayed(future, validator_ids[0].node_id, 1)[0].reason == "outside commit window"
     assert late.judge_replayed(future, validator_ids[0].node_id, 0)[0].reason == "not the round asked for"
 
+    clock.set(schedule.phase_window(1, Phase.TRAIN)[0])  # a round on, the previous round's history is still kept
+    later = GossipJudge(spec, clock.now)
+    assert later.judge_replayed(commit, validator_ids[0].node_id, 0)[0].accepted and later.recent(0) == [commit]
+    clock.set(schedule.phase_window(2, Phase.TRAIN)[0])  # two rounds on, it is dropped
+    assert later.judge(heartbeat(spec, miner_ids[0], r=2).to_bytes(), "relay")[0].accepted
+    assert later.recent(0) == []
+
 
 async def test_a_catch_up_skips_a_provider_that_holds_no_history(
     spec: NetworkSpec, clock: ManualClock, nodes: dict[str, MemoryNetwork], miner_ids: list[Identity],

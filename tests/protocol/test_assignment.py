@@ -25,6 +25,7 @@ def test_follows_the_documented_hash() -> None:
 
     expected = tuple(sorted(VALIDATORS, key=dist)[:3])
     assert assign(SEED, [miner], VALIDATORS, 3) == {miner: expected}
+    assert assign(SEED, [miner], VALIDATORS, 1) == {miner: expected[:1]}  # replication 1 is the least allowed
 
 
 def test_deterministic_and_order_free() -> None:
@@ -80,5 +81,8 @@ def test_a_round_admits_the_miners_the_seed_puts_first_when_too_many_revealed() 
     first = sorted(MINERS[:100], key=lambda m: hashlib.sha256(bytes.fromhex(SEED + m)).digest())[:7]
     assert chosen == tuple(sorted(first))
     assert admit("00" * 32, MINERS[:100], 7) != chosen  # another round, another draw
+    assert admit(SEED, MINERS[:100], 1) == tuple(first[:1])  # capacity 1 is the least allowed
     with pytest.raises(ValueError, match="capacity"):
         admit(SEED, MINERS[:3], 0)
+    with pytest.raises(ValueError, match="round seed"):
+        admit("00", MINERS[:3], 10)  # refused even when every miner fits

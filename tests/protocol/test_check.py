@@ -137,6 +137,15 @@ def test_a_spec_whose_skew_outgrows_reveal_opens_seeds_halfway_through_it(spec: 
     assert window("seed_reveal", R, wide) == ((start + end) / 2, end)
 
 
+def test_before_genesis_round_0s_windows_judge_early_messages(spec, schedule, ctx_at, miner_ids) -> None:
+    env = seal(make_message("heartbeat", 0), spec.network_id, miner_ids[0])
+    early = ctx_at(schedule.genesis_ts - 3600)
+    assert early.current_round == 0
+    result = check(env, early)
+    assert (result.verdict, result.reason, result.detail) == (Verdict.REJECT, "outside heartbeat window", TOO_EARLY)
+    assert check(env, ctx_at(schedule.genesis_ts - schedule.clock_skew_s)).verdict is Verdict.ACCEPT
+
+
 def test_old_round_is_ignored(spec, schedule, ctx_at, miner_ids) -> None:
     env = seal(make_message("commit"), spec.network_id, miner_ids[0])
     result = check(env, ctx_at(schedule.round_start(R + 2) + 1))
@@ -204,7 +213,9 @@ def test_round_mismatch_and_bad_body_rejected(spec, schedule, ctx_at, miner_ids)
     with_kind = forge(
         miner_ids[0], spec.network_id, "commit", R, {"round": R, "commitment": H, "kind": "commit"}
     )
-    assert check(with_kind, ctx).reason == "malformed body"
+    result = check(with_kind, ctx)
+    assert (result.reason, result.detail) == ("malformed body",
+                                              "commit body: the kind belongs in the envelope, not the body")
     wrong_shape = forge(miner_ids[0], spec.network_id, "commit", R, {"round": R, "commitment": 5})
     assert check(wrong_shape, ctx).reason == "malformed body"
     good = forge(miner_ids[0], spec.network_id, "commit", R, {"round": R, "commitment": H})
@@ -219,6 +230,8 @@ def test_check_bytes(spec, schedule, ctx_at, miner_ids) -> None:
     result, decoded = check_bytes(env.to_bytes(), ctx, spec.limits.max_message_bytes)
     assert result.verdict is Verdict.ACCEPT and decoded == env
     assert check_bytes(env.to_bytes(), ctx, 100)[0].reason == "oversized"
+    assert check_bytes(env.to_bytes(), ctx, len(env.to_bytes()))[0].verdict is Verdict.ACCEPT  # the limit is allowed
+    assert check_bytes(env.to_bytes(), ctx, len(env.to_bytes()) - 1)[0].reason == "oversized"
     garbage, none = check_bytes(b"{not json", ctx, 1000)
     assert (garbage.verdict, garbage.reason, none) == (Verdict.REJECT, "malformed envelope", None)
     spaced = env.to_bytes().replace(b'","', b'", "', 1)

@@ -139,4 +139,6 @@ def test_the_median_of_huge_finite_losses_is_finite() -> None:
     assert median([1.7e308, 1.7e308]) == 1.7e308
     assert median([-1.7e308, -1.7e308]) == -1.7e308
     assert median([0.1, 0.7]) == (0.1 + 0.7) / 2  # the ordinary case is computed as it always was
+    # Halving first only when the sum overflowed: halving the smallest subnormals first would round them to 0.
+    assert median([5e-324, 5e-324]) == 5e-324
     assert math.isinf(median([math.inf, 1.0]))

@@ -50,6 +50,8 @@ def test_hand_computed_round() -> None:
     assert ranking.points() == {M8: 1.0, M2: pytest.approx(2 / 3), M1: pytest.approx(1 / 3)}
     assert ranking.result(M8).utility == pytest.approx(1.9)
     assert ranking.result(M5).utility == 0.0
+    with pytest.raises(KeyError):
+        ranking.result("ff" * 32)  # a miner the round did not assign has no result
     assert [r.miner for r in ranking.results][:4] == [M8, M2, M1, M3]
 
 
@@ -86,10 +88,15 @@ def test_bad_inputs() -> None:
         rank_round({}, {M1: (V1,)}, {}, {}, set(), top_k=1)
     with pytest.raises(ValueError, match="base loss must be a finite"):
         rank_round({}, {}, {V1: float("nan")}, {}, set(), top_k=1)
+    with pytest.raises(ValueError, match="base loss must be a finite non-negative number, got -1.0"):
+        rank_round({}, {}, {V1: -1.0}, {}, set(), top_k=1)
+    assert rank_round({}, {}, {V1: 0.0}, {}, set(), top_k=1).base_loss == 0.0  # non-negative: zero is a loss
     with pytest.raises(ValueError, match="no base loss for validator"):
         rank_round({V1: {M1: 2.0}}, {M1: (V1,)}, {}, {M1: "aa" * 32}, set(), top_k=1)
     with pytest.raises(ValueError, match="non-finite"):
         rank_round({V1: {M1: float("inf")}}, {M1: (V1,)}, {V1: 3.0}, {M1: "aa" * 32}, set(), top_k=1)
+    with pytest.raises(ValueError, match="top_k must be >= 1, got 0"):
+        rank_round({}, {}, {V1: 3.0}, {}, set(), top_k=0)  # refused even when no miner would be ranked
 
 
 def test_scores_from_report() -> None:
@@ -106,9 +113,11 @@ def test_scores_from_report() -> None:
 def test_median_and_points() -> None:
     assert median([3.0, 1.0, 2.0]) == 2.0
     assert median([4.0, 1.0, 3.0, 2.0]) == 2.5
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="median of no values"):
         median([])
     assert [rank_points(k, 4) for k in range(0, 6)] == [0.0, 1.0, 0.75, 0.5, 0.25, 0.0]
+    with pytest.raises(ValueError, match="top_k must be >= 1, got 0"):
+        rank_points(1, 0)
 
 
 def test_update_standing_ema() -> None:
@@ -118,5 +127,7 @@ def test_update_standing_ema() -> None:
     for _ in range(3):
         decayed = update_standing(decayed, {}, alpha=0.5)
     assert decayed == {"a": 0.125}
+    assert update_standing({"at": 2e-9}, {}, alpha=0.5) == {"at": 1e-9}  # exactly the floor stays
+    assert update_standing({"a": 1.0}, {"b": 1.0}, alpha=1) == {"b": 1.0}  # alpha 1 keeps only this round
     with pytest.raises(ValueError, match="alpha"):
         update_standing({}, {}, alpha=0)

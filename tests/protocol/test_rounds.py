@@ -68,6 +68,8 @@ def test_invalid_lengths_refused() -> None:
         Schedule(G, train_s=1, commit_s=0, reveal_s=1, evaluate_s=1, merge_s=1)
     with pytest.raises(ValueError, match="clock skew"):
         Schedule(G, train_s=1, commit_s=1, reveal_s=1, evaluate_s=1, merge_s=1, clock_skew_s=-1)
+    with pytest.raises(ValueError, match="genesis must be a finite timestamp, got inf"):
+        Schedule(float("inf"), train_s=1, commit_s=1, reveal_s=1, evaluate_s=1, merge_s=1)
 
 
 lengths = st.floats(min_value=0.01, max_value=5000, allow_nan=False)
