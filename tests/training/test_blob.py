@@ -189,3 +189,94 @@ def test_write_blob_file_without_replace_never_overwrites(
         write_blob_file(path, b"second", replace=False)
     assert path.read_bytes() == b"first"
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]  # no temporary file left behind
+
+
+def _reheadered(edit) -> bytes:
+    """A valid blob whose header (with its metadata as a dict) went through `edit`, written canonically."""
+    data = encode_blob(make_tensors(torch.float32), META)
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    meta = json.loads(header["__metadata__"]["tessera"])
+    edit(header, meta)
+    header["__metadata__"]["tessera"] = json.dumps(meta, sort_keys=True, separators=(",", ":"))
+    raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw + data[8 + n :]
+
+
+FIRST = sorted(make_tensors(torch.float32))[0]
+
+
+def _set_group_key(key: str):
+    def edit(header: dict, meta: dict) -> None:
+        meta["group"] = {key: [0]}
+    return edit
+
+
+def _set_entry(field: str, value: object):
+    def edit(header: dict, meta: dict) -> None:
+        header[FIRST][field] = value
+    return edit
+
+
+def _shift_first(header: dict, meta: dict) -> None:
+    header[FIRST]["data_offsets"] = [o - 8 for o in header[FIRST]["data_offsets"]]
+
+
+@pytest.mark.parametrize(
+    ("edit", "reason"),
+    [
+        (lambda h, m: m.update(format="x" * 100), f"malformed header: unknown format {'x' * 40!r}"),
+        (_set_group_key(""), "malformed header: group layer keys must be decimal integers"),
+        (_set_group_key("1234567890"), "malformed header: group layer keys must be decimal integers"),
+        (_set_group_key("01"), "malformed header: group layer keys must be decimal integers"),
+        (_set_entry("shape", [-1, 48]), f"malformed header: shape of {FIRST!r} must be a list of non-negative integers"),
+        (_set_entry("data_offsets", [0, 192, 192]), f"malformed header: data_offsets of {FIRST!r} must be two integers"),
+        (_shift_first, f"malformed header: offsets of {FIRST!r} out of range"),
+        (_set_entry("dtype", "X" * 50), f"malformed header: unsupported dtype {'X' * 16!r}"),
+        (lambda h, m: h.update({"y" * 200: {"dtype": "F32", "shape": [0]}}),
+         f"malformed header: entry {'y' * 80!r} must have exactly dtype, shape, data_offsets"),
+    ],
+    ids=["long format", "empty layer key", "10-digit layer key", "leading zero", "negative shape",
+         "three offsets", "negative begin", "long dtype", "long entry name"],
+)
+def test_each_malformed_header_field_has_its_own_short_reason(edit, reason: str) -> None:
+    with pytest.raises(BlobError) as info:
+        decode_header(_reheadered(edit), MAX_HEADER)
+    assert info.value.reason == reason
+
+
+def test_edge_cases_that_are_valid_blobs() -> None:
+    wide = BlobMeta(network="ab" * 32, round=0, miner="", base="ef" * 32, group={123456789: [0]})
+    assert decode_blob(encode_blob({}, wide), MAX_HEADER) == (wide, {})  # nine-digit layer, no tensors
+
+
+def test_fewer_than_eight_bytes_are_truncated_and_a_non_pickle_0x80_is_not_called_pickle() -> None:
+    for k in range(8):
+        with pytest.raises(BlobError) as info:
+            decode_header(b"\x01" * k, MAX_HEADER)
+        assert info.value.reason == "truncated", k
+    with pytest.raises(BlobError) as info:
+        decode_header(b"\x80\x01" + b"\xff" * 14, MAX_HEADER)
+    assert info.value.reason == "header too large"
+
+
+def test_every_header_is_padded_to_a_multiple_of_eight_bytes() -> None:
+    for extra in range(8):
+        data = encode_blob(make_tensors(torch.float32), BlobMeta(network="ab", round=7, miner="c" * extra,
+                                                                 base="ef", group=GROUP))
+        (n,) = struct.unpack("<Q", data[:8])
+        assert n % 8 == 0, extra
+
+
+def test_write_blob_file_without_hard_links_never_replaces_a_dangling_symlink(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_link(src: object, dst: object) -> None:
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+    monkeypatch.setattr(os, "link", no_link)
+    path = tmp_path / "out.json"
+    path.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(FileExistsError):
+        write_blob_file(path, b"data", replace=False)
+    assert path.is_symlink() and not (tmp_path / "nowhere").exists()

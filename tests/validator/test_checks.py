@@ -81,6 +81,36 @@ def test_blob_over_the_cap_is_too_large() -> None:
     assert _check(encode_blob(tensors, META)).reason == "blob too large"
 
 
+def test_a_blob_exactly_at_the_cap_is_accepted_and_one_byte_over_is_too_large() -> None:
+    data = encode_blob(_tensors(), META)
+    (n,) = struct.unpack("<Q", data[:8])
+    at_cap = dataclasses.replace(_expect(data), max_header_bytes=n)
+    assert at_cap.max_bytes() == len(data)
+    assert check_submission(data, at_cap).ok
+    one_over = dataclasses.replace(_expect(data), max_header_bytes=n - 1)
+    assert check_submission(data, one_over).reason == "blob too large"
+
+
+def test_tensor_set_mismatches_name_the_first_tensor_in_sorted_order() -> None:
+    first, second = sorted(SHAPES)[:2]
+    missing = {k: v for k, v in _tensors().items() if k not in (first, second)}
+    assert _check(encode_blob(missing, META)).reason == f"missing tensor {first}"
+    extra = _tensors() | {"layers.2.experts.5.down_proj": torch.zeros(1), "layers.2.experts.7.down_proj": torch.zeros(1)}
+    assert _check(encode_blob(extra, META)).reason == "unexpected tensor layers.2.experts.5.down_proj"
+
+
+def test_an_unexpected_tensor_name_is_cut_to_80_characters_in_the_reason() -> None:
+    long_name = "x" * 200
+    verdict = _check(encode_blob(_tensors() | {long_name: torch.zeros(1)}, META))
+    assert verdict.reason == f"unexpected tensor {'x' * 80}"
+
+
+def test_the_expected_group_matches_whatever_order_its_expert_ids_are_given_in() -> None:
+    data = encode_blob(_tensors(), META)
+    shuffled = dataclasses.replace(_expect(data), group={0: [3, 1], 2: [0]})
+    assert check_submission(data, shuffled).ok
+
+
 def _hostile_blobs() -> dict[str, tuple[bytes, str]]:
     valid = encode_blob(_tensors(), META)
     name = sorted(SHAPES)[0]
@@ -135,6 +165,8 @@ def test_each_hostile_blob_is_rejected_with_a_distinct_reason() -> None:
         assert not verdict.ok, label
         assert verdict.tensors is None, label
         assert verdict.reason.startswith(expected), (label, verdict.reason)
+        if label in ("extra tensor", "missing tensor", "wrong dtype", "wrong shape", "nan", "inf"):
+            assert verdict.meta == META, label
         reasons[label] = verdict.reason
     assert len(set(reasons.values())) == len(reasons), reasons
     assert "overlap" in reasons["overlapping offsets"] and "out of range" in reasons["offsets out of range"]

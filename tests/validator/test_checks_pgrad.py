@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import struct
 from collections.abc import Callable
 
 import pytest
@@ -120,12 +121,27 @@ def test_hostile_compressed_blobs_are_rejected_with_their_own_reason(
     edit(blob)
     verdict = _check(blob)
     assert not verdict.ok and verdict.reason == reason
+    assert verdict.meta == META
 
 
 def test_oversize_and_wrong_format_are_rejected() -> None:
     padded = {**_blob_tensors(), "layers.0.experts.1.gate_up_proj.x": torch.zeros(8192, dtype=torch.uint8)}
     assert _check(padded).reason == "blob too large"
     assert _check(_blob_tensors(), dataclasses.replace(META, format=BLOB_FORMAT)).reason == "wrong format"
+
+
+def test_a_compressed_blob_exactly_at_the_cap_is_accepted_and_one_byte_over_is_too_large() -> None:
+    data = encode_blob(_blob_tensors(), META)
+    (n,) = struct.unpack("<Q", data[:8])
+
+    def expect(max_header_bytes: int) -> Expectation:
+        return Expectation(network=META.network, round=META.round, miner=META.miner, base=META.base, group=GROUP,
+                           shapes=SHAPES, dtype="float32", commitment=blob_hash(data),
+                           max_header_bytes=max_header_bytes, pgrad=CFG)
+
+    assert expect(n).max_bytes() == len(data)
+    assert check_submission(data, expect(n)).ok
+    assert check_submission(data, expect(n - 1)).reason == "blob too large"
 
 
 def test_full_experts_are_refused_where_the_spec_asks_for_pseudo_gradients() -> None:
@@ -141,5 +157,8 @@ def test_the_spec_names_the_format_and_a_default_section_keeps_the_network_id() 
     compressed = parse_spec({**make_spec_dict(), "submission": {"format": "pgrad", "chunk": 64, "topk": 8,
                                                                  "quant": "int8", "partitions": 1}})
     assert pgrad_config(compressed) == CFG and compressed.network_id != plain.network_id
+    halves = parse_spec({**make_spec_dict(), "submission": {"format": "pgrad", "chunk": 64, "topk": 8,
+                                                             "quant": "int8", "partitions": 2}})
+    assert pgrad_config(halves) == dataclasses.replace(CFG, partitions=2)
     with pytest.raises(SpecError, match="submission: topk must be a multiple of 4"):
         parse_spec({**make_spec_dict(), "submission": {"format": "pgrad", "topk": 6}})

@@ -12,9 +12,12 @@ import torch
 
 from protocol.assignment import assign
 from protocol.messages import ScoreEntry, ScoreReport
-from protocol.spec import NetworkSpec
-from tests.conftest import MINER_OFFSET, make_identity
-from validator.merge import MergeInputError, MissingBlobError, merge_round
+from protocol.spec import NetworkSpec, parse_spec
+from tests.conftest import MINER_OFFSET, make_identity, make_spec_dict
+from training.outer import OuterConfig
+from training.pgrad import chunk_draw, coverage
+from validator.checks import pgrad_config
+from validator.merge import MergeInputError, MissingBlobError, merge_round, outer_config
 from validator.state import GlobalExperts
 
 ROUND = 4
@@ -167,6 +170,8 @@ def test_missing_candidate_blob_is_named(spec: NetworkSpec) -> None:
     with pytest.raises(MissingBlobError) as info:
         rnd.merge(blobs={})
     assert info.value.miners == sorted([a, b])  # the candidates: a combined loss with positive utility
+    first, second = sorted([a, b])
+    assert str(info.value) == f"missing checked blobs for 2 candidate miner(s): {first[:12]}, {second[:12]}"
     with pytest.raises(MissingBlobError) as info:
         rnd.merge(blobs={a: rnd.blobs[a], c: rnd.blobs[c]})
     assert info.value.miners == [b]
@@ -184,3 +189,86 @@ def test_an_outer_step_that_would_overflow_fp32_is_not_taken(spec: NetworkSpec) 
                          steep, rnd.head.hash)
     assert result.ranking.ranked() == (a, b) and result.points == {a: 1.0, b: pytest.approx(2 / 3)}  # rewarded
     assert not result.changed and result.new_global is global_tensors and result.new_momentum is momentum
+
+
+def test_an_overflow_in_one_entry_keeps_the_state_and_still_reports_the_duplicates(spec: NetworkSpec) -> None:
+    steep = spec.model_copy(update={"aggregation": spec.aggregation.model_copy(update={"outer_lr": 8.0})})
+    spiky, honest, copier = _miners(3)
+    glob = _global(spec)
+    name = sorted(glob)[0]
+    spike = dict(glob)
+    spike[name] = glob[name].clone()
+    spike[name][0, 0] = -3e38  # one finite entry the outer step would take to -inf; every other entry stays finite
+    trained = _moved(glob, 2)
+    copied = {n: t + 1e-4 * torch.ones_like(t) for n, t in trained.items()}
+    rnd = Round(steep, {spiky: spike, honest: trained, copier: copied}, {spiky: 2.0, honest: 2.5, copier: 2.5})
+    global_tensors, momentum = dict(rnd.head.tensors), dict(rnd.head.momentum)
+    result = merge_round(rnd.reports, rnd.assignment, rnd.commitments, rnd.blobs, global_tensors, momentum,
+                         steep, rnd.head.hash)
+    assert result.ranking.ranked() == (spiky,) and result.points == {spiky: 1.0}
+    assert not result.changed and result.new_global is global_tensors and result.new_momentum is momentum
+    assert result.duplicates == {honest, copier}
+
+
+def test_outer_config_takes_every_aggregation_setting_from_the_spec() -> None:
+    for clip in (False, True):
+        aggregation = {"outer_lr": 0.7, "momentum": 0.9, "clip_to_median": clip, "weighting": "utility"}
+        spec = parse_spec({**make_spec_dict(), "aggregation": aggregation})
+        assert outer_config(spec) == OuterConfig(lr=0.7, momentum=0.9, clip_to_median=clip, weighting="utility")
+
+
+def _partitioned(**aggregation: object) -> NetworkSpec:
+    submission = {"format": "pgrad", "chunk": 32, "topk": 4, "quant": "int8", "partitions": 2}
+    return parse_spec({**make_spec_dict(), "submission": submission, "aggregation": aggregation})
+
+
+def test_a_partitioned_round_averages_each_chunk_over_the_miners_that_drew_it() -> None:
+    spec = _partitioned(clip_to_median=False)
+    cfg = pgrad_config(spec)
+    assert cfg is not None
+    miners = _miners(3)
+    glob = _global(spec)
+    shapes = {name: tuple(t.shape) for name, t in glob.items()}
+    masks = {m: coverage(shapes, cfg, chunk_draw(spec.network_id, ROUND, m))
+             for m in miners}
+    entries = {m: {name: masks[m][name].repeat_interleave(t.numel() // masks[m][name].numel()).reshape(t.shape)
+                   for name, t in glob.items()} for m in miners}
+    g = torch.Generator().manual_seed(11)
+    grads = {m: {name: 0.05 * torch.randn(t.shape, generator=g) * entries[m][name] for name, t in glob.items()}
+             for m in miners}  # a rebuilt partitioned submission is 0 off the chunks its miner drew
+    rnd = Round(spec, {m: {n: glob[n] - grads[m][n] for n in glob} for m in miners}, dict.fromkeys(miners, 2.5))
+    result = rnd.merge()
+    assert sorted(result.contributors) == sorted(miners)
+    covered = {name: sum(entries[m][name] for m in miners) for name in glob}
+    assert any(bool(((c > 0) & (c < len(miners))).any()) for c in covered.values())  # the draws differ
+    for name, t in glob.items():
+        total = sum(grads[m][name] for m in miners)
+        mean = torch.where(covered[name] > 0, total / covered[name].clamp(min=1), torch.zeros_like(t))
+        torch.testing.assert_close(result.new_global[name], t - mean, rtol=0, atol=1e-6)
+
+
+def test_reports_of_different_rounds_cannot_be_merged_in_a_partitioned_network() -> None:
+    spec = _partitioned()
+    a, b = _miners(2)
+    glob = _global(spec)
+    rnd = Round(spec, {a: _moved(glob, 1), b: _moved(glob, 2)}, {a: 2.5, b: 2.0})
+    first = spec.validators[0].key
+    mixed = {**rnd.reports, first: rnd.reports[first].model_copy(update={"round": ROUND + 1})}
+    with pytest.raises(MergeInputError, match=rf"score reports of rounds \[{ROUND}, {ROUND + 1}\] cannot be merged"):
+        rnd.merge(reports=mixed)
+
+
+def test_the_outer_step_carries_the_previous_momentum(spec: NetworkSpec) -> None:
+    nesterov = spec.model_copy(update={"aggregation": spec.aggregation.model_copy(update={"momentum": 0.5})})
+    (miner,) = _miners(1)
+    glob = _global(spec)
+    rnd = Round(nesterov, {miner: _moved(glob, 1)}, {miner: 2.0})
+    previous = {name: torch.full_like(t, 0.25) for name, t in glob.items()}
+    result = merge_round(rnd.reports, rnd.assignment, rnd.commitments, rnd.blobs, dict(rnd.head.tensors),
+                         previous, nesterov, rnd.head.hash)
+    assert result.contributors == [miner]
+    for name, t in glob.items():
+        g = t - rnd.blobs[miner][name]
+        m = 0.5 * previous[name] + g
+        torch.testing.assert_close(result.new_momentum[name], m, rtol=0, atol=1e-6)
+        torch.testing.assert_close(result.new_global[name], t - (g + 0.5 * m), rtol=0, atol=1e-6)

@@ -15,7 +15,8 @@ from tests.conftest import MINER_OFFSET, make_identity, make_spec_dict
 from training.adapters import adapter_for
 from training.blob import BlobMeta, blob_hash, encode_blob
 from training.corpus import generate
-from training.data import batches, pack
+from training.data import batches, heldout_subset, pack
+from training.evaluate import heldout_loss
 from training.experts import extract
 from training.model import build_tiny_model, state_hash, tiny_config
 from training.tokenizer import ByteTokenizer
@@ -141,7 +142,7 @@ def test_refusals_carry_the_checks_reason(qwen) -> None:
     assert garbage.reason == setup.scorer.check(ROUND, GARBAGE, commitment, data, setup.head).reason
     assert garbage.reason.startswith(("malformed header", "header too large", "truncated"))
     assert (entries[STALE].verdict, entries[STALE].reason) == ("reject", "stale base")
-    assert (entries[ABSENT].verdict, entries[ABSENT].loss) == ("missing", None)
+    assert (entries[ABSENT].verdict, entries[ABSENT].loss, entries[ABSENT].reason) == ("missing", None, "missing")
     forged = setup.blob(GOOD, setup.global_tensors)
     assert setup.scorer.check(ROUND, GOOD, submissions[GOOD][0], forged, setup.head).reason == "hash mismatch"
 
@@ -211,3 +212,61 @@ def test_scoring_stops_between_submissions_when_told_and_leaves_the_global_state
         setup.scorer.score_round(ROUND, SEED, setup.global_tensors, setup.head, submissions, keep_going)
     held = extract(setup.model, setup.adapter, setup.spec.group)  # no miner's experts left swapped in
     assert all(torch.equal(held[name], setup.global_tensors[name]) for name in setup.global_tensors)
+
+
+def test_l_base_is_the_loss_on_the_spec_count_of_held_out_rows_the_seed_picks(qwen) -> None:
+    setup, _, result = qwen
+    n = setup.spec.data.heldout_sequences
+    expected = heldout_loss(setup.model, heldout_subset(setup.scorer.heldout, SEED, n), 16, "cpu").loss
+    assert result.base_loss == expected
+
+
+def test_held_out_data_shorter_than_the_spec_asks_is_refused(qwen) -> None:
+    setup, _, _ = qwen
+    n = setup.spec.data.heldout_sequences
+    Scorer(setup.model, setup.adapter, setup.spec, setup.scorer.heldout[:n])  # exactly enough
+    with pytest.raises(ValueError, match=f"held-out data has {n - 1} sequences; the spec scores {n} per round"):
+        Scorer(setup.model, setup.adapter, setup.spec, setup.scorer.heldout[: n - 1])
+
+
+def test_a_global_state_with_a_non_finite_loss_is_refused(qwen) -> None:
+    setup, submissions, _ = qwen
+    scorer = Scorer(copy.deepcopy(setup.model), setup.adapter, setup.spec, setup.scorer.heldout)
+    broken = {name: torch.full_like(t, float("nan")) for name, t in setup.global_tensors.items()}
+    with pytest.raises(ValueError, match=f"the global state {setup.head[:12]} has a non-finite held-out loss"):
+        scorer.score_round(ROUND, SEED, broken, setup.head, {LAZY: submissions[LAZY]})
+
+
+def test_finite_experts_that_overflow_the_forward_pass_are_rejected(qwen) -> None:
+    setup, _, _ = qwen
+    huge = {name: torch.full_like(t, 3e38) for name, t in setup.global_tensors.items()}  # finite: passes the checks
+    result = setup.score({NOISE: _submit(setup.blob(NOISE, huge))})
+    (entry,) = result.entries
+    assert (entry.verdict, entry.reason, entry.loss) == ("reject", "non-finite loss", None)
+    assert result.accepted == {}
+
+
+def test_a_check_reason_longer_than_a_report_holds_is_cut_to_200_characters(qwen) -> None:
+    setup, _, _ = qwen
+    tensors = dict(setup.global_tensors)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].reshape((1,) * 100 + (-1,))  # the checks' reason lists all 101 dims
+    data = setup.blob(NOISE, tensors)
+    long_reason = setup.scorer.check(ROUND, NOISE, blob_hash(data), data, setup.head).reason
+    assert long_reason.startswith(f"wrong shape for {name}: [1, 1,") and len(long_reason) > 200
+    (entry,) = setup.score({NOISE: _submit(data)}).entries
+    assert (entry.verdict, entry.reason) == ("reject", long_reason[:200])
+
+
+def test_auto_device_keeps_a_model_that_already_has_a_device_map_where_it_is(qwen) -> None:
+    setup, _, _ = qwen
+    placed = copy.deepcopy(setup.model)
+    placed.hf_device_map = {"": "cpu"}
+    assert Scorer(placed, setup.adapter, setup.spec, setup.scorer.heldout, device="auto").device == torch.device("cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="spreading over GPUs is the GPU tests' business")
+def test_auto_device_spreads_a_model_without_a_device_map_and_needs_gpus_for_it(qwen) -> None:
+    setup, _, _ = qwen
+    with pytest.raises(ValueError, match="spreads the model over CUDA GPUs, but this machine has none"):
+        Scorer(copy.deepcopy(setup.model), setup.adapter, setup.spec, setup.scorer.heldout, device="auto")

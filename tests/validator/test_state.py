@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from protocol.spec import NetworkSpec
 from training.blob import BlobMeta, blob_hash, decode_blob, encode_blob
 from validator.checks import Expectation, check_submission
-from validator.state import GENESIS_ROUND, GlobalExperts, StateError, adopt
+from validator.state import GENESIS_ROUND, GLOBAL_FORMAT, MOMENTUM_FORMAT, GlobalExperts, StateError, adopt
 
 HIDDEN, INTER = 8, 4
 
@@ -93,6 +95,55 @@ def test_from_blobs_refuses_mismatched_pairs_and_submissions(spec: NetworkSpec) 
     )
     with pytest.raises(StateError, match="expected a tessera-global/1"):
         GlobalExperts.from_blobs(submission, child.momentum_blob(), spec, _shapes(spec))
+
+
+def _state_meta(spec: NetworkSpec, child: GlobalExperts, **changes: object) -> BlobMeta:
+    meta = BlobMeta(network=spec.network_id, round=child.round, miner="", base=child.parent, group=spec.group,
+                    format=GLOBAL_FORMAT)
+    return dataclasses.replace(meta, **changes)
+
+
+def test_from_blobs_refuses_a_state_blob_that_is_not_this_networks_state(spec: NetworkSpec) -> None:
+    _, child = _chain(spec)
+    momentum = child.momentum_blob()
+    nan = {k: v.clone() for k, v in child.tensors.items()}
+    nan[sorted(nan)[0]][0, 0] = float("nan")
+    hostile = {
+        "another network": (encode_blob(child.tensors, _state_meta(spec, child, network="ff" * 32)),
+                            "tessera-global/1 blob is for another network"),
+        "names a miner": (encode_blob(child.tensors, _state_meta(spec, child, miner="ee" * 32)),
+                          "tessera-global/1 blob names a miner; it is a submission, not a global state"),
+        "another group": (encode_blob(child.tensors, _state_meta(spec, child, group={0: [0]})),
+                          "tessera-global/1 blob is for another expert group"),
+        "one NaN": (encode_blob(nan, _state_meta(spec, child)), "tessera-global/1 blob holds non-finite values"),
+        "truncated": (child.to_blob()[:-8], "tessera-global/1 blob: truncated"),
+    }
+    for label, (state, reason) in hostile.items():
+        with pytest.raises(StateError) as info:
+            GlobalExperts.from_blobs(state, momentum, spec, _shapes(spec))
+        assert str(info.value) == reason, label
+
+
+def test_from_blobs_refuses_momentum_of_another_round_or_dtype(spec: NetworkSpec) -> None:
+    _, child = _chain(spec)
+    state = child.to_blob()
+    momentum = _state_meta(spec, child, base=child.hash, format=MOMENTUM_FORMAT)
+    later = encode_blob(child.momentum, dataclasses.replace(momentum, round=child.round + 1))
+    with pytest.raises(StateError, match=f"momentum is for round {child.round + 1}, the state for round {child.round}"):
+        GlobalExperts.from_blobs(state, later, spec, _shapes(spec))
+    half = encode_blob({k: v.to(torch.bfloat16) for k, v in child.momentum.items()}, momentum)
+    with pytest.raises(StateError, match="momentum tensors must be float32"):
+        GlobalExperts.from_blobs(state, half, spec, _shapes(spec))
+
+
+def test_a_child_keeps_the_parents_names_and_writes_its_momentum_in_fp32(spec: NetworkSpec) -> None:
+    genesis, child = _chain(spec)
+    fewer = dict(list(child.tensors.items())[1:])
+    with pytest.raises(ValueError, match="exactly the parent's tensor names"):
+        genesis.child(3, fewer, {k: child.momentum[k] for k in fewer})
+    half = genesis.child(3, child.tensors, {k: v.to(torch.bfloat16) for k, v in child.momentum.items()})
+    again = GlobalExperts.from_blobs(half.to_blob(), half.momentum_blob(), spec, _shapes(spec))
+    assert all(m.dtype == torch.float32 for m in again.momentum.values())
 
 
 def test_a_state_blob_never_passes_as_a_submission(spec: NetworkSpec) -> None:
