@@ -16,6 +16,10 @@ import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from node.runtime.config import NodeConfig
 
 CONFIG_NAME = "node.toml"
 
@@ -85,8 +89,7 @@ def run_init(args: argparse.Namespace) -> int:
 
 
 def run_daemon(args: argparse.Namespace) -> int:
-    from node.runtime.config import load_config
-    from node.runtime.daemon import serve
+    from node.runtime.config import ConfigError, load_config
 
     config = load_config(args.config)
     if config.node.role != args.role:
@@ -94,6 +97,15 @@ def run_daemon(args: argparse.Namespace) -> int:
                          f"or change the role")
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return _serve(config)
+    except ConfigError as exc:  # a setting the node found wrong as it started (a port in use): name the file
+        raise ConfigError(f"{args.config}: {exc}") from exc
+
+
+def _serve(config: NodeConfig) -> int:
+    from node.runtime.daemon import serve
+
     if config.node.role == "miner":
         from node.duties.miner import MinerDuties
 
@@ -119,13 +131,20 @@ def run_status(args: argparse.Namespace) -> int:
         api = load_config(args.config).http
         if not api.enabled:
             raise ValueError(f"{args.config}: http.enabled is false; the node serves no status")
+        if api.port == 0:
+            raise ValueError(f"{args.config}: http.port is 0 (a free port the node picks as it starts); give "
+                             f"--url with the address its log names (\"http api on ...\")")
         host = "127.0.0.1" if api.host in ("0.0.0.0", "") else api.host
         url = f"http://{host}:{api.port}"
     try:
         with urllib.request.urlopen(f"{url}/status", timeout=args.timeout) as response:
             body = response.read()
     except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
-        raise ValueError(f"{url}/status: no answer from the node ({exc})") from exc
+        reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+        if isinstance(reason, ConnectionRefusedError):
+            raise ValueError(f"{url}/status: no answer from the node: nothing listens there; is it running? (its "
+                             f"log names its address: \"http api on ...\")") from exc
+        raise ValueError(f"{url}/status: no answer from the node ({reason})") from exc
     try:
         status = json.loads(body)
     except ValueError:

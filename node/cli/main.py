@@ -4,8 +4,8 @@ Each module named in COMMAND_MODULES exposes `register(subparsers) -> None`, whi
 subcommands with `set_defaults(run=fn)`, where `fn(args) -> int` is the exit code. Modules keep
 heavy imports (torch, libp2p) inside their run functions so `tessera --help` stays fast. User
 errors (ValueError and its subclasses SpecError, KeyFileError) and file-system errors on the paths
-a user gave (OSError) become one line on stderr and exit code 2, never a traceback. This module
-knows no command's behaviour.
+a user gave (OSError) become one line on stderr and exit code 2, never a traceback; Ctrl-C at any point
+(while torch imports, too) says "interrupted" and exits 130. This module knows no command's behaviour.
 """
 
 from __future__ import annotations
@@ -67,7 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one `tessera` command; returns its exit code."""
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)  # imports every command module: Ctrl-C may land here
+    except KeyboardInterrupt:
+        return _interrupted()
     run: Callable[[argparse.Namespace], int] = args.run  # set_defaults(run=...) of the chosen command
     try:
         return run(args)
@@ -80,7 +83,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tessera: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        return EXIT_INTERRUPTED
+        return _interrupted()
+
+
+def _interrupted() -> int:
+    print("tessera: interrupted", file=sys.stderr)
+    return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ says where things are and how the node should behave.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import tomllib
@@ -269,11 +270,25 @@ def _describe(exc: ValidationError, path: Path) -> str:
     if not loc:  # a cross-field rule; its message starts with the field it blames
         return f"{path}: {msg}"
     field = ".".join(loc)
+    if err["type"] == "extra_forbidden":
+        msg += _did_you_mean(loc)
     for depth in range(len(loc), 0, -1):
         name = ENV_PREFIX + "__".join(loc[:depth]).upper()
         if any(k.upper() == name for k in os.environ):
             return f"{name} (environment): {field}: {msg}"
     return f"{path}: {field}: {msg}"
+
+
+def _did_you_mean(loc: list[str]) -> str:
+    """" (did you mean X?)" for a misspelt section or field, naming the closest one; "" when none is close."""
+    model: Any = NodeConfig
+    for part in loc[:-1]:
+        info = model.model_fields.get(part)
+        model = None if info is None else info.annotation
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return ""
+    close = difflib.get_close_matches(loc[-1], list(model.model_fields), n=1)
+    return f" (did you mean {'.'.join([*loc[:-1], close[0]])}?)" if close else ""
 
 
 def render_config(role: Role, spec: Path, key: Path, data_dir: Path, p2p_port: int, http_port: int,

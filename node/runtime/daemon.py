@@ -12,6 +12,9 @@ that peer accepted in the previous and the current round (`Network.catch_up`) an
 
 Miner and validator work plugs in through `Duties` (`on_phase`, `on_message`), built from a
 `NodeContext`; the built-in `HeartbeatDuties` only announces liveness and head, once a round.
+
+Before it takes the locks, a node refuses what would run but never work (node.runtime.preflight); once
+running it says in its log when it has no peer and what to check, and when it has peers again.
 This module knows nothing about training, scoring or merging, nor about libp2p (node.net.p2p).
 """
 
@@ -20,8 +23,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import signal
 import sqlite3
+import time
 from collections.abc import Awaitable, Callable, Container, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
@@ -29,24 +34,27 @@ from typing import Any, Generic, Protocol, TypeVar
 from node.net.judge import GossipJudge, clock_behind, clock_suspects
 from node.net.network import Network, NetworkError, PublishRefused, Subscription
 from node.runtime.clock import Clock, SystemClock
-from node.runtime.config import NodeConfig
+from node.runtime.config import ConfigError, NodeConfig
 from node.runtime.http import HttpApi
 from node.runtime.metrics import NodeMetrics
+from node.runtime.preflight import alone_hint, check_listen, check_role_key
 from node.runtime.scheduler import PhaseRun, Scheduler
 from node.runtime.status import StatusViews, learning_settings
 from node.store.blobs import BlobStore
 from node.store.db import Storage
-from node.store.lock import NodeLock
+from node.store.lock import NodeLock, Owner
 from protocol.identity import Identity, load_or_create_identity
 from protocol.messages import Envelope, Heartbeat, Message, seal
 from protocol.rounds import Phase, Schedule
-from protocol.spec import NetworkSpec, load_spec
+from protocol.spec import NetworkSpec, SpecError, load_spec
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 TAKE_IN_S = 2.0  # how long a duty may spend asking a peer for what gossip missed and recording it
 CATCH_UP_WAIT_S = 10.0  # how long a node started after genesis waits for a peer to catch up from
+ALONE_WARN_S = 15.0  # how long a node goes without a peer before its log says so
+PEER_WATCH_S = 1.0  # how often it looks
 
 ROUNDS_LISTED = 32
 
@@ -222,11 +230,18 @@ class Node:
                      duties: DutiesFactory | None = None) -> Node:
         """Load spec and key, lock the data directory and key (AlreadyRunning if another node holds them),
         open storage and blobs, and join the network (libp2p when none is given)."""
-        spec = load_spec(config.node.spec)
+        try:
+            spec = load_spec(config.node.spec)
+        except SpecError as exc:
+            raise ConfigError(f"node.spec: {exc}") from exc
         identity = await asyncio.to_thread(load_or_create_identity, config.node.key)
+        check_role_key(config, spec, identity)
+        if network is None:
+            await asyncio.to_thread(check_listen, config)
         clock = clock or SystemClock()
         # before sweeping the blob store's temporary files, which a running node may be writing
-        lock = await asyncio.to_thread(NodeLock.acquire, config.node.data_dir, config.node.key)
+        owner = Owner(network=spec.network_id, role=config.node.role, node=identity.node_id)
+        lock = await asyncio.to_thread(NodeLock.acquire, config.node.data_dir, config.node.key, owner)
         now, schedule = clock.now(), Schedule.from_spec(spec)
         new_data_round = schedule.round_at(now) if not config.db_path.exists() and now >= schedule.genesis_ts else -1
         try:
@@ -264,6 +279,7 @@ class Node:
                 log.info("http api on %s", self.http.url)
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(self._consume(self._subscription), name="gossip-consumer"),
+                         tg.create_task(self._watch_peers(), name="peer-watch"),
                          tg.create_task(self._catch_up(), name="catch-up")]
                 stopped = tg.create_task(self._stop.wait(), name="stop")
                 await asyncio.wait([tasks[-1], stopped], return_when=asyncio.FIRST_COMPLETED)
@@ -279,6 +295,10 @@ class Node:
         self._stop.set()
 
     @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    @property
     def gossip_idle(self) -> bool:
         """Every delivery so far has been handled: the gossip consumer waits on an empty subscription."""
         return self._subscription.pending == 0 and self._subscription.waiting > 0
@@ -291,6 +311,8 @@ class Node:
         if ctx.clock.now() < ctx.schedule.genesis_ts:
             return
         waited = 0.0
+        if not ctx.network.peers():
+            log.info("waiting up to %.0f s for a peer to catch up on this round from", CATCH_UP_WAIT_S)
         while not ctx.network.peers() and waited < CATCH_UP_WAIT_S:
             await asyncio.sleep(0.2)
             waited += 0.2
@@ -306,6 +328,22 @@ class Node:
                 log.info("round %d: caught up on %d message(s) accepted while this node was away", round, got)
         while self._subscription.pending:  # let the consumer take them in before the first phase runs
             await asyncio.sleep(0.05)
+
+    async def _watch_peers(self) -> None:
+        """Say when the node has had no peer for ALONE_WARN_S, and what to check; and when it has peers."""
+        alone_since: float | None = time.monotonic()
+        warned = False
+        while True:
+            peers = len(self.ctx.network.peers())
+            if peers and alone_since is not None:
+                log.info("p2p: connected to %d peer(s)", peers)
+                alone_since, warned = None, False
+            elif not peers:
+                alone_since = time.monotonic() if alone_since is None else alone_since
+                if not warned and time.monotonic() - alone_since >= ALONE_WARN_S:
+                    log.warning("p2p: no peers for %.0f s: %s", ALONE_WARN_S, alone_hint(self.ctx.config, self.ctx.network))
+                    warned = True
+            await asyncio.sleep(PEER_WATCH_S)
 
     async def _close(self) -> None:
         if self.http is not None:
@@ -464,10 +502,32 @@ def serve(config: NodeConfig, duties: DutiesFactory | None = None) -> int:
         node = await Node.create(config, duties=duties)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, node.stop)
-        log.info("%s %s on network %s", config.node.role, node.ctx.identity.node_id[:12], node.ctx.spec.name)
+            loop.add_signal_handler(sig, _on_signal, node, sig)
+        ctx = node.ctx
+        log.info("%s %s on network %s (%s), listening on %s", config.node.role, ctx.identity.node_id[:12],
+                 ctx.spec.name, ctx.spec.network_id[:12], ", ".join(ctx.network.listen_addrs) or "nothing")
+        if (wait := ctx.schedule.genesis_ts - ctx.clock.now()) > 0:
+            log.info("genesis (round 0) is at %s UTC, in %s; the node waits for it, and its status page counts down",
+                     time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ctx.schedule.genesis_ts)), _duration(wait))
         await node.run()
         log.info("stopped cleanly")
         return 0
 
     return asyncio.run(main())
+
+
+def _on_signal(node: Node, sig: signal.Signals) -> None:
+    """The first SIGINT/SIGTERM stops the node cleanly; a second one exits at once, which is safe (a node killed at
+    any point resumes in the current round) and what an operator who presses Ctrl-C again wants."""
+    if node.stopping:
+        log.warning("%s again: exiting now, without waiting for the phase in progress", sig.name)
+        logging.shutdown()
+        os._exit(128 + sig)
+    log.info("%s: stopping; the phase in progress is cancelled and the network and storage are closed "
+             "(a second signal exits at once)", sig.name)
+    node.stop()
+
+
+def _duration(seconds: float) -> str:
+    hours, rest = divmod(int(seconds), 3600)
+    return f"{hours} h {rest // 60} min" if hours else f"{rest // 60} min {rest % 60} s"

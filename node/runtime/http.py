@@ -3,25 +3,29 @@
 
 Read-only and GET only; binds 127.0.0.1 unless configured otherwise, every address of the host on one
 port. Bad input gets a 4xx with a one-line JSON reason, never a 500: a non-numeric or absurd round
-(400), an unknown round or miner (404), a query string over MAX_QUERY_CHARS (414), any other method
-(405). A view that fails (a storage error) gets a 500 with a one-line JSON reason, its traceback logged
-once. The page is three static files shipped in node/runtime/page/ (no CDN, and a
-Content-Security-Policy that lets it load nothing from elsewhere); it polls the JSON endpoints. It
-serves whatever a `StatusSource` (the running node's status views) reports, so it knows nothing about
-rounds, storage or the network.
+(400), an unknown round or miner (404), a query string over MAX_QUERY_CHARS as sent (414), any other
+method (405); a request aiohttp cannot parse (a raw non-ASCII byte in the path, a line too long) gets
+aiohttp's own plain-text 400 and one log line, no traceback. A view that fails (a storage error) gets a
+500 with a one-line JSON reason, its traceback logged once. The page is three static files shipped in
+node/runtime/page/ (no CDN, and a Content-Security-Policy that lets it load nothing from elsewhere); it
+polls the JSON endpoints. It serves whatever a `StatusSource` (the running node's status views)
+reports, so it knows nothing about rounds, storage or the network.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
+import os
 import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 
 from node.runtime.metrics import CONTENT_TYPE
 
@@ -73,13 +77,14 @@ class HttpApi:
             web.get("/rounds/{round}", _round(source)),
             web.get("/miners/{miner}", _miner(source)),
         ])
+        logging.getLogger("aiohttp.server").addFilter(_BAD_REQUESTS)  # once: a filter is added only once
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
         try:
             bound = await _listen(runner, host, port)
         except OSError as exc:
             await runner.cleanup()
-            raise ValueError(f"http: cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+            raise ValueError(f"http: cannot listen on {host}:{port}: {_why(exc)}") from exc
         return cls(runner, host, bound)
 
     @property
@@ -103,14 +108,38 @@ async def _listen(runner: web.AppRunner, host: str, port: int) -> int:
     return port
 
 
+def _why(exc: OSError) -> str:
+    """What stopped a listen, in a few words: asyncio's message repeats the address."""
+    if exc.errno == errno.EADDRINUSE:
+        return "the port is in use (another node, or another program?); pick another port, or 0 for a free one"
+    return os.strerror(exc.errno) if exc.errno else str(exc)
+
+
 def _error(status: int, reason: str) -> web.Response:
     return web.json_response({"error": reason}, status=status)
+
+
+class _OneLineBadRequests(logging.Filter):
+    """aiohttp answers a request it cannot parse (a raw non-ASCII byte in the path, a line too long) with a
+    plain-text 400 and logs it with its traceback on `aiohttp.server`, so anyone who can connect could fill
+    the log with tracebacks: such a record becomes one INFO line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, BadHttpMessage):
+            reason = (str(exc).strip().splitlines() or ["unreadable"])[0][:100]
+            record.msg, record.args, record.exc_info = "http: refused a request it cannot parse: %s", (reason,), None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+_BAD_REQUESTS = _OneLineBadRequests()
 
 
 @web.middleware
 async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Refuse what no endpoint takes before any handler runs; give every 4xx a JSON reason."""
-    if len(request.query_string) > MAX_QUERY_CHARS:
+    if len(request.rel_url.raw_query_string) > MAX_QUERY_CHARS:  # as sent: %41 is three characters
         return _error(414, f"query string over {MAX_QUERY_CHARS} characters")
     if request.method not in ("GET", "HEAD"):
         return _error(405, f"method {request.method[:16]} not allowed; this API is read-only (GET)")

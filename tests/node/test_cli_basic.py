@@ -212,3 +212,17 @@ def test_init_never_overwrites_a_config_that_appeared_while_it_ran(
     assert err.count("\n") == 1
     assert config_path.read_text(encoding="utf-8") == "# the other node's config\n"
     assert sorted(p.name for p in node_dir.iterdir()) == ["node.key", "node.toml"]  # no temporary file left
+
+
+def test_ctrl_c_at_any_point_says_interrupted_and_exits_130(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def interrupted(*args: object) -> int:  # Ctrl-C while a command imports torch or loads a model
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("node.cli.keys.run_keygen", interrupted)
+    assert main(["keygen", "--out", "k.key"]) == 130
+    assert capsys.readouterr().err == "tessera: interrupted\n"
+    monkeypatch.setattr("node.cli.main.build_parser", interrupted)  # while the command modules import
+    assert main(["keygen", "--out", "k.key"]) == 130
+    assert capsys.readouterr().err == "tessera: interrupted\n"

@@ -212,3 +212,32 @@ def test_peer_labels_are_bounded() -> None:
     assert peer_label("12D3KooWAbcdefghijklmnop") == "12D3KooWAbcdefgh"
     assert peer_label('x"}\n' * 10) == "invalid"
     assert peer_label("short") == "invalid"
+
+
+async def raw_request(api: HttpApi, data: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", api.port)
+    writer.write(data)
+    await writer.drain()
+    answer = await reader.read()
+    writer.close()
+    return answer
+
+
+async def test_a_request_aiohttp_cannot_parse_gets_a_400_and_one_log_line_without_a_traceback(
+    api: HttpApi, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO")
+    answer = await raw_request(api, b"GET /rounds/\xd9\xa3 HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.") and b" 400 " in answer.split(b"\r\n")[0], answer
+    assert not [r for r in caplog.records if r.exc_info is not None]
+    said = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert len(said) == 1 and said[0].levelname == "INFO", [r.getMessage() for r in said]
+    assert said[0].getMessage().startswith("http: refused a request it cannot parse: ") and "\n" not in said[0].getMessage()
+    status, _, _ = await request(f"{api.url}/healthz")  # the server still answers
+    assert status == 200
+
+
+async def test_the_query_string_is_measured_as_sent(api: HttpApi) -> None:
+    for query, expected in (("%41" * 400, b" 414 "), ("%41" * (MAX_QUERY_CHARS // 3), b" 200 ")):  # 1,200 sent
+        answer = await raw_request(api, f"GET /status?{query} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        assert expected in answer.split(b"\r\n")[0], answer[:200]
