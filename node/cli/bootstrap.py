@@ -47,6 +47,10 @@ def run_bootstrap(args: argparse.Namespace) -> int:
         raise ValueError("--sim-key needs --data-dir DIR: the directory its key is written to")
     spec = load_spec(args.spec)
     config = _p2p_config(args)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    from node.runtime.preflight import check_p2p
+
+    check_p2p(config, port_field="--port", bootstrap_field="--bootstrap")  # a port in use, a bad peer address
     key = args.key
     if args.sim_key is not None:
         from node.sim.layout import sim_identity
@@ -56,7 +60,6 @@ def run_bootstrap(args: argparse.Namespace) -> int:
             key.parent.mkdir(parents=True, exist_ok=True)
             save_identity(sim_identity(args.sim_key, "bootstrap", 0), key)
     identity = load_or_create_identity(key)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     asyncio.run(_relay(spec, identity, config))
     return 0
 

@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 
+from node.net.config import P2PConfig
 from node.net.network import Network
 from node.runtime.config import ConfigError, NodeConfig
 from protocol.identity import Identity
@@ -34,19 +35,25 @@ def check_role_key(config: NodeConfig, spec: NetworkSpec, identity: Identity) ->
 
 def check_listen(config: NodeConfig) -> None:
     """ConfigError naming the field when a port to listen on is taken or a bootstrap address is not one."""
+    check_p2p(config.p2p)
+    if config.http.enabled:
+        _check_port(config.http.host, config.http.port, "http.port")
+
+
+def check_p2p(p2p: P2PConfig, port_field: str = "p2p.port", bootstrap_field: str = "p2p.bootstrap") -> None:
+    """ConfigError naming the field (a config's, or a flag of `tessera bootstrap`) when the p2p port is taken
+    or a bootstrap address is not one; routes py-libp2p's own log lines (`_route_libp2p_logs`)."""
     from node.net.network import NetworkError
     from node.net.p2p.peers import parse_bootstrap  # imports libp2p, which sets its logging up as it does
 
     _route_libp2p_logs()
-    for addr in config.p2p.bootstrap:
+    for addr in p2p.bootstrap:
         try:
             parse_bootstrap(addr)
         except NetworkError as exc:
-            raise ConfigError(f"p2p.bootstrap: {addr!r} is not a multiaddr ending in /p2p/<peer id> (a peer id "
+            raise ConfigError(f"{bootstrap_field}: {addr!r} is not a multiaddr ending in /p2p/<peer id> (a peer id "
                               f"like 12D3KooW..., as `tessera bootstrap` prints it)") from exc
-    _check_port(config.p2p.host, config.p2p.port, "p2p.port")
-    if config.http.enabled:
-        _check_port(config.http.host, config.http.port, "http.port")
+    _check_port(p2p.host, p2p.port, port_field)
 
 
 def _check_port(host: str, port: int, field: str) -> None:

@@ -147,6 +147,29 @@ def test_bootstrap_refuses_bad_input_with_one_line_and_no_key_written(
     assert code == 2 and capsys.readouterr().err == (
         "tessera: error: --host: 'nohost' is not an IPv4 address like 127.0.0.1 or 0.0.0.0\n")
     assert not (tmp_path / "k").exists()  # refused before the key was written
+    bad_peer = "/ip4/127.0.0.1/tcp/4001/p2p/abc"
+    code = main(["bootstrap", "--spec", spec, "--key", str(tmp_path / "k"), "--bootstrap", bad_peer])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"tessera: error: --bootstrap: {bad_peer!r} is not a multiaddr ending in "
+                                        "/p2p/<peer id>") and err.count("\n") == 1, err
+    assert not (tmp_path / "k").exists()
+
+
+@pytest.mark.timeout(60)  # a bootstrap that did not refuse would listen beside the other process and run on
+def test_bootstrap_refuses_a_port_another_process_listens_on(
+    spec_dict, write_spec, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # as libp2p listens: a second bind would share
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = main(["bootstrap", "--spec", str(write_spec(spec_dict)), "--key", str(tmp_path / "k"),
+                     "--port", str(port)])
+    err = capsys.readouterr().err
+    assert code == 2 and err == (f"tessera: error: --port: 127.0.0.1:{port} is in use (by another node, or another "
+                                 "program?); stop it or pick another --port\n"), err
+    assert not (tmp_path / "k").exists()
 
 
 def test_the_bootstrap_command_is_not_the_test_harness() -> None:
