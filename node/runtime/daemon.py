@@ -330,19 +330,33 @@ class Node:
             await asyncio.sleep(0.05)
 
     async def _watch_peers(self) -> None:
-        """Say when the node has had no peer for ALONE_WARN_S, and what to check; and when it has peers."""
+        """Say when the node has had no peer for ALONE_WARN_S, and what to check; when it has peers; and when
+        it has had peers for a whole round after genesis and heard no message of its network from them."""
+        ctx = self.ctx
         alone_since: float | None = time.monotonic()
-        warned = False
+        warned = silent_warned = False
+        with_peers_since: float | None = None  # clock time from which this node has had peers, after genesis
         while True:
-            peers = len(self.ctx.network.peers())
+            peers = len(ctx.network.peers())
             if peers and alone_since is not None:
                 log.info("p2p: connected to %d peer(s)", peers)
                 alone_since, warned = None, False
             elif not peers:
                 alone_since = time.monotonic() if alone_since is None else alone_since
                 if not warned and time.monotonic() - alone_since >= ALONE_WARN_S:
-                    log.warning("p2p: no peers for %.0f s: %s", ALONE_WARN_S, alone_hint(self.ctx.config, self.ctx.network))
+                    log.warning("p2p: no peers for %.0f s: %s", ALONE_WARN_S, alone_hint(ctx.config, ctx.network))
                     warned = True
+            now = ctx.clock.now()
+            if not peers or now < ctx.schedule.genesis_ts:
+                with_peers_since = None
+            elif with_peers_since is None:
+                with_peers_since = now
+            elif not silent_warned and now - with_peers_since >= ctx.schedule.round_seconds \
+                    and not any(verdict == "accept" for _, verdict in ctx.network.stats.messages):
+                log.warning("p2p: connected to %d peer(s) for a whole round and no message of network %s has "
+                            "arrived: they may run another spec (compare the network ids `tessera spec check` "
+                            "prints), or no other node of this network is up", peers, ctx.spec.network_id[:12])
+                silent_warned = True
             await asyncio.sleep(PEER_WATCH_S)
 
     async def _close(self) -> None:

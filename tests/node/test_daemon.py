@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import sqlite3
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+import node.runtime.daemon as daemon_module
 from node.net.judge import GossipJudge
 from node.net.twin import MemoryHub, MemoryNetwork
 from node.runtime.clock import ManualClock
@@ -23,8 +25,8 @@ from node.store.lock import AlreadyRunning
 from node.store.records import Submission
 from protocol.identity import Identity, load_identity, save_identity
 from protocol.messages import Commit, Envelope, GlobalState, Heartbeat, Message, Reveal, seal
-from protocol.rounds import Phase
-from protocol.spec import NetworkSpec, load_spec
+from protocol.rounds import Phase, Schedule
+from protocol.spec import NetworkSpec, load_spec, parse_spec
 from tests.conftest import make_identity, make_spec_dict, to_toml
 
 VALIDATOR = make_identity(0)
@@ -444,3 +446,35 @@ def test_nodes_ask_validators_for_history_first_each_in_an_order_of_its_own() ->
     assert all(sorted(order[:3]) == validators and sorted(order[3:]) == ["ee" * 32, "ff" * 32] for order in orders)
     assert len({order[0] for order in orders}) == 3  # 20 nodes restarting together do not all ask one validator
     assert orders[0] == history_providers(f"{100:064x}", peers, validators)  # a node's own order is stable
+
+
+@pytest.mark.parametrize("same_network", [False, True])
+async def test_peers_that_send_nothing_of_this_network_for_a_round_are_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, same_network: bool
+) -> None:
+    """A peer on another network (another spec or genesis) is connected but its gossip is not this network's:
+    after a whole round of that the node says so; a peer of this network that speaks silences it."""
+    monkeypatch.setattr(daemon_module, "PEER_WATCH_S", 0.05)
+    config, spec = write_node(tmp_path)
+    other = spec if same_network else parse_spec({**make_spec_dict(), "name": "another-network"})
+    clock = ManualClock(spec.genesis_ts + 1)
+    hub = MemoryHub()
+    net = join(hub, spec, clock, VALIDATOR.node_id, tmp_path / "blobs")
+    peer = join(hub, other, clock, MINER.node_id, tmp_path / "peer-blobs")
+    node = await Node.create(config, network=net, clock=clock, duties=Probe)
+    task = asyncio.create_task(node.run())
+    try:
+        await asyncio.wait_for(node.duties.phase_seen.wait(), WAIT_S)  # type: ignore[attr-defined]
+        await peer.publish(seal(Heartbeat(round=0, role="miner", head="66" * 32), other.network_id, MINER))
+        await asyncio.sleep(0.3)  # the watcher notes the peer
+        with caplog.at_level(logging.WARNING, logger="node.runtime.daemon"):
+            clock.advance(Schedule.from_spec(spec).round_seconds)
+            await asyncio.sleep(0.5)
+        said = [r.getMessage() for r in caplog.records if "for a whole round" in r.getMessage()]
+        assert said == ([] if same_network else [
+            f"p2p: connected to 1 peer(s) for a whole round and no message of network {spec.network_id[:12]} has "
+            "arrived: they may run another spec (compare the network ids `tessera spec check` prints), or no "
+            "other node of this network is up"]), said
+    finally:
+        node.stop()
+        await asyncio.wait_for(task, WAIT_S)
