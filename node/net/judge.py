@@ -76,9 +76,11 @@ def _relayer_could_know(result: CheckResult) -> bool:
     return result.detail not in (TOO_EARLY, TOO_LATE) and result.reason != EQUIVOCATION
 
 
-def clock_suspects(spec: NetworkSpec) -> int:
-    """How many early validators make a node of `spec`'s network suspect its own clock."""
-    return min(CLOCK_SUSPECT_VALIDATORS, len(spec.validator_weights))
+def clock_suspects(spec: NetworkSpec, node_id: str | None = None) -> int:
+    """How many early validators make node `node_id` of `spec`'s network suspect its own clock: two of the
+    others, or the one other; 0 (it cannot tell) for the one validator of a network of one, whose clock is
+    the only validator clock there is. A node never judges its own messages, so it does not count itself."""
+    return min(CLOCK_SUSPECT_VALIDATORS, len(set(spec.validator_weights) - {node_id}))
 
 
 def clock_behind(stats: NetworkStats, suspects: int) -> dict[str, float] | None:
@@ -90,7 +92,7 @@ def clock_behind(stats: NetworkStats, suspects: int) -> dict[str, float] | None:
     lag. The bound reported is the `suspects`-th largest, so one validator whose own clock runs ahead
     cannot inflate it where there are more.
     """
-    if len(stats.early) < suspects:
+    if suspects < 1 or len(stats.early) < suspects:
         return None
     leads = sorted((lead for lead, _ in stats.early.values()), reverse=True)
     return {"early_validators": len(leads), "behind_by_at_least_s": round(leads[suspects - 1], 1)}
@@ -103,7 +105,9 @@ class GossipJudge:
     (kind, sender, round); both are pruned to the last few rounds.
     """
 
-    def __init__(self, spec: NetworkSpec, now: Callable[[], float], config: P2PConfig | None = None) -> None:
+    def __init__(self, spec: NetworkSpec, now: Callable[[], float], config: P2PConfig | None = None,
+                 node_id: str | None = None) -> None:
+        """`node_id`: this node's, which is not counted among the validators that could be early."""
         config = config or P2PConfig()
         self.network_id = spec.network_id
         self.max_bytes = spec.limits.max_message_bytes
@@ -111,7 +115,7 @@ class GossipJudge:
         self.penalty_threshold = config.penalty_threshold
         self.penalty_backoff_s = config.penalty_backoff_s
         self._validators = spec.validator_weights
-        self.clock_suspects = clock_suspects(spec)
+        self.clock_suspects = clock_suspects(spec, node_id)
         self._schedule = Schedule.from_spec(spec)
         self._now = now
         self._lock = threading.Lock()

@@ -257,7 +257,8 @@ class Node:
             elif network.node_id != identity.node_id:
                 raise ValueError(f"network joined as {network.node_id[:12]} but the key is {identity.node_id[:12]}")
             metrics = NodeMetrics()
-            metrics.bind_network(lambda: network.stats, lambda: len(network.peers()), clock_suspects(spec))
+            metrics.bind_network(lambda: network.stats, lambda: len(network.peers()),
+                                 clock_suspects(spec, identity.node_id))
             ctx = NodeContext(config, spec, schedule, identity, clock, storage, blobs, network,
                               metrics, LocalDelivery())
             # in a thread: a factory may hash or read files; it may refuse, e.g. a held-out file with the wrong hash
@@ -293,10 +294,6 @@ class Node:
 
     def stop(self) -> None:
         self._stop.set()
-
-    @property
-    def stopping(self) -> bool:
-        return self._stop.is_set()
 
     @property
     def gossip_idle(self) -> bool:
@@ -470,7 +467,7 @@ class Node:
             "learning": learning_settings(ctx.spec, ctx.config),
             "last_run": None if not self.scheduler.runs else _run_dict(self.scheduler.runs[-1]),
             "key_used_elsewhere": self.key_elsewhere,
-            "clock_behind": clock_behind(ctx.network.stats, clock_suspects(ctx.spec)),
+            "clock_behind": clock_behind(ctx.network.stats, clock_suspects(ctx.spec, ctx.identity.node_id)),
         }
 
     async def rewards(self, last_rounds: int | None = None, top: int | None = None) -> dict[str, Any]:
@@ -502,7 +499,7 @@ async def _open_libp2p(config: NodeConfig, spec: NetworkSpec, identity: Identity
                        clock: Clock, storage: Storage) -> Network:
     from node.net.p2p import P2PNetwork  # the one package that imports libp2p and trio
 
-    judge = GossipJudge(spec, clock.now, config.p2p)
+    judge = GossipJudge(spec, clock.now, config.p2p, node_id=identity.node_id)
     # A restarted node IGNOREs what it accepted before, as peers re-gossip it (the seen-set is not lost).
     schedule = Schedule.from_spec(spec)
     judge.seed(await storage.accepted_since(schedule.round_at(max(clock.now(), schedule.genesis_ts)) - 1))
@@ -515,8 +512,9 @@ def serve(config: NodeConfig, duties: DutiesFactory | None = None) -> int:
     async def main() -> int:
         node = await Node.create(config, duties=duties)
         loop = asyncio.get_running_loop()
+        received: set[signal.Signals] = set()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, _on_signal, node, sig)
+            loop.add_signal_handler(sig, _on_signal, node, received, sig)
         ctx = node.ctx
         log.info("%s %s on network %s (%s), listening on %s", config.node.role, ctx.identity.node_id[:12],
                  ctx.spec.name, ctx.spec.network_id[:12], ", ".join(ctx.network.listen_addrs) or "nothing")
@@ -530,15 +528,21 @@ def serve(config: NodeConfig, duties: DutiesFactory | None = None) -> int:
     return asyncio.run(main())
 
 
-def _on_signal(node: Node, sig: signal.Signals) -> None:
-    """The first SIGINT/SIGTERM stops the node cleanly; a second one exits at once, which is safe (a node killed at
-    any point resumes in the current round) and what an operator who presses Ctrl-C again wants."""
-    if node.stopping:
+def _on_signal(node: Node, received: set[signal.Signals], sig: signal.Signals) -> None:
+    """The first SIGINT/SIGTERM stops the node cleanly; the same signal again exits at once, which is safe (a node
+    killed at any point resumes in the current round) and what an operator who presses Ctrl-C again wants. The
+    other signal after the first is not a repeat: a terminal's Ctrl-C reaches every process of its group, and a
+    supervisor such as `tessera simulate` then sends SIGTERM, which must let the stop go on cleanly."""
+    if sig in received:
         log.warning("%s again: exiting now, without waiting for the phase in progress", sig.name)
         logging.shutdown()
         os._exit(128 + sig)
-    log.info("%s: stopping; the phase in progress is cancelled and the network and storage are closed "
-             "(a second signal exits at once)", sig.name)
+    if received:
+        log.info("%s: already stopping", sig.name)
+    else:
+        log.info("%s: stopping; the phase in progress is cancelled and the network and storage are closed "
+                 "(%s again exits at once)", sig.name, sig.name)
+    received.add(sig)
     node.stop()
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from node.net.config import P2PConfig
-from node.net.judge import GossipJudge, clock_behind
+from node.net.judge import GossipJudge, clock_behind, clock_suspects
 from node.net.network import (
     SUBSCRIPTION_QUEUE,
     VALIDATOR_RESERVE,
@@ -433,3 +433,20 @@ async def test_a_flood_of_miner_messages_cannot_crowd_out_validators_messages(
     sub.close()  # full as it is, the end marker still fits
     got = [d.envelope.kind async for d in sub]
     assert got.count("global_state") == VALIDATOR_RESERVE and len(got) == SUBSCRIPTION_QUEUE
+
+
+def test_a_validator_does_not_count_itself_among_the_validators_that_could_be_early(
+    spec_dict: dict[str, Any], clock: ManualClock, validator_ids: list[Identity]
+) -> None:
+    """A node never judges its own messages: a validator of a network of two has one other validator to hear
+    early, and the one validator of a network of one has none, so it cannot tell."""
+    two = parse_spec({**spec_dict, "validators": spec_dict["validators"][:2]})
+    judge = GossipJudge(two, clock.now, node_id=validator_ids[0].node_id)
+    assert (judge.clock_suspects, clock_suspects(two), clock_suspects(two, validator_ids[0].node_id)) == (1, 2, 1)
+    clock.set(Schedule.from_spec(two).round_start(1) - 10.0)
+    early = seal(Heartbeat(round=1, role="validator", head="ab" * 32), two.network_id, validator_ids[1])
+    assert judge.judge(early.to_bytes(), "relay")[0].detail == "too early"
+    assert clock_behind(judge.stats, judge.clock_suspects) == {"early_validators": 1, "behind_by_at_least_s": 10.0}
+    one = parse_spec({**spec_dict, "validators": spec_dict["validators"][:1]})
+    assert clock_suspects(one, validator_ids[0].node_id) == 0
+    assert clock_behind(judge.stats, 0) is None  # whatever was early
