@@ -247,8 +247,8 @@ def _write_into(update: _IntoUpdate) -> dict[str, str]:
     """Replace the spec atomically, unless it changed since it was read (an edit is never lost)."""
     into = update.into
     if into.path.read_bytes() != into.data:
-        raise ValueError(f"--into {into.path}: the spec changed while this ran; it was not updated "
-                         "(run again, or write the group from --out into it)")
+        raise ValueError(f"--into {into.path}: the spec changed while this ran; it was not updated, "
+                         "and nothing was written (run again)")
     write_atomically(into.path, update.text)
     return {"spec": str(into.path), "network_id_before": into.network_id, "network_id": update.network_id,
             "note": "the network id changed; nodes of the old network will not accept this spec"

@@ -122,14 +122,17 @@ def _error(status: int, reason: str) -> web.Response:
 class _OneLineBadRequests(logging.Filter):
     """aiohttp answers a request it cannot parse (a raw non-ASCII byte in the path, a line too long) with a
     plain-text 400 and logs it with its traceback on `aiohttp.server`, so anyone who can connect could fill
-    the log with tracebacks: such a record becomes one INFO line."""
+    the log with tracebacks: such a record becomes one INFO line, or none where INFO is not logged."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, BadHttpMessage):
-            reason = (str(exc).strip().splitlines() or ["unreadable"])[0][:100]
-            record.msg, record.args, record.exc_info = "http: refused a request it cannot parse: %s", (reason,), None
-            record.levelno, record.levelname = logging.INFO, "INFO"
+        if not isinstance(exc, BadHttpMessage):
+            return True
+        if not logging.getLogger(record.name).isEnabledFor(logging.INFO):
+            return False
+        reason = " ".join(str(exc.message).split())[:100] or "unreadable"
+        record.msg, record.args, record.exc_info = "http: refused a request it cannot parse: %s", (reason,), None
+        record.levelno, record.levelname = logging.INFO, "INFO"
         return True
 
 

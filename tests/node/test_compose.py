@@ -155,6 +155,20 @@ def test_an_init_killed_part_way_leaves_no_network_and_the_next_init_writes_it_w
     assert spec.read_text(encoding="utf-8") == COMPLETE_SPEC
 
 
+def test_an_init_refuses_a_volume_of_the_older_layout_and_writes_nothing(tmp_path: Path) -> None:
+    """A `net` volume written before /net/network (a spec at its top) is refused: a new network there would run
+    on the nodes' state of the old one."""
+    fake_bin, volume = tmp_path / "bin", tmp_path / "net"
+    fake_bin.mkdir()
+    (fake_bin / "tessera").write_text(FAKE_SPEC_INIT, encoding="utf-8")
+    (fake_bin / "tessera").chmod(0o755)
+    (volume / "keys").mkdir(parents=True)
+    (volume / "spec.toml").write_text("name = 'old'\n", encoding="utf-8")
+    refused = run_init(volume, fake_bin)
+    assert refused.returncode == 1 and "docker-compose down -v" in refused.stderr, refused.stderr
+    assert sorted(p.name for p in volume.iterdir()) == ["keys", "spec.toml"]
+
+
 def test_configs_name_the_bootstrap_peer_the_bootstrap_service_runs() -> None:
     from node.net.p2p import peer_id_for
 

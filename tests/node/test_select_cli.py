@@ -336,8 +336,8 @@ def test_into_never_loses_an_edit_made_while_it_ran(net: Path, tmp_path: Path, c
 
     monkeypatch.setattr(training.selection, "select_experts", edit_meanwhile)
     code, _, err = _into_run(net, tmp_path, capsys, target)
-    assert (code, err) == (2, f"tessera: error: --into {target}: the spec changed while this ran; it was not updated "
-                              "(run again, or write the group from --out into it)\n")
+    assert (code, err) == (2, f"tessera: error: --into {target}: the spec changed while this ran; it was not updated, "
+                              "and nothing was written (run again)\n")
     assert target.read_text() == edited and sorted(tmp_path.iterdir()) == [target]
 
 
