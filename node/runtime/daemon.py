@@ -236,7 +236,7 @@ class Node:
             raise ConfigError(f"node.spec: {exc}") from exc
         identity = await asyncio.to_thread(load_or_create_identity, config.node.key)
         check_role_key(config, spec, identity)
-        if network is None:
+        if network is None:  # before the lock, which makes the data directory: a mistake leaves nothing behind
             await asyncio.to_thread(check_listen, config)
         clock = clock or SystemClock()
         # before sweeping the blob store's temporary files, which a running node may be writing
@@ -348,12 +348,12 @@ class Node:
                 with_peers_since = None
             elif with_peers_since is None:
                 with_peers_since = now
-            elif not silent_warned and now - with_peers_since >= ctx.schedule.round_seconds \
-                    and not any(verdict == "accept" for _, verdict in ctx.network.stats.messages):
-                log.warning("p2p: connected to %d peer(s) for a whole round and no message of network %s has "
-                            "arrived: they may run another spec (compare the network ids `tessera spec check` "
-                            "prints), or no other node of this network is up", peers, ctx.spec.network_id[:12])
-                silent_warned = True
+            elif not silent_warned and now - with_peers_since >= ctx.schedule.round_seconds:
+                silent_warned = True  # one look: a node that heard its network has nothing more to say of it
+                if not any(verdict == "accept" for _, verdict in ctx.network.stats.messages):
+                    log.warning("p2p: connected to %d peer(s) for a whole round and no message of network %s has "
+                                "arrived: they may run another spec (compare the network ids `tessera spec check` "
+                                "prints), or no other node of this network is up", peers, ctx.spec.network_id[:12])
             await asyncio.sleep(PEER_WATCH_S)
 
     async def _close(self) -> None:
