@@ -37,7 +37,9 @@ def training_runs(logs: list[str], miners: int, rounds: int) -> tuple[list[float
     """From the miners' logs: training seconds per miner-round, one for each of the `miners` × `rounds` (a
     miner-round with no training run, late or failed, counts as 0 s, not as absent), and the steps of the
     runs there were."""
-    runs = [m for log in logs for m in TRAINED.finditer(log) if int(m["round"]) < rounds]
+    # one run per miner and round: a miner restarted in TRAIN logs the run it finished last
+    runs = [m for log in logs for m in {int(m["round"]): m for m in TRAINED.finditer(log)
+                                         if int(m["round"]) < rounds}.values()]
     if not runs:
         raise SystemExit("no miner logged a training run; see the node logs")
     return [float(m["seconds"]) for m in runs] + [0.0] * (miners * rounds - len(runs)), [int(m["steps"]) for m in runs]

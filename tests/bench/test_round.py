@@ -10,7 +10,8 @@ from tests.bench.scripts import load_bench
 
 def test_a_miner_round_without_a_training_run_counts_as_no_training() -> None:
     bench_round = load_bench("round")
-    logs = ["round 0: trained 30 steps in 60.0 s\nround 1: trained 30 steps in 64.0 s\n",
+    logs = ["round 0: trained 30 steps in 60.0 s\nround 1: trained 12 steps in 20.0 s\n"  # restarted in TRAIN:
+            "round 1: trained 30 steps in 64.0 s\n",  # the run it finished last counts
             "round 0: trained 28 steps in 58.0 s\n",  # this miner did not train in round 1
             "round 2: trained 30 steps in 99.0 s\n"]  # beyond the rounds measured, and none in 0 and 1
     seconds, steps = bench_round.training_runs(logs, miners=3, rounds=2)
