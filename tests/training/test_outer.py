@@ -183,3 +183,75 @@ def test_near_duplicates_of_partitioned_updates_compare_the_blocks_both_cover() 
         near_duplicates(grads, 0.9999, {"one": one_cover})
     with pytest.raises(ValueError, match="do not divide"):
         near_duplicates(grads, 0.9999, {**covers, "honest": {"x": torch.ones(3)}})
+
+
+def test_config_and_inputs_refused_at_their_boundaries() -> None:
+    for lr in (0.0, -0.5):
+        with pytest.raises(ValueError, match="outer lr must be positive"):
+            OuterConfig(lr=lr)
+    with pytest.raises(ValueError, match="at least one miner"):
+        outer_step(GLOBAL, [], [], None, OuterConfig(clip_to_median=False))
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="finite and non-negative"):
+            outer_step(GLOBAL, MINERS, [1.0, bad, 1.0], None, OuterConfig())
+    for threshold in (0.0, 1.0 + 1e-9):
+        with pytest.raises(ValueError, match="duplicate threshold"):
+            near_duplicates({"m1": GLOBAL, "m2": GLOBAL}, threshold)
+
+
+def test_coverage_masks_must_be_non_empty_vectors() -> None:
+    cfg = OuterConfig(lr=1.0, momentum=0.0, clip_to_median=False)
+    start, miners = {"w": torch.zeros(4)}, [{"w": -torch.ones(4)}, {"w": -torch.ones(4)}]
+    for masks in ([{"w": torch.ones(0)}] * 2, [{"w": torch.ones(1, 2)}, {"w": torch.ones(2)}]):
+        with pytest.raises(ValueError, match="coverage of w"):
+            outer_step(start, miners, [1.0, 1.0], None, cfg, coverage=masks)
+    grads = {"m1": {"w": torch.ones(4)}, "m2": {"w": torch.ones(4)}}
+    with pytest.raises(ValueError, match="must be a vector of 2 block weights"):
+        near_duplicates(grads, 0.9, {"m1": {"w": torch.ones(1, 2)}, "m2": {"w": torch.ones(2)}})
+
+
+def test_a_median_of_zero_clips_every_update_to_nothing() -> None:
+    # Two of three miners sent the global tensors back unchanged: the median norm is 0, so the one
+    # real update is scaled to 0 and the unchanged ones (norm 0 <= median 0) keep scale 1 without a 0/0.
+    new, momentum = outer_step(GLOBAL, [GLOBAL, GLOBAL, MINERS[0]], [1.0, 1.0, 1.0], None, DILOCO)
+    close(new, {"a": [1.0, 2.0], "b": [0.5]})
+    close(momentum, {"a": [0.0, 0.0], "b": [0.0]})
+
+
+def test_results_and_reductions_follow_sorted_names_not_insertion_order() -> None:
+    # Dot products 1 (name "a") and 2^-53 four times: summed from "a" each tiny term rounds away,
+    # summed tiny-first they add up to 2^-51 and survive, so only sorted-name order gives exactly 1.
+    tiny = torch.full((2,), 2.0**-27)
+    forward = {"a": torch.tensor([1.0]), **{n: tiny for n in "bcde"}}
+    backward = dict(reversed(forward.items()))
+    assert norm(forward) == norm(backward) == 1.0
+    assert cosine(backward, backward) == 1.0
+    new, momentum = outer_step(backward, [forward], [1.0], None, OuterConfig())
+    assert list(new) == list(momentum) == ["a", "b", "c", "d", "e"]
+
+
+def test_near_duplicates_at_threshold_one_and_with_a_zero_update_first() -> None:
+    g = {"x": torch.tensor([3.0, 4.0])}
+    parallel = {"x": torch.tensor([6.0, 8.0])}  # cosine exactly 1.0: 50 / (5 · 10)
+    assert near_duplicates({"m1": g, "m2": parallel}, 1.0) == {"m1", "m2"}
+    lazy = {"x": torch.zeros(2)}
+    assert near_duplicates({"lazy": lazy, "m1": g, "m2": parallel}, 0.99) == {"m1", "m2"}
+
+
+def test_names_must_match_across_momentum_and_compared_miners() -> None:
+    extra = {"a": torch.zeros(2), "b": torch.zeros(1), "c": torch.zeros(1)}
+    with pytest.raises(ValueError, match="momentum tensors do not match"):
+        outer_step(GLOBAL, MINERS, [1.0] * 3, extra, OuterConfig())
+    g = {"a": torch.tensor([1.0, 0.0]), "b": torch.tensor([1.0])}
+    with pytest.raises(ValueError, match="compared tensors do not match"):
+        near_duplicates({"m1": {"a": g["a"]}, "m2": g}, 0.9)
+
+
+def test_near_duplicates_sum_in_sorted_name_order() -> None:
+    # As in the reductions test: summed from "a" the tiny squares round away and the cosine is exactly 1;
+    # in any other order the first miner's norm keeps them and the cosine falls just below 1.
+    tiny = torch.full((2,), 2.0**-27)
+    forward = {"a": torch.tensor([1.0]), **{n: tiny for n in "bcde"}}
+    plain = {"a": torch.tensor([1.0]), **{n: torch.zeros(2) for n in "bcde"}}
+    for first in (forward, dict(reversed(forward.items()))):
+        assert near_duplicates({"m1": first, "m2": plain}, 1.0) == {"m1", "m2"}
