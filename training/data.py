@@ -87,7 +87,7 @@ def _read_parquet(path: Path) -> list[str]:
 
     try:
         table = pq.read_table(path)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid (not a parquet file) is a ValueError
         raise ValueError(f"{path}: cannot read parquet: {exc}") from exc
     if "text" not in table.column_names:
         raise ValueError(f"{path}: parquet file has no 'text' column (columns: {', '.join(table.column_names)})")

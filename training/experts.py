@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # only a type here; keeps training/ importable where pydantic
 ExpertGroup = Mapping[int, Sequence[int]]
 Tensors = Mapping[str, torch.Tensor]
 PARAMS = ("gate_up_proj", "down_proj")
-_NAME = re.compile(r"^layers\.(?P<layer>\d+)\.experts\.(?P<expert>\d+)\.(?P<param>gate_up_proj|down_proj)$")
+_NAME = re.compile(r"layers\.(?P<layer>\d+)\.experts\.(?P<expert>\d+)\.(?P<param>gate_up_proj|down_proj)")
 
 
 def tensor_name(layer: int, expert: int, param: str) -> str:
@@ -35,7 +35,7 @@ def tensor_name(layer: int, expert: int, param: str) -> str:
 
 def parse_name(name: str) -> tuple[int, int, str]:
     """(layer, expert, param) of an expert tensor name; ValueError if it is not one."""
-    match = _NAME.match(name)
+    match = _NAME.fullmatch(name)  # not match(...$): `$` also matches before a trailing newline
     if match is None:
         raise ValueError(f"{name!r} is not an expert tensor name like layers.0.experts.3.gate_up_proj")
     return int(match["layer"]), int(match["expert"]), match["param"]

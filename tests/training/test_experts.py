@@ -111,3 +111,71 @@ def test_pseudo_gradient_and_flatten() -> None:
         pseudo_gradient(global_t, {"a": torch.zeros(1)})
     with pytest.raises(ValueError, match="shape"):
         pseudo_gradient(global_t, {"a": torch.zeros(1), "b": torch.zeros(2)})
+
+
+def test_a_name_must_match_the_whole_pattern_with_numbers_of_any_length() -> None:
+    assert parse_name("layers.10.experts.127.down_proj") == (10, 127, "down_proj")
+    for bad in ("layers.2.experts.3.gate_up_proj.weight", "model.layers.2.experts.3.gate_up_proj",
+                "layers.2.experts.3.down_proj\n"):  # a regex's `$` would take the trailing newline
+        with pytest.raises(ValueError, match="not an expert tensor name"):
+            parse_name(bad)
+
+
+def test_check_group_refuses_a_layer_without_experts_and_ids_out_of_range(tiny: Any) -> None:
+    model, adapter = tiny.model, tiny.adapter
+    layer, n = min(tiny.group), adapter.num_experts(model)
+    with pytest.raises(ValueError, match="expert ids must be distinct and at least one"):
+        check_group(model, adapter, {layer: []})
+    for bad in (n, -1):
+        with pytest.raises(ValueError, match=rf"experts \[{bad}\] do not exist \(the model has {n}\)"):
+            check_group(model, adapter, {layer: [0, bad]})
+    check_group(model, adapter, {layer: [0, n - 1]})
+
+
+def test_extract_and_expected_shapes_check_the_group_first(tiny: Any) -> None:
+    bad = {min(tiny.group): [tiny.adapter.num_experts(tiny.model)]}
+    for read in (extract, expected_shapes):
+        with pytest.raises(ValueError, match="do not exist"):
+            read(tiny.model, tiny.adapter, bad)
+
+
+def test_a_dense_layer_is_refused_by_check_group_and_insert(make_tiny: Any) -> None:
+    tiny = make_tiny("deepseek_v3")  # its layer 0 is a dense MLP, layers 1 and 2 are MoE
+    assert tiny.adapter.moe_layers(tiny.model) == [1, 2]
+    with pytest.raises(ValueError, match="group layer 0 is not an MoE layer"):
+        check_group(tiny.model, tiny.adapter, {0: [1]})
+    down = extract(tiny.model, tiny.adapter, {1: [1]})["layers.1.experts.1.down_proj"]
+    with pytest.raises(ValueError, match="layer 0 is not an MoE layer"):
+        insert(tiny.model, tiny.adapter, {"layers.0.experts.1.down_proj": down})
+
+
+def test_insert_refuses_a_transposed_or_integer_tensor(tiny: Any) -> None:
+    model, adapter, layer = tiny.model, tiny.adapter, min(tiny.group)
+    before = state_hash(model)
+    name = f"layers.{layer}.experts.1.down_proj"
+    down = extract(model, adapter, tiny.group)[name]
+    assert down.shape[0] != down.shape[1]
+    with pytest.raises(ValueError, match=rf"shape \({down.shape[1]}, {down.shape[0]}\), the model expects"):
+        insert(model, adapter, {name: down.t().contiguous()})  # the same entries, the other layout
+    with pytest.raises(ValueError, match="dtype torch.int64 is not a floating-point type"):
+        insert(model, adapter, {name: down.to(torch.int64)})
+    assert state_hash(model) == before
+
+
+def test_pseudo_gradient_of_two_bf16_sides_is_taken_in_fp32() -> None:
+    global_t = {"a": torch.tensor([1.0, 512.0], dtype=torch.bfloat16)}
+    miner_t = {"a": torch.tensor([0.5, 1.0], dtype=torch.bfloat16)}
+    grad = pseudo_gradient(global_t, miner_t)
+    assert grad["a"].dtype == torch.float32 and grad["a"].tolist() == [0.5, 511.0]  # 511 is not a bf16
+
+
+def test_pseudo_gradient_refuses_extra_miner_tensors() -> None:
+    global_t = {"a": torch.zeros(2)}
+    with pytest.raises(ValueError, match=r"missing \[\], extra \['b'\]"):
+        pseudo_gradient(global_t, {"a": torch.zeros(2), "b": torch.zeros(2)})
+
+
+def test_flatten_walks_the_names_sorted_whatever_the_dict_order() -> None:
+    assert flatten({"b": torch.tensor([2.0, 3.0]), "a": torch.tensor([[1.0]])}).tolist() == [1.0, 2.0, 3.0]
+    empty = flatten({})
+    assert empty.shape == (0,) and empty.dtype == torch.float32
