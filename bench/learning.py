@@ -22,19 +22,22 @@ noise, one copies an honest miner), and with miners that keep their AdamW state 
 adversarial); short rounds (`Arm.inner_steps`: H = 5 over four times the rounds, so every arm spends
 the same miner steps) with kept AdamW state and outer lr 2 on 4 and 8 miners and with half of 4
 adversarial (`SHORT`), sending full experts and compressed pseudo-gradients, and compressed at outer
-lr 2.5 (`SHORT_PGRAD`); networks of 1, 4 and 8 miners sending compressed pseudo-gradients, whole
-(every miner every chunk) and partitioned (each miner a half or a quarter of the chunks, drawn from
-its id and the round, `training.pgrad`); a sweep
-of outer-optimizer settings and data shards on the 4-miner network, and on 4 and 8 miners of merge
+lr 2.5 (`SHORT_PGRAD`); miners that merge after every step at an outer lr equal to their number
+(`EVERY_STEP`), on 4 and 8 miners and with half of 4 adversarial; networks of 1, 4 and 8 miners
+sending compressed pseudo-gradients, whole (every miner every chunk) and partitioned (each miner a
+half or a quarter of the chunks, drawn from its id and the round, `training.pgrad`); a sweep of
+outer-optimizer settings and data shards on the 4-miner network, and on 4 and 8 miners of merge
 gates other than Proof-of-Loss on each submission (`Arm.gate`) and of updates weighted by their
 utility (`Arm.weighting`), and of kept AdamW state without outer momentum on 8 miners and on 4 with
 half adversarial, and of short rounds at other outer lrs, without kept state and without the gate,
 and of miners that each train only their share of the group's experts (`Arm.experts`), at H = 20
-and in short rounds;
+and in short rounds, and a grid of the steps between merges and the outer lr (`sync_grid`);
 and the data-parallel ceiling: ESFT with M times the miners' batch for one miner's steps (as if M
 miners averaged gradients after every step), which bounds what a plain average (outer lr 1) of M
-miners' updates can reach; and, to show whether the shared inner lr is fair to the baseline, ESFT
-for the 4-miner network's tokens and that network again at half and at double the lr; and, to show
+miners' updates can reach, and for 4 miners again at 2 and 4 times the inner lr (a step on 4 times
+the batch has half the gradient noise and can be larger: what an outer lr above 1 can reach); and,
+to show whether the shared inner lr is fair to the baseline, ESFT for the 4-miner network's tokens,
+that network and the 4-miner `EVERY_STEP` network again at half and at double the lr; and, to show
 how much of a result is the draw, the headline arms (1, 4 and 8 miners, full and partitioned
 compressed), the ESFT curve and the ceiling again under two other seeds for the shards, batch orders
 and round seeds (`Settings.seed`), with the adversarial, optimizer-keeping and short-round arms.
@@ -92,13 +95,28 @@ round applies only the top entries of half the chunks per miner and the error bu
 so the same outer lr moves the compressed network less far than the full one; the outer lr was picked from
 2, 2.5 and 3 on records from the form-aware base (`docs/learning.md`)."""
 
+EVERY_STEP = "h1_keep_optimizer_lrM"
+"""Miners that merge after every step (H = 1, a hundred rounds), keeping their AdamW state, at an outer lr equal
+to the number of miners M the network is run with (4, and 8 on 8 miners). Where gradient noise rather than
+the number of steps limits learning, the mean of M miners' steps is one step on M times the data with 1/M of
+the noise, and sequential ESFT's M steps move about M times as far as one; an outer lr of M takes that
+distance. Merged after more steps, each miner's update has already gone as far as the sharp directions
+allow, and M times it overshoots (the sweep's `h{H}_keep_optimizer_lr{a}_4`)."""
+
 SHORT_FAMILIES = (SHORT, f"{SHORT}_pgrad_p2", SHORT_PGRAD)
-"""The short-round families the targets read: full experts at outer lr 2, compressed at 2 and at 2.5."""
+"""The short-round families: full experts at outer lr 2, compressed at 2 and at 2.5."""
+
+FAMILIES = (*SHORT_FAMILIES, EVERY_STEP)
+"""The families of 4 miners, 8 miners and 4 with half adversarial that the targets read."""
+
+CEILING_LR_FACTORS = (2.0, 4.0)
+"""The 4-miner data-parallel ceiling is also run at the inner lr times these (about sqrt(M) and M): a step on
+M times the batch has less noise and can be larger."""
 
 SEED_ARMS = ("network_1", "network_4", "network_8", "adversarial_4", "pgrad_2bit_c256_k40_p2_4",
              "pgrad_2bit_c256_k40_p2_8", "keep_optimizer_4", "keep_optimizer_momentum0.5_4",
              "keep_optimizer_momentum0.5_8", "keep_optimizer_momentum0.5_adversarial_4",
-             *(f"{family}_{name}" for family in SHORT_FAMILIES for name in ("4", "8", "adversarial_4")))
+             *(f"{family}_{name}" for family in FAMILIES for name in ("4", "8", "adversarial_4")))
 """The arms the `seeds` section repeats: the ones the headline targets read."""
 
 
@@ -115,7 +133,7 @@ def headline(runs: dict[str, dict[str, Any]], ceiling: dict[str, Any], share_nee
         "parallel_efficiency_4_share_needs": share_needs,
         "progress_4_over_1": _ratio(four, runs["network_1"]),
         **{f"{key}_{name}": runs[name].get(key)
-           for name in ("keep_optimizer_4", "keep_optimizer_momentum0.5_4", *(f"{f}_4" for f in SHORT_FAMILIES))
+           for name in ("keep_optimizer_4", "keep_optimizer_momentum0.5_4", *(f"{f}_4" for f in FAMILIES))
            for key in ("network_vs_esft", "parallel_efficiency", "parallel_efficiency_monotone")},
         "8_ahead_of_4": eight["losses"][-1] < four["losses"][-1],
         "8_ahead_of_4_pgrad_partitions_2": runs["pgrad_2bit_c256_k40_p2_8"]["losses"][-1]
@@ -123,16 +141,16 @@ def headline(runs: dict[str, dict[str, Any]], ceiling: dict[str, Any], share_nee
         "8_ahead_of_4_keep_optimizer_momentum0.5": runs["keep_optimizer_momentum0.5_8"]["losses"][-1]
         < runs["keep_optimizer_momentum0.5_4"]["losses"][-1],
         **{f"8_ahead_of_4_{family}": runs[f"{family}_8"]["losses"][-1] < runs[f"{family}_4"]["losses"][-1]
-           for family in SHORT_FAMILIES},
+           for family in FAMILIES},
         **{f"forgetting_4_no_worse_than_esft_{family}": _forgets_no_more(runs[f"{family}_4"])
-           for family in SHORT_FAMILIES},
+           for family in FAMILIES},
         "adversarial_lowers_every_round": runs["adversarial_4"]["lowered_every_round"],
         "adversarial_lowers_every_round_keep_optimizer_momentum0.5":
             runs["keep_optimizer_momentum0.5_adversarial_4"]["lowered_every_round"],
         **{f"adversarial_lowers_every_round_{family}": runs[f"{family}_adversarial_4"]["lowered_every_round"]
-           for family in SHORT_FAMILIES},
+           for family in FAMILIES},
         **{f"adversarial_rounds_lowered_{family}": runs[f"{family}_adversarial_4"]["rounds_lowered"]
-           for family in SHORT_FAMILIES},
+           for family in FAMILIES},
     }
 
 
@@ -177,6 +195,8 @@ def targets(runs: dict[str, dict[str, Any]], ceilings: dict[str, dict[str, Any]]
         "progress_4_over_1 (ESFT-equivalent steps of 4 miners / of 1)": _ratio(four, runs["network_1"]),
         "parallel_efficiency_4_ceiling (synchronous data parallel)": ceilings["4"]["parallel_efficiency"],
         "network_vs_esft_4_ceiling (synchronous data parallel)": ceilings["4"]["network_vs_esft"],
+        **{f"{key}_4_ceiling at inner lr x{factor:g}": ceilings[f"4_lr{factor:g}x"][key]
+           for key in ("parallel_efficiency", "network_vs_esft") for factor in CEILING_LR_FACTORS},
         "parallel_efficiency_4 that keeping 0.95 of ESFT's drop takes (both targets: the larger of it and 0.5)":
             share_needs,
         "8_ahead_of_4": eight["losses"][-1] < four["losses"][-1],
@@ -188,11 +208,12 @@ def targets(runs: dict[str, dict[str, Any]], ceilings: dict[str, dict[str, Any]]
         f"{SHORT} (H = 5 over 4x the rounds, kept AdamW state, outer lr 2)": short_rounds(runs, SHORT),
         f"{SHORT}_pgrad_p2 (the same, compressed as pgrad_2bit_c256_k40_p2)": short_rounds(runs, f"{SHORT}_pgrad_p2"),
         f"{SHORT_PGRAD} (the same compressed, at outer lr 2.5)": short_rounds(runs, SHORT_PGRAD),
+        f"{EVERY_STEP} (H = 1 over 20x the rounds, kept AdamW state, outer lr = M)": short_rounds(runs, EVERY_STEP),
     }
 
 
 def short_rounds(runs: dict[str, dict[str, Any]], family: str) -> dict[str, Any]:
-    """The targets read on one family of short-round arms (`SHORT`, full or compressed)."""
+    """The targets read on one family of short-round arms (`FAMILIES`)."""
     four, eight, adversarial = (runs[f"{family}_{name}"] for name in ("4", "8", "adversarial_4"))
     return {
         "network_vs_esft_4 (>= 0.95)": four.get("network_vs_esft"),
@@ -205,10 +226,16 @@ def short_rounds(runs: dict[str, dict[str, Any]], family: str) -> dict[str, Any]
     }
 
 
-def _family(name: str, arm: Arm) -> dict[str, Arm]:
-    """`arm` on 4 miners, on 8, and on 4 with half adversarial, named as `SHORT_FAMILIES` are read."""
-    return {f"{name}_4": replace(arm, miners=4), f"{name}_8": replace(arm, miners=8),
-            f"{name}_adversarial_4": replace(arm, miners=4, adversaries=2)}
+def _family(name: str, arm: Arm, outer_lr_is_miners: bool = False) -> dict[str, Arm]:
+    """`arm` on 4 miners, on 8, and on 4 with half adversarial, named as `FAMILIES` are read; with
+    `outer_lr_is_miners` each at an outer lr equal to its number of miners (adversaries included: a
+    network's outer lr is set in its spec, not by who turns up)."""
+
+    def on(miners: int, adversaries: int = 0) -> Arm:
+        lr = float(miners) if outer_lr_is_miners else arm.outer_lr
+        return replace(arm, miners=miners, adversaries=adversaries, outer_lr=lr)
+
+    return {f"{name}_4": on(4), f"{name}_8": on(8), f"{name}_adversarial_4": on(4, adversaries=2)}
 
 
 def _forgets_no_more(run: dict[str, Any]) -> bool:
@@ -222,6 +249,13 @@ def _ratio(run: dict[str, Any], baseline: dict[str, Any]) -> float | None:
     """Final ESFT-equivalent steps of `run` over `baseline`'s: how many times one network's progress the other makes."""
     a, b = run["esft_equivalent_steps"][-1], baseline["esft_equivalent_steps"][-1]
     return None if a is None or not b else round(a / b, 2)
+
+
+def sync_grid(short: Arm) -> dict[str, Arm]:
+    """4 miners keeping their AdamW state, merged every H steps at outer lr a (H in 1, 2, 5, 10; a in 1, 2, 4):
+    how the efficiency an outer lr above 1 buys falls with the steps between merges."""
+    return {f"h{h}_keep_optimizer_lr{lr:g}_4": replace(short, inner_steps=h, outer_lr=lr)
+            for h in (1, 2, 5, 10) for lr in (1.0, 2.0, 4.0)}
 
 
 def main() -> int:
@@ -258,6 +292,7 @@ def main() -> int:
         **_family(SHORT, short),
         **_family(f"{SHORT}_pgrad_p2", short_compressed),
         **_family(SHORT_PGRAD, replace(short_compressed, outer_lr=2.5)),
+        **_family(EVERY_STEP, Arm(inner_steps=1, keep_optimizer=True), outer_lr_is_miners=True),
         "pgrad_2bit_k32_4": replace(tuned, pgrad=PgradConfig(chunk=1024, topk=32, quant="2bit")),
         "pgrad_2bit_k48_4": replace(tuned, pgrad=PgradConfig(chunk=1024, topk=48, quant="2bit")),
         "pgrad_int8_k32_4": replace(tuned, pgrad=PgradConfig(chunk=1024, topk=32, quant="int8")),
@@ -283,13 +318,14 @@ def main() -> int:
         **{f"utility_weighting_{m}": Arm(miners=m, weighting="utility") for m in (4, 8)},
         "keep_optimizer_8": Arm(miners=8, keep_optimizer=True),
         "keep_optimizer_adversarial_4": Arm(adversaries=2, keep_optimizer=True),
-        **{f"h5_keep_optimizer_lr{lr:g}_4": replace(short, outer_lr=lr) for lr in (1.0, 1.5)},
+        "h5_keep_optimizer_lr1.5_4": replace(short, outer_lr=1.5),
         "h5_lr2_4": replace(short, keep_optimizer=False),
         "h5_keep_optimizer_lr2_gate_none_4": replace(short, gate="none"),
         "h5_keep_optimizer_lr2.83_8": replace(short, miners=8, outer_lr=2.83),
         **{f"partition_experts_{m}": Arm(miners=m, experts="partition") for m in (4, 8)},
         **{f"h5_keep_optimizer_lr{lr:g}_partition_experts_4": replace(short, outer_lr=lr, experts="partition")
            for lr in (1.0, 2.0)},
+        **{name: arm for name, arm in sync_grid(short).items() if arm not in arms.values()},  # not twice
     }
     try:  # an H that does not divide the miners' steps fails here, not an hour in
         for arm in [*sweep.values(), *arms.values()]:
@@ -303,8 +339,10 @@ def main() -> int:
         summarise(bench, runs[name], curve, esft_forgetting)
         print(f"{name}: {runs[name]['losses']} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
     ceilings = {str(m): data_parallel(bench, curve, m) for m in (4, 8)}
+    ceilings.update({f"4_lr{factor:g}x": data_parallel(bench, curve, 4, factor) for factor in CEILING_LR_FACTORS})
     full = bench.full_finetune(4 * settings.inner_steps * settings.rounds)
-    learning_rates = {str(factor): at_learning_rate(bench, factor) for factor in (0.5, 2.0)}
+    checked = {"network_4": arms["network_4"], f"{EVERY_STEP}_4": arms[f"{EVERY_STEP}_4"]}
+    learning_rates = {str(factor): at_learning_rate(bench, factor, checked) for factor in (0.5, 2.0)}
     share_needs = efficiency_for_share(curve, bench.base_loss, 4 * per_miner)
     seeds = other_seeds(bench, arms, headline(runs, ceilings["4"], share_needs), (1, 2))
     report = {
@@ -316,7 +354,8 @@ def main() -> int:
                  "forgetting_at_steps": {s: round(f, 4) for s, f in sorted(esft_forgetting.items())}},
         "full_finetune_4_miner_tokens": full,
         "data_parallel_ceiling": ceilings,
-        "learning_rate_check (ESFT at 4-miner tokens and network_4, inner lr x 0.5 and x 2)": learning_rates,
+        f"learning_rate_check (ESFT at 4-miner tokens, network_4 and {EVERY_STEP}_4, inner lr x 0.5 and x 2)":
+            learning_rates,
         "targets": targets(runs, ceilings, share_needs),
         "seeds (the headline arms under other draws of shards, batches and round seeds)": seeds,
         "arms": {name: runs[name] for name in arms},

@@ -372,42 +372,51 @@ def summarise(bench: Bench, run: dict[str, Any], curve: list[tuple[int, float]],
     run["lowered_every_round"] = run["rounds_lowered"] == len(run["losses"])
 
 
-def data_parallel(bench: Bench, curve: list[tuple[int, float]], miners: int) -> dict[str, Any]:
-    """ESFT at `miners` times the miners' batch for one miner's steps: the most M miners' plain average can reach.
+def data_parallel(
+    bench: Bench, curve: list[tuple[int, float]], miners: int, lr_factor: float = 1.0
+) -> dict[str, Any]:
+    """ESFT at `miners` times the miners' batch for one miner's steps, at the inner lr times `lr_factor`.
 
     Every step sees M batches at once, as if the M miners averaged gradients after every step instead
-    of after H; a network that averages after H steps at outer lr 1 can at best match it. An outer lr
-    above 1 also makes the steps larger, which can pass it where a larger step helps (records from
-    the general base, `docs/learning.md`).
+    of after H. At the shared lr (`lr_factor` 1) it is the most a plain average (outer lr 1) of M
+    miners' updates can reach. M times the batch also has less gradient noise, so it can take larger
+    steps: at `lr_factor` above 1 it is what the network can reach with an outer lr above 1, where
+    the data rather than the number of steps limits learning (`docs/learning.md`).
     """
     s = bench.s
     steps = s.inner_steps * s.rounds
-    wide, _ = bench.esft_curve(steps, s.inner_steps, set(), batch_size=miners * s.batch_size)
+    bench.s = replace(s, inner_lr=s.inner_lr * lr_factor)
+    try:
+        wide, _ = bench.esft_curve(steps, s.inner_steps, set(), batch_size=miners * s.batch_size)
+    finally:
+        bench.s = s
     losses = [round(loss, 4) for _, loss in wide[1:]]
     equivalent = [esft_steps(curve, loss) for loss in losses]
-    return {"miners": miners, "batch_size": miners * s.batch_size, "losses": losses,
+    return {"miners": miners, "batch_size": miners * s.batch_size, "inner_lr": s.inner_lr * lr_factor,
+            "losses": losses,
             "esft_equivalent_steps": [None if e is None else round(e, 1) for e in equivalent],
             "parallel_efficiency": _efficiency(curve, losses[-1], miners * steps),
             "parallel_efficiency_monotone": _efficiency(monotone(curve), losses[-1], miners * steps),
             "network_vs_esft": round((bench.base_loss - losses[-1]) / (bench.base_loss - curve_at(curve, miners * steps)), 4)}
 
 
-def at_learning_rate(bench: Bench, factor: float) -> dict[str, Any]:
-    """ESFT for the 4-miner network's tokens and that network, both with the inner lr scaled by `factor`.
+def at_learning_rate(bench: Bench, factor: float, arms: dict[str, Arm]) -> dict[str, Any]:
+    """ESFT for the 4-miner network's tokens and each of `arms`, all with the inner lr scaled by `factor`.
 
     Whether the shared lr is fair to the baseline: a higher lr can lower ESFT's target loss at the
-    price of forgetting, and the network is then compared against that ESFT curve.
+    price of forgetting, and the networks are then compared against that ESFT curve.
     """
     shared = bench.s
     bench.s = replace(shared, inner_lr=shared.inner_lr * factor)
     try:
         steps = 4 * shared.inner_steps * shared.rounds
         curve, forgetting = bench.esft_curve(steps, shared.inner_steps, {steps})
-        run = bench.network(Arm())
-        summarise(bench, run, curve, forgetting)
+        runs = {name: bench.network(arm) for name, arm in arms.items()}
+        for run in runs.values():
+            summarise(bench, run, curve, forgetting)
     finally:
         bench.s = shared
+    keys = ("losses", "merged", "forgetting", "network_vs_esft", "esft_equivalent_steps", "parallel_efficiency")
     return {"inner_lr": shared.inner_lr * factor, "esft_loss": round(curve[-1][1], 4),
             "esft_forgetting": round(forgetting[steps], 4),
-            "network_4": {key: run[key] for key in ("losses", "merged", "forgetting", "network_vs_esft",
-                                                    "esft_equivalent_steps", "parallel_efficiency")}}
+            **{name: {key: run[key] for key in keys} for name, run in runs.items()}}

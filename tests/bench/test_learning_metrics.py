@@ -105,16 +105,28 @@ def test_partitioned_miners_share_out_every_expert_of_the_group(runs: ModuleType
         runs.Arm(experts="partition", pgrad=runs.PgradConfig())
 
 
-def test_every_short_round_family_runs_on_4_and_8_miners_and_half_adversarial_under_every_seed(
-    learning: ModuleType,
-) -> None:
-    for family in learning.SHORT_FAMILIES:
-        arms = learning._family(family, learning.Arm(inner_steps=5, miners=2))
+def test_every_family_runs_on_4_and_8_miners_and_half_adversarial_under_every_seed(learning: ModuleType) -> None:
+    assert learning.EVERY_STEP in learning.FAMILIES and set(learning.SHORT_FAMILIES) < set(learning.FAMILIES)
+    for family in learning.FAMILIES:
+        arms = learning._family(family, learning.Arm(inner_steps=5, miners=2, outer_lr=2.0))
         assert set(arms) == {f"{family}_4", f"{family}_8", f"{family}_adversarial_4"}
         assert set(arms) <= set(learning.SEED_ARMS)  # the targets read them under every seed
         assert [arms[name].miners for name in sorted(arms)] == [4, 8, 4]
         assert [arms[name].adversaries for name in sorted(arms)] == [0, 0, 2]
-        assert all(arm.inner_steps == 5 for arm in arms.values())
+        assert all(arm.inner_steps == 5 and arm.outer_lr == 2.0 for arm in arms.values())
+    # At an outer lr of M the lr follows the identities a network is run with, adversaries among them.
+    scaled = learning._family("x", learning.Arm(inner_steps=1), outer_lr_is_miners=True)
+    assert [scaled[name].outer_lr for name in ("x_4", "x_8", "x_adversarial_4")] == [4.0, 8.0, 4.0]
+
+
+def test_the_sync_grid_spans_the_steps_between_merges_and_the_outer_lr(learning: ModuleType) -> None:
+    grid = learning.sync_grid(learning.Arm(inner_steps=5, keep_optimizer=True, outer_lr=2.0))
+    assert sorted((arm.inner_steps, arm.outer_lr) for arm in grid.values()) == [
+        (h, lr) for h in (1, 2, 5, 10) for lr in (1.0, 2.0, 4.0)]
+    assert all(arm.keep_optimizer and arm.miners == 4 and arm.adversaries == 0 for arm in grid.values())
+    assert grid["h1_keep_optimizer_lr4_4"] == learning._family(
+        learning.EVERY_STEP, learning.Arm(inner_steps=1, keep_optimizer=True), outer_lr_is_miners=True
+    )[f"{learning.EVERY_STEP}_4"]
 
 
 def _headline(pe: float, progress: float | None, eight_ahead: bool) -> dict:
@@ -138,7 +150,7 @@ def test_the_seeds_section_reports_ranges_and_counts_over_every_seed(learning: M
             return {"arm": arm}
 
     monkeypatch.setattr(learning, "summarise", lambda *args: None)
-    monkeypatch.setattr(learning, "data_parallel", lambda bench, curve, miners: {})
+    monkeypatch.setattr(learning, "data_parallel", lambda bench, curve, miners, lr_factor=1.0: {})
     monkeypatch.setattr(learning, "headline", lambda runs, ceiling, share_needs: by_seed[seeds_seen[-1]])
     bench = Bench()
     out = learning.other_seeds(bench, {name: name for name in learning.SEED_ARMS}, _headline(0.3, 2.0, False), (1, 2))
