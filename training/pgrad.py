@@ -5,7 +5,8 @@ the miner adds its error-feedback buffer e (what earlier rounds left unsent), fl
 A = G + e, cuts it into chunks of `chunk` entries and keeps, in every chunk, the `topk` entries of
 largest magnitude (ties: lower index), in ascending index order. Their values are quantised with one
 fp32 scale per chunk:
-- `int8`: q = round(v / s) with s = max|v| / 127, q in [-127, 127];
+- `int8`: q = round(v / s) with s = max|v| / 127 (an ulp less where 127 s would overflow fp32),
+  q in [-127, 127];
 - `2bit`: q in {0, 1, 2, 3} meaning s·(2q − 3)/3 with s = max|v|, four codes packed per byte,
   lowest bits first.
 Partitions: with `partitions` P > 1 a blob carries 1/P of the group's chunks (rounded up), the
@@ -302,6 +303,10 @@ def _quantize(values_CK: torch.Tensor, quant: Quant) -> tuple[torch.Tensor, torc
     peak_C = values_CK.abs().amax(dim=1)
     if quant == "int8":
         scale_C = peak_C / 127
+        # At a peak within an ulp of fp32's largest, peak / 127 rounds up and 127 codes of it decode to inf,
+        # which the check refuses: one ulp less decodes to just below the peak.
+        one_ulp_less = torch.nextafter(scale_C, torch.zeros_like(scale_C))
+        scale_C = torch.where(torch.isfinite(scale_C * 127), scale_C, one_ulp_less)
         safe = torch.where(scale_C > 0, scale_C, torch.ones_like(scale_C))
         return torch.round(values_CK / safe[:, None]).clamp(-127, 127).to(torch.int8), scale_C
     safe = torch.where(peak_C > 0, peak_C, torch.ones_like(peak_C))

@@ -152,6 +152,17 @@ def test_a_scale_is_refused_exactly_when_its_largest_code_decodes_to_inf(quant: 
         assert bool(torch.isfinite(decode(blob, {"t": (16,)}, cfg)["t"]).all())
 
 
+def test_int8_encodes_a_peak_at_fp32s_largest_into_a_blob_its_check_accepts() -> None:
+    """peak / 127 rounds up there, and 127 codes of that scale would decode to inf."""
+    largest = torch.finfo(torch.float32).max
+    cfg = PgradConfig(chunk=8, topk=4, quant="int8")
+    blob, error = encode({"t": torch.tensor([largest, -largest / 2, 1.0, 0.0])}, None, cfg)
+    assert check_compressed(blob, {"t": (4,)}, cfg) == ""
+    sent = decode(blob, {"t": (4,)}, cfg)["t"]
+    assert bool(torch.isfinite(sent).all()) and bool(torch.isfinite(error["t"]).all())
+    assert 0 < largest - sent[0].item() <= largest / 2**23  # the peak is sent, short of it by an ulp's worth
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [({"chunk": 40000}, "chunk"), ({"topk": 6}, "multiple of 4"), ({"quant": "4bit"}, "quant"),
