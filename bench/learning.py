@@ -74,6 +74,7 @@ from bench.learning_runs import (  # noqa: E402
     Bench,
     Settings,
     at_learning_rate,
+    changed_settings,
     data_parallel,
     efficiency_for_share,
     round_shape,
@@ -162,17 +163,14 @@ def other_seeds(bench: Bench, arms: dict[str, Arm], main: dict[str, Any], seeds:
     shared = bench.s
     per_miner = shared.inner_steps * shared.rounds
     by_seed = {"0": main}
-    try:
-        for seed in seeds:
-            bench.s = replace(shared, seed=seed)
+    for seed in seeds:
+        with changed_settings(bench, seed=seed):
             curve, forgetting = bench.esft_curve(8 * per_miner, shared.inner_steps, {m * per_miner for m in (1, 4, 8)})
             runs = {name: bench.network(arms[name]) for name in SEED_ARMS}
             for run in runs.values():
                 summarise(bench, run, curve, forgetting)
             by_seed[str(seed)] = headline(runs, data_parallel(bench, curve, 4),
                                           efficiency_for_share(curve, bench.base_loss, 4 * per_miner))
-    finally:
-        bench.s = shared
     ranges = {key: [min(h[key] for h in by_seed.values()), max(h[key] for h in by_seed.values())]
               for key in main if not isinstance(main[key], (dict, bool))
               if all(h[key] is not None for h in by_seed.values())}

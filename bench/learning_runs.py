@@ -16,6 +16,7 @@ import hashlib
 import math
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -372,6 +373,17 @@ def summarise(bench: Bench, run: dict[str, Any], curve: list[tuple[int, float]],
     run["lowered_every_round"] = run["rounds_lowered"] == len(run["losses"])
 
 
+@contextmanager
+def changed_settings(bench: Bench, **changes: Any) -> Iterator[Settings]:
+    """`bench` run with its settings changed for the block and put back after it; yields the shared ones."""
+    shared = bench.s
+    bench.s = replace(shared, **changes)
+    try:
+        yield shared
+    finally:
+        bench.s = shared
+
+
 def data_parallel(
     bench: Bench, curve: list[tuple[int, float]], miners: int, lr_factor: float = 1.0
 ) -> dict[str, Any]:
@@ -385,11 +397,8 @@ def data_parallel(
     """
     s = bench.s
     steps = s.inner_steps * s.rounds
-    bench.s = replace(s, inner_lr=s.inner_lr * lr_factor)
-    try:
+    with changed_settings(bench, inner_lr=s.inner_lr * lr_factor):
         wide, _ = bench.esft_curve(steps, s.inner_steps, set(), batch_size=miners * s.batch_size)
-    finally:
-        bench.s = s
     losses = [round(loss, 4) for _, loss in wide[1:]]
     equivalent = [esft_steps(curve, loss) for loss in losses]
     return {"miners": miners, "batch_size": miners * s.batch_size, "inner_lr": s.inner_lr * lr_factor,
@@ -406,16 +415,12 @@ def at_learning_rate(bench: Bench, factor: float, arms: dict[str, Arm]) -> dict[
     Whether the shared lr is fair to the baseline: a higher lr can lower ESFT's target loss at the
     price of forgetting, and the networks are then compared against that ESFT curve.
     """
-    shared = bench.s
-    bench.s = replace(shared, inner_lr=shared.inner_lr * factor)
-    try:
+    with changed_settings(bench, inner_lr=bench.s.inner_lr * factor) as shared:
         steps = 4 * shared.inner_steps * shared.rounds
         curve, forgetting = bench.esft_curve(steps, shared.inner_steps, {steps})
         runs = {name: bench.network(arm) for name, arm in arms.items()}
         for run in runs.values():
             summarise(bench, run, curve, forgetting)
-    finally:
-        bench.s = shared
     keys = ("losses", "merged", "forgetting", "network_vs_esft", "esft_equivalent_steps", "parallel_efficiency")
     return {"inner_lr": shared.inner_lr * factor, "esft_loss": round(curve[-1][1], 4),
             "esft_forgetting": round(forgetting[steps], 4),

@@ -158,3 +158,14 @@ def test_the_seeds_section_reports_ranges_and_counts_over_every_seed(learning: M
     assert out["range"]["parallel_efficiency_4"] == [0.2, 0.4]
     assert "progress_4_over_1" not in out["range"]  # one seed has none: no range is made up
     assert out["seeds where it holds (of 3)"] == {"8_ahead_of_4": 1, "8_ahead_of_4_pgrad_partitions_2": 3}
+
+
+def test_changed_settings_are_put_back_even_when_the_run_fails(learning: ModuleType) -> None:
+    class Bench:
+        s = learning.Settings(inner_lr=1e-3)
+
+    bench = Bench()
+    with pytest.raises(RuntimeError), learning.changed_settings(bench, inner_lr=2e-3) as shared:
+        assert (bench.s.inner_lr, shared.inner_lr) == (2e-3, 1e-3)
+        raise RuntimeError("a run failed")
+    assert bench.s.inner_lr == 1e-3
