@@ -55,6 +55,7 @@ bench: $(STAMP)
 	$(PY) bench/learning.py --domain facts --out .bench/learning-facts.json
 	$(PY) bench/learning.py --form-base --out .bench/learning-form-arithmetic.json
 	$(PY) bench/learning.py --domain records --form-base --out .bench/learning-form-records.json
+	$(PY) bench/outer_lr.py --jobs 2 --out .bench/outer-lr.json
 	$(PY) bench/simulation.py --out .bench/simulation.json
 	$(PY) bench/simulation.py --miners 8 --adversaries noise,copier,lazy,garbage --out .bench/simulation-adversarial.json
 	$(PY) bench/soak.py --out .bench/soak.json

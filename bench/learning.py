@@ -224,7 +224,7 @@ def short_rounds(runs: dict[str, dict[str, Any]], family: str) -> dict[str, Any]
     }
 
 
-def _family(name: str, arm: Arm, outer_lr_is_miners: bool = False) -> dict[str, Arm]:
+def family(name: str, arm: Arm, outer_lr_is_miners: bool = False) -> dict[str, Arm]:
     """`arm` on 4 miners, on 8, and on 4 with half adversarial, named as `FAMILIES` are read; with
     `outer_lr_is_miners` each at an outer lr equal to its number of miners (adversaries included: a
     network's outer lr is set in its spec, not by who turns up)."""
@@ -287,10 +287,10 @@ def main() -> int:
         **{f"keep_optimizer_momentum0.5_{m}": replace(tuned, miners=m, keep_optimizer=True, momentum=0.5)
            for m in (4, 8)},
         "keep_optimizer_momentum0.5_adversarial_4": replace(tuned, adversaries=2, keep_optimizer=True, momentum=0.5),
-        **_family(SHORT, short),
-        **_family(f"{SHORT}_pgrad_p2", short_compressed),
-        **_family(SHORT_PGRAD, replace(short_compressed, outer_lr=2.5)),
-        **_family(EVERY_STEP, Arm(inner_steps=1, keep_optimizer=True), outer_lr_is_miners=True),
+        **family(SHORT, short),
+        **family(f"{SHORT}_pgrad_p2", short_compressed),
+        **family(SHORT_PGRAD, replace(short_compressed, outer_lr=2.5)),
+        **family(EVERY_STEP, Arm(inner_steps=1, keep_optimizer=True), outer_lr_is_miners=True),
         "pgrad_2bit_k32_4": replace(tuned, pgrad=PgradConfig(chunk=1024, topk=32, quant="2bit")),
         "pgrad_2bit_k48_4": replace(tuned, pgrad=PgradConfig(chunk=1024, topk=48, quant="2bit")),
         "pgrad_int8_k32_4": replace(tuned, pgrad=PgradConfig(chunk=1024, topk=32, quant="int8")),

@@ -42,6 +42,48 @@ Tensors = dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
+class Agreement:
+    """An outer step that gives every entry its own outer lr, from how the merged update moved it in earlier rounds.
+
+    Rprop's rule applied to rounds: where the mean update keeps its sign from one round to the next the
+    miners keep agreeing on a direction they have not settled, and the entry's lr grows by `grow`; where
+    it flips they have overshot, and it shrinks by `shrink`; it stays in [`low`, `high`]. Not the
+    protocol's outer step (`training.outer`): the benchmark measures it (bench/outer_lr.py)."""
+
+    start: float = 2.0
+    grow: float = 1.2
+    shrink: float = 0.5
+    low: float = 0.25
+    high: float = 8.0
+
+
+def agreement_step(
+    global_t: Tensors, mean_t: Tensors, state: Tensors | None, cfg: Agreement
+) -> tuple[Tensors, Tensors]:
+    """Φ − lr ⊙ G for the plain mean `mean_t` (G = Φ − mean), each entry's lr set by `Agreement`'s rule.
+
+    `state` (None in the first round) holds, per tensor, the previous round's G (`last:` name) and the
+    entries' lrs (`lr:` name); returns the new global tensors and the new state.
+    """
+    new: Tensors = {}
+    kept: Tensors = {}
+    for name in sorted(global_t):
+        phi = global_t[name].float()
+        g = phi - mean_t[name].float()
+        if state is None:
+            lr = torch.full_like(phi, cfg.start)
+        else:
+            agree = g * state[f"last:{name}"]
+            lr = state[f"lr:{name}"]
+            lr = torch.where(agree > 0, (lr * cfg.grow).clamp(max=cfg.high), lr)
+            lr = torch.where(agree < 0, (lr * cfg.shrink).clamp(min=cfg.low), lr)
+        new[name] = phi - lr * g
+        kept[f"last:{name}"] = g
+        kept[f"lr:{name}"] = lr
+    return new, kept
+
+
+@dataclass(frozen=True)
 class Arm:
     """One network run's settings."""
 
@@ -74,10 +116,21 @@ class Arm:
     `partition` (the sweep, full experts only): its share of the group's experts (`Bench.share`), the
     others frozen, and the outer step takes each expert from the miners that trained it, as it takes a
     compressed chunk from the miners that sent it."""
+    agreement: Agreement | None = None
+    """Merge by `agreement_step` on the plain mean of the contributors (outer lr and momentum unused)."""
+    subset: int | None = None
+    """Held-out sequences of the round's Proof-of-Loss subset (the spec's `data.heldout_sequences`; None:
+    the settings')."""
+    lr_per_update: bool = False
+    """The round's outer lr is `outer_lr` times the number of updates merged in it, not `outer_lr`: each
+    merged update moves the state as far as it moved its miner, however many pass the gate."""
 
     def __post_init__(self) -> None:
         if self.experts == "partition" and self.pgrad is not None:
             raise ValueError("an arm partitions either the experts among miners or the compressed chunks, not both")
+        if self.agreement is not None and (self.outer_lr != 1.0 or self.momentum or self.lr_per_update):
+            raise ValueError("the agreement step sets every entry's outer lr itself: leave outer_lr, momentum and "
+                             "lr_per_update at their defaults")
 
 
 @dataclass(frozen=True)
@@ -203,9 +256,9 @@ class Bench:
         return share
 
     def network(self, arm: Arm) -> dict[str, Any]:
-        outer = OuterConfig(lr=arm.outer_lr, momentum=arm.momentum, weighting=arm.weighting)
         global_t = {k: v.clone() for k, v in self.base.items()}
         momentum: Tensors | None = None
+        agreed: Tensors | None = None
         errors: dict[int, Tensors | None] = {}
         optimizers: dict[int, dict[str, Any]] = {}
         losses, merged = [], []
@@ -244,9 +297,15 @@ class Bench:
             contributors = ranked[: arm.top_g]
             if contributors:
                 utilities = [u for _, u in contributors]
-                global_t, momentum = outer_step(global_t, [submissions[i] for i, _ in contributors],
+                lr = arm.outer_lr * len(contributors) if arm.lr_per_update else arm.outer_lr
+                outer = OuterConfig(lr=lr, momentum=arm.momentum, weighting=arm.weighting)
+                merged_t, momentum = outer_step(global_t, [submissions[i] for i, _ in contributors],
                                                 utilities, momentum, outer,
                                                 [masks[i] for i, _ in contributors] if partitioned else None)
+                if arm.agreement is None:
+                    global_t = merged_t
+                else:
+                    global_t, agreed = agreement_step(global_t, merged_t, agreed, arm.agreement)
             insert(self.model, self.adapter, self.base)
             losses.append(round(self.loss(global_t), 4))
             merged.append([i for i, _ in contributors])
@@ -271,7 +330,7 @@ class Bench:
     ) -> list[tuple[int, float]]:
         """The round's contributors with their utilities, best first, by the arm's gate (`Arm.gate`)."""
         seed_hex = hashlib.sha256(self.tag(f"learning-bench:{r}").encode()).hexdigest()
-        subset = heldout_subset(self.pool, seed_hex, self.s.subset)
+        subset = heldout_subset(self.pool, seed_hex, self.s.subset if arm.subset is None else arm.subset)
         base_loss = self.loss(global_t, subset)
         scored = sorted((self.loss(t, subset), i) for i, t in submissions.items())
         gains = {i: base_loss - loss for loss, i in scored if arm.gate != "each" or loss < base_loss}

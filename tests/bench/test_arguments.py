@@ -16,6 +16,8 @@ BAD = [
     ("twins_load.py", ["--miners", "0"], "must be at least 1"),
     ("round.py", ["--rounds", "0"], "--rounds must be at least 1"),
     ("miner.py", ["--out", "."], "is a directory"),
+    ("outer_lr.py", ["--jobs", "0"], "--jobs: expected at least 1"),
+    ("outer_lr.py", ["--seeds", "0,x"], "--seeds: expected comma-separated integers"),
 ]
 
 

@@ -7,8 +7,10 @@ the miner steps spent; the `seeds` section reports ranges over seeds. Checked he
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Any
 
 import pytest
+import torch
 
 from tests.bench.scripts import load_bench
 
@@ -108,14 +110,14 @@ def test_partitioned_miners_share_out_every_expert_of_the_group(runs: ModuleType
 def test_every_family_runs_on_4_and_8_miners_and_half_adversarial_under_every_seed(learning: ModuleType) -> None:
     assert learning.EVERY_STEP in learning.FAMILIES and set(learning.SHORT_FAMILIES) < set(learning.FAMILIES)
     for family in learning.FAMILIES:
-        arms = learning._family(family, learning.Arm(inner_steps=5, miners=2, outer_lr=2.0))
+        arms = learning.family(family, learning.Arm(inner_steps=5, miners=2, outer_lr=2.0))
         assert set(arms) == {f"{family}_4", f"{family}_8", f"{family}_adversarial_4"}
         assert set(arms) <= set(learning.SEED_ARMS)  # the targets read them under every seed
         assert [arms[name].miners for name in sorted(arms)] == [4, 8, 4]
         assert [arms[name].adversaries for name in sorted(arms)] == [0, 0, 2]
         assert all(arm.inner_steps == 5 and arm.outer_lr == 2.0 for arm in arms.values())
     # At an outer lr of M the lr follows the identities a network is run with, adversaries among them.
-    scaled = learning._family("x", learning.Arm(inner_steps=1), outer_lr_is_miners=True)
+    scaled = learning.family("x", learning.Arm(inner_steps=1), outer_lr_is_miners=True)
     assert [scaled[name].outer_lr for name in ("x_4", "x_8", "x_adversarial_4")] == [4.0, 8.0, 4.0]
 
 
@@ -124,7 +126,7 @@ def test_the_sync_grid_spans_the_steps_between_merges_and_the_outer_lr(learning:
     assert sorted((arm.inner_steps, arm.outer_lr) for arm in grid.values()) == [
         (h, lr) for h in (1, 2, 5, 10) for lr in (1.0, 2.0, 4.0)]
     assert all(arm.keep_optimizer and arm.miners == 4 and arm.adversaries == 0 for arm in grid.values())
-    assert grid["h1_keep_optimizer_lr4_4"] == learning._family(
+    assert grid["h1_keep_optimizer_lr4_4"] == learning.family(
         learning.EVERY_STEP, learning.Arm(inner_steps=1, keep_optimizer=True), outer_lr_is_miners=True
     )[f"{learning.EVERY_STEP}_4"]
 
@@ -169,3 +171,45 @@ def test_changed_settings_are_put_back_even_when_the_run_fails(learning: ModuleT
         assert (bench.s.inner_lr, shared.inner_lr) == (2e-3, 1e-3)
         raise RuntimeError("a run failed")
     assert bench.s.inner_lr == 1e-3
+
+
+def test_the_agreement_step_grows_an_entrys_lr_while_its_sign_holds_and_shrinks_it_where_it_flips(
+    runs: ModuleType,
+) -> None:
+    cfg = runs.Agreement(start=2.0, grow=1.5, shrink=0.5, low=0.5, high=4.0)
+
+    def step(at: dict[str, torch.Tensor], g: list[float], state: dict[str, torch.Tensor] | None) -> tuple[Any, Any]:
+        return runs.agreement_step(at, {"w": at["w"] - torch.tensor(g)}, state, cfg)  # the mean whose G is g
+
+    first, state = step({"w": torch.zeros(4)}, [1.0, 1.0, -1.0, 0.0], None)
+    assert first["w"].tolist() == [-2.0, -2.0, 2.0, 0.0]  # every entry starts at the start lr
+    # entry 0 keeps its sign, 1 flips, 2 keeps it (negative), 3 was 0 and keeps its lr
+    second, state = step(first, [1.0, -1.0, -2.0, 5.0], state)
+    assert state["lr:w"].tolist() == [3.0, 1.0, 3.0, 2.0]
+    assert second["w"].tolist() == [-5.0, -1.0, 8.0, -10.0]
+    for entry_1 in (1.0, -1.0, 1.0):  # entries 0 and 2 hold their signs up to `high`, entry 1 flips down to `low`
+        second, state = step(second, [1.0, entry_1, -1.0, 0.0], state)
+    assert state["lr:w"].tolist() == [4.0, 0.5, 4.0, 2.0]
+
+
+def test_the_outer_lr_summary_reads_ranges_and_counts_over_seeds() -> None:
+    outer_lr = load_bench("outer_lr")
+
+    def run(loss: float, efficiency: float | None, forgetting: float, lowered: int) -> dict[str, Any]:
+        return {"parallel_efficiency": efficiency, "network_vs_esft": 0.9, "forgetting": forgetting,
+                "esft_forgetting_equal_tokens": 0.5, "rounds_lowered": lowered, "losses": [loss] * 4}
+
+    def seed(shift: float, efficiency: float | None) -> dict[str, Any]:
+        arms = {name: run(1.0, 0.3, 0.4, 4) for name in outer_lr.ARMS}
+        arms[f"{outer_lr.PER_UPDATE}_4"] = run(1.0, efficiency, 0.5 + shift, 4 - int(shift > 0))
+        arms[f"{outer_lr.PER_UPDATE}_8"] = run(1.0 - shift, 0.3, 0.4, 4)
+        return {"arms": arms}
+
+    summary = outer_lr.summary({"0": seed(0.0, 0.6), "1": seed(0.1, 0.2)})
+    four = summary[f"{outer_lr.PER_UPDATE}_4"]
+    assert four["parallel_efficiency"] == [0.2, 0.6] and four["forgetting"] == [0.5, 0.6]
+    assert four["seeds where it forgets no more than ESFT"] == 1  # equal counts as no more
+    assert four["seeds where it falls every round"] == 1
+    assert summary[f"{outer_lr.PER_UPDATE}_8"]["seeds where it ends ahead of 4 miners"] == 1  # a tie is not ahead
+    gap = outer_lr.summary({"0": seed(0.0, 0.6), "1": seed(0.0, None)})[f"{outer_lr.PER_UPDATE}_4"]
+    assert "parallel_efficiency" not in gap and gap["network_vs_esft"] == [0.9, 0.9]  # no range over a missing read

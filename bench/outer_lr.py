@@ -1,0 +1,143 @@
+"""Outer lrs that adapt: per entry, by what the miners keep agreeing on; per round, by how many updates pass the gate.
+
+The learning benchmark (bench/learning.py) found that miners merged after every step at an outer lr
+equal to their number (`h1_keep_optimizer_lrM`) meet both headline targets on records and facts but
+forget more than ESFT and do not fall in every round with half the miners adversarial, and that at
+H = 5 or more the same outer lr overshoots. This benchmark measures two outer lrs that adapt, against
+the fixed ones of the learning benchmark, in the same run:
+
+- per entry (`bench.learning_runs.Agreement`): every entry of the expert group has its own outer lr,
+  which grows while the merged update keeps its sign from round to round (the miners keep agreeing on a
+  direction they have not settled) and shrinks where the sign flips (Rprop's rule applied to rounds):
+  at H = 5, 10 and 20, against the learning benchmark's short rounds (`h5_keep_optimizer_lr2_4`: H = 5,
+  kept AdamW state, outer lr 2);
+- per round (`Arm.lr_per_update`): merged after every step, the outer lr is the number of updates merged
+  that round, so each merged miner step moves the state one step, however many pass the gate (at a
+  fixed outer lr M, a round where one update passes moves it M of that miner's steps); on 4 miners,
+  8, and 4 with half adversarial, against `h1_keep_optimizer_lrM`; and again with Proof-of-Loss on 128
+  held-out sequences a round instead of 32 (`Arm.subset`, the spec's `data.heldout_sequences`), which
+  lets through more of the one-step updates whose gain is near the subset's noise.
+
+Each of the learning benchmark's five settings (three domains from the general base, two skills from the
+base that read their forms) runs under seeds 0, 1 and 2: ESFT for the 8-miner network's tokens and every
+arm, all with the same miner steps, shards, batches and round seeds, each read on its own seed's ESFT
+curve as the learning benchmark reads its arms (`summarise`). The (setting, seed) runs are independent
+and run `--jobs` at a time.
+
+Usage: python bench/outer_lr.py [--seeds 0,1,2] [--jobs N] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.learning import EVERY_STEP, SHORT, family  # noqa: E402
+from bench.learning_runs import Agreement, Arm, Bench, Settings, summarise  # noqa: E402
+from bench.report import emit, out_file  # noqa: E402
+
+SETTINGS = {
+    "arithmetic": ("arithmetic", None),
+    "records": ("records", None),
+    "facts": ("facts", None),
+    "arithmetic, form base": ("arithmetic", True),
+    "records, form base": ("records", True),
+}
+"""The learning benchmark's five settings: (domain, `Settings.knows_form`)."""
+
+PER_UPDATE = "h1_keep_optimizer_lr_per_update"
+"""Merged after every step at an outer lr equal to the number of updates merged in the round."""
+
+_short = Arm(inner_steps=5, keep_optimizer=True, outer_lr=2.0)
+ARMS = {
+    f"{SHORT}_4": _short,
+    **{f"h{h}_agreement_4": replace(_short, inner_steps=h, outer_lr=1.0, agreement=Agreement()) for h in (5, 10, 20)},
+    **family(EVERY_STEP, Arm(inner_steps=1, keep_optimizer=True), outer_lr_is_miners=True),
+    **family(PER_UPDATE, Arm(inner_steps=1, keep_optimizer=True, lr_per_update=True)),
+    **family(f"{PER_UPDATE}_subset128", Arm(inner_steps=1, keep_optimizer=True, lr_per_update=True, subset=128)),
+}
+COMPARED = {"agreement": (f"{SHORT}_4", ("h5_agreement_4", "h10_agreement_4", "h20_agreement_4")),
+            "per update": (f"{EVERY_STEP}_4", (f"{PER_UPDATE}_4", f"{PER_UPDATE}_subset128_4"))}
+"""Each adaptive rule's arms and the fixed-lr arm they are set against."""
+READ = ("parallel_efficiency", "network_vs_esft", "forgetting", "esft_forgetting_equal_tokens", "rounds_lowered",
+        "parallel_efficiency_monotone", "losses")
+
+
+def run_one(setting: str, seed: int, cache: Path) -> dict[str, Any]:
+    """Every arm in one setting under one seed, each read on that seed's ESFT curve."""
+    domain, knows_form = SETTINGS[setting]
+    started = time.perf_counter()
+    torch.set_num_threads(1)  # a tiny model on a shared CPU runs faster without intra-op threads
+    bench = Bench(Settings(domain=domain, knows_form=knows_form, seed=seed), cache)
+    per_miner = bench.s.inner_steps * bench.s.rounds
+    curve, forgetting = bench.esft_curve(8 * per_miner, bench.s.inner_steps, {m * per_miner for m in (2, 4, 8)})
+    runs = {}
+    for name, arm in ARMS.items():
+        run = bench.network(arm)
+        summarise(bench, run, curve, forgetting)
+        runs[name] = {**{key: run[key] for key in READ}, "merged_per_round": [len(ids) for ids in run["merged"]]}
+    print(f"{setting}, seed {seed} ({time.perf_counter() - started:.0f} s): "
+          + ", ".join(f"{n} {r['parallel_efficiency']}" for n, r in runs.items()), file=sys.stderr, flush=True)
+    return {"base_loss": round(bench.base_loss, 4), "esft_loss_4_miner_tokens": round(dict(curve)[4 * per_miner], 4),
+            "arms": runs}
+
+
+def summary(by_seed: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per arm, each number's [min, max] over the seeds, and over how many seeds each target holds."""
+    out: dict[str, Any] = {}
+    for name in ARMS:
+        runs = [seed["arms"][name] for seed in by_seed.values()]
+        out[name] = {key: [min(values), max(values)] for key in READ[:5]
+                     if None not in (values := [run[key] for run in runs])}
+        out[name]["seeds where it forgets no more than ESFT"] = sum(
+            run["forgetting"] <= run["esft_forgetting_equal_tokens"] for run in runs)
+        out[name]["seeds where it falls every round"] = sum(
+            run["rounds_lowered"] == len(run["losses"]) for run in runs)
+        if name.endswith("_8"):
+            four = name.removesuffix("_8") + "_4"
+            out[name]["seeds where it ends ahead of 4 miners"] = sum(
+                seed["arms"][name]["losses"][-1] < seed["arms"][four]["losses"][-1] for seed in by_seed.values())
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
+    parser.add_argument("--jobs", type=int, default=1, help="(setting, seed) runs at a time, one core each (default 1)")
+    parser.add_argument("--cache", type=Path, default=Path(".bench/cache"), help="pretrained-base cache directory")
+    parser.add_argument("--out", type=out_file, help="write the JSON here (default: stdout only)")
+    args = parser.parse_args()
+    try:
+        seeds = [int(seed) for seed in args.seeds.split(",")]
+    except ValueError:
+        parser.error(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
+    if args.jobs < 1:
+        parser.error(f"--jobs: expected at least 1, got {args.jobs}")
+    started = time.perf_counter()
+    tasks = [(setting, seed) for setting in SETTINGS for seed in seeds]
+    # spawn: each run builds its own model in a fresh interpreter, whatever this one has loaded
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {task: pool.submit(run_one, *task, args.cache) for task in tasks}
+        done = {task: future.result() for task, future in futures.items()}
+    settings = {}
+    for setting in SETTINGS:
+        by_seed = {str(seed): done[setting, seed] for seed in seeds}
+        settings[setting] = {"by_seed": by_seed, "summary": summary(by_seed)}
+    emit({"agreement": asdict(Agreement()), "compared": COMPARED,
+          "arms": {name: asdict(arm) for name, arm in ARMS.items()}, "settings": settings,
+          "seconds": round(time.perf_counter() - started, 1)}, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
