@@ -54,6 +54,8 @@ def interrupt_after(seconds: float) -> threading.Timer:
 
 
 def test_an_interrupt_while_nodes_stop_kills_them_at_once_then_raises(stuck_sim: Simulation) -> None:
+    # the handler close() must put back: Python's own, or SIG_IGN where the suite was started as a background job
+    handler = signal.getsignal(signal.SIGINT)
     started = time.monotonic()
     timer = interrupt_after(0.5)
     with pytest.raises(KeyboardInterrupt):
@@ -61,7 +63,7 @@ def test_an_interrupt_while_nodes_stop_kills_them_at_once_then_raises(stuck_sim:
     timer.join()
     assert time.monotonic() - started < STOP_TIMEOUT_S / 2, "the interrupt did not cut the wait short"
     assert [n.name for n in stuck_sim.nodes.values() if n.proc is not None and n.proc.poll() is None] == []
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is handler
 
 
 def test_interrupts_while_nodes_are_killed_still_kill_every_node(stuck_sim: Simulation,
