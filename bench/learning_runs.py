@@ -121,6 +121,8 @@ class Arm:
     subset: int | None = None
     """Held-out sequences of the round's Proof-of-Loss subset (the spec's `data.heldout_sequences`; None:
     the settings')."""
+    beta1: float | None = None
+    """The miners' AdamW first-moment decay (`TrainConfig.beta1`; None: the settings')."""
     lr_per_update: bool = False
     """The round's outer lr is `outer_lr` times the number of updates merged in it, not `outer_lr`: each
     merged update moves the state as far as it moved its miner, however many pass the gate."""
@@ -142,6 +144,8 @@ class Settings:
     inner_steps: int = 20
     batch_size: int = 8
     inner_lr: float = 1e-3
+    beta1: float = 0.9
+    """AdamW's first-moment decay for ESFT and the miners (`TrainConfig.beta1`; an arm may set its own)."""
     experts_per_layer: int = 2
     subset: int = 32
     """Held-out sequences the round seed picks for Proof-of-Loss."""
@@ -188,8 +192,9 @@ class Bench:
         """A batch-order seed made specific to the run's seed (unchanged for seed 0)."""
         return number + 1_000_003 * self.s.seed
 
-    def train_cfg(self, steps: int, batch_size: int | None = None) -> TrainConfig:
-        return TrainConfig(steps=steps, lr=self.s.inner_lr, batch_size=batch_size or self.s.batch_size)
+    def train_cfg(self, steps: int, batch_size: int | None = None, beta1: float | None = None) -> TrainConfig:
+        return TrainConfig(steps=steps, lr=self.s.inner_lr, batch_size=batch_size or self.s.batch_size,
+                           beta1=self.s.beta1 if beta1 is None else beta1)
 
     def esft_curve(
         self, steps: int, every: int, general_at: set[int], batch_size: int | None = None
@@ -274,7 +279,7 @@ class Bench:
                 order = batches(rows, self.s.batch_size, self.stream(r))
                 group = self.share(arm, i)
                 result = train_experts(self.model, self.adapter, group, order,
-                                       self.train_cfg(steps), optimizers.get(i))
+                                       self.train_cfg(steps, beta1=arm.beta1), optimizers.get(i))
                 submissions[i] = {**global_t, **result.tensors}
                 if arm.experts == "partition":
                     owned = {(layer, expert) for layer, experts in group.items() for expert in experts}

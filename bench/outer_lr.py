@@ -1,4 +1,4 @@
-"""Outer lrs that adapt: per entry, by what the miners keep agreeing on; per round, by how many updates pass the gate.
+"""Outer lrs that adapt (per entry, by what the miners keep agreeing on; per round, by the updates merged), and beta1.
 
 The learning benchmark (bench/learning.py) found that miners merged after every step at an outer lr
 equal to their number (`h1_keep_optimizer_lrM`) meet both headline targets on records and facts but
@@ -16,7 +16,11 @@ the fixed ones of the learning benchmark, in the same run:
   fixed outer lr M, a round where one update passes moves it M of that miner's steps); on 4 miners,
   8, and 4 with half adversarial, against `h1_keep_optimizer_lrM`; and again with Proof-of-Loss on 128
   held-out sequences a round instead of 32 (`Arm.subset`, the spec's `data.heldout_sequences`), which
-  lets through more of the one-step updates whose gain is near the subset's noise.
+  lets through more of the one-step updates whose gain is near the subset's noise;
+- the every-step family with the miners' AdamW beta1 at 0.9^M (`MOMENT`): each miner step moves the
+  state M steps, so AdamW's default horizon of about ten steps, counted in the miner's steps, spans
+  about 10·M of the state's; 0.9^M puts it back to ten of the state's. Each of these arms is read
+  again on ESFT at the same beta1, so that a baseline that would gain from it too is not left behind.
 
 Each of the learning benchmark's five settings (three domains from the general base, two skills from the
 base that read their forms) runs under seeds 0, 1 and 2: ESFT for the 8-miner network's tokens and every
@@ -24,7 +28,7 @@ arm, all with the same miner steps, shards, batches and round seeds, each read o
 curve as the learning benchmark reads its arms (`summarise`). The (setting, seed) runs are independent
 and run `--jobs` at a time.
 
-Usage: python bench/outer_lr.py [--seeds 0,1,2] [--jobs N] [--out FILE.json]
+Usage: python bench/outer_lr.py [--arms NAME,...] [--seeds 0,1,2] [--jobs N] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.learning import EVERY_STEP, SHORT, family  # noqa: E402
-from bench.learning_runs import Agreement, Arm, Bench, Settings, summarise  # noqa: E402
+from bench.learning_runs import Agreement, Arm, Bench, Settings, changed_settings, summarise  # noqa: E402
 from bench.report import emit, out_file  # noqa: E402
 
 SETTINGS = {
@@ -58,44 +62,68 @@ SETTINGS = {
 PER_UPDATE = "h1_keep_optimizer_lr_per_update"
 """Merged after every step at an outer lr equal to the number of updates merged in the round."""
 
+MOMENT = f"{EVERY_STEP}_beta1M"
+"""`EVERY_STEP` with the miners' AdamW beta1 at 0.9^M for outer lr M: each miner step moves the state M steps,
+and 0.9^M keeps the first moment's horizon at AdamW's default counted in the state's steps."""
+
 _short = Arm(inner_steps=5, keep_optimizer=True, outer_lr=2.0)
+_every = family(EVERY_STEP, Arm(inner_steps=1, keep_optimizer=True), outer_lr_is_miners=True)
 ARMS = {
     f"{SHORT}_4": _short,
     **{f"h{h}_agreement_4": replace(_short, inner_steps=h, outer_lr=1.0, agreement=Agreement()) for h in (5, 10, 20)},
-    **family(EVERY_STEP, Arm(inner_steps=1, keep_optimizer=True), outer_lr_is_miners=True),
+    **_every,
+    **{name.replace(EVERY_STEP, MOMENT): replace(arm, beta1=round(0.9**arm.outer_lr, 6)) for name, arm in _every.items()},
     **family(PER_UPDATE, Arm(inner_steps=1, keep_optimizer=True, lr_per_update=True)),
     **family(f"{PER_UPDATE}_subset128", Arm(inner_steps=1, keep_optimizer=True, lr_per_update=True, subset=128)),
 }
 COMPARED = {"agreement": (f"{SHORT}_4", ("h5_agreement_4", "h10_agreement_4", "h20_agreement_4")),
-            "per update": (f"{EVERY_STEP}_4", (f"{PER_UPDATE}_4", f"{PER_UPDATE}_subset128_4"))}
+            "per update": (f"{EVERY_STEP}_4", (f"{PER_UPDATE}_4", f"{PER_UPDATE}_subset128_4")),
+            "beta1 per merged step": (f"{EVERY_STEP}_4", (f"{MOMENT}_4",))}
 """Each adaptive rule's arms and the fixed-lr arm they are set against."""
 READ = ("parallel_efficiency", "network_vs_esft", "forgetting", "esft_forgetting_equal_tokens", "rounds_lowered",
         "parallel_efficiency_monotone", "losses")
 
 
-def run_one(setting: str, seed: int, cache: Path) -> dict[str, Any]:
-    """Every arm in one setting under one seed, each read on that seed's ESFT curve."""
+def run_one(setting: str, seed: int, cache: Path, names: list[str]) -> dict[str, Any]:
+    """The arms `names` in one setting under one seed, each read on that seed's ESFT curve; an arm with its own
+    beta1 is read again on ESFT at that beta1 (whether the baseline gains from it too)."""
     domain, knows_form = SETTINGS[setting]
     started = time.perf_counter()
     torch.set_num_threads(1)  # a tiny model on a shared CPU runs faster without intra-op threads
     bench = Bench(Settings(domain=domain, knows_form=knows_form, seed=seed), cache)
     per_miner = bench.s.inner_steps * bench.s.rounds
     curve, forgetting = bench.esft_curve(8 * per_miner, bench.s.inner_steps, {m * per_miner for m in (2, 4, 8)})
+    at_beta1 = {}
+    for beta1 in sorted({beta1 for name in names if (beta1 := ARMS[name].beta1) is not None}):
+        with changed_settings(bench, beta1=beta1):
+            at_beta1[beta1] = bench.esft_curve(4 * per_miner, bench.s.inner_steps, {m * per_miner for m in (2, 4)})
     runs = {}
-    for name, arm in ARMS.items():
-        run = bench.network(arm)
+    for name in names:
+        run = bench.network(ARMS[name])
         summarise(bench, run, curve, forgetting)
         runs[name] = {**{key: run[key] for key in READ}, "merged_per_round": [len(ids) for ids in run["merged"]]}
+        beta1 = ARMS[name].beta1
+        if beta1 is not None and ARMS[name].miners <= 4:  # ESFT at beta1 runs for 4 miners' tokens
+            summarise(bench, run, *at_beta1[beta1])
+            runs[name]["read on ESFT at the same beta1"] = {key: run[key] for key in READ[:4]}
     print(f"{setting}, seed {seed} ({time.perf_counter() - started:.0f} s): "
           + ", ".join(f"{n} {r['parallel_efficiency']}" for n, r in runs.items()), file=sys.stderr, flush=True)
     return {"base_loss": round(bench.base_loss, 4), "esft_loss_4_miner_tokens": round(dict(curve)[4 * per_miner], 4),
+            **{f"esft_loss_4_miner_tokens at beta1 {beta1:g}": round(dict(c)[4 * per_miner], 4)
+               for beta1, (c, _) in at_beta1.items()},
             "arms": runs}
+
+
+def runs_of(by_seed: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The arms one seed's run holds (every seed's run holds the same)."""
+    arms: dict[str, Any] = next(iter(by_seed.values()))["arms"]
+    return arms
 
 
 def summary(by_seed: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Per arm, each number's [min, max] over the seeds, and over how many seeds each target holds."""
     out: dict[str, Any] = {}
-    for name in ARMS:
+    for name in runs_of(by_seed):
         runs = [seed["arms"][name] for seed in by_seed.values()]
         out[name] = {key: [min(values), max(values)] for key in READ[:5]
                      if None not in (values := [run[key] for run in runs])}
@@ -105,6 +133,8 @@ def summary(by_seed: dict[str, dict[str, Any]]) -> dict[str, Any]:
             run["rounds_lowered"] == len(run["losses"]) for run in runs)
         if name.endswith("_8"):
             four = name.removesuffix("_8") + "_4"
+            if four not in runs_of(by_seed):
+                continue
             out[name]["seeds where it ends ahead of 4 miners"] = sum(
                 seed["arms"][name]["losses"][-1] < seed["arms"][four]["losses"][-1] for seed in by_seed.values())
     return out
@@ -113,6 +143,7 @@ def summary(by_seed: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
+    parser.add_argument("--arms", help="comma-separated arm names to run (default: every arm)")
     parser.add_argument("--jobs", type=int, default=1, help="(setting, seed) runs at a time, one core each (default 1)")
     parser.add_argument("--cache", type=Path, default=Path(".bench/cache"), help="pretrained-base cache directory")
     parser.add_argument("--out", type=out_file, help="write the JSON here (default: stdout only)")
@@ -123,18 +154,22 @@ def main() -> int:
         parser.error(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
     if args.jobs < 1:
         parser.error(f"--jobs: expected at least 1, got {args.jobs}")
+    names = list(ARMS) if args.arms is None else args.arms.split(",")
+    unknown = [name for name in names if name not in ARMS]
+    if unknown:
+        parser.error(f"--arms: no arm named {', '.join(unknown)}; the arms are {', '.join(ARMS)}")
     started = time.perf_counter()
     tasks = [(setting, seed) for setting in SETTINGS for seed in seeds]
     # spawn: each run builds its own model in a fresh interpreter, whatever this one has loaded
     with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {task: pool.submit(run_one, *task, args.cache) for task in tasks}
+        futures = {task: pool.submit(run_one, *task, args.cache, names) for task in tasks}
         done = {task: future.result() for task, future in futures.items()}
     settings = {}
     for setting in SETTINGS:
         by_seed = {str(seed): done[setting, seed] for seed in seeds}
         settings[setting] = {"by_seed": by_seed, "summary": summary(by_seed)}
     emit({"agreement": asdict(Agreement()), "compared": COMPARED,
-          "arms": {name: asdict(arm) for name, arm in ARMS.items()}, "settings": settings,
+          "arms": {name: asdict(ARMS[name]) for name in names}, "settings": settings,
           "seconds": round(time.perf_counter() - started, 1)}, args.out)
     return 0
 
