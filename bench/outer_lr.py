@@ -114,16 +114,11 @@ def run_one(setting: str, seed: int, cache: Path, names: list[str]) -> dict[str,
             "arms": runs}
 
 
-def runs_of(by_seed: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The arms one seed's run holds (every seed's run holds the same)."""
-    arms: dict[str, Any] = next(iter(by_seed.values()))["arms"]
-    return arms
-
-
 def summary(by_seed: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Per arm, each number's [min, max] over the seeds, and over how many seeds each target holds."""
     out: dict[str, Any] = {}
-    for name in runs_of(by_seed):
+    names = list(next(iter(by_seed.values()))["arms"])  # every seed's run holds the same arms
+    for name in names:
         runs = [seed["arms"][name] for seed in by_seed.values()]
         out[name] = {key: [min(values), max(values)] for key in READ[:5]
                      if None not in (values := [run[key] for run in runs])}
@@ -133,7 +128,7 @@ def summary(by_seed: dict[str, dict[str, Any]]) -> dict[str, Any]:
             run["rounds_lowered"] == len(run["losses"]) for run in runs)
         if name.endswith("_8"):
             four = name.removesuffix("_8") + "_4"
-            if four not in runs_of(by_seed):
+            if four not in names:
                 continue
             out[name]["seeds where it ends ahead of 4 miners"] = sum(
                 seed["arms"][name]["losses"][-1] < seed["arms"][four]["losses"][-1] for seed in by_seed.values())
