@@ -174,9 +174,10 @@ class MinerModel:
             self.model.load(dict(base))
         else:
             insert(self.model, self.adapter, dict(base))
-        cfg = TrainConfig(steps=steps or inner.inner_steps, lr=inner.lr, weight_decay=inner.weight_decay,
-                          batch_size=inner.batch_size, micro_batch_size=section.micro_batch_size,
-                          grad_clip=inner.grad_clip, forward=section.forward, device=section.device,
+        cfg = TrainConfig(steps=steps or inner.inner_steps, lr=inner.lr, beta1=inner.beta1,
+                          weight_decay=inner.weight_decay, batch_size=inner.batch_size,
+                          micro_batch_size=section.micro_batch_size, grad_clip=inner.grad_clip,
+                          forward=section.forward, device=section.device,
                           checkpointing=section.checkpointing, autocast=section.autocast,
                           pad_id=self.pad_id, progress=progress)
         rows = shard(self.sequences, miner, round)

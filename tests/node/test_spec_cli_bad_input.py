@@ -47,6 +47,7 @@ def data(tmp_path: Path) -> tuple[Path, Path]:
     (["--validator", f"{KEY}:0"], "the weight must be a positive finite number"),
     (["--set", "aggregation.outer_lr=inf"], "spec setting aggregation.outer_lr: Input should be a finite number"),
     (["--set", "training.lr=nan"], "spec setting training.lr: Input should be a finite number"),
+    (["--set", "training.beta1=1"], "spec setting training.beta1: Input should be less than 1"),
     (["--heldout", "{data}/empty.jsonl"], "--heldout {data}/empty.jsonl: holds no documents"),
     (["--heldout", "{data}"], "--heldout {data}: is a directory"),
     (["--train", "{data}/train.jsonl", "{data}/blank.txt"], "--train {data}/blank.txt: holds no documents"),

@@ -40,6 +40,15 @@ def test_network_id_ignores_spelling_but_not_content(spec_dict) -> None:
     assert parse_spec(changed).network_id != base
 
 
+def test_a_spec_at_adamws_beta1_keeps_the_network_id_it_had_before_beta1_could_be_set(spec_dict) -> None:
+    before = parse_spec(spec_dict)
+    assert b"beta1" not in before.canonical_bytes() and before.training.beta1 == 0.9
+    spec_dict.setdefault("training", {})["beta1"] = 0.9
+    assert parse_spec(spec_dict).network_id == before.network_id
+    spec_dict["training"]["beta1"] = 0.656
+    assert parse_spec(spec_dict).network_id != before.network_id
+
+
 def test_genesis_as_iso_string(spec_dict) -> None:
     spec_dict["genesis"] = "2026-01-01T00:00:00Z"
     assert parse_spec(spec_dict).genesis == datetime(2026, 1, 1, tzinfo=UTC)
@@ -50,7 +59,7 @@ def _set(data: dict, dotted: str, value: object) -> dict:
     *parents, last = dotted.split(".")
     node = data
     for p in parents:
-        node = node[p]
+        node = node.setdefault(p, {})
     if value is KeyError:
         del node[last]
     else:
@@ -76,6 +85,8 @@ def _set(data: dict, dotted: str, value: object) -> dict:
         ("group", {"0": []}),
         ("unknown_field", 1),
         ("model.checkpoint", "ckpt"),
+        ("training.beta1", 1.0),
+        ("training.beta1", -0.1),
     ],
 )
 def test_malformed_spec_names_the_field(spec_dict, field: str, value: object) -> None:
