@@ -141,6 +141,11 @@ class AggregationSpec(_Strict):
 
     top_g: int = Field(default=3, ge=1, description="How many top-ranked miners are merged.")
     outer_lr: float = Field(default=1.0, gt=0, description="Nesterov SGD learning rate.")
+    outer_lr_scale: Literal["fixed", "merged"] = Field(
+        default="fixed",
+        description="'fixed': each step takes outer_lr; 'merged': outer_lr times the number of updates merged "
+        "that round, so a merged update moves the state about as far as it moved its miner however many pass "
+        "Proof-of-Loss (docs/learning.md, \"Outer lrs that adapt\").")
     momentum: float = Field(default=0.0, ge=0, lt=1, description="Nesterov momentum.")
     weighting: Literal["uniform", "utility"] = Field(default="uniform", description="How merged updates are weighted.")
     clip_to_median: bool = Field(default=True, description="Clip each pseudo-gradient to the median norm.")
@@ -175,6 +180,11 @@ class SubmissionSpec(_Strict):
         if self.topk % 4 or self.topk > self.chunk:
             raise ValueError(f"topk must be a multiple of 4 and at most chunk, got {self.topk}")
         return self
+
+
+ADDED_FIELDS = (("training", "beta1"), ("aggregation", "outer_lr_scale"))
+"""(section, field) of the fields added after networks had started: at their defaults, which are what those
+networks ran, they are left out of the network id, so those networks keep theirs."""
 
 
 class NetworkSpec(_Strict):
@@ -248,8 +258,9 @@ class NetworkSpec(_Strict):
         data["group"] = {str(k): v for k, v in self.group.items()}
         if self.submission == SubmissionSpec():
             del data["submission"]  # a spec that keeps full-expert submissions has the id it had before
-        if self.training.beta1 == TrainingSpec().beta1:
-            del data["training"]["beta1"]  # and one at AdamW's beta1, the only one before it could be set
+        for section, name in ADDED_FIELDS:  # and one that leaves the later fields at their defaults
+            if getattr(getattr(self, section), name) == type(getattr(self, section)).model_fields[name].default:
+                del data[section][name]
         if self.model.config_sha256 is None:
             del data["model"]["config_sha256"]  # so does a spec that does not pin its model config
         return canonical_json(data)

@@ -16,7 +16,8 @@ The steps:
    by two identities on their own draws is caught.) Lazy miners never reach this step: an unchanged
    blob scores exactly its validator's L_base, so u_i = 0 and their zero update is never compared.
 3. Rank again with the flags (`protocol.ranking`), which gives points; the top-G ranked miners are
-   merged by `training.outer.outer_step` with the spec's aggregation settings. In a pgrad network
+   merged by `training.outer.outer_step` with the spec's aggregation settings (the outer lr times the
+   number merged under `outer_lr_scale = "merged"`). In a pgrad network
    with partitions, each entry averages over the contributors that drew its chunk
    (`training.pgrad.coverage`; a miner's chunks are drawn from the reports' round and its id).
    A step whose state or momentum would hold an Inf or a NaN (finite updates near fp32's range, in
@@ -79,12 +80,12 @@ class MergeResult:
         return bool(self.contributors)
 
 
-def outer_config(spec: NetworkSpec) -> OuterConfig:
-    """The outer optimizer settings a spec fixes."""
+def outer_config(spec: NetworkSpec, merged: int) -> OuterConfig:
+    """The outer optimizer settings a spec fixes, for a round that merges `merged` updates (the outer lr
+    is scaled by it under `aggregation.outer_lr_scale = "merged"`)."""
     agg = spec.aggregation
-    return OuterConfig(
-        lr=agg.outer_lr, momentum=agg.momentum, clip_to_median=agg.clip_to_median, weighting=agg.weighting
-    )
+    lr = agg.outer_lr * merged if agg.outer_lr_scale == "merged" else agg.outer_lr
+    return OuterConfig(lr=lr, momentum=agg.momentum, clip_to_median=agg.clip_to_median, weighting=agg.weighting)
 
 
 def counted_reports(reports: Mapping[str, ScoreReport], head: str) -> dict[str, ScoreReport]:
@@ -138,7 +139,8 @@ def merge_round(
 
     utilities = [ranking.result(miner).utility for miner in contributors]
     new_global, new_momentum = outer_step(
-        global_tensors, [blobs[miner] for miner in contributors], utilities, momentum, outer_config(spec),
+        global_tensors, [blobs[miner] for miner in contributors], utilities, momentum,
+        outer_config(spec, len(contributors)),
         None if masks is None else [masks[miner] for miner in contributors],
     )
     overflowed = sorted(name for tensors in (new_global, new_momentum) for name, t in tensors.items()

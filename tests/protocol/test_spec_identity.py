@@ -17,7 +17,7 @@ from protocol.identity import (
     save_identity,
     verify,
 )
-from protocol.spec import SpecError, apply_settings, load_spec, parse_spec
+from protocol.spec import ADDED_FIELDS, SpecError, apply_settings, load_spec, parse_spec
 
 
 def test_valid_spec_round_trips_through_toml(spec_dict, write_spec) -> None:
@@ -40,12 +40,15 @@ def test_network_id_ignores_spelling_but_not_content(spec_dict) -> None:
     assert parse_spec(changed).network_id != base
 
 
-def test_a_spec_at_adamws_beta1_keeps_the_network_id_it_had_before_beta1_could_be_set(spec_dict) -> None:
+@pytest.mark.parametrize(("section", "field", "other"), [("training", "beta1", 0.656),
+                                                        ("aggregation", "outer_lr_scale", "merged")])
+def test_a_field_added_later_keeps_the_network_id_at_its_default_and_changes_it_otherwise(
+        spec_dict, section: str, field: str, other: object) -> None:
     before = parse_spec(spec_dict)
-    assert b"beta1" not in before.canonical_bytes() and before.training.beta1 == 0.9
-    spec_dict.setdefault("training", {})["beta1"] = 0.9
+    assert (section, field) in ADDED_FIELDS and f'"{field}"'.encode() not in before.canonical_bytes()
+    spec_dict.setdefault(section, {})[field] = getattr(getattr(before, section), field)  # the default, written out
     assert parse_spec(spec_dict).network_id == before.network_id
-    spec_dict["training"]["beta1"] = 0.656
+    spec_dict[section][field] = other
     assert parse_spec(spec_dict).network_id != before.network_id
 
 
@@ -87,6 +90,7 @@ def _set(data: dict, dotted: str, value: object) -> dict:
         ("model.checkpoint", "ckpt"),
         ("training.beta1", 1.0),
         ("training.beta1", -0.1),
+        ("aggregation.outer_lr_scale", "per-miner"),
     ],
 )
 def test_malformed_spec_names_the_field(spec_dict, field: str, value: object) -> None:
