@@ -125,9 +125,18 @@ class Arm:
     """The miners' AdamW first-moment decay (`TrainConfig.beta1`; None: the settings')."""
     lr_per_update: bool = False
     """The round's outer lr is `outer_lr` times the number of updates merged in it, not `outer_lr`: each
-    merged update moves the state as far as it moved its miner, however many pass the gate."""
+    merged update moves the state as far as it moved its miner, however many pass the gate (the spec's
+    `aggregation.outer_lr_scale = "merged"`)."""
+
+    delay: int = 0
+    """Rounds by which the state the miners train from lags the one their update is merged into: at 1, round
+    r's miners train from the state adopted at the start of round r - 1 (rounds that overlap, each TRAIN
+    running while the previous round's windows do), and each update, taken as a pseudo-gradient from that
+    state, is scored on and merged into the current one."""
 
     def __post_init__(self) -> None:
+        if self.delay < 0:
+            raise ValueError(f"delay is a number of rounds, at least 0, got {self.delay}")
         if self.experts == "partition" and self.pgrad is not None:
             raise ValueError("an arm partitions either the experts among miners or the compressed chunks, not both")
         if self.agreement is not None and (self.outer_lr != 1.0 or self.momentum or self.lr_per_update):
@@ -270,17 +279,21 @@ class Bench:
         shapes = {name: tuple(t.shape) for name, t in self.base.items()}
         honest = arm.miners - arm.adversaries
         steps, rounds = round_shape(self.s, arm)
+        started = [global_t]  # the state at the start of each round so far (for `Arm.delay`)
         for r in range(rounds):
             submissions: dict[int, Tensors] = {}
             masks: dict[int, Tensors] = {}
+            trained_from = started[max(r - arm.delay, 0)]
             for i in range(honest):
-                insert(self.model, self.adapter, global_t)
+                insert(self.model, self.adapter, trained_from)
                 rows = self.miner_rows(arm, i, r)
                 order = batches(rows, self.s.batch_size, self.stream(r))
                 group = self.share(arm, i)
                 result = train_experts(self.model, self.adapter, group, order,
                                        self.train_cfg(steps, beta1=arm.beta1), optimizers.get(i))
-                submissions[i] = {**global_t, **result.tensors}
+                submissions[i] = {**global_t, **result.tensors} if arm.delay == 0 else {
+                    name: t + result.tensors[name] - trained_from[name] if name in result.tensors else t
+                    for name, t in global_t.items()}
                 if arm.experts == "partition":
                     owned = {(layer, expert) for layer, experts in group.items() for expert in experts}
                     masks[i] = {name: torch.tensor([float(parse_name(name)[:2] in owned)]) for name in global_t}
@@ -312,6 +325,7 @@ class Bench:
                 else:
                     global_t, agreed = agreement_step(global_t, merged_t, agreed, arm.agreement)
             insert(self.model, self.adapter, self.base)
+            started.append(global_t)
             losses.append(round(self.loss(global_t), 4))
             merged.append([i for i, _ in contributors])
         general = self.loss(global_t, self.general)

@@ -21,6 +21,9 @@ the fixed ones of the learning benchmark, in the same run:
   state M steps, so AdamW's default horizon of about ten steps, counted in the miner's steps, spans
   about 10·M of the state's; 0.9^M puts it back to ten of the state's. Each of these arms is read
   again on ESFT at the same beta1, so that a baseline that would gain from it too is not left behind.
+- rounds that overlap (`OVERLAP`, `Arm.delay`): the miners of round r train from the state of round
+  r - 1, as they would if each TRAIN ran while the previous round's windows did, and their updates are
+  merged into the current state; on the every-step families, whose rounds are mostly windows;
 - the per-round outer lr with the miners' beta1 at 0.9^M for M miners (`PER_UPDATE_MOMENT`): whether the
   two, each of which brought forgetting nearer to ESFT's, do so together, and what beta1 does to the
   rounds that fall with half the miners adversarial when the outer lr follows the updates merged.
@@ -73,23 +76,33 @@ PER_UPDATE_MOMENT = f"{PER_UPDATE}_beta1M"
 """`PER_UPDATE` with the miners' AdamW beta1 at 0.9^M for M miners: the outer lr reaches M when every update
 passes the gate, and a miner cannot know how many will (adversaries count: the spec sets beta1, not who turns up)."""
 
+OVERLAP = "_delay1"
+"""Suffix of an arm whose miners train from the state one round older than the one their update is merged into
+(`Arm.delay`): what rounds that overlap, TRAIN of round r running while round r - 1's windows do, cost in
+learning."""
+
 _short = Arm(inner_steps=5, keep_optimizer=True, outer_lr=2.0)
 _every = family(EVERY_STEP, Arm(inner_steps=1, keep_optimizer=True), outer_lr_is_miners=True)
 _per_update = family(PER_UPDATE, Arm(inner_steps=1, keep_optimizer=True, lr_per_update=True))
+_per_update_moment = {name.replace(PER_UPDATE, PER_UPDATE_MOMENT): replace(arm, beta1=round(0.9**arm.miners, 6))
+                      for name, arm in _per_update.items()}
 ARMS = {
     f"{SHORT}_4": _short,
     **{f"h{h}_agreement_4": replace(_short, inner_steps=h, outer_lr=1.0, agreement=Agreement()) for h in (5, 10, 20)},
     **_every,
     **{name.replace(EVERY_STEP, MOMENT): replace(arm, beta1=round(0.9**arm.outer_lr, 6)) for name, arm in _every.items()},
     **_per_update,
-    **{name.replace(PER_UPDATE, PER_UPDATE_MOMENT): replace(arm, beta1=round(0.9**arm.miners, 6))
-       for name, arm in _per_update.items()},
+    **_per_update_moment,
+    **{name.replace(EVERY_STEP, EVERY_STEP + OVERLAP): replace(arm, delay=1) for name, arm in _every.items()},
+    **{name.replace(PER_UPDATE_MOMENT, PER_UPDATE_MOMENT + OVERLAP): replace(arm, delay=1)
+       for name, arm in _per_update_moment.items()},
     **family(f"{PER_UPDATE}_subset128", Arm(inner_steps=1, keep_optimizer=True, lr_per_update=True, subset=128)),
 }
 COMPARED = {"agreement": (f"{SHORT}_4", ("h5_agreement_4", "h10_agreement_4", "h20_agreement_4")),
             "per update": (f"{EVERY_STEP}_4", (f"{PER_UPDATE}_4", f"{PER_UPDATE}_subset128_4")),
             "beta1 per merged step": (f"{EVERY_STEP}_4", (f"{MOMENT}_4",)),
-            "beta1 with the outer lr per update": (f"{PER_UPDATE}_4", (f"{PER_UPDATE_MOMENT}_4",))}
+            "beta1 with the outer lr per update": (f"{PER_UPDATE}_4", (f"{PER_UPDATE_MOMENT}_4",)),
+            "overlapping rounds": (f"{PER_UPDATE_MOMENT}_4", (f"{PER_UPDATE_MOMENT}{OVERLAP}_4",))}
 """Each adaptive rule's arms and the fixed-lr arm they are set against."""
 READ = ("parallel_efficiency", "network_vs_esft", "forgetting", "esft_forgetting_equal_tokens", "rounds_lowered",
         "parallel_efficiency_monotone", "losses")
