@@ -6,6 +6,7 @@ the miner steps spent; the `seeds` section reports ranges over seeds. Checked he
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import ModuleType
 from typing import Any
 
@@ -213,3 +214,15 @@ def test_the_outer_lr_summary_reads_ranges_and_counts_over_seeds() -> None:
     assert summary[f"{outer_lr.PER_UPDATE}_8"]["seeds where it ends ahead of 4 miners"] == 1  # a tie is not ahead
     gap = outer_lr.summary({"0": seed(0.0, 0.6), "1": seed(0.0, None)})[f"{outer_lr.PER_UPDATE}_4"]
     assert "parallel_efficiency" not in gap and gap["network_vs_esft"] == [0.9, 0.9]  # no range over a missing read
+
+
+def test_an_overlapping_arm_is_its_every_step_arm_one_round_stale(runs: ModuleType) -> None:
+    outer_lr = load_bench("outer_lr")
+    overlapping = [name for name in outer_lr.ARMS if outer_lr.OVERLAP in name]
+    assert len(overlapping) == 6
+    for name in overlapping:
+        arm = outer_lr.ARMS[name]
+        assert arm.delay == 1 and arm.inner_steps == 1
+        assert outer_lr.ARMS[name.replace(outer_lr.OVERLAP, "")] == replace(arm, delay=0)
+    with pytest.raises(ValueError, match="delay is a number of rounds, at least 0, got -1"):
+        runs.Arm(delay=-1)
