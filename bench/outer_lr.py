@@ -23,7 +23,8 @@ the fixed ones of the learning benchmark, in the same run:
   again on ESFT at the same beta1, so that a baseline that would gain from it too is not left behind.
 - rounds that overlap (`OVERLAP`, `Arm.delay`): the miners of round r train from the state of round
   r - 1, as they would if each TRAIN ran while the previous round's windows did, and their updates are
-  merged into the current state; on the every-step families, whose rounds are mostly windows;
+  merged into the current state; on the every-step families, whose rounds are mostly windows, and at
+  half the outer lr (asynchronous SGD's rule: a step one round stale at lr / (1 + delay));
 - the per-round outer lr with the miners' beta1 at 0.9^M for M miners (`PER_UPDATE_MOMENT`): whether the
   two, each of which brought forgetting nearer to ESFT's, do so together, and what beta1 does to the
   rounds that fall with half the miners adversarial when the outer lr follows the updates merged.
@@ -96,6 +97,8 @@ ARMS = {
     **{name.replace(EVERY_STEP, EVERY_STEP + OVERLAP): replace(arm, delay=1) for name, arm in _every.items()},
     **{name.replace(PER_UPDATE_MOMENT, PER_UPDATE_MOMENT + OVERLAP): replace(arm, delay=1)
        for name, arm in _per_update_moment.items()},
+    f"{PER_UPDATE_MOMENT}{OVERLAP}_half_lr_4": replace(_per_update_moment[f"{PER_UPDATE_MOMENT}_4"], delay=1,
+                                                       outer_lr=0.5),
     **family(f"{PER_UPDATE}_subset128", Arm(inner_steps=1, keep_optimizer=True, lr_per_update=True, subset=128)),
 }
 COMPARED = {"agreement": (f"{SHORT}_4", ("h5_agreement_4", "h10_agreement_4", "h20_agreement_4")),

@@ -219,10 +219,13 @@ def test_the_outer_lr_summary_reads_ranges_and_counts_over_seeds() -> None:
 def test_an_overlapping_arm_is_its_every_step_arm_one_round_stale(runs: ModuleType) -> None:
     outer_lr = load_bench("outer_lr")
     overlapping = [name for name in outer_lr.ARMS if outer_lr.OVERLAP in name]
-    assert len(overlapping) == 6
+    twins = [name for name in overlapping if name.replace(outer_lr.OVERLAP, "") in outer_lr.ARMS]
+    assert len(overlapping) == 7 and len(twins) == 6
     for name in overlapping:
-        arm = outer_lr.ARMS[name]
-        assert arm.delay == 1 and arm.inner_steps == 1
-        assert outer_lr.ARMS[name.replace(outer_lr.OVERLAP, "")] == replace(arm, delay=0)
+        assert outer_lr.ARMS[name].delay == 1 and outer_lr.ARMS[name].inner_steps == 1
+    for name in twins:
+        assert outer_lr.ARMS[name.replace(outer_lr.OVERLAP, "")] == replace(outer_lr.ARMS[name], delay=0)
+    half = outer_lr.ARMS[f"{outer_lr.PER_UPDATE_MOMENT}{outer_lr.OVERLAP}_half_lr_4"]
+    assert replace(half, outer_lr=1.0) == outer_lr.ARMS[f"{outer_lr.PER_UPDATE_MOMENT}{outer_lr.OVERLAP}_4"]
     with pytest.raises(ValueError, match="delay is a number of rounds, at least 0, got -1"):
         runs.Arm(delay=-1)
