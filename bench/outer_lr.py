@@ -1,4 +1,4 @@
-"""Outer lrs that adapt (per entry, by what the miners keep agreeing on; per round, by the updates merged), and beta1.
+"""Outer lrs that adapt (per entry, by agreement; per round, by the updates merged), beta1, and overlapping rounds.
 
 The learning benchmark (bench/learning.py) found that miners merged after every step at an outer lr
 equal to their number (`h1_keep_optimizer_lrM`) meet both headline targets on records and facts but
