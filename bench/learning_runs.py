@@ -315,8 +315,8 @@ class Bench:
             contributors = ranked[: arm.top_g]
             if contributors:
                 utilities = [u for _, u in contributors]
-                lr = arm.outer_lr * len(contributors) if arm.lr_per_update else arm.outer_lr
-                outer = OuterConfig(lr=lr, momentum=arm.momentum, weighting=arm.weighting)
+                outer = OuterConfig(lr=arm.outer_lr, momentum=arm.momentum, weighting=arm.weighting,
+                                    lr_per_update=arm.lr_per_update)
                 merged_t, momentum = outer_step(global_t, [submissions[i] for i, _ in contributors],
                                                 utilities, momentum, outer,
                                                 [masks[i] for i, _ in contributors] if partitioned else None)

@@ -80,12 +80,11 @@ class MergeResult:
         return bool(self.contributors)
 
 
-def outer_config(spec: NetworkSpec, merged: int) -> OuterConfig:
-    """The outer optimizer settings a spec fixes, for a round that merges `merged` updates (the outer lr
-    is scaled by it under `aggregation.outer_lr_scale = "merged"`)."""
+def outer_config(spec: NetworkSpec) -> OuterConfig:
+    """The outer optimizer settings a spec fixes."""
     agg = spec.aggregation
-    lr = agg.outer_lr * merged if agg.outer_lr_scale == "merged" else agg.outer_lr
-    return OuterConfig(lr=lr, momentum=agg.momentum, clip_to_median=agg.clip_to_median, weighting=agg.weighting)
+    return OuterConfig(lr=agg.outer_lr, momentum=agg.momentum, clip_to_median=agg.clip_to_median,
+                       weighting=agg.weighting, lr_per_update=agg.outer_lr_scale == "merged")
 
 
 def counted_reports(reports: Mapping[str, ScoreReport], head: str) -> dict[str, ScoreReport]:
@@ -139,8 +138,7 @@ def merge_round(
 
     utilities = [ranking.result(miner).utility for miner in contributors]
     new_global, new_momentum = outer_step(
-        global_tensors, [blobs[miner] for miner in contributors], utilities, momentum,
-        outer_config(spec, len(contributors)),
+        global_tensors, [blobs[miner] for miner in contributors], utilities, momentum, outer_config(spec),
         None if masks is None else [masks[miner] for miner in contributors],
     )
     overflowed = sorted(name for tensors in (new_global, new_momentum) for name, t in tensors.items()

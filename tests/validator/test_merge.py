@@ -214,7 +214,7 @@ def test_outer_config_takes_every_aggregation_setting_from_the_spec() -> None:
     for clip in (False, True):
         aggregation = {"outer_lr": 0.7, "momentum": 0.9, "clip_to_median": clip, "weighting": "utility"}
         spec = parse_spec({**make_spec_dict(), "aggregation": aggregation})
-        assert outer_config(spec, 3) == OuterConfig(lr=0.7, momentum=0.9, clip_to_median=clip, weighting="utility")
+        assert outer_config(spec) == OuterConfig(lr=0.7, momentum=0.9, clip_to_median=clip, weighting="utility")
 
 
 def test_an_outer_lr_scaled_by_the_updates_merged_steps_as_the_fixed_lr_that_many_times_larger(
@@ -236,7 +236,7 @@ def test_an_outer_lr_scaled_by_the_updates_merged_steps_as_the_fixed_lr_that_man
     assert not all(torch.equal(scaled[name], merged(outer_lr=0.5)[name]) for name in glob)
     lone = spec.model_copy(update={"aggregation": spec.aggregation.model_copy(
         update={"outer_lr": 0.5, "outer_lr_scale": "merged"})})
-    assert outer_config(lone, 1).lr == 0.5 and outer_config(lone, 8).lr == 4.0
+    assert outer_config(lone) == OuterConfig(lr=0.5, lr_per_update=True)
 
 
 def _partitioned(**aggregation: object) -> NetworkSpec:
