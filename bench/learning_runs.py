@@ -94,6 +94,16 @@ class Arm:
     shards: str = "random"
     """`random`: each miner a miner-seeded 50% subset (training.data.shard); `disjoint`: a partition."""
     adversaries: int = 0
+    """Adversarial miners besides the honest ones: the even-numbered send the state with noise, the odd-numbered
+    copy honest miner 0 (`copier`)."""
+    copier: Literal["same_round", "last_round"] = "same_round"
+    """What a copying adversary sends. `same_round`: miner 0's update of this round, nudged by 1e-6, so the
+    copy and its victim are dropped as near-duplicates. Commit-reveal keeps that from a copier who works
+    alone (blobs are served only from REVEAL on, after commits close, and a blob names its miner, round and
+    base, `docs/protocol.md` §5), so it stands for the victim handing its blob over, one operator's second
+    identity. `last_round`: miner 0's update revealed in the previous round, applied to the current state
+    under the copier's own name (the state unchanged in round 0), which is the most a copier on its own
+    can send."""
     pgrad: PgradConfig | None = None
     duplicate_cosine: float = 0.9999
     """Cosine at which two pseudo-gradients count as copies (both dropped)."""
@@ -280,6 +290,7 @@ class Bench:
         honest = arm.miners - arm.adversaries
         steps, rounds = round_shape(self.s, arm)
         started = [global_t]  # the state at the start of each round so far (for `Arm.delay`)
+        revealed: Tensors | None = None  # honest miner 0's last update, for a `last_round` copier
         for r in range(rounds):
             submissions: dict[int, Tensors] = {}
             masks: dict[int, Tensors] = {}
@@ -300,7 +311,9 @@ class Bench:
                 if arm.keep_optimizer:
                     optimizers[i] = result.optimizer_state
             for j, i in enumerate(range(honest, arm.miners)):
-                submissions[i] = self.adversary(j, global_t, submissions, r)
+                submissions[i] = self.adversary(j, global_t, submissions, r, arm.copier, revealed)
+            if honest:
+                revealed = pseudo_gradient(global_t, submissions[0])
                 if arm.experts == "partition":
                     masks[i] = {name: torch.ones(1) for name in global_t}
             if arm.pgrad is not None:
@@ -336,10 +349,17 @@ class Bench:
                             "bf16_bytes": sum(2 * math.prod(s) for s in shapes.values())}
         return out
 
-    def adversary(self, j: int, global_t: Tensors, honest: dict[int, Tensors], r: int) -> Tensors:
+    def adversary(
+        self, j: int, global_t: Tensors, honest: dict[int, Tensors], r: int,
+        copier: str = "same_round", revealed: Tensors | None = None,
+    ) -> Tensors:
+        """Adversary `j`'s submission in round `r`: the state with noise, or a copy of honest miner 0 (`Arm.copier`;
+        `revealed` is miner 0's pseudo-gradient of the previous round, None in round 0)."""
         if j % 2 == 0:
             gen = torch.Generator().manual_seed(self.stream(r * 7919 + j))
             return {n: t + 0.05 * torch.randn(t.shape, generator=gen) for n, t in global_t.items()}
+        if copier == "last_round":
+            return {n: t - revealed[n] if revealed is not None else t.clone() for n, t in global_t.items()}
         victim = honest[0]
         return {n: t + 1e-6 * torch.ones_like(t) for n, t in victim.items()}
 

@@ -27,7 +27,15 @@ the fixed ones of the learning benchmark, in the same run:
   half the outer lr (asynchronous SGD's rule: a step one round stale at lr / (1 + delay));
 - the per-round outer lr with the miners' beta1 at 0.9^M for M miners (`PER_UPDATE_MOMENT`): whether the
   two, each of which brought forgetting nearer to ESFT's, do so together, and what beta1 does to the
-  rounds that fall with half the miners adversarial when the outer lr follows the updates merged.
+  rounds that fall with half the miners adversarial when the outer lr follows the updates merged; and the
+  same gated on 128 held-out sequences a round (`SUBSET`);
+- a copier on its own (`LAST_ROUND_COPIER`, `Arm.copier`): under commit-reveal a copier sees another
+  miner's blob only after commits close, so the most it can send is that miner's previous update on the
+  current state; the `_adversarial_4` arms' copier sends the same round's, which needs the victim's help.
+
+Every (setting, seed) also reads ESFT after every one of the 4-miner network's steps and counts the
+stretches of 1 and of 4 steps that end lower (`esft_lowered`): how often one node's own loss falls over
+what a one-step round of 4 miners spends, the yardstick for a network that should fall every round.
 
 Each of the learning benchmark's five settings (three domains from the general base, two skills from the
 base that read their forms) runs under seeds 0, 1 and 2: ESFT for the 8-miner network's tokens and every
@@ -77,6 +85,15 @@ PER_UPDATE_MOMENT = f"{PER_UPDATE}_beta1M"
 """`PER_UPDATE` with the miners' AdamW beta1 at 0.9^M for M miners: the outer lr reaches M when every update
 passes the gate, and a miner cannot know how many will (adversaries count: the spec sets beta1, not who turns up)."""
 
+SUBSET = "_subset128"
+"""Suffix of an arm gated by Proof-of-Loss on 128 held-out sequences a round instead of 32 (`Arm.subset`, the
+spec's `data.heldout_sequences`)."""
+
+LAST_ROUND_COPIER = "_adversarial_last_round_4"
+"""Suffix of a half-adversarial arm whose copier sends honest miner 0's update of the previous round on the
+current state under its own name (`Arm.copier` "last_round"): under commit-reveal that is the most a copier
+working alone can send; the `_adversarial_4` arms copy the same round's update, which takes the victim's help."""
+
 OVERLAP = "_delay1"
 """Suffix of an arm whose miners train from the state one round older than the one their update is merged into
 (`Arm.delay`): what rounds that overlap, TRAIN of round r running while round r - 1's windows do, cost in
@@ -87,6 +104,8 @@ _every = family(EVERY_STEP, Arm(inner_steps=1, keep_optimizer=True), outer_lr_is
 _per_update = family(PER_UPDATE, Arm(inner_steps=1, keep_optimizer=True, lr_per_update=True))
 _per_update_moment = {name.replace(PER_UPDATE, PER_UPDATE_MOMENT): replace(arm, beta1=round(0.9**arm.miners, 6))
                       for name, arm in _per_update.items()}
+_per_update_moment_subset = {name.replace(PER_UPDATE_MOMENT, PER_UPDATE_MOMENT + SUBSET): replace(arm, subset=128)
+                             for name, arm in _per_update_moment.items()}
 ARMS = {
     f"{SHORT}_4": _short,
     **{f"h{h}_agreement_4": replace(_short, inner_steps=h, outer_lr=1.0, agreement=Agreement()) for h in (5, 10, 20)},
@@ -99,13 +118,19 @@ ARMS = {
        for name, arm in _per_update_moment.items()},
     f"{PER_UPDATE_MOMENT}{OVERLAP}_half_lr_4": replace(_per_update_moment[f"{PER_UPDATE_MOMENT}_4"], delay=1,
                                                        outer_lr=0.5),
-    **family(f"{PER_UPDATE}_subset128", Arm(inner_steps=1, keep_optimizer=True, lr_per_update=True, subset=128)),
+    **family(f"{PER_UPDATE}{SUBSET}", Arm(inner_steps=1, keep_optimizer=True, lr_per_update=True, subset=128)),
+    **_per_update_moment_subset,
+    **{name.replace("_adversarial_4", LAST_ROUND_COPIER): replace(arm, copier="last_round")
+       for name, arm in {**_per_update_moment, **_per_update_moment_subset}.items() if name.endswith("_adversarial_4")},
 }
 COMPARED = {"agreement": (f"{SHORT}_4", ("h5_agreement_4", "h10_agreement_4", "h20_agreement_4")),
             "per update": (f"{EVERY_STEP}_4", (f"{PER_UPDATE}_4", f"{PER_UPDATE}_subset128_4")),
             "beta1 per merged step": (f"{EVERY_STEP}_4", (f"{MOMENT}_4",)),
             "beta1 with the outer lr per update": (f"{PER_UPDATE}_4", (f"{PER_UPDATE_MOMENT}_4",)),
-            "overlapping rounds": (f"{PER_UPDATE_MOMENT}_4", (f"{PER_UPDATE_MOMENT}{OVERLAP}_4",))}
+            "overlapping rounds": (f"{PER_UPDATE_MOMENT}_4", (f"{PER_UPDATE_MOMENT}{OVERLAP}_4",)),
+            "gated on 128 sequences": (f"{PER_UPDATE_MOMENT}_4", (f"{PER_UPDATE_MOMENT}{SUBSET}_4",)),
+            "a copier on its own": (f"{PER_UPDATE_MOMENT}_adversarial_4", (f"{PER_UPDATE_MOMENT}{LAST_ROUND_COPIER}",
+                                                                          f"{PER_UPDATE_MOMENT}{SUBSET}{LAST_ROUND_COPIER}"))}
 """Each adaptive rule's arms and the fixed-lr arm they are set against."""
 READ = ("parallel_efficiency", "network_vs_esft", "forgetting", "esft_forgetting_equal_tokens", "rounds_lowered",
         "parallel_efficiency_monotone", "losses")
@@ -124,6 +149,7 @@ def run_one(setting: str, seed: int, cache: Path, names: list[str]) -> dict[str,
     for beta1 in sorted({beta1 for name in names if (beta1 := ARMS[name].beta1) is not None}):
         with changed_settings(bench, beta1=beta1):
             at_beta1[beta1] = bench.esft_curve(4 * per_miner, bench.s.inner_steps, {m * per_miner for m in (2, 4)})
+    fine, _ = bench.esft_curve(4 * per_miner, 1, set())
     runs = {}
     for name in names:
         run = bench.network(ARMS[name])
@@ -138,7 +164,17 @@ def run_one(setting: str, seed: int, cache: Path, names: list[str]) -> dict[str,
     return {"base_loss": round(bench.base_loss, 4), "esft_loss_4_miner_tokens": round(dict(curve)[4 * per_miner], 4),
             **{f"esft_loss_4_miner_tokens at beta1 {beta1:g}": round(dict(c)[4 * per_miner], 4)
                for beta1, (c, _) in at_beta1.items()},
+            "esft_lowered (4 miners' tokens, read after every step and every 4)":
+                {f"every {every}": esft_lowered(fine, every) for every in (1, 4)},
             "arms": runs}
+
+
+def esft_lowered(curve: list[tuple[int, float]], every: int) -> str:
+    """How many of ESFT's stretches of `every` steps along `curve` (read after every step) end lower than they
+    start, at the 4 decimals the arms' losses are rounded to: a one-step round's yardstick for falling every
+    round (with 4 miners merged every step, a round spends 4 miners' steps)."""
+    points = [round(loss, 4) for step, loss in curve if step % every == 0]
+    return f"{sum(b < a for a, b in zip(points, points[1:], strict=False))} of {len(points) - 1}"
 
 
 def summary(by_seed: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -7,7 +7,7 @@ the miner steps spent; the `seeds` section reports ranges over seeds. Checked he
 from __future__ import annotations
 
 from dataclasses import replace
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -229,3 +229,38 @@ def test_an_overlapping_arm_is_its_every_step_arm_one_round_stale(runs: ModuleTy
     assert replace(half, outer_lr=1.0) == outer_lr.ARMS[f"{outer_lr.PER_UPDATE_MOMENT}{outer_lr.OVERLAP}_4"]
     with pytest.raises(ValueError, match="delay is a number of rounds, at least 0, got -1"):
         runs.Arm(delay=-1)
+
+
+def test_a_copier_on_its_own_replays_last_rounds_update_and_a_helped_one_copies_this_rounds(runs: ModuleType) -> None:
+    bench = SimpleNamespace(stream=lambda number: number)
+    state = {"w": torch.tensor([1.0, 2.0])}
+    victim = {"w": torch.tensor([0.5, 2.5])}
+    revealed = {"w": torch.tensor([0.25, -0.5])}  # miner 0's pseudo-gradient of the previous round
+
+    def copy(copier: str, last: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        return runs.Bench.adversary(bench, 1, state, {0: victim}, 3, copier, last)["w"]
+
+    assert copy("last_round", revealed).tolist() == [0.75, 2.5]  # the old update on the current state
+    unchanged = copy("last_round", None)  # round 0: nothing revealed yet
+    assert unchanged.tolist() == [1.0, 2.0] and unchanged is not state["w"]
+    assert torch.allclose(copy("same_round", revealed), victim["w"] + 1e-6)
+    noisy = runs.Bench.adversary(bench, 0, state, {0: victim}, 3, "last_round", revealed)["w"]
+    assert not torch.equal(noisy, state["w"]) and (noisy - state["w"]).abs().max() < 0.5  # the noise miner is unchanged
+
+
+def test_the_esft_yardstick_counts_stretches_that_end_lower_at_four_decimals() -> None:
+    outer_lr = load_bench("outer_lr")
+    curve = list(enumerate([1.0, 0.9, 0.95, 0.94, 0.93, 0.92, 0.92001, 0.9199, 0.93]))
+    assert outer_lr.esft_lowered(curve, 1) == "5 of 8"  # 0.92 -> 0.92001 rounds level, not lower
+    assert outer_lr.esft_lowered(curve, 4) == "1 of 2"  # 1.0 -> 0.93 falls, 0.93 -> 0.93 does not
+
+
+def test_the_copier_and_subset_arms_are_their_reference_arms_with_one_change() -> None:
+    outer_lr = load_bench("outer_lr")
+    moment = f"{outer_lr.PER_UPDATE_MOMENT}"
+    for prefix in (moment, moment + outer_lr.SUBSET):
+        copier = outer_lr.ARMS[prefix + outer_lr.LAST_ROUND_COPIER]
+        assert replace(copier, copier="same_round") == outer_lr.ARMS[f"{prefix}_adversarial_4"]
+    for suffix in ("4", "8", "adversarial_4"):
+        gated = outer_lr.ARMS[f"{moment}{outer_lr.SUBSET}_{suffix}"]
+        assert gated.subset == 128 and replace(gated, subset=None) == outer_lr.ARMS[f"{moment}_{suffix}"]
