@@ -43,7 +43,7 @@ arm, all with the same miner steps, shards, batches and round seeds, each read o
 curve as the learning benchmark reads its arms (`summarise`). The (setting, seed) runs are independent
 and run `--jobs` at a time.
 
-Usage: python bench/outer_lr.py [--arms NAME,...] [--seeds 0,1,2] [--jobs N] [--out FILE.json]
+Usage: python bench/outer_lr.py [--arms NAME,...] [--setting NAME]... [--seeds 0,1,2] [--jobs N] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -202,6 +202,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
     parser.add_argument("--arms", help="comma-separated arm names to run (default: every arm)")
+    parser.add_argument("--setting", action="append", dest="settings", metavar="NAME",
+                        help=f"a setting to run, repeatable (default: every one of {'; '.join(SETTINGS)})")
     parser.add_argument("--jobs", type=int, default=1, help="(setting, seed) runs at a time, one core each (default 1)")
     parser.add_argument("--cache", type=Path, default=Path(".bench/cache"), help="pretrained-base cache directory")
     parser.add_argument("--out", type=out_file, help="write the JSON here (default: stdout only)")
@@ -216,14 +218,18 @@ def main() -> int:
     unknown = [name for name in names if name not in ARMS]
     if unknown:
         parser.error(f"--arms: no arm named {', '.join(unknown)}; the arms are {', '.join(ARMS)}")
+    settings_run = list(SETTINGS) if args.settings is None else args.settings
+    unknown = [setting for setting in settings_run if setting not in SETTINGS]
+    if unknown:
+        parser.error(f"--setting: no setting named {'; '.join(unknown)}; the settings are {'; '.join(SETTINGS)}")
     started = time.perf_counter()
-    tasks = [(setting, seed) for setting in SETTINGS for seed in seeds]
+    tasks = [(setting, seed) for setting in settings_run for seed in seeds]
     # spawn: each run builds its own model in a fresh interpreter, whatever this one has loaded
     with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {task: pool.submit(run_one, *task, args.cache, names) for task in tasks}
         done = {task: future.result() for task, future in futures.items()}
     settings = {}
-    for setting in SETTINGS:
+    for setting in settings_run:
         by_seed = {str(seed): done[setting, seed] for seed in seeds}
         settings[setting] = {"by_seed": by_seed, "summary": summary(by_seed)}
     emit({"agreement": asdict(Agreement()), "compared": COMPARED,

@@ -19,6 +19,7 @@ BAD = [
     ("outer_lr.py", ["--jobs", "0"], "--jobs: expected at least 1"),
     ("outer_lr.py", ["--seeds", "0,x"], "--seeds: expected comma-separated integers"),
     ("outer_lr.py", ["--arms", "h1_keep_optimizer_lrM_4,h9"], "--arms: no arm named h9"),
+    ("outer_lr.py", ["--setting", "records, form base", "--setting", "poems"], "--setting: no setting named poems;"),
 ]
 
 
