@@ -312,8 +312,6 @@ class Bench:
                     optimizers[i] = result.optimizer_state
             for j, i in enumerate(range(honest, arm.miners)):
                 submissions[i] = self.adversary(j, global_t, submissions, r, arm.copier, revealed)
-            if honest:
-                revealed = pseudo_gradient(global_t, submissions[0])
                 if arm.experts == "partition":
                     masks[i] = {name: torch.ones(1) for name in global_t}
             if arm.pgrad is not None:
@@ -323,6 +321,8 @@ class Bench:
                     decoded = decode(blob, shapes, arm.pgrad, draw)
                     submissions[i] = {name: global_t[name] - decoded[name] for name in global_t}
                     masks[i] = coverage(shapes, arm.pgrad, draw)
+            if honest:  # what miner 0 reveals this round (decoded, if compressed)
+                revealed = pseudo_gradient(global_t, submissions[0])
             partitioned = arm.experts == "partition" or (arm.pgrad is not None and arm.pgrad.partitions > 1)
             ranked = self.score_and_rank(global_t, submissions, r, arm, masks if partitioned else None)
             contributors = ranked[: arm.top_g]
