@@ -144,7 +144,15 @@ class Arm:
     running while the previous round's windows do), and each update, taken as a pseudo-gradient from that
     state, is scored on and merged into the current one."""
 
+    average: float = 0.0
+    """Decay of the average of merged states the arm reports: after each round the reported state moves
+    (1 - `average`) of the way to the state just merged (`average_states`), while the miners go on training
+    from the merged state itself. 0 reports the merged state. What a network would adopt and export if its
+    state were that average (not the protocol's state now)."""
+
     def __post_init__(self) -> None:
+        if not 0.0 <= self.average < 1.0:
+            raise ValueError(f"average is a decay in [0, 1), got {self.average}")
         if self.delay < 0:
             raise ValueError(f"delay is a number of rounds, at least 0, got {self.delay}")
         if self.experts == "partition" and self.pgrad is not None:
@@ -244,6 +252,26 @@ class Bench:
         insert(self.model, self.adapter, self.base)
         return curve, general
 
+    def esft_averaged(self, steps: int, every: int, decay: float) -> tuple[float, float]:
+        """ESFT's held-out and general loss after `steps`, read on the average (`average_states`, decay `decay`)
+        of its states after every `every` steps: a network's reported average, read against one node that
+        averages its own states as often."""
+        insert(self.model, self.adapter, self.base)
+        stream = batches(self.train, self.s.batch_size, self.stream(1))
+        averaged = self.base
+
+        def averaging() -> Iterator[torch.Tensor]:
+            nonlocal averaged
+            for k in range(steps):
+                if k and k % every == 0:  # the model holds step k's weights (`esft_curve`)
+                    averaged = average_states(averaged, extract(self.model, self.adapter, self.group), decay)
+                yield next(stream)
+
+        train_experts(self.model, self.adapter, self.group, averaging(), self.train_cfg(steps))
+        averaged = average_states(averaged, extract(self.model, self.adapter, self.group), decay)
+        insert(self.model, self.adapter, self.base)
+        return self.loss(averaged), self.loss(averaged, self.general) - self.base_general
+
     def full_finetune(self, steps: int) -> dict[str, Any]:
         model = copy.deepcopy(self.model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=self.s.inner_lr)
@@ -290,6 +318,7 @@ class Bench:
         honest = arm.miners - arm.adversaries
         steps, rounds = round_shape(self.s, arm)
         started = [global_t]  # the state at the start of each round so far (for `Arm.delay`)
+        reported = global_t  # the state the arm reports (`Arm.average`)
         revealed: Tensors | None = None  # honest miner 0's last update, for a `last_round` copier
         for r in range(rounds):
             submissions: dict[int, Tensors] = {}
@@ -339,9 +368,10 @@ class Bench:
                     global_t, agreed = agreement_step(global_t, merged_t, agreed, arm.agreement)
             insert(self.model, self.adapter, self.base)
             started.append(global_t)
-            losses.append(round(self.loss(global_t), 4))
+            reported = average_states(reported, global_t, arm.average)
+            losses.append(round(self.loss(reported), 4))
             merged.append([i for i, _ in contributors])
-        general = self.loss(global_t, self.general)
+        general = self.loss(reported, self.general)
         out: dict[str, Any] = {**asdict(arm), "losses": losses, "merged": merged,
                                "forgetting": round(general - self.base_general, 4)}
         if arm.pgrad is not None:
@@ -400,6 +430,17 @@ class Bench:
             return []
         gains = {i: merged_loss([j for j in kept if j != i]) - whole for i in kept}
         return sorted(((i, g) for i, g in gains.items() if g > 0), key=lambda pair: -pair[1])
+
+
+def average_states(averaged: Tensors, state: Tensors, decay: float) -> Tensors:
+    """`averaged` moved (1 - `decay`) of the way to `state`, name by name; at decay 0, `state` itself.
+
+    An exponential average of the states a run passes through (Polyak averaging): one step's gradient noise
+    moves the state back and forth, and the average keeps the part of each move that the next ones repeat.
+    """
+    if not decay:
+        return state
+    return {name: decay * averaged[name] + (1.0 - decay) * t for name, t in state.items()}
 
 
 def round_shape(settings: Settings, arm: Arm) -> tuple[int, int]:

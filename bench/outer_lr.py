@@ -33,6 +33,9 @@ the fixed ones of the learning benchmark, in the same run:
   miner's blob only after commits close, so the most it can send is that miner's previous update on the
   current state; the `_adversarial_4` arms' copier sends the same round's, which needs the victim's help.
 
+- the same family reporting the average of its merged states (`AVERAGE`, `Arm.average` 0.9), the miners
+  training from the merged state as before; read also against ESFT averaged the same way every 4 steps.
+
 Every (setting, seed) also reads ESFT after every one of the 4-miner network's steps and counts the
 stretches of 1 and of 4 steps that end lower (`esft_lowered`): how often one node's own loss falls over
 what a one-step round of 4 miners spends, the yardstick for a network that should fall every round.
@@ -94,6 +97,10 @@ LAST_ROUND_COPIER = "_adversarial_last_round_4"
 current state under its own name (`Arm.copier` "last_round"): under commit-reveal that is the most a copier
 working alone can send; the `_adversarial_4` arms copy the same round's update, which takes the victim's help."""
 
+AVERAGE = "_average0.9"
+"""Suffix of an arm that reports the average of its merged states at decay 0.9 (`Arm.average`) instead of the
+merged state: what a network would adopt and export if its state were that average."""
+
 OVERLAP = "_delay1"
 """Suffix of an arm whose miners train from the state one round older than the one their update is merged into
 (`Arm.delay`): what rounds that overlap, TRAIN of round r running while round r - 1's windows do, cost in
@@ -122,6 +129,9 @@ ARMS = {
     **_per_update_moment_subset,
     **{name.replace("_adversarial_4", LAST_ROUND_COPIER): replace(arm, copier="last_round")
        for name, arm in {**_per_update_moment, **_per_update_moment_subset}.items() if name.endswith("_adversarial_4")},
+    **{name.replace(SUBSET, SUBSET + AVERAGE): replace(arm, average=0.9) for name, arm in _per_update_moment_subset.items()},
+    f"{PER_UPDATE_MOMENT}{SUBSET}{AVERAGE}{LAST_ROUND_COPIER}":
+        replace(_per_update_moment_subset[f"{PER_UPDATE_MOMENT}{SUBSET}_adversarial_4"], copier="last_round", average=0.9),
 }
 COMPARED = {"agreement": (f"{SHORT}_4", ("h5_agreement_4", "h10_agreement_4", "h20_agreement_4")),
             "per update": (f"{EVERY_STEP}_4", (f"{PER_UPDATE}_4", f"{PER_UPDATE}_subset128_4")),
@@ -130,7 +140,8 @@ COMPARED = {"agreement": (f"{SHORT}_4", ("h5_agreement_4", "h10_agreement_4", "h
             "overlapping rounds": (f"{PER_UPDATE_MOMENT}_4", (f"{PER_UPDATE_MOMENT}{OVERLAP}_4",)),
             "gated on 128 sequences": (f"{PER_UPDATE_MOMENT}_4", (f"{PER_UPDATE_MOMENT}{SUBSET}_4",)),
             "a copier on its own": (f"{PER_UPDATE_MOMENT}_adversarial_4", (f"{PER_UPDATE_MOMENT}{LAST_ROUND_COPIER}",
-                                                                          f"{PER_UPDATE_MOMENT}{SUBSET}{LAST_ROUND_COPIER}"))}
+                                                                          f"{PER_UPDATE_MOMENT}{SUBSET}{LAST_ROUND_COPIER}")),
+            "the average of merged states": (f"{PER_UPDATE_MOMENT}{SUBSET}_4", (f"{PER_UPDATE_MOMENT}{SUBSET}{AVERAGE}_4",))}
 """Each adaptive rule's arms and the fixed-lr arm they are set against."""
 READ = ("parallel_efficiency", "network_vs_esft", "forgetting", "esft_forgetting_equal_tokens", "rounds_lowered",
         "parallel_efficiency_monotone", "losses")
@@ -150,6 +161,11 @@ def run_one(setting: str, seed: int, cache: Path, names: list[str]) -> dict[str,
         with changed_settings(bench, beta1=beta1):
             at_beta1[beta1] = bench.esft_curve(4 * per_miner, bench.s.inner_steps, {m * per_miner for m in (2, 4)})
     fine, _ = bench.esft_curve(4 * per_miner, 1, set())
+    averaged = {}  # ESFT read on the average of its own states, for each decay an arm reports
+    for decay in sorted({ARMS[name].average for name in names} - {0.0}):
+        loss, general = bench.esft_averaged(4 * per_miner, 4, decay)
+        averaged[f"esft averaged at decay {decay:g} every 4 steps, 4 miners' tokens"] = {
+            "loss": round(loss, 4), "forgetting": round(general, 4)}
     runs = {}
     for name in names:
         run = bench.network(ARMS[name])
@@ -166,6 +182,7 @@ def run_one(setting: str, seed: int, cache: Path, names: list[str]) -> dict[str,
                for beta1, (c, _) in at_beta1.items()},
             "esft_lowered (4 miners' tokens, read after every step and every 4)":
                 {f"every {every}": esft_lowered(fine, every) for every in (1, 4)},
+            **averaged,
             "arms": runs}
 
 
