@@ -381,7 +381,7 @@ class Bench:
 
     def adversary(
         self, j: int, global_t: Tensors, honest: dict[int, Tensors], r: int,
-        copier: str = "same_round", revealed: Tensors | None = None,
+        copier: Literal["same_round", "last_round"] = "same_round", revealed: Tensors | None = None,
     ) -> Tensors:
         """Adversary `j`'s submission in round `r`: the state with noise, or a copy of honest miner 0 (`Arm.copier`;
         `revealed` is miner 0's pseudo-gradient of the previous round, None in round 0)."""

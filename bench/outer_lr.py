@@ -31,8 +31,7 @@ the fixed ones of the learning benchmark, in the same run:
   same gated on 128 held-out sequences a round (`SUBSET`);
 - a copier on its own (`LAST_ROUND_COPIER`, `Arm.copier`): under commit-reveal a copier sees another
   miner's blob only after commits close, so the most it can send is that miner's previous update on the
-  current state; the `_adversarial_4` arms' copier sends the same round's, which needs the victim's help.
-
+  current state; the `_adversarial_4` arms' copier sends the same round's, which needs the victim's help;
 - the same family reporting the average of its merged states (`AVERAGE`, `Arm.average` 0.9), the miners
   training from the merged state as before; read also against ESFT averaged the same way every 4 steps.
 
