@@ -31,7 +31,7 @@ from training.corpus import generate  # noqa: E402
 from training.data import batches, heldout_subset, pack, shard  # noqa: E402
 from training.evaluate import heldout_loss, loss_with_experts, token_loss_sum  # noqa: E402
 from training.experts import extract, insert, parse_name, pseudo_gradient  # noqa: E402
-from training.outer import OuterConfig, near_duplicates, outer_step  # noqa: E402
+from training.outer import OuterConfig, average_states, near_duplicates, outer_step  # noqa: E402
 from training.pgrad import PgradConfig, chunk_draw, compressed_bytes, coverage, decode, encode  # noqa: E402
 from training.pretrain import GENERAL_DOMAINS, base_config, load_pretrained  # noqa: E402
 from training.selection import select_experts  # noqa: E402
@@ -147,8 +147,9 @@ class Arm:
     average: float = 0.0
     """Decay of the average of merged states the arm reports: after each round the reported state moves
     (1 - `average`) of the way to the state just merged (`average_states`), while the miners go on training
-    from the merged state itself. 0 reports the merged state. What a network would adopt and export if its
-    state were that average (not the protocol's state now)."""
+    from the merged state itself. 0 reports the merged state. The protocol's `aggregation.average_decay`:
+    validators fold the same way (`training.outer.average_states`) in every round, merged or not, and the
+    network adopts, reports and exports that average."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.average < 1.0:
@@ -430,17 +431,6 @@ class Bench:
             return []
         gains = {i: merged_loss([j for j in kept if j != i]) - whole for i in kept}
         return sorted(((i, g) for i, g in gains.items() if g > 0), key=lambda pair: -pair[1])
-
-
-def average_states(averaged: Tensors, state: Tensors, decay: float) -> Tensors:
-    """`averaged` moved (1 - `decay`) of the way to `state`, name by name; at decay 0, `state` itself.
-
-    An exponential average of the states a run passes through (Polyak averaging): one step's gradient noise
-    moves the state back and forth, and the average keeps the part of each move that the next ones repeat.
-    """
-    if not decay:
-        return state
-    return {name: decay * averaged[name] + (1.0 - decay) * t for name, t in state.items()}
 
 
 def round_shape(settings: Settings, arm: Arm) -> tuple[int, int]:

@@ -98,7 +98,7 @@ working alone can send; the `_adversarial_4` arms copy the same round's update, 
 
 AVERAGE = "_average0.9"
 """Suffix of an arm that reports the average of its merged states at decay 0.9 (`Arm.average`) instead of the
-merged state: what a network would adopt and export if its state were that average."""
+merged state: what a network whose spec sets `aggregation.average_decay = 0.9` adopts and exports."""
 
 OVERLAP = "_delay1"
 """Suffix of an arm whose miners train from the state one round older than the one their update is merged into

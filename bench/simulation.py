@@ -22,7 +22,9 @@ round_to_round_std of the two states compared (`beats_noise`); the looser readin
 subset_std, is `beats_2_subset_std`. Per round it also reports the paired drop
 loss(previous, S) - loss(adopted, S) over the same subsets (mean, std, min), the validators' own
 base_loss/global_loss next to this benchmark's recomputation on the round's actual subset (from the
-stored round seed; they match, which shows the per-sequence losses are the validators' numbers),
+stored round seed; they match, which shows the per-sequence losses are the validators' numbers; where
+the spec keeps an average of the merged states, a state's loss here is its average's, which is what
+the validators' global_loss reports, while their base_loss is the merged state's),
 and, in `noise_by_subset_size`, which rounds would beat the noise at other subset sizes.
 This script knows nothing about how the nodes train, score or merge; it reads what they stored.
 Usage: python bench/simulation.py [--rounds 6] [--dir DIR] [--subsets 200] [--out FILE.json]
@@ -58,12 +60,12 @@ from node.sim.run import Simulation  # noqa: E402
 from node.store.blobs import BlobStore  # noqa: E402
 from node.store.db import Storage  # noqa: E402
 from protocol.spec import load_spec  # noqa: E402
-from training.blob import decode_blob  # noqa: E402
 from training.data import heldout_subset, load_sequences, not_padding  # noqa: E402
 from training.evaluate import heldout_loss, token_loss_sum  # noqa: E402
 from training.experts import extract, insert  # noqa: E402
 from training.model import load_base  # noqa: E402
 from training.tokenizer import load_tokenizer  # noqa: E402
+from validator.state import decode_state_blob  # noqa: E402
 
 NOISE_SIGMAS = 2.0
 STATES = "adopted-states"  # under the simulation directory: a copy of each adopted state blob
@@ -193,21 +195,29 @@ def sequence_losses(model: torch.nn.Module, sequences_NL: torch.Tensor, pad_id: 
     return torch.tensor(sums, dtype=torch.float64), counts
 
 
+def offered(decoded: tuple[Any, dict[str, torch.Tensor], dict[str, torch.Tensor] | None]) -> dict[str, torch.Tensor]:
+    """The experts a decoded state offers: its average where the network keeps one, else its merged tensors."""
+    _, merged, average = decoded
+    return merged if average is None else average
+
+
 def evaluate_states(directory: Path, hashes: list[str], states: Path) -> dict[str, Any]:
-    """Per-sequence losses of the base and of each state in `hashes` on the whole held-out file."""
+    """Per-sequence losses of the base and of each state in `hashes` (the experts it offers: `offered`) on the
+    whole held-out file."""
     spec_path = directory / "network" / "spec.toml"
     spec = load_spec(spec_path)
     model, adapter = load_base(spec, spec_path)
     tokenizer = load_tokenizer(spec.data.tokenizer, spec_path.parent)
     heldout = load_sequences([spec_path.parent / "data" / "heldout.jsonl"], tokenizer, spec.data.seq_len)
     base = extract(model, adapter, spec.group)
+    shapes = {name: tuple(t.shape) for name, t in base.items()}
     per_state: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     whole_check = 0.0
     for h in [spec.model.base_hash, *hashes]:
         if h in per_state:
             continue
-        tensors = base if h == spec.model.base_hash else decode_blob((states / h).read_bytes(),
-                                                                     spec.limits.max_header_bytes)[1]
+        tensors = base if h == spec.model.base_hash else offered(decode_state_blob((states / h).read_bytes(), spec,
+                                                                                   shapes))
         insert(model, adapter, tensors)
         per_state[h] = sequence_losses(model, heldout, tokenizer.pad_id)
         reference = heldout_loss(model, heldout, pad_id=tokenizer.pad_id).loss

@@ -5,6 +5,8 @@
 
 `--state` names a global state in a node's blob store (`DIR/blobs`, the node's `data_dir`);
 `--blob` names any canonical blob file of this network (a global state or a miner's full-expert submission).
+Of a global state, the experts the network offers are written: the average of its merged states where the
+spec keeps one (`aggregation.average_decay`), else the merged state.
 Without `--experts-only` the base model is loaded, the blob's experts are written into it and the
 result is saved with `training.export.export_checkpoint`. With `--experts-only` only the group is
 written, as an expert pack; `--heldout` adds the held-out loss of the state to its manifest (and
@@ -49,7 +51,7 @@ def run_export(args: argparse.Namespace) -> int:
 
     check_out_dir(args.out)
     spec = load_spec(args.spec)
-    data, meta, tensors = _read_state(args, spec)
+    data, meta, tensors, averaged = _read_state(args, spec)
     state = hashlib.sha256(data).hexdigest()
     model = adapter = loss = None
     if args.heldout is not None or not args.experts_only:
@@ -62,18 +64,19 @@ def run_export(args: argparse.Namespace) -> int:
     if args.experts_only:
         write_expert_pack(tensors, {"network": spec.network_id, "round": meta.round, "group": dict(spec.group),
                                     "base_hash": spec.model.base_hash, "state": state, "heldout_loss": loss,
-                                    "family": spec.model.family}, args.out)
+                                    "average": averaged, "family": spec.model.family}, args.out)
     else:
         assert model is not None  # loaded above whenever not --experts-only
         tokenizer = None if spec.data.tokenizer == "byte" else spec_dir_path(args.spec, spec.data.tokenizer)
         export_checkpoint(model, args.out, tokenizer)
     print(json.dumps({"out": str(args.out), "state": state, "round": meta.round, "heldout_loss": loss,
-                      "experts_only": args.experts_only}, indent=2, sort_keys=True))
+                      "experts_only": args.experts_only, "average": averaged}, indent=2, sort_keys=True))
     return 0
 
 
-def _read_state(args: argparse.Namespace, spec: Any) -> tuple[bytes, Any, dict[str, Any]]:
-    from node.cli.common import decode_network_blob
+def _read_state(args: argparse.Namespace, spec: Any) -> tuple[bytes, Any, dict[str, Any], bool]:
+    """The blob's bytes, metadata and the experts to write; True when those are a global state's average."""
+    from node.cli.common import decode_network_blob, offered_experts
     from protocol.encoding import is_hex_digest
     from training.blob import BLOB_FORMAT
     from validator.state import GLOBAL_FORMAT
@@ -94,7 +97,7 @@ def _read_state(args: argparse.Namespace, spec: Any) -> tuple[bytes, Any, dict[s
     if meta.format not in (BLOB_FORMAT, GLOBAL_FORMAT):  # a pgrad submission or momentum holds no weights
         raise ValueError(f"{path}: the blob is a {meta.format} blob, not expert weights; export a global state "
                          f"({GLOBAL_FORMAT}) or a miner's full-expert submission ({BLOB_FORMAT})")
-    return data, meta, tensors
+    return (data, meta, *offered_experts(path, meta, tensors, spec))
 
 
 def _heldout_loss(spec: Any, args: argparse.Namespace, model: Any) -> float:

@@ -6,8 +6,9 @@ votes from storage and adopts the hash endorsed by a strict majority of validato
 r-1's history (votes gossip missed while it restarted or before the mesh took it in), and with still
 none the head stays. Adopting means holding the state blob
 (fetched from validators that voted for it when missing) after checking it: its hash (the fetch
-verifies it), that it is a global state of this network and expert group with finite values, and that
-it is a state of the round being settled. A vote counts for the hash it names, whatever parent it claims:
+verifies it), that it is a global state of this network and expert group with finite values (holding,
+where the spec keeps one, the average of the merged states: `validator.state`), and that it is a state
+of the round being settled. A vote counts for the hash it names, whatever parent it claims:
 the hash binds the blob's own parent, while the stored row keeps the parent of the first vote for that
 hash, which any one validator can write; adopting rewrites the row with the parent the checked blob
 names. Validators also need the outer momentum: its hash rides in GlobalState (`momentum`), is
@@ -28,6 +29,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -39,12 +41,30 @@ from protocol.messages import Envelope, GlobalState, Heartbeat, Message
 from protocol.rounds import Phase
 from protocol.spec import NetworkSpec
 from training.blob import BlobError, BlobMeta, decode_blob, max_blob_bytes
-from validator.state import GLOBAL_FORMAT, STATE_MINER, GlobalExperts, StateError, adopt
+from validator.state import (
+    GLOBAL_FORMAT,
+    STATE_MINER,
+    GlobalExperts,
+    StateError,
+    adopt,
+    split_average,
+    state_shapes,
+)
 
 log = logging.getLogger(__name__)
 
 VOTE_GRACE_SHARE = 0.1  # of TRAIN: how long to wait for missing votes when the first ones disagree
 Shapes = Mapping[str, tuple[int, ...]]
+Tensors = dict[str, torch.Tensor]
+
+
+class Decoded(NamedTuple):
+    """A checked state blob (`decode_state`)."""
+
+    meta: BlobMeta
+    tensors: Tensors
+    average: Tensors | None
+    """The average of the merged states, where the spec keeps one (`validator.state`)."""
 
 
 class SyncError(ValueError):
@@ -59,8 +79,10 @@ class LoadedState:
     synced: bool
 
 
-def decode_state(data: bytes, spec: NetworkSpec, shapes: Shapes) -> tuple[BlobMeta, dict[str, torch.Tensor]]:
-    """Check a global state blob of this network and group; SyncError names what does not fit."""
+def decode_state(data: bytes, spec: NetworkSpec, shapes: Shapes) -> Decoded:
+    """Check a global state blob of this network and group (`shapes`: the group's); its metadata, merged
+    tensors and average (None where the spec keeps none, `validator.state`). SyncError names what does not
+    fit."""
     try:
         meta, tensors = decode_blob(data, spec.limits.max_header_bytes)
     except BlobError as exc:
@@ -72,11 +94,20 @@ def decode_state(data: bytes, spec: NetworkSpec, shapes: Shapes) -> tuple[BlobMe
         raise SyncError("state blob is for another network")
     if meta.group != {layer: sorted(ids) for layer, ids in spec.group.items()}:
         raise SyncError("state blob is for another expert group")
-    if {name: tuple(t.shape) for name, t in tensors.items()} != {n: tuple(s) for n, s in shapes.items()}:
-        raise SyncError("state blob tensors do not match the expert group's names and shapes")
+    if {name: tuple(t.shape) for name, t in tensors.items()} != state_shapes(spec, shapes):
+        raise SyncError("state blob tensors do not match the expert group's names and shapes"
+                        + (" (with their average, which this network keeps)" if spec.aggregation.average_decay
+                           else ""))
     if not all(bool(torch.isfinite(t).all()) for t in tensors.values()):
         raise SyncError("state blob holds non-finite values")
-    return meta, tensors
+    return Decoded(meta, *split_average(spec, tensors))
+
+
+def _without_momentum(spec: NetworkSpec, decoded: Decoded) -> GlobalExperts:
+    """A checked state with zero momentum: a miner's view, or a validator's before it syncs the momentum."""
+    zeros = {name: torch.zeros(t.shape, dtype=torch.float32) for name, t in decoded.tensors.items()}
+    return GlobalExperts(spec=spec, round=decoded.meta.round, parent=decoded.meta.base, tensors=decoded.tensors,
+                         momentum=zeros, average=decoded.average)
 
 
 async def wait_until(clock: Clock, arrivals: asyncio.Event, ready: Callable[[], Awaitable[bool]],
@@ -108,8 +139,8 @@ class Consensus:
         self._adopted: tuple[str, LoadedState] | None = None
 
     def state_cap(self, shapes: Shapes) -> int:
-        """The largest a state or momentum blob can be (both are fp32)."""
-        return max_blob_bytes(shapes, "float32", self.ctx.spec.limits.max_header_bytes)
+        """The largest a state or momentum blob can be (both are fp32; a state may hold an average too)."""
+        return max_blob_bytes(state_shapes(self.ctx.spec, shapes), "float32", self.ctx.spec.limits.max_header_bytes)
 
     async def on_message(self, envelope: Envelope, message: Message) -> None:
         """Remember the momentum hash a GlobalState or a validator's Heartbeat announces; wake a tally
@@ -187,16 +218,16 @@ class Consensus:
         if head is None or head == await self.ctx.storage.head():
             return
         try:
-            meta, tensors = await self._fetch_checked(head, list(voters), shapes)
+            decoded = await self._fetch_checked(head, list(voters), shapes)
         except SyncError as exc:
             log.warning("round %d: cannot follow the head %s that validators announce: %s", round, head[:12],
                         exc)
             return
-        record = GlobalStateRecord(head, meta.base, meta.round, (), False, voters)
+        record = GlobalStateRecord(head, decoded.meta.base, decoded.meta.round, (), False, voters)
         await self.ctx.storage.set_head(head)
         log.warning("round %d: my head differed from the one validators announce; now following %s (voters %s)",
                     round, head[:12], ", ".join(v[:8] for v in voters))
-        await self._take(round, record, meta, tensors, shapes)
+        await self._take(round, record, decoded, shapes)
 
     async def _announced(self, since: int) -> tuple[str | None, tuple[str, ...]]:
         """The head a weight majority of validators announce in heartbeats of round `since` or later, and
@@ -224,11 +255,8 @@ class Consensus:
             except (OSError, StateError) as exc:
                 log.warning("momentum %s does not belong to head %s (%s); not in sync", momentum[:12],
                             head[:12], exc)
-        meta, tensors = await asyncio.to_thread(decode_state, data, self.ctx.spec, shapes)
-        zeros = {name: torch.zeros(t.shape, dtype=torch.float32) for name, t in tensors.items()}
-        state = GlobalExperts(spec=self.ctx.spec, round=meta.round, parent=meta.base, tensors=tensors,
-                              momentum=zeros)
-        return LoadedState(state, not self.need_momentum)
+        decoded = await asyncio.to_thread(decode_state, data, self.ctx.spec, shapes)
+        return LoadedState(_without_momentum(self.ctx.spec, decoded), not self.need_momentum)
 
     async def _refetch(self, head: str, shapes: Shapes) -> bytes:
         """The head's blob, missing or corrupt here, fetched again from the validators that voted for it."""
@@ -266,26 +294,23 @@ class Consensus:
                             round)
             return
         try:
-            meta, tensors = await self._fetch_checked(winner.hash, list(winner.voters), shapes, round)
+            decoded = await self._fetch_checked(winner.hash, list(winner.voters), shapes, round)
         except SyncError as exc:
             log.error("round %d: cannot adopt %s: %s; the head stays", round, winner.hash[:12], exc)
             return
         moved = await self.ctx.storage.head() != winner.hash
-        await self.ctx.storage.mark_adopted(winner.hash, meta.base)
+        await self.ctx.storage.mark_adopted(winner.hash, decoded.meta.base)
         if moved:
             log.info("round %d: adopted global state %s (voters %s)", round, winner.hash[:12],
                      ", ".join(v[:8] for v in winner.voters))
-        await self._take(round, winner, meta, tensors, shapes)
+        await self._take(round, winner, decoded, shapes)
 
-    async def _take(self, round: int, winner: GlobalStateRecord, meta: BlobMeta, tensors: dict[str, torch.Tensor],
-                    shapes: Shapes) -> None:
+    async def _take(self, round: int, winner: GlobalStateRecord, decoded: Decoded, shapes: Shapes) -> None:
         """Hold the decoded head `winner` names (a validator: with the momentum one of its voters announced)."""
-        zeros = {name: torch.zeros(t.shape, dtype=torch.float32) for name, t in tensors.items()}
-        loaded = LoadedState(GlobalExperts(spec=self.ctx.spec, round=meta.round, parent=meta.base, tensors=tensors,
-                                           momentum=zeros), not self.need_momentum)
+        loaded = LoadedState(_without_momentum(self.ctx.spec, decoded), not self.need_momentum)
         if self.need_momentum:
             try:
-                loaded = LoadedState(await self._sync_momentum(winner, meta, tensors, shapes), True)
+                loaded = LoadedState(await self._sync_momentum(winner, decoded, shapes), True)
             except SyncError as exc:
                 log.error("round %d: %s; this validator is out of sync and abstains from merging", round, exc)
         self._adopted = (winner.hash, loaded)
@@ -303,7 +328,7 @@ class Consensus:
         return bool(voted) and bool(set(self.ctx.spec.validator_weights) - voted)
 
     async def _fetch_checked(self, state_hash: str, providers: list[str], shapes: Shapes,
-                             round: int | None = None) -> tuple[BlobMeta, dict[str, torch.Tensor]]:
+                             round: int | None = None) -> Decoded:
         """The state blob (fetched when not held), decoded and checked, with `round` the round whose state
         it must be; SyncError names what is wrong."""
         try:
@@ -311,13 +336,12 @@ class Consensus:
             data = await asyncio.to_thread(path.read_bytes)
         except (NetworkError, OSError) as exc:
             raise SyncError(f"state {state_hash[:12]}: {exc}") from exc
-        meta, tensors = await asyncio.to_thread(decode_state, data, self.ctx.spec, shapes)
-        if round is not None and meta.round != round:
-            raise SyncError(f"state {state_hash[:12]} is a state of round {meta.round}, not of round {round}")
-        return meta, tensors
+        decoded = await asyncio.to_thread(decode_state, data, self.ctx.spec, shapes)
+        if round is not None and decoded.meta.round != round:
+            raise SyncError(f"state {state_hash[:12]} is a state of round {decoded.meta.round}, not of round {round}")
+        return decoded
 
-    async def _sync_momentum(self, winner: GlobalStateRecord, meta: BlobMeta, tensors: dict[str, torch.Tensor],
-                             shapes: Shapes) -> GlobalExperts:
+    async def _sync_momentum(self, winner: GlobalStateRecord, decoded: Decoded, shapes: Shapes) -> GlobalExperts:
         """The adopted state with the momentum a voter announced with it: ours when it is one of those,
         else the first a voter serves that belongs to the state; SyncError when none does."""
         announced = {}
@@ -330,8 +354,8 @@ class Consensus:
             try:
                 path = await self.ctx.network.fetch(momentum, [voter, *winner.voters], self.state_cap(shapes))
                 data = await asyncio.to_thread(path.read_bytes)
-                state = await asyncio.to_thread(GlobalExperts.with_momentum, winner.hash, meta, tensors, data,
-                                                self.ctx.spec, shapes)
+                state = await asyncio.to_thread(GlobalExperts.with_momentum, winner.hash, decoded.meta,
+                                                decoded.tensors, data, self.ctx.spec, shapes, decoded.average)
             except (NetworkError, OSError, StateError) as exc:
                 log.warning("momentum %s from %s: %s", momentum[:12], voter[:12], exc)
                 continue

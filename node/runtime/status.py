@@ -5,7 +5,8 @@ wrote one (a validator: it also lists miners that never committed), else from th
 node stores once the round settled (`storage.round_results`, ranked from the public score reports
 by node.duties.results), plus miners that committed without revealing. Each miner row carries every
 validator's score. The held-out loss of the state adopted after round r is the validator's report
-of it, else the median base loss of round r+1's score reports (measured against that state). At
+of it, else the median base loss of round r+1's score reports (measured against that state; not
+shown where the spec keeps an average of the merged states, the model such a network offers). At
 each scrape, `refresh_metrics` copies the same numbers into the node's Prometheus gauges. This
 module knows nothing about HTTP, computes no ranking, and never writes to storage.
 """
@@ -153,7 +154,10 @@ class StatusViews:
             reports = await storage.score_reports(round)
         own = await self.node.round_report(round)
         results = await storage.round_results(round)
-        public_loss = _median([rep.base_loss for rep in next_reports.values()])
+        # Round r+1's base losses are the merged state's; a network that keeps an average offers that instead,
+        # whose loss only validators measure (their own reports).
+        public_loss = None if self.ctx.spec.aggregation.average_decay else _median(
+            [rep.base_loss for rep in next_reports.values()])
         scores = _scores_by_miner(reports)
         if own is not None:
             miners = [{**m, "scores": scores.get(m["id"], {})} for m in own.get("miners", [])]
@@ -218,6 +222,7 @@ def learning_settings(spec: NetworkSpec, config: NodeConfig) -> dict[str, Any]:
         "outer_lr_scale": aggregation.outer_lr_scale,
         "momentum": aggregation.momentum,
         "weighting": aggregation.weighting,
+        "average_decay": aggregation.average_decay,
     }
 
 

@@ -28,8 +28,9 @@ from training.data import heldout_subset, load_sequences
 from training.evaluate import heldout_loss
 from training.experts import extract
 from training.export import read_expert_pack
-from training.model import build_tiny_model, tiny_config
+from training.model import build_tiny_model, load_base, tiny_config
 from training.tokenizer import HFTokenizer
+from validator.state import GlobalExperts
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
@@ -98,6 +99,42 @@ def test_spec_new_to_export(tmp_path: Path, capsys: pytest.CaptureFixture[str], 
     assert manifest["state"] == state and manifest["heldout_loss"] == pytest.approx(trained_loss, abs=1e-5)
     assert {int(k): v for k, v in manifest["group"].items()} == dict(spec.group) and manifest["round"] == 0
     assert packed.keys() == tensors.keys() and all(torch.equal(packed[n], tensors[n]) for n in tensors)
+
+
+def test_export_writes_the_average_a_network_offers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    checkpoint = write_hub_checkpoint(tmp_path / "ckpt", "qwen3_moe")
+    train, heldout = write_data(tmp_path)
+    spec_path = tmp_path / "net" / "spec.toml"
+    code, _, err = run(capsys, "spec", "new", "--checkpoint", checkpoint, "--train", train, "--heldout", heldout,
+                       "--validator", "ab" * 32, "--timing", "sim", "--seq-len", "32", "--max-sequences", "64",
+                       "--set", "aggregation.average_decay=0.9", "--out", spec_path)
+    assert code == 0, err
+    spec = load_spec(spec_path)
+    model, adapter = load_base(spec, spec_path)
+    base = extract(model, adapter, spec.group)
+    merged = {name: t + 0.5 for name, t in base.items()}
+    state = GlobalExperts.genesis(spec, base).child(0, merged, {n: torch.zeros_like(t) for n, t in base.items()})
+    stored = tmp_path / "node" / "blobs" / state.hash[:2] / state.hash
+    stored.parent.mkdir(parents=True)
+    stored.write_bytes(state.to_blob())
+
+    pack, exported = tmp_path / "pack", tmp_path / "exported"
+    code, out, err = run(capsys, "export", "--spec", spec_path, "--state", state.hash, "--data-dir", tmp_path / "node",
+                         "--experts-only", "--heldout", heldout, "--out", pack)
+    assert code == 0, err
+    assert json.loads(out)["average"] is True
+    code, evaluated, err = run(capsys, "eval", "--spec", spec_path, "--heldout", heldout, "--blob", stored)
+    assert code == 0, err  # `eval` of a state reads the experts it offers, as `export` writes them
+    assert json.loads(evaluated)["loss"] == pytest.approx(json.loads(out)["heldout_loss"], abs=1e-6)
+    manifest, packed = read_expert_pack(pack)
+    assert manifest["average"] is True and manifest["state"] == state.hash
+    assert state.average is not None and all(torch.equal(packed[n], state.average[n]) for n in base)
+    assert not any(torch.equal(packed[n], merged[n]) for n in base)  # a tenth of the way there, not the merged state
+    code, _, err = run(capsys, "export", "--spec", spec_path, "--state", state.hash, "--data-dir", tmp_path / "node",
+                       "--out", exported)
+    assert code == 0, err
+    written = extract(AutoModelForCausalLM.from_pretrained(str(exported)), adapter, spec.group)
+    assert all(torch.equal(written[n], state.average[n]) for n in base)
 
 
 def _refused(capsys: pytest.CaptureFixture[str], *argv: object, match: str) -> None:

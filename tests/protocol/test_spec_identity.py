@@ -41,7 +41,8 @@ def test_network_id_ignores_spelling_but_not_content(spec_dict) -> None:
 
 
 @pytest.mark.parametrize(("section", "field", "other"), [("training", "beta1", 0.656),
-                                                        ("aggregation", "outer_lr_scale", "merged")])
+                                                        ("aggregation", "outer_lr_scale", "merged"),
+                                                        ("aggregation", "average_decay", 0.9)])
 def test_a_field_added_later_keeps_the_network_id_at_its_default_and_changes_it_otherwise(
         spec_dict, section: str, field: str, other: object) -> None:
     before = parse_spec(spec_dict)
@@ -91,6 +92,8 @@ def _set(data: dict, dotted: str, value: object) -> dict:
         ("training.beta1", 1.0),
         ("training.beta1", -0.1),
         ("aggregation.outer_lr_scale", "per-miner"),
+        ("aggregation.average_decay", 1.0),
+        ("aggregation.average_decay", -0.1),
     ],
 )
 def test_malformed_spec_names_the_field(spec_dict, field: str, value: object) -> None:

@@ -174,3 +174,58 @@ def test_adopt_needs_a_strict_weighted_majority() -> None:
     assert adopt({}, weights) is None
     with pytest.raises(ValueError, match="no weight"):
         adopt({a: "x"}, {})
+
+
+def _averaging(spec: NetworkSpec, decay: float = 0.9) -> NetworkSpec:
+    return spec.model_copy(update={"aggregation": spec.aggregation.model_copy(update={"average_decay": decay})})
+
+
+def test_a_network_that_keeps_an_average_folds_every_child_into_it_and_offers_it(spec: NetworkSpec) -> None:
+    averaging = _averaging(spec)
+    base, first, second = _tensors(averaging, 0), _tensors(averaging, 1), _tensors(averaging, 2)
+    genesis = GlobalExperts.genesis(averaging, base)
+    assert genesis.offered is genesis.average and all(torch.equal(genesis.average[n], base[n]) for n in base)
+    zeros = {name: torch.zeros_like(t) for name, t in base.items()}
+    child = genesis.child(0, first, zeros)
+    grandchild = child.child(1, second, zeros)
+    for name in base:  # a tenth of the way to each merged state, in the order the states came
+        assert torch.equal(child.average[name], 0.9 * base[name] + 0.1 * first[name])
+        assert torch.equal(grandchild.average[name], 0.9 * child.average[name] + 0.1 * second[name])
+        assert torch.equal(grandchild.tensors[name], second[name])  # miners train from the merged state
+    assert grandchild.offered is grandchild.average
+    plain = GlobalExperts.genesis(spec, base).child(0, first, zeros)
+    assert plain.average is None and plain.offered is plain.tensors  # decay 0: the merged state is offered
+
+
+def test_the_state_hash_binds_the_average_and_a_round_trip_keeps_it(spec: NetworkSpec) -> None:
+    averaging = _averaging(spec)
+    base, first = _tensors(averaging, 0), _tensors(averaging, 1)
+    zeros = {name: torch.zeros_like(t) for name, t in base.items()}
+    child = GlobalExperts.genesis(averaging, base).child(0, first, zeros)
+    again = GlobalExperts.from_blobs(child.to_blob(), child.momentum_blob(), averaging, _shapes(averaging))
+    assert again.hash == child.hash and again.average is not None and child.average is not None
+    assert all(torch.equal(again.average[n], child.average[n]) and torch.equal(again.tensors[n], child.tensors[n])
+               for n in base)
+    # the same merged tensors over another average are another state
+    other = GlobalExperts.genesis(averaging, _tensors(averaging, 5)).child(0, first, zeros)
+    assert other.hash != child.hash
+    # and the same chain under another decay too
+    assert GlobalExperts.genesis(_averaging(spec, 0.5), base).child(0, first, zeros).to_blob() != child.to_blob()
+
+
+def test_a_state_blob_without_the_average_its_network_keeps_is_refused_and_the_reverse(spec: NetworkSpec) -> None:
+    averaging = _averaging(spec)
+    base, first = _tensors(spec, 0), _tensors(spec, 1)
+    zeros = {name: torch.zeros_like(t) for name, t in base.items()}
+    plain = GlobalExperts.genesis(spec, base).child(0, first, zeros)
+    kept = GlobalExperts.genesis(averaging, base).child(0, first, zeros)
+    # a plain state's meta names the plain network; re-encode it as the averaging network's, without an average
+    meta, tensors = decode_blob(plain.to_blob(), spec.limits.max_header_bytes)
+    bare = encode_blob(tensors, dataclasses.replace(meta, network=averaging.network_id))
+    momentum = kept.momentum_blob()
+    with pytest.raises(StateError, match="names and shapes"):
+        GlobalExperts.from_blobs(bare, momentum, averaging, _shapes(averaging))
+    meta, tensors = decode_blob(kept.to_blob(), spec.limits.max_header_bytes)
+    extra = encode_blob(tensors, dataclasses.replace(meta, network=spec.network_id))
+    with pytest.raises(StateError, match="names and shapes"):
+        GlobalExperts.from_blobs(extra, plain.momentum_blob(), spec, _shapes(spec))

@@ -56,7 +56,8 @@ function learningLine(l) {
   return `${l.experts} experts · ${l.inner_steps} AdamW steps a round ` +
     `(lr ${l.inner_lr}, beta1 ${l.inner_beta1}, batch ${l.batch_size}${kept}) · ` +
     `miners send ${sent} · top ${l.top_g} merged, outer lr ${l.outer_lr}${perUpdate}, momentum ${l.momentum}, ` +
-    `${l.weighting} weights`;
+    `${l.weighting} weights` +
+    (l.average_decay ? ` · offers the average of its merged states (decay ${l.average_decay})` : "");
 }
 
 function renderGlance(status) {
