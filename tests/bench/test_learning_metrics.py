@@ -122,6 +122,15 @@ def test_every_family_runs_on_4_and_8_miners_and_half_adversarial_under_every_se
     assert [scaled[name].outer_lr for name in ("x_4", "x_8", "x_adversarial_4")] == [4.0, 8.0, 4.0]
 
 
+def test_the_learning_benchmark_runs_outer_lrs_averaged_family_as_it_is(learning: ModuleType) -> None:
+    outer_lr = load_bench("outer_lr")
+    averaged = learning.averaged_family()
+    assert learning.AVERAGED in learning.FAMILIES and set(averaged) <= set(learning.SEED_ARMS)
+    assert averaged == {name: outer_lr.ARMS[name] for name in averaged}  # the arms docs/learning.md reports
+    assert [averaged[f"{learning.AVERAGED}_{n}"].beta1 for n in ("4", "8", "adversarial_4")] == [
+        0.6561, 0.430467, 0.6561]
+
+
 def test_the_sync_grid_spans_the_steps_between_merges_and_the_outer_lr(learning: ModuleType) -> None:
     grid = learning.sync_grid(learning.Arm(inner_steps=5, keep_optimizer=True, outer_lr=2.0))
     assert sorted((arm.inner_steps, arm.outer_lr) for arm in grid.values()) == [
