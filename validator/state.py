@@ -59,25 +59,34 @@ class GlobalExperts:
     tensors: Mapping[str, torch.Tensor]
     momentum: Mapping[str, torch.Tensor]
     average: Mapping[str, torch.Tensor] | None = None
-    """The average of the merged states, where `aggregation.average_decay` > 0; else None."""
+    """The average of the merged states where `aggregation.average_decay` > 0, else None. None there too in a
+    miner's view (`held_average` False), which trains from the merged tensors and need not hold a second copy."""
 
     def __post_init__(self) -> None:
         assert self.round >= GENESIS_ROUND, f"round {self.round} precedes genesis"
         assert set(self.tensors) == set(self.momentum), "momentum must have one tensor per expert tensor"
-        assert (self.average is None) == (not self.spec.aggregation.average_decay), \
-            "a state keeps an average exactly when its spec sets aggregation.average_decay"
+        assert self.average is None or self.spec.aggregation.average_decay, \
+            "a state keeps an average only where its spec sets aggregation.average_decay"
         assert self.average is None or set(self.average) == set(self.tensors), \
             "the average must have one tensor per expert tensor"
 
     @classmethod
-    def genesis(cls, spec: NetworkSpec, tensors: Mapping[str, torch.Tensor]) -> GlobalExperts:
+    def genesis(cls, spec: NetworkSpec, tensors: Mapping[str, torch.Tensor], *,
+                held_average: bool = True) -> GlobalExperts:
         """The chain's root: the base model's experts (from `training.experts.extract`), zero momentum,
-        and (where the spec keeps one) an average that is the base's experts in fp32."""
+        and (where the spec keeps one, unless `held_average` is False: a miner's view) an average that is the
+        base's experts in fp32."""
         momentum = {name: torch.zeros(t.shape, dtype=torch.float32) for name, t in tensors.items()}
         average = ({name: t.detach().to("cpu", torch.float32) for name, t in tensors.items()}
-                   if spec.aggregation.average_decay else None)  # fp32, as the outer step's states
+                   if spec.aggregation.average_decay and held_average else None)  # fp32, as the outer step's
         return cls(spec=spec, round=GENESIS_ROUND, parent="", tensors=dict(tensors), momentum=momentum,
                    average=average)
+
+    @property
+    def held_average(self) -> bool:
+        """False for a view that leaves out the average its spec keeps (a miner's): it can offer, merge into
+        or write nothing."""
+        return self.average is not None or not self.spec.aggregation.average_decay
 
     @property
     def is_genesis(self) -> bool:
@@ -87,6 +96,7 @@ class GlobalExperts:
     def offered(self) -> Mapping[str, torch.Tensor]:
         """The experts the network offers as its model: the average where the spec keeps one, else the merged
         tensors. The status page reports its loss and `tessera export` writes it."""
+        self._check_held()
         return self.tensors if self.average is None else self.average
 
     @cached_property
@@ -108,6 +118,7 @@ class GlobalExperts:
             raise ValueError(f"a child state must come after round {self.round}, got round {round}")
         if set(tensors) != set(self.tensors):
             raise ValueError("a child state must hold exactly the parent's tensor names")
+        self._check_held()
         average = None if self.average is None else average_states(
             self.average, tensors, self.spec.aggregation.average_decay)
         return GlobalExperts(spec=self.spec, round=round, parent=self.hash, tensors=dict(tensors),
@@ -115,6 +126,7 @@ class GlobalExperts:
 
     def to_blob(self) -> bytes:
         """The canonical state blob, with the average under `AVERAGE_PREFIX`; its SHA-256 is `hash`."""
+        self._check_held()
         held = dict(self.tensors)
         if self.average is not None:
             held.update({AVERAGE_PREFIX + name: t for name, t in self.average.items()})
@@ -157,6 +169,11 @@ class GlobalExperts:
             raise StateError("momentum tensors must be float32")
         return cls(spec=spec, round=state_meta.round, parent=state_meta.base, tensors=tensors, momentum=moments,
                    average=average)
+
+    def _check_held(self) -> None:
+        if not self.held_average:
+            raise ValueError("this view of the state leaves out its average (a miner's view); load the state "
+                             "with its average to offer, merge into or write it")
 
     def _meta(self, base: str, fmt: str) -> BlobMeta:
         if self.is_genesis:

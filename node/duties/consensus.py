@@ -103,11 +103,12 @@ def decode_state(data: bytes, spec: NetworkSpec, shapes: Shapes) -> Decoded:
     return Decoded(meta, *split_average(spec, tensors))
 
 
-def _without_momentum(spec: NetworkSpec, decoded: Decoded) -> GlobalExperts:
-    """A checked state with zero momentum: a miner's view, or a validator's before it syncs the momentum."""
+def _without_momentum(spec: NetworkSpec, decoded: Decoded, held_average: bool) -> GlobalExperts:
+    """A checked state with zero momentum: a validator's before it syncs the momentum, or (`held_average`
+    False) a miner's view, which trains from the merged tensors and leaves out their average."""
     zeros = {name: torch.zeros(t.shape, dtype=torch.float32) for name, t in decoded.tensors.items()}
     return GlobalExperts(spec=spec, round=decoded.meta.round, parent=decoded.meta.base, tensors=decoded.tensors,
-                         momentum=zeros, average=decoded.average)
+                         momentum=zeros, average=decoded.average if held_average else None)
 
 
 async def wait_until(clock: Clock, arrivals: asyncio.Event, ready: Callable[[], Awaitable[bool]],
@@ -256,7 +257,7 @@ class Consensus:
                 log.warning("momentum %s does not belong to head %s (%s); not in sync", momentum[:12],
                             head[:12], exc)
         decoded = await asyncio.to_thread(decode_state, data, self.ctx.spec, shapes)
-        return LoadedState(_without_momentum(self.ctx.spec, decoded), not self.need_momentum)
+        return LoadedState(_without_momentum(self.ctx.spec, decoded, self.need_momentum), not self.need_momentum)
 
     async def _refetch(self, head: str, shapes: Shapes) -> bytes:
         """The head's blob, missing or corrupt here, fetched again from the validators that voted for it."""
@@ -307,7 +308,7 @@ class Consensus:
 
     async def _take(self, round: int, winner: GlobalStateRecord, decoded: Decoded, shapes: Shapes) -> None:
         """Hold the decoded head `winner` names (a validator: with the momentum one of its voters announced)."""
-        loaded = LoadedState(_without_momentum(self.ctx.spec, decoded), not self.need_momentum)
+        loaded = LoadedState(_without_momentum(self.ctx.spec, decoded, self.need_momentum), not self.need_momentum)
         if self.need_momentum:
             try:
                 loaded = LoadedState(await self._sync_momentum(winner, decoded, shapes), True)

@@ -160,7 +160,8 @@ class MinerModel:
             experts = extract(model, adapter, spec.group)
         tokenizer = load_tokenizer(spec.data.tokenizer, spec_path.parent)
         sequences = load_sequences(training_files(spec, spec_path, data), tokenizer, spec.data.seq_len)
-        return cls(spec, model, adapter, GlobalExperts.genesis(spec, experts), sequences, tokenizer.pad_id)
+        genesis = GlobalExperts.genesis(spec, experts, held_average=False)  # a miner trains from the merged state
+        return cls(spec, model, adapter, genesis, sequences, tokenizer.pad_id)
 
     def train(self, miner: str, round: int, base: Mapping[str, torch.Tensor], section: MinerSection,
               keep_going: Callable[[], bool], steps: int | None = None, progress: bool = False,

@@ -229,3 +229,15 @@ def test_a_state_blob_without_the_average_its_network_keeps_is_refused_and_the_r
     extra = encode_blob(tensors, dataclasses.replace(meta, network=spec.network_id))
     with pytest.raises(StateError, match="names and shapes"):
         GlobalExperts.from_blobs(extra, plain.momentum_blob(), spec, _shapes(spec))
+
+
+def test_a_miners_view_leaves_out_the_average_and_refuses_what_needs_it(spec: NetworkSpec) -> None:
+    averaging = _averaging(spec)
+    base = _tensors(averaging, 0)
+    view = GlobalExperts.genesis(averaging, base, held_average=False)
+    assert view.average is None and not view.held_average and all(torch.equal(view.tensors[n], base[n]) for n in base)
+    zeros = {name: torch.zeros_like(t) for name, t in base.items()}
+    for use in (lambda: view.offered, lambda: view.child(0, base, zeros)):
+        with pytest.raises(ValueError, match="leaves out its average"):
+            use()
+    assert GlobalExperts.genesis(spec, base, held_average=False).held_average  # a plain network has none to leave
