@@ -34,6 +34,8 @@ the fixed ones of the learning benchmark, in the same run:
   current state; the `_adversarial_4` arms' copier sends the same round's, which needs the victim's help;
 - the same family reporting the average of its merged states (`AVERAGE`, `Arm.average` 0.9), the miners
   training from the merged state as before; read also against ESFT averaged the same way every 4 steps.
+  Its 8 miners also run with the 4-miner network's own spec (`SAME_SPEC`: beta1 0.9^4, not 0.9^8): more
+  miners joining one network, rather than a network specified for 8.
 
 Every (setting, seed) also reads ESFT after every one of the 4-miner network's steps and counts the
 stretches of 1 and of 4 steps that end lower (`esft_lowered`): how often one node's own loss falls over
@@ -100,6 +102,10 @@ AVERAGE = "_average0.9"
 """Suffix of an arm that reports the average of its merged states at decay 0.9 (`Arm.average`) instead of the
 merged state: what a network whose spec sets `aggregation.average_decay = 0.9` adopts and exports."""
 
+SAME_SPEC = "_8_beta1_of_4"
+"""Suffix of an 8-miner arm that keeps the 4-miner arm's beta1 (0.9^4): the same network spec with twice the miners,
+where the `_8` arms set beta1 to 0.9^8 for the 8 miners they were specified for."""
+
 OVERLAP = "_delay1"
 """Suffix of an arm whose miners train from the state one round older than the one their update is merged into
 (`Arm.delay`): what rounds that overlap, TRAIN of round r running while round r - 1's windows do, cost in
@@ -131,6 +137,9 @@ ARMS = {
     **{name.replace(SUBSET, SUBSET + AVERAGE): replace(arm, average=0.9) for name, arm in _per_update_moment_subset.items()},
     f"{PER_UPDATE_MOMENT}{SUBSET}{AVERAGE}{LAST_ROUND_COPIER}":
         replace(_per_update_moment_subset[f"{PER_UPDATE_MOMENT}{SUBSET}_adversarial_4"], copier="last_round", average=0.9),
+    f"{PER_UPDATE_MOMENT}{SUBSET}{AVERAGE}{SAME_SPEC}":
+        replace(_per_update_moment_subset[f"{PER_UPDATE_MOMENT}{SUBSET}_8"], average=0.9,
+                beta1=_per_update_moment_subset[f"{PER_UPDATE_MOMENT}{SUBSET}_4"].beta1),
 }
 COMPARED = {"agreement": (f"{SHORT}_4", ("h5_agreement_4", "h10_agreement_4", "h20_agreement_4")),
             "per update": (f"{EVERY_STEP}_4", (f"{PER_UPDATE}_4", f"{PER_UPDATE}_subset128_4")),

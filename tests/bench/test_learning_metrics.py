@@ -286,3 +286,11 @@ def test_the_averaged_arms_are_their_reference_arms_reporting_the_protocols_aver
     for suffix in ("4", "8", "adversarial_4"):
         averaged = outer_lr.ARMS[f"{outer_lr.PER_UPDATE_MOMENT}{outer_lr.SUBSET}{outer_lr.AVERAGE}_{suffix}"]
         assert replace(averaged, average=0.0) == outer_lr.ARMS[f"{outer_lr.PER_UPDATE_MOMENT}{outer_lr.SUBSET}_{suffix}"]
+
+
+def test_the_same_spec_arm_is_the_averaged_8_miner_arm_at_the_4_miner_beta1() -> None:
+    outer_lr = load_bench("outer_lr")
+    prefix = f"{outer_lr.PER_UPDATE_MOMENT}{outer_lr.SUBSET}{outer_lr.AVERAGE}"
+    same = outer_lr.ARMS[prefix + outer_lr.SAME_SPEC]
+    assert same.miners == 8 and same.beta1 == outer_lr.ARMS[f"{prefix}_4"].beta1 == 0.6561
+    assert replace(same, beta1=outer_lr.ARMS[f"{prefix}_8"].beta1) == outer_lr.ARMS[f"{prefix}_8"]
