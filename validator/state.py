@@ -77,8 +77,8 @@ class GlobalExperts:
         and (where the spec keeps one, unless `held_average` is False: a miner's view) an average that is the
         base's experts in fp32."""
         momentum = {name: torch.zeros(t.shape, dtype=torch.float32) for name, t in tensors.items()}
-        average = ({name: t.detach().to("cpu", torch.float32) for name, t in tensors.items()}
-                   if spec.aggregation.average_decay and held_average else None)  # fp32, as the outer step's
+        keeps = spec.aggregation.average_decay and held_average  # fp32 on the CPU, as the outer step's states
+        average = {name: t.detach().to("cpu", torch.float32) for name, t in tensors.items()} if keeps else None
         return cls(spec=spec, round=GENESIS_ROUND, parent="", tensors=dict(tensors), momentum=momentum,
                    average=average)
 
