@@ -154,7 +154,7 @@ class GlobalExperts:
         momentum: bytes,
         spec: NetworkSpec,
         shapes: Mapping[str, tuple[int, ...]],
-        average: dict[str, torch.Tensor] | None = None,
+        average: dict[str, torch.Tensor] | None,
     ) -> GlobalExperts:
         """An already decoded state (`state_hash`: its blob's hash; `average` as `decode_state_blob` gives it)
         with its momentum blob; StateError names what does not fit."""

@@ -280,7 +280,7 @@ async def test_a_network_that_keeps_an_average_agrees_on_it_reports_its_loss_and
             data = v0.ctx.blobs.path(state.hash).read_bytes()
             shapes = {name: tuple(t.shape) for name, t in v0.duties.state.tensors.items()}
             held.append(decode_state_blob(data, net.spec, shapes))
-        (_, merged0, average0), (meta1, merged1, average1) = held
+        (_, _, average0), (meta1, merged1, average1) = held
         assert meta1.base == (await v0.ctx.storage.global_states(0))[0].hash and average0 and average1
         assert all(torch.equal(average1[n], t) for n, t in average_states(average0, merged1, 0.9).items())
         losses = [(await report(v0, r))["global_loss"] for r in (0, 1)]
@@ -295,7 +295,7 @@ async def test_a_network_that_keeps_an_average_agrees_on_it_reports_its_loss_and
         await net.stop()
 
 
-async def test_a_round_that_merges_nothing_still_moves_the_average(tmp_path: Path) -> None:
+async def test_a_round_that_merges_nothing_still_adopts_a_state_that_folds_the_average(tmp_path: Path) -> None:
     net = averaging_network(tmp_path)
     try:
         v0 = await net.add("validator-0")
@@ -312,5 +312,8 @@ async def test_a_round_that_merges_nothing_still_moves_the_average(tmp_path: Pat
         adopted = v0.duties.state
         assert adopted.hash == state.hash == await v0.ctx.storage.head() and adopted.parent == genesis.hash
         assert all(torch.equal(adopted.tensors[n], t) for n, t in genesis.tensors.items())
+        assert genesis.average is not None and adopted.average is not None  # folded once more, merged or not
+        folded = average_states(genesis.average, genesis.tensors, 0.9)
+        assert all(torch.equal(adopted.average[n], t) for n, t in folded.items())
     finally:
         await net.stop()
