@@ -113,7 +113,14 @@ to the number of updates merged, gated by Proof-of-Loss on 128 held-out sequence
 average of its merged states at decay 0.9 (`aggregation.average_decay`): `bench/outer_lr.py`'s pick, the one
 family that holds every target on records (docs/learning.md, "Reporting the average of the merged states")."""
 
-FAMILIES = (*SHORT_FAMILIES, EVERY_STEP, AVERAGED)
+REWOUND = "h1_keep_optimizer_rewind_lr_per_update_beta1_0.6561_subset128_average0.9"
+"""`AVERAGED` with two changes. After a round that merges nothing, the miners' AdamW state goes back to what it was
+before the round (`Arm.rewind`, what `[miner] keep_optimizer` does in the node): on arithmetic, with half the
+miners adversarial, `AVERAGED`'s miners stopped passing the gate for good once the state stood still. And one
+spec for 4 miners and 8: beta1 0.9^4 = 0.6561, the 4-miner network's, so its 8-miner arm is more miners joining
+that network, not a network specified for 8 (`bench/outer_lr.py`'s `_rewind` arms; docs/learning.md)."""
+
+FAMILIES = (*SHORT_FAMILIES, EVERY_STEP, AVERAGED, REWOUND)
 """The families of 4 miners, 8 miners and 4 with half adversarial that the targets read."""
 
 CEILING_LR_FACTORS = (2.0, 4.0)
@@ -215,6 +222,8 @@ def targets(runs: dict[str, dict[str, Any]], ceilings: dict[str, dict[str, Any]]
         f"{EVERY_STEP} (H = 1 over 20x the rounds, kept AdamW state, outer lr = M)": short_rounds(runs, EVERY_STEP),
         f"{AVERAGED} (the same at an outer lr per update merged and beta1 0.9^M, gated on 128 sequences, "
         "offering the average of the merged states at decay 0.9)": short_rounds(runs, AVERAGED),
+        f"{REWOUND} (the same with the miners' AdamW state rewound after a round that merges nothing, "
+        "and the 4-miner spec's beta1 for 8 miners)": short_rounds(runs, REWOUND),
     }
 
 
@@ -237,6 +246,12 @@ def averaged_family() -> dict[str, Arm]:
     spec sets beta1 for the miners a network is run with, not for who turns up)."""
     arm = Arm(inner_steps=1, keep_optimizer=True, lr_per_update=True, subset=128, average=0.9)
     return {name: replace(each, beta1=round(0.9**each.miners, 6)) for name, each in family(AVERAGED, arm).items()}
+
+
+def rewound_family() -> dict[str, Arm]:
+    """`REWOUND` on 4 miners, on 8, and on 4 with half adversarial, all under one spec (beta1 0.9^4)."""
+    return family(REWOUND, Arm(inner_steps=1, keep_optimizer=True, rewind=True, lr_per_update=True, subset=128,
+                               average=0.9, beta1=round(0.9**4, 6)))
 
 
 def family(name: str, arm: Arm, outer_lr_is_miners: bool = False) -> dict[str, Arm]:
@@ -307,6 +322,7 @@ def main() -> int:
         **family(SHORT_PGRAD, replace(short_compressed, outer_lr=2.5)),
         **family(EVERY_STEP, Arm(inner_steps=1, keep_optimizer=True), outer_lr_is_miners=True),
         **averaged_family(),
+        **rewound_family(),
         "pgrad_2bit_k32_4": replace(tuned, pgrad=PgradConfig(chunk=1024, topk=32, quant="2bit")),
         "pgrad_2bit_k48_4": replace(tuned, pgrad=PgradConfig(chunk=1024, topk=48, quant="2bit")),
         "pgrad_int8_k32_4": replace(tuned, pgrad=PgradConfig(chunk=1024, topk=32, quant="int8")),

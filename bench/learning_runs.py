@@ -113,6 +113,13 @@ class Arm:
     keep_optimizer: bool = False
     """Each miner goes on with its AdamW state from its previous round (as a DiLoCo worker does) instead of
     starting it at zero every round."""
+    rewind: bool = False
+    """With `keep_optimizer`: after a round that merged nothing, each miner's AdamW state goes back to what it
+    was before the round, as `[miner] keep_optimizer` does in the node (`node.duties.miner.InnerOptimizer`).
+    The state did not move, so the next round steps from the same point, and moments that counted a step
+    nobody took would count the same point's gradient again: from a state no update leaves, every miner's
+    step grows toward the sign of that gradient and keeps failing the gate (docs/learning.md, "Rewinding
+    the miners' AdamW state after a level round")."""
     gate: str = "each"
     """Which submissions may be merged. `each`: the protocol's Proof-of-Loss gate, each must lower the
     round's subset loss alone. Alternatives the sweep measures, not the protocol's: `marginal`, each
@@ -154,6 +161,8 @@ class Arm:
     def __post_init__(self) -> None:
         if not 0.0 <= self.average < 1.0:
             raise ValueError(f"average is a decay in [0, 1), got {self.average}")
+        if self.rewind and not self.keep_optimizer:
+            raise ValueError("rewind goes back to a kept AdamW state: it needs keep_optimizer")
         if self.delay < 0:
             raise ValueError(f"delay is a number of rounds, at least 0, got {self.delay}")
         if self.experts == "partition" and self.pgrad is not None:
@@ -325,6 +334,8 @@ class Bench:
             submissions: dict[int, Tensors] = {}
             masks: dict[int, Tensors] = {}
             trained_from = started[max(r - arm.delay, 0)]
+            # train_experts updates a kept state in place (torch loads it without copying): keep a copy to rewind to
+            before = {i: copy.deepcopy(optimizers.get(i)) for i in range(honest)} if arm.rewind else {}
             for i in range(honest):
                 insert(self.model, self.adapter, trained_from)
                 rows = self.miner_rows(arm, i, r)
@@ -367,6 +378,8 @@ class Bench:
                     global_t = merged_t
                 else:
                     global_t, agreed = agreement_step(global_t, merged_t, agreed, arm.agreement)
+            else:
+                optimizers.update(before)  # empty unless `arm.rewind`
             insert(self.model, self.adapter, self.base)
             started.append(global_t)
             reported = average_states(reported, global_t, arm.average)

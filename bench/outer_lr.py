@@ -35,7 +35,8 @@ the fixed ones of the learning benchmark, in the same run:
 - the same family reporting the average of its merged states (`AVERAGE`, `Arm.average` 0.9), the miners
   training from the merged state as before; read also against ESFT averaged the same way every 4 steps.
   Its 8 miners also run with the 4-miner network's own spec (`SAME_SPEC`: beta1 0.9^4, not 0.9^8): more
-  miners joining one network, rather than a network specified for 8.
+  miners joining one network, rather than a network specified for 8. Each of these arms runs again with the
+  miners rewinding their AdamW state after a round that merges nothing (`REWIND`, `Arm.rewind`).
 
 Every (setting, seed) also reads ESFT after every one of the 4-miner network's steps and counts the
 stretches of 1 and of 4 steps that end lower (`esft_lowered`): how often one node's own loss falls over
@@ -106,6 +107,10 @@ SAME_SPEC = "_8_beta1_of_4"
 """Suffix of an 8-miner arm that keeps the 4-miner arm's beta1 (0.9^4): the same network spec with twice the miners,
 where the `_8` arms set beta1 to 0.9^8 for the 8 miners they were specified for."""
 
+REWIND = "_rewind"
+"""Inserted after `AVERAGE` in an arm whose miners rewind their AdamW state after a round that merges nothing
+(`Arm.rewind`, what `[miner] keep_optimizer` does in the node)."""
+
 OVERLAP = "_delay1"
 """Suffix of an arm whose miners train from the state one round older than the one their update is merged into
 (`Arm.delay`): what rounds that overlap, TRAIN of round r running while round r - 1's windows do, cost in
@@ -141,6 +146,8 @@ ARMS = {
         replace(_per_update_moment_subset[f"{PER_UPDATE_MOMENT}{SUBSET}_8"], average=0.9,
                 beta1=_per_update_moment_subset[f"{PER_UPDATE_MOMENT}{SUBSET}_4"].beta1),
 }
+ARMS.update({name.replace(AVERAGE, AVERAGE + REWIND): replace(arm, rewind=True)
+             for name, arm in list(ARMS.items()) if AVERAGE in name})
 COMPARED = {"agreement": (f"{SHORT}_4", ("h5_agreement_4", "h10_agreement_4", "h20_agreement_4")),
             "per update": (f"{EVERY_STEP}_4", (f"{PER_UPDATE}_4", f"{PER_UPDATE}_subset128_4")),
             "beta1 per merged step": (f"{EVERY_STEP}_4", (f"{MOMENT}_4",)),
@@ -149,7 +156,9 @@ COMPARED = {"agreement": (f"{SHORT}_4", ("h5_agreement_4", "h10_agreement_4", "h
             "gated on 128 sequences": (f"{PER_UPDATE_MOMENT}_4", (f"{PER_UPDATE_MOMENT}{SUBSET}_4",)),
             "a copier on its own": (f"{PER_UPDATE_MOMENT}_adversarial_4", (f"{PER_UPDATE_MOMENT}{LAST_ROUND_COPIER}",
                                                                           f"{PER_UPDATE_MOMENT}{SUBSET}{LAST_ROUND_COPIER}")),
-            "the average of merged states": (f"{PER_UPDATE_MOMENT}{SUBSET}_4", (f"{PER_UPDATE_MOMENT}{SUBSET}{AVERAGE}_4",))}
+            "the average of merged states": (f"{PER_UPDATE_MOMENT}{SUBSET}_4", (f"{PER_UPDATE_MOMENT}{SUBSET}{AVERAGE}_4",)),
+            "rewinding after a level round": (f"{PER_UPDATE_MOMENT}{SUBSET}{AVERAGE}_4",
+                                              (f"{PER_UPDATE_MOMENT}{SUBSET}{AVERAGE}{REWIND}_4",))}
 """Each adaptive rule's arms and the fixed-lr arm they are set against."""
 READ = ("parallel_efficiency", "network_vs_esft", "forgetting", "esft_forgetting_equal_tokens", "rounds_lowered",
         "parallel_efficiency_monotone", "losses")
