@@ -322,7 +322,7 @@ class Bench:
         momentum: Tensors | None = None
         agreed: Tensors | None = None
         errors: dict[int, Tensors | None] = {}
-        optimizers: dict[int, dict[str, Any]] = {}
+        optimizers: dict[int, dict[str, Any] | None] = {}
         losses, merged = [], []
         shapes = {name: tuple(t.shape) for name, t in self.base.items()}
         honest = arm.miners - arm.adversaries

@@ -19,8 +19,11 @@ A network whose spec says `[submission] format = "pgrad"` gets compressed pseudo
 quantised; what was left unsent is the new buffer, kept across rounds and restarts by
 node.duties.feedback.
 
-A round whose training diverged (NaN or Inf in the trained experts) has no submission: the miner
-encodes nothing, keeps its error-feedback buffer as it was and drops its kept AdamW state, which the
+A miner with `[miner] keep_optimizer` carries its AdamW state from round to round (`InnerOptimizer`), and
+rewinds it when the state it is about to train from is the one it last trained from: a round that merged
+nothing left the network where it was, so the miner steps from the same point again, from the moments it
+had there. A round whose training diverged (NaN or Inf in the trained experts) has no submission: the
+miner encodes nothing, keeps its error-feedback buffer as it was and drops its kept AdamW state, which the
 diverged steps left non-finite (`Diverged`). This module knows nothing about scoring or merging.
 """
 
@@ -125,9 +128,55 @@ def _within_header_cap(spec: NetworkSpec, data: bytes) -> bytes:
 @dataclass
 class InnerOptimizer:
     """What a miner with `[miner] keep_optimizer` carries from one round's training to the next: the AdamW
-    state (`TrainResult.optimizer_state`) on the training device. In memory only; a restart starts at zero."""
+    state (`TrainResult.optimizer_state`) on the training device. In memory only; a restart starts at zero.
+
+    Before each training (`start`) it also keeps a CPU copy of that state and a digest of the merged tensors
+    it trains from. When the next training starts from tensors with the same digest, no update was merged in
+    between, and the state goes back to the copy: moments that counted a step the network did not take would
+    count the same point's gradient again, and from a state no update leaves, AdamW's steps grow toward the
+    sign of that gradient until none passes Proof-of-Loss (docs/learning.md, "Rewinding the miners' AdamW
+    state after a level round"). The copy costs twice the group's size in host memory, not on the device."""
 
     state: dict[str, Any] | None = None
+    before: dict[str, Any] | None = None
+    """A CPU copy of `state` as it was when the last training started: what a level round rewinds to."""
+    trained_from: str | None = None
+    """`tensors_digest` of the merged tensors the last training started from (None: no training yet)."""
+
+    def start(self, base: Mapping[str, torch.Tensor], round: int) -> None:
+        """Ready the state for training `round` from `base`: rewound when `base` is what the last training
+        started from, then copied, so that the round after can rewind to it."""
+        digest = tensors_digest(base)
+        if digest == self.trained_from:
+            log.info("round %d: no update was merged since this miner last trained (the merged experts are the "
+                     "same); its AdamW state goes back to what it was before that training", round)
+            self.state = self.before
+        self.before = _host_copy(self.state)
+        self.trained_from = digest
+
+    def drop(self) -> None:
+        """Start AdamW at zero next round, with nothing to rewind to (a training that diverged)."""
+        self.state = self.before = self.trained_from = None
+
+
+def tensors_digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 over `tensors`' names, dtypes, shapes and bytes, in name order: equal exactly when the tensors are."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous()
+        h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        h.update(t.view(torch.uint8).numpy().data if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _host_copy(state: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A copy of an AdamW `state_dict` with every tensor on the CPU. Torch loads a state into an optimizer without
+    copying tensors already on the parameters' device, and its steps then update them in place."""
+    if state is None:
+        return None
+    return {"state": {key: {name: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+                            for name, v in moments.items()} for key, moments in state["state"].items()},
+            "param_groups": [dict(group, params=list(group["params"])) for group in state["param_groups"]]}
 
 
 class MinerModel:
@@ -169,7 +218,8 @@ class MinerModel:
         """H inner steps (or `steps`) from `base` on this miner's shard; fewer when `keep_going` turns False.
 
         `progress`: a tqdm bar on a terminal (the `tessera train` command; the daemon logs instead).
-        `optimizer`: the AdamW state to go on from, and where the new one is left (None: start at zero)."""
+        `optimizer`: the AdamW state to go on from (rewound first where `base` is what it last trained from,
+        `InnerOptimizer.start`), and where the new one is left (None: start at zero)."""
         inner = self.spec.training
         if isinstance(self.model, CompressedModel):
             self.model.load(dict(base))
@@ -183,6 +233,8 @@ class MinerModel:
                           pad_id=self.pad_id, progress=progress)
         rows = shard(self.sequences, miner, round)
         order = batches(rows, cfg.batch_size, miner_seed(miner, round))
+        if optimizer is not None:
+            optimizer.start(base, round)
         result = train_experts(self.model, self.adapter, self.spec.group, _while(order, keep_going), cfg,
                                None if optimizer is None else optimizer.state)
         if optimizer is not None:
@@ -210,7 +262,7 @@ def build_submission(model: MinerModel, miner: str, round: int, head: str, base:
         # The diverged steps updated the kept AdamW moments in place (torch loads a state without copying
         # it), so the state from before this round is gone too: the next round starts AdamW at zero.
         if optimizer is not None:
-            optimizer.state = None
+            optimizer.drop()
             log.warning("round %d: training diverged; dropping the kept optimizer state", round)
         raise
 

@@ -95,7 +95,8 @@ class MinerSection(_Section):
     keep_optimizer: bool = Field(
         default=False,
         description="Go on from the inner AdamW state of the last round trained, as DiLoCo's workers do, instead of "
-        "starting it at zero each round; held in memory (a restart starts at zero).",
+        "starting it at zero each round; held in memory (a restart starts at zero). Where no update was merged "
+        "since that round, the state goes back to what it was before it (a copy in host memory).",
     )
     data: ConfigPath | None = Field(default=None, description="Local training file overriding the spec's train files.")
     behaviour: Literal["honest", "lazy", "noise", "copier", "late", "garbage"] = Field(

@@ -131,6 +131,21 @@ def test_the_learning_benchmark_runs_outer_lrs_averaged_family_as_it_is(learning
         0.6561, 0.430467, 0.6561]
 
 
+def test_the_rewound_family_is_outer_lrs_rewind_arms_under_one_spec(learning: ModuleType) -> None:
+    outer_lr = load_bench("outer_lr")
+    rewound = learning.rewound_family()
+    assert learning.REWOUND in learning.FAMILIES and set(rewound) <= set(learning.SEED_ARMS)
+    arms = f"{outer_lr.PER_UPDATE_MOMENT}{outer_lr.SUBSET}{outer_lr.AVERAGE}{outer_lr.REWIND}"
+    same = {"4": f"{arms}_4", "8": f"{arms}{outer_lr.SAME_SPEC}", "adversarial_4": f"{arms}_adversarial_4"}
+    assert {n: rewound[f"{learning.REWOUND}_{n}"] for n in same} == {n: outer_lr.ARMS[a] for n, a in same.items()}
+    assert {(arm.beta1, arm.rewind, arm.keep_optimizer) for arm in rewound.values()} == {(0.6561, True, True)}
+    # the rewind arms differ from the averaged family's in the rewind alone
+    assert outer_lr.ARMS[f"{arms}_4"] == replace(learning.averaged_family()[f"{learning.AVERAGED}_4"],
+                                                          rewind=True)
+    with pytest.raises(ValueError, match="rewind goes back to a kept AdamW state: it needs keep_optimizer"):
+        learning.Arm(rewind=True)
+
+
 def test_the_sync_grid_spans_the_steps_between_merges_and_the_outer_lr(learning: ModuleType) -> None:
     grid = learning.sync_grid(learning.Arm(inner_steps=5, keep_optimizer=True, outer_lr=2.0))
     assert sorted((arm.inner_steps, arm.outer_lr) for arm in grid.values()) == [

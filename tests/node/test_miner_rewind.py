@@ -1,0 +1,82 @@
+"""A miner that keeps its AdamW state (`[miner] keep_optimizer`) rewinds it when no update was merged since it
+last trained: the merged experts it is about to train from are the ones it last trained from, so it steps from
+the moments it had there, not from moments that already counted that point's gradient. Where the experts moved,
+it goes on from its last state. A diverged training leaves nothing to rewind to."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from node.duties.miner import InnerOptimizer, MinerModel, build_submission, tensors_digest
+from node.runtime.config import MinerSection
+from tests.node.twins import Twins, identity
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _state(value: float) -> dict[str, Any]:
+    """An AdamW `state_dict` for one parameter, its moments filled with `value`."""
+    moments = {"step": torch.tensor(3.0), "exp_avg": torch.full((2, 3), value), "exp_avg_sq": torch.full((2, 3), value)}
+    return {"state": {0: moments}, "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0]}]}
+
+
+def test_the_digest_tells_tensors_apart_by_every_bit_name_dtype_and_shape() -> None:
+    a = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "v": torch.ones(4, dtype=torch.bfloat16)}
+    same = {name: t.clone() for name, t in reversed(a.items())}
+    nudged = {**a, "w": torch.nextafter(a["w"], torch.full_like(a["w"], 10.0))}
+    assert tensors_digest(a) == tensors_digest(same)
+    others = [nudged, {"x": a["w"], "v": a["v"]}, {**a, "w": a["w"].double()}, {**a, "w": a["w"].reshape(3, 2)}]
+    assert len({tensors_digest(a), *map(tensors_digest, others)}) == 5
+
+
+def test_the_state_goes_back_only_when_the_merged_experts_did_not_move(caplog: pytest.LogCaptureFixture) -> None:
+    here, moved = {"w": torch.zeros(2, 3)}, {"w": torch.full((2, 3), 1e-3)}
+    optimizer = InnerOptimizer(_state(1.0))
+    optimizer.start(here, 4)
+    assert optimizer.state is not None
+    optimizer.state["state"][0]["exp_avg"].add_(5.0)  # torch's step updates a loaded CPU state in place
+    optimizer.state = _state(2.0)  # and leaves its own
+    with caplog.at_level(logging.INFO, logger="node.duties.miner"):
+        optimizer.start(here, 5)  # nothing merged in round 4
+    assert "round 5: no update was merged since this miner last trained" in caplog.text
+    assert optimizer.state is not None and torch.equal(optimizer.state["state"][0]["exp_avg"], torch.full((2, 3), 1.0))
+    optimizer.state = _state(3.0)
+    optimizer.start(moved, 6)  # round 5 merged something: go on from the last state
+    assert optimizer.state is not None and torch.equal(optimizer.state["state"][0]["exp_avg"], torch.full((2, 3), 3.0))
+    optimizer.drop()
+    optimizer.start(moved, 7)  # a diverged round 6 leaves nothing to rewind to
+    assert optimizer.state is None and optimizer.before is None
+
+
+def test_a_level_round_trains_from_the_moments_the_miner_had_there(tmp_path: Path) -> None:
+    """Real training on the twins: round 2 from the experts round 1 trained from gives the bytes of a miner that
+    went straight from round 0 to round 2, and not those of one that goes on from round 1's moments."""
+    net = Twins(tmp_path)
+    model, me = MinerModel.load(net.spec, net.spec_path), identity("miner-0").node_id
+    genesis, head = model.genesis.tensors, "ab" * 32
+    moved = {name: t + 1e-3 for name, t in genesis.items()}
+
+    def build(optimizer: InnerOptimizer, round: int, base: Mapping[str, torch.Tensor]) -> bytes:
+        return build_submission(model, me, round, head, base, MinerSection(), optimizer=optimizer)[0]
+
+    rewinding, straight = InnerOptimizer(), InnerOptimizer()
+    build(rewinding, 0, genesis)
+    build(straight, 0, genesis)
+    build(rewinding, 1, moved)
+    assert rewinding.state is not None
+    went_on = InnerOptimizer(state=_host_copy_of(rewinding.state))  # round 1's moments, nothing to rewind to
+    level = build(rewinding, 2, moved)
+    assert level == build(straight, 2, moved)
+    assert level != build(went_on, 2, moved)
+
+
+def _host_copy_of(state: dict[str, Any]) -> dict[str, Any]:
+    return {"state": {k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in m.items()}
+                      for k, m in state["state"].items()},
+            "param_groups": [dict(g) for g in state["param_groups"]]}
