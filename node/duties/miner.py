@@ -19,12 +19,13 @@ A network whose spec says `[submission] format = "pgrad"` gets compressed pseudo
 quantised; what was left unsent is the new buffer, kept across rounds and restarts by
 node.duties.feedback.
 
-A miner with `[miner] keep_optimizer` carries its AdamW state from round to round (`InnerOptimizer`), and
-rewinds it when the state it is about to train from is the one it last trained from: a round that merged
-nothing left the network where it was, so the miner steps from the same point again, from the moments it
-had there. A round whose training diverged (NaN or Inf in the trained experts) has no submission: the
-miner encodes nothing, keeps its error-feedback buffer as it was and drops its kept AdamW state, which the
-diverged steps left non-finite (`Diverged`). This module knows nothing about scoring or merging.
+A miner with `[miner] keep_optimizer` carries its AdamW state from round to round (`InnerOptimizer`).
+Unless `[miner] rewind_optimizer` is off, it rewinds that state when the merged experts it is about to
+train from are the ones it last trained from: a round that merged nothing left the network where it
+was, so the miner steps from the same point again, from the moments it had there. A round whose
+training diverged (NaN or Inf in the trained experts) has no submission: the miner encodes nothing,
+keeps its error-feedback buffer as it was and drops its kept AdamW state, which the diverged steps
+left non-finite (`Diverged`). This module knows nothing about scoring or merging.
 """
 
 from __future__ import annotations
@@ -130,14 +131,17 @@ class InnerOptimizer:
     """What a miner with `[miner] keep_optimizer` carries from one round's training to the next: the AdamW
     state (`TrainResult.optimizer_state`) on the training device. In memory only; a restart starts at zero.
 
-    Before each training (`start`) it also keeps a CPU copy of that state and a digest of the merged tensors
-    it trains from. When the next training starts from tensors with the same digest, no update was merged in
-    between, and the state goes back to the copy: moments that counted a step the network did not take would
-    count the same point's gradient again, and from a state no update leaves, AdamW's steps grow toward the
-    sign of that gradient until none passes Proof-of-Loss (docs/learning.md, "Rewinding the miners' AdamW
-    state after a level round"). The copy costs twice the group's size in host memory, not on the device."""
+    Unless `rewind` is off, before each training (`start`) it also keeps a CPU copy of that state and a
+    digest of the merged tensors it trains from. When the next training starts from tensors with the same
+    digest, no update was merged in between, and the state goes back to the copy: moments that counted a
+    step the network did not take would count the same point's gradient again, and from a state no update
+    leaves, AdamW's steps can grow toward the sign of that gradient until none passes Proof-of-Loss
+    (docs/learning.md, "Rewinding the miners' AdamW state after a level round"). The copy costs twice the
+    group's size in host memory, not on the device."""
 
     state: dict[str, Any] | None = None
+    rewind: bool = True
+    """Whether a level round rewinds the state (`[miner] rewind_optimizer`); False keeps no copy."""
     before: dict[str, Any] | None = None
     """A CPU copy of `state` as it was when the last training started: what a level round rewinds to."""
     trained_from: str | None = None
@@ -146,6 +150,8 @@ class InnerOptimizer:
     def start(self, base: Mapping[str, torch.Tensor], round: int) -> None:
         """Ready the state for training `round` from `base`: rewound when `base` is what the last training
         started from, then copied, so that the round after can rewind to it."""
+        if not self.rewind:
+            return
         digest = tensors_digest(base)
         if digest == self.trained_from:
             log.info("round %d: no update was merged since this miner last trained (the merged experts are the "
@@ -260,7 +266,8 @@ def build_submission(model: MinerModel, miner: str, round: int, head: str, base:
         return encode_submission(model.spec, round, miner, head, result.tensors, base, feedback), result
     except Diverged:
         # The diverged steps updated the kept AdamW moments in place (torch loads a state without copying
-        # it), so the state from before this round is gone too: the next round starts AdamW at zero.
+        # it). The host copy from before this round is finite, but its moments led here: the next round
+        # starts AdamW at zero, with nothing to rewind to.
         if optimizer is not None:
             optimizer.drop()
             log.warning("round %d: training diverged; dropping the kept optimizer state", round)
@@ -358,7 +365,7 @@ class MinerDuties:
                                                        [section.data] if section.data else [],
                                                        forward=section.forward))
         self._served: str | None = None
-        self.optimizer = InnerOptimizer() if section.keep_optimizer else None
+        self.optimizer = InnerOptimizer(rewind=section.rewind_optimizer) if section.keep_optimizer else None
 
     @staticmethod
     def factory(strategy: HonestStrategy | None = None) -> DutiesFactory:

@@ -95,8 +95,14 @@ class MinerSection(_Section):
     keep_optimizer: bool = Field(
         default=False,
         description="Go on from the inner AdamW state of the last round trained, as DiLoCo's workers do, instead of "
-        "starting it at zero each round; held in memory (a restart starts at zero). Where no update was merged "
-        "since that round, the state goes back to what it was before it (a copy in host memory).",
+        "starting it at zero each round; held in memory (a restart starts at zero).",
+    )
+    rewind_optimizer: bool = Field(
+        default=True,
+        description="With keep_optimizer: where no update was merged since the last round trained (the merged "
+        "experts are the same), go back to the AdamW state from before that round (a copy in host memory) "
+        "instead of going on from it. Keeps a network whose state stops moving from stalling for good; "
+        "docs/learning.md measures what it costs elsewhere.",
     )
     data: ConfigPath | None = Field(default=None, description="Local training file overriding the spec's train files.")
     behaviour: Literal["honest", "lazy", "noise", "copier", "late", "garbage"] = Field(

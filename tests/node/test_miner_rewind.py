@@ -1,7 +1,8 @@
 """A miner that keeps its AdamW state (`[miner] keep_optimizer`) rewinds it when no update was merged since it
 last trained: the merged experts it is about to train from are the ones it last trained from, so it steps from
 the moments it had there, not from moments that already counted that point's gradient. Where the experts moved,
-it goes on from its last state. A diverged training leaves nothing to rewind to."""
+it goes on from its last state. A diverged training leaves nothing to rewind to, and `[miner] rewind_optimizer =
+false` turns rewinding off."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from node.duties.miner import InnerOptimizer, MinerModel, build_submission, tensors_digest
+from node.duties.miner import InnerOptimizer, MinerDuties, MinerModel, build_submission, tensors_digest
 from node.runtime.config import MinerSection
 from tests.node.twins import Twins, identity
 
@@ -80,3 +81,31 @@ def _host_copy_of(state: dict[str, Any]) -> dict[str, Any]:
     return {"state": {k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in m.items()}
                       for k, m in state["state"].items()},
             "param_groups": [dict(g) for g in state["param_groups"]]}
+
+
+def test_a_miner_that_turns_rewinding_off_goes_on_from_its_last_state() -> None:
+    here = {"w": torch.zeros(2, 3)}
+    optimizer = InnerOptimizer(_state(1.0), rewind=False)
+    optimizer.start(here, 4)
+    optimizer.state = _state(2.0)
+    optimizer.start(here, 5)
+    assert optimizer.before is None and optimizer.state is not None
+    assert torch.equal(optimizer.state["state"][0]["exp_avg"], torch.full((2, 3), 2.0))
+
+
+async def test_the_miner_config_sets_whether_a_kept_state_rewinds(tmp_path: Path) -> None:
+    net = Twins(tmp_path, validators=1)
+    try:
+        settings: dict[str, dict[str, object]] = {
+            "miner-0": {"keep_optimizer": True}, "miner-1": {"keep_optimizer": True, "rewind_optimizer": False},
+            "miner-2": {}}
+        optimizers = {}
+        for name, miner in settings.items():
+            duties = (await net.start(name, miner=miner)).duties
+            assert isinstance(duties, MinerDuties)
+            optimizers[name] = duties.optimizer
+    finally:
+        await net.close()
+    assert optimizers["miner-0"] is not None and optimizers["miner-0"].rewind
+    assert optimizers["miner-1"] is not None and not optimizers["miner-1"].rewind
+    assert optimizers["miner-2"] is None
