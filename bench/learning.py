@@ -115,7 +115,7 @@ family that holds every target on records (docs/learning.md, "Reporting the aver
 
 REWOUND = "h1_keep_optimizer_rewind_lr_per_update_beta1_0.6561_subset128_average0.9"
 """`AVERAGED` with two changes. After a round that merges nothing, the miners' AdamW state goes back to what it was
-before the round (`Arm.rewind`, what `[miner] keep_optimizer` does in the node): on arithmetic, with half the
+before the round (`Arm.rewind`, what `[miner] rewind_optimizer` does in the node): on arithmetic, with half the
 miners adversarial, `AVERAGED`'s miners stopped passing the gate for good once the state stood still. And one
 spec for 4 miners and 8: beta1 0.9^4 = 0.6561, the 4-miner network's, so its 8-miner arm is more miners joining
 that network, not a network specified for 8 (`bench/outer_lr.py`'s `_rewind` arms; docs/learning.md)."""

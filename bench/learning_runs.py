@@ -115,10 +115,10 @@ class Arm:
     starting it at zero every round."""
     rewind: bool = False
     """With `keep_optimizer`: after a round that merged nothing, each miner's AdamW state goes back to what it
-    was before the round, as `[miner] keep_optimizer` does in the node (`node.duties.miner.InnerOptimizer`).
-    The state did not move, so the next round steps from the same point, and moments that counted a step
-    nobody took would count the same point's gradient again: from a state no update leaves, every miner's
-    step grows toward the sign of that gradient and keeps failing the gate (docs/learning.md, "Rewinding
+    was before the round, as a node with `[miner] keep_optimizer` and `rewind_optimizer` (its default) does
+    (`node.duties.miner.InnerOptimizer`). The state did not move, so the next round steps from the same point,
+    and moments that counted a step nobody took would count the same point's gradient again: on arithmetic with
+    half the miners adversarial the miners then stopped passing the gate for good (docs/learning.md, "Rewinding
     the miners' AdamW state after a level round")."""
     gate: str = "each"
     """Which submissions may be merged. `each`: the protocol's Proof-of-Loss gate, each must lower the

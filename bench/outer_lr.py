@@ -109,7 +109,7 @@ where the `_8` arms set beta1 to 0.9^8 for the 8 miners they were specified for.
 
 REWIND = "_rewind"
 """Inserted after `AVERAGE` in an arm whose miners rewind their AdamW state after a round that merges nothing
-(`Arm.rewind`, what `[miner] keep_optimizer` does in the node)."""
+(`Arm.rewind`, what `[miner] rewind_optimizer` does in the node)."""
 
 OVERLAP = "_delay1"
 """Suffix of an arm whose miners train from the state one round older than the one their update is merged into
