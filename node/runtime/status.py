@@ -206,7 +206,8 @@ class StatusViews:
 def learning_settings(spec: NetworkSpec, config: NodeConfig) -> dict[str, Any]:
     """How this network learns, as /status shows it: what miners send, how they train, how the state is merged.
 
-    All from the spec but `keep_optimizer`, a miner's own setting (None on a validator)."""
+    All from the spec but `keep_optimizer` and `rewind_optimizer`, a miner's own settings (None on a validator;
+    `rewind_optimizer` None too where the miner does not keep its AdamW state)."""
     submission, training, aggregation = spec.submission, spec.training, spec.aggregation
     return {
         "format": submission.format,
@@ -217,6 +218,8 @@ def learning_settings(spec: NetworkSpec, config: NodeConfig) -> dict[str, Any]:
         "inner_beta1": training.beta1,
         "batch_size": training.batch_size,
         "keep_optimizer": config.miner.keep_optimizer if config.node.role == "miner" else None,
+        "rewind_optimizer": config.miner.rewind_optimizer
+        if config.node.role == "miner" and config.miner.keep_optimizer else None,
         "top_g": aggregation.top_g,
         "outer_lr": aggregation.outer_lr,
         "outer_lr_scale": aggregation.outer_lr_scale,

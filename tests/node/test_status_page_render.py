@@ -27,7 +27,7 @@ ROUNDS = [{"round": 0, "source": "validator", "base": "dd" * 32, "base_loss": 3.
 
 LEARNING = {"format": "pgrad", "pgrad": {"chunk": 256, "topk": 40, "quant": "2bit", "partitions": 2}, "experts": 4,
             "inner_steps": 5, "inner_lr": 0.001, "inner_beta1": 0.656, "batch_size": 8,
-            "keep_optimizer": None, "top_g": 8, "outer_lr": 2.5, "outer_lr_scale": "merged", "momentum": 0.0,
+            "keep_optimizer": None, "rewind_optimizer": None, "top_g": 8, "outer_lr": 2.5, "outer_lr_scale": "merged", "momentum": 0.0,
             "weighting": "uniform", "average_decay": 0.9}
 
 
@@ -40,6 +40,7 @@ class FakeValidator:
         self.hold.set()
         self.in_flight = self.most_in_flight = 0
         self.rounds_shown = ROUNDS
+        self.learning = LEARNING
 
     async def status(self) -> dict[str, Any]:
         self.in_flight += 1
@@ -54,7 +55,7 @@ class FakeValidator:
         return {"role": "validator", "node_id": V, "network": EVIL, "network_id": "ff" * 32, "round": 1,
                 "phase": "train", "peers": 2, "head": "ee" * 32, "head_round": 0, "me": None,
                 "agreement": {"round": 0, "share": 1.0}, "next_phase": {"round": 1, "phase": "commit", "in_s": 65},
-                "learning": LEARNING, "key_used_elsewhere": self.key_used_elsewhere,
+                "learning": self.learning, "key_used_elsewhere": self.key_used_elsewhere,
                 "clock_behind": self.clock_behind}
 
     async def rewards(self) -> dict[str, Any]:
@@ -174,6 +175,19 @@ def test_leaderboards_go_when_no_round_shown_has_miners(browser: Any, served: tu
     page.wait_for_selector("#leaderboards > p.muted", timeout=10_000)
     assert page.locator("table.leaderboard").count() == 0
     assert page.locator("#leaderboards").inner_text() == "no scored round yet"
+    page.close()
+
+
+@pytest.mark.parametrize(("rewind", "says"), [(True, ", keeping its AdamW state, rewound after a round that merges nothing)"),
+                                              (False, ", keeping its AdamW state)")])
+def test_the_header_says_whether_a_miner_rewinds_its_kept_adamw_state(
+        browser: Any, served: tuple[HttpApi, FakeValidator], rewind: bool, says: str) -> None:
+    api, node = served
+    node.learning = {**LEARNING, "keep_optimizer": True, "rewind_optimizer": rewind}
+    page = browser.new_page()
+    _ready(page, api.url)
+    assert page.locator("#learning").inner_text().startswith(
+        f"4 experts · 5 AdamW steps a round (lr 0.001, beta1 0.656, batch 8{says} · miners send")
     page.close()
 
 
