@@ -6,6 +6,7 @@ false` turns rewinding off."""
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -71,16 +72,10 @@ def test_a_level_round_trains_from_the_moments_the_miner_had_there(tmp_path: Pat
     build(straight, 0, genesis)
     build(rewinding, 1, moved)
     assert rewinding.state is not None
-    went_on = InnerOptimizer(state=_host_copy_of(rewinding.state))  # round 1's moments, nothing to rewind to
+    went_on = InnerOptimizer(state=copy.deepcopy(rewinding.state))  # round 1's moments, nothing to rewind to
     level = build(rewinding, 2, moved)
     assert level == build(straight, 2, moved)
     assert level != build(went_on, 2, moved)
-
-
-def _host_copy_of(state: dict[str, Any]) -> dict[str, Any]:
-    return {"state": {k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in m.items()}
-                      for k, m in state["state"].items()},
-            "param_groups": [dict(g) for g in state["param_groups"]]}
 
 
 def test_a_miner_that_turns_rewinding_off_goes_on_from_its_last_state() -> None:
