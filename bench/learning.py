@@ -120,7 +120,13 @@ miners adversarial, `AVERAGED`'s miners stopped passing the gate for good once t
 spec for 4 miners and 8: beta1 0.9^4 = 0.6561, the 4-miner network's, so its 8-miner arm is more miners joining
 that network, not a network specified for 8 (`bench/outer_lr.py`'s `_rewind` arms; docs/learning.md)."""
 
-FAMILIES = (*SHORT_FAMILIES, EVERY_STEP, AVERAGED, REWOUND)
+BACKTRACKED = "h1_keep_optimizer_rewind_backtrack_lr_per_update_beta1_0.6561_subset128_average0.9"
+"""`REWOUND` whose miners also halve their inner lr after each round that merges nothing, down to 1/64, and go
+back to the spec's lr once a round merges an update (`Arm.backtrack`, what `[miner] backtrack_lr` does in the
+node): rewound, `REWOUND`'s one honest miner left with half the miners adversarial still stalled under seed 2,
+retrying the same overshooting step (`bench/outer_lr.py`'s `_backtrack` arms; docs/learning.md)."""
+
+FAMILIES = (*SHORT_FAMILIES, EVERY_STEP, AVERAGED, REWOUND, BACKTRACKED)
 """The families of 4 miners, 8 miners and 4 with half adversarial that the targets read."""
 
 CEILING_LR_FACTORS = (2.0, 4.0)
@@ -224,6 +230,8 @@ def targets(runs: dict[str, dict[str, Any]], ceilings: dict[str, dict[str, Any]]
         "offering the average of the merged states at decay 0.9)": short_rounds(runs, AVERAGED),
         f"{REWOUND} (the same with the miners' AdamW state rewound after a round that merges nothing, "
         "and the 4-miner spec's beta1 for 8 miners)": short_rounds(runs, REWOUND),
+        f"{BACKTRACKED} (the same with the miners' inner lr halved after each round that merges nothing, "
+        "back to the spec's once one merges)": short_rounds(runs, BACKTRACKED),
     }
 
 
@@ -252,6 +260,11 @@ def rewound_family() -> dict[str, Arm]:
     """`REWOUND` on 4 miners, on 8, and on 4 with half adversarial, all under one spec (beta1 0.9^4)."""
     return family(REWOUND, Arm(inner_steps=1, keep_optimizer=True, rewind=True, lr_per_update=True, subset=128,
                                average=0.9, beta1=round(0.9**4, 6)))
+
+
+def backtracked_family() -> dict[str, Arm]:
+    """`BACKTRACKED`: `rewound_family` with the miners' inner lr backtracking after level rounds."""
+    return {name.replace(REWOUND, BACKTRACKED): replace(arm, backtrack=True) for name, arm in rewound_family().items()}
 
 
 def family(name: str, arm: Arm, outer_lr_is_miners: bool = False) -> dict[str, Arm]:
@@ -323,6 +336,7 @@ def main() -> int:
         **family(EVERY_STEP, Arm(inner_steps=1, keep_optimizer=True), outer_lr_is_miners=True),
         **averaged_family(),
         **rewound_family(),
+        **backtracked_family(),
         "pgrad_2bit_k32_4": replace(tuned, pgrad=PgradConfig(chunk=1024, topk=32, quant="2bit")),
         "pgrad_2bit_k48_4": replace(tuned, pgrad=PgradConfig(chunk=1024, topk=48, quant="2bit")),
         "pgrad_int8_k32_4": replace(tuned, pgrad=PgradConfig(chunk=1024, topk=32, quant="int8")),

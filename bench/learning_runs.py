@@ -36,7 +36,7 @@ from training.pgrad import PgradConfig, chunk_draw, compressed_bytes, coverage, 
 from training.pretrain import GENERAL_DOMAINS, base_config, load_pretrained  # noqa: E402
 from training.selection import select_experts  # noqa: E402
 from training.tokenizer import ByteTokenizer  # noqa: E402
-from training.trainer import TrainConfig, train_experts  # noqa: E402
+from training.trainer import TrainConfig, backtracked, train_experts  # noqa: E402
 
 Tensors = dict[str, torch.Tensor]
 
@@ -120,6 +120,12 @@ class Arm:
     and moments that counted a step nobody took would count the same point's gradient again: on arithmetic with
     half the miners adversarial the miners then stopped passing the gate for good (docs/learning.md, "Rewinding
     the miners' AdamW state after a level round")."""
+    backtrack: bool = False
+    """With `rewind`: after each round that merges nothing, the miners' inner lr halves, down to 1/64 of the
+    settings', and goes back to the settings' once a round merges an update (`training.trainer.backtracked`), as
+    a node with `[miner] backtrack_lr` (its default) does. A rewound miner retries from the same point with the
+    same moments; where its step still overshoots, only a shorter one can pass the gate (docs/learning.md,
+    "Backtracking the miners' lr after a level round")."""
     gate: str = "each"
     """Which submissions may be merged. `each`: the protocol's Proof-of-Loss gate, each must lower the
     round's subset loss alone. Alternatives the sweep measures, not the protocol's: `marginal`, each
@@ -163,6 +169,8 @@ class Arm:
             raise ValueError(f"average is a decay in [0, 1), got {self.average}")
         if self.rewind and not self.keep_optimizer:
             raise ValueError("rewind goes back to a kept AdamW state: it needs keep_optimizer")
+        if self.backtrack and not self.rewind:
+            raise ValueError("backtrack shortens a rewound miner's retry: it needs rewind")
         if self.delay < 0:
             raise ValueError(f"delay is a number of rounds, at least 0, got {self.delay}")
         if self.experts == "partition" and self.pgrad is not None:
@@ -229,8 +237,9 @@ class Bench:
         """A batch-order seed made specific to the run's seed (unchanged for seed 0)."""
         return number + 1_000_003 * self.s.seed
 
-    def train_cfg(self, steps: int, batch_size: int | None = None, beta1: float | None = None) -> TrainConfig:
-        return TrainConfig(steps=steps, lr=self.s.inner_lr, batch_size=batch_size or self.s.batch_size,
+    def train_cfg(self, steps: int, batch_size: int | None = None, beta1: float | None = None,
+                  lr_scale: float = 1.0) -> TrainConfig:
+        return TrainConfig(steps=steps, lr=self.s.inner_lr * lr_scale, batch_size=batch_size or self.s.batch_size,
                            beta1=self.s.beta1 if beta1 is None else beta1)
 
     def esft_curve(
@@ -330,6 +339,7 @@ class Bench:
         started = [global_t]  # the state at the start of each round so far (for `Arm.delay`)
         reported = global_t  # the state the arm reports (`Arm.average`)
         revealed: Tensors | None = None  # honest miner 0's last update, for a `last_round` copier
+        lr_scale = 1.0  # of the settings' inner lr (`Arm.backtrack`)
         for r in range(rounds):
             submissions: dict[int, Tensors] = {}
             masks: dict[int, Tensors] = {}
@@ -342,7 +352,7 @@ class Bench:
                 order = batches(rows, self.s.batch_size, self.stream(r))
                 group = self.share(arm, i)
                 result = train_experts(self.model, self.adapter, group, order,
-                                       self.train_cfg(steps, beta1=arm.beta1), optimizers.get(i))
+                                       self.train_cfg(steps, beta1=arm.beta1, lr_scale=lr_scale), optimizers.get(i))
                 submissions[i] = {**global_t, **result.tensors} if arm.delay == 0 else {
                     name: t + result.tensors[name] - trained_from[name] if name in result.tensors else t
                     for name, t in global_t.items()}
@@ -380,6 +390,8 @@ class Bench:
                     global_t, agreed = agreement_step(global_t, merged_t, agreed, arm.agreement)
             else:
                 optimizers.update(before)  # empty unless `arm.rewind`
+            if arm.backtrack:
+                lr_scale = backtracked(lr_scale, merged=bool(contributors))
             insert(self.model, self.adapter, self.base)
             started.append(global_t)
             reported = average_states(reported, global_t, arm.average)

@@ -36,7 +36,8 @@ the fixed ones of the learning benchmark, in the same run:
   training from the merged state as before; read also against ESFT averaged the same way every 4 steps.
   Its 8 miners also run with the 4-miner network's own spec (`SAME_SPEC`: beta1 0.9^4, not 0.9^8): more
   miners joining one network, rather than a network specified for 8. Each of these arms runs again with the
-  miners rewinding their AdamW state after a round that merges nothing (`REWIND`, `Arm.rewind`).
+  miners rewinding their AdamW state after a round that merges nothing (`REWIND`, `Arm.rewind`), and with
+  them also halving their inner lr after each such round (`BACKTRACK`, `Arm.backtrack`).
 
 Every (setting, seed) also reads ESFT after every one of the 4-miner network's steps and counts the
 stretches of 1 and of 4 steps that end lower (`esft_lowered`): how often one node's own loss falls over
@@ -111,6 +112,10 @@ REWIND = "_rewind"
 """Inserted after `AVERAGE` in an arm whose miners rewind their AdamW state after a round that merges nothing
 (`Arm.rewind`, what `[miner] rewind_optimizer` does in the node)."""
 
+BACKTRACK = "_backtrack"
+"""Inserted after `REWIND` in an arm whose rewound miners also halve their inner lr after each round that merges
+nothing, back to the spec's once one merges (`Arm.backtrack`, what `[miner] backtrack_lr` does in the node)."""
+
 OVERLAP = "_delay1"
 """Suffix of an arm whose miners train from the state one round older than the one their update is merged into
 (`Arm.delay`): what rounds that overlap, TRAIN of round r running while round r - 1's windows do, cost in
@@ -148,6 +153,8 @@ ARMS = {
 }
 ARMS.update({name.replace(AVERAGE, AVERAGE + REWIND): replace(arm, rewind=True)
              for name, arm in list(ARMS.items()) if AVERAGE in name})
+ARMS.update({name.replace(REWIND, REWIND + BACKTRACK): replace(arm, backtrack=True)
+             for name, arm in list(ARMS.items()) if REWIND in name})
 COMPARED = {"agreement": (f"{SHORT}_4", ("h5_agreement_4", "h10_agreement_4", "h20_agreement_4")),
             "per update": (f"{EVERY_STEP}_4", (f"{PER_UPDATE}_4", f"{PER_UPDATE}_subset128_4")),
             "beta1 per merged step": (f"{EVERY_STEP}_4", (f"{MOMENT}_4",)),
@@ -158,7 +165,9 @@ COMPARED = {"agreement": (f"{SHORT}_4", ("h5_agreement_4", "h10_agreement_4", "h
                                                                           f"{PER_UPDATE_MOMENT}{SUBSET}{LAST_ROUND_COPIER}")),
             "the average of merged states": (f"{PER_UPDATE_MOMENT}{SUBSET}_4", (f"{PER_UPDATE_MOMENT}{SUBSET}{AVERAGE}_4",)),
             "rewinding after a level round": (f"{PER_UPDATE_MOMENT}{SUBSET}{AVERAGE}_4",
-                                              (f"{PER_UPDATE_MOMENT}{SUBSET}{AVERAGE}{REWIND}_4",))}
+                                              (f"{PER_UPDATE_MOMENT}{SUBSET}{AVERAGE}{REWIND}_4",)),
+            "backtracking the inner lr after a level round": (
+                f"{PER_UPDATE_MOMENT}{SUBSET}{AVERAGE}{REWIND}_4", (f"{PER_UPDATE_MOMENT}{SUBSET}{AVERAGE}{REWIND}{BACKTRACK}_4",))}
 """Each adaptive rule's arms and the fixed-lr arm they are set against."""
 READ = ("parallel_efficiency", "network_vs_esft", "forgetting", "esft_forgetting_equal_tokens", "rounds_lowered",
         "parallel_efficiency_monotone", "losses")

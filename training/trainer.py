@@ -164,6 +164,19 @@ def train_experts(
     return result
 
 
+BACKTRACK_FLOOR = 1 / 64
+"""The smallest fraction of its lr that backtracking (`backtracked`) leaves a miner's inner AdamW."""
+
+
+def backtracked(scale: float, merged: bool) -> float:
+    """The fraction of its lr a backtracking miner trains the next round at, from this round's `scale`: back to 1
+    after a round that merged an update, else half of `scale`, down to `BACKTRACK_FLOOR` (docs/learning.md,
+    "Backtracking the miners' lr after a level round")."""
+    if not 0 < scale <= 1:
+        raise ValueError(f"an lr scale is in (0, 1], got {scale}")
+    return 1.0 if merged else max(scale / 2, BACKTRACK_FLOOR)
+
+
 def _resume(
     optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], state: dict[str, Any], cfg: TrainConfig
 ) -> None:
