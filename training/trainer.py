@@ -110,6 +110,8 @@ class TrainResult:
     tokens: int = 0
     """Tokens that counted in the loss (targets that are not padding)."""
     seconds: float = 0.0
+    lr: float = 0.0
+    """The AdamW lr the steps ran at (`TrainConfig.lr`)."""
     optimizer_state: dict[str, Any] = field(default_factory=dict)
     """The AdamW state after the last step (`torch.optim.Optimizer.state_dict`), for the next run to go on from."""
 
@@ -135,7 +137,7 @@ def train_experts(
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, 0.999))
     if optimizer_state is not None:
         _resume(optimizer, params, optimizer_state, cfg)
-    result = TrainResult(tensors={})
+    result = TrainResult(tensors={}, lr=cfg.lr)
     started = time.perf_counter()
     with ExitStack() as stack:
         bar = stack.enter_context(

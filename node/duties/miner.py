@@ -22,7 +22,8 @@ node.duties.feedback.
 A miner with `[miner] keep_optimizer` carries its AdamW state from round to round (`InnerOptimizer`).
 Unless `[miner] rewind_optimizer` is off, it rewinds that state when the merged experts it is about to
 train from are the ones it last trained from: a round that merged nothing left the network where it
-was, so the miner steps from the same point again, from the moments it had there. A round whose
+was, so the miner steps from the same point again, from the moments it had there, and (unless `[miner]
+backtrack_lr` is off) at half the lr it last trained at, until an update is merged. A round whose
 training diverged (NaN or Inf in the trained experts) has no submission: the miner encodes nothing,
 keeps its error-feedback buffer as it was and drops its kept AdamW state, which the diverged steps
 left non-finite (`Diverged`). This module knows nothing about scoring or merging.
@@ -61,7 +62,7 @@ from training.model import load_base, load_compressed_base
 from training.pgrad import chunk_draw
 from training.pgrad import encode as encode_pgrad
 from training.tokenizer import load_tokenizer
-from training.trainer import TrainConfig, TrainResult, train_experts
+from training.trainer import TrainConfig, TrainResult, backtracked, train_experts
 from validator.checks import pgrad_config
 from validator.device import check_device
 from validator.state import GlobalExperts
@@ -137,7 +138,12 @@ class InnerOptimizer:
     step the network did not take would count the same point's gradient again, and from a state no update
     leaves, AdamW's steps can grow toward the sign of that gradient until none passes Proof-of-Loss
     (docs/learning.md, "Rewinding the miners' AdamW state after a level round"). The copy costs twice the
-    group's size in host memory, not on the device."""
+    group's size in host memory, not on the device.
+
+    Unless `backtrack` is off too, each level round also halves the lr the miner trains at (`lr_scale`, down to
+    1/64), and the first round after an update was merged trains at the spec's lr again
+    (`training.trainer.backtracked`): rewound, a miner would retry the same step, and where that step overshoots
+    every retry fails the gate (docs/learning.md, "Backtracking the miners' lr after a level round")."""
 
     state: dict[str, Any] | None = None
     rewind: bool = True
@@ -146,6 +152,10 @@ class InnerOptimizer:
     """A CPU copy of `state` as it was when the last training started: what a level round rewinds to."""
     trained_from: str | None = None
     """`tensors_digest` of the merged tensors the last training started from (None: no training yet)."""
+    backtrack: bool = True
+    """Whether a level round also halves `lr_scale` (`[miner] backtrack_lr`); only where `rewind` is on."""
+    lr_scale: float = 1.0
+    """The fraction of the spec's inner lr the next training runs at (set by `start`)."""
 
     def start(self, base: Mapping[str, torch.Tensor], round: int) -> None:
         """Ready the state for training `round` from `base`: rewound when `base` is what the last training
@@ -153,16 +163,21 @@ class InnerOptimizer:
         if not self.rewind:
             return
         digest = tensors_digest(base)
-        if digest == self.trained_from:
+        level = digest == self.trained_from
+        if self.backtrack:
+            self.lr_scale = backtracked(self.lr_scale, merged=not level)
+        if level:
             log.info("round %d: no update was merged since this miner last trained (the merged experts are the "
-                     "same); its AdamW state goes back to what it was before that training", round)
+                     "same); its AdamW state goes back to what it was before that training%s", round,
+                     f", and it trains at {self.lr_scale:g} of the spec's lr" if self.backtrack else "")
             self.state = self.before
         self.before = _host_copy(self.state)
         self.trained_from = digest
 
     def drop(self) -> None:
-        """Start AdamW at zero next round, with nothing to rewind to (a training that diverged)."""
+        """Start AdamW at zero next round at the spec's lr, with nothing to rewind to (a training that diverged)."""
         self.state = self.before = self.trained_from = None
+        self.lr_scale = 1.0
 
 
 def tensors_digest(tensors: Mapping[str, torch.Tensor]) -> str:
@@ -231,7 +246,10 @@ class MinerModel:
             self.model.load(dict(base))
         else:
             insert(self.model, self.adapter, dict(base))
-        cfg = TrainConfig(steps=steps or inner.inner_steps, lr=inner.lr, beta1=inner.beta1,
+        if optimizer is not None:
+            optimizer.start(base, round)
+        lr_scale = 1.0 if optimizer is None else optimizer.lr_scale
+        cfg = TrainConfig(steps=steps or inner.inner_steps, lr=inner.lr * lr_scale, beta1=inner.beta1,
                           weight_decay=inner.weight_decay, batch_size=inner.batch_size,
                           micro_batch_size=section.micro_batch_size, grad_clip=inner.grad_clip,
                           forward=section.forward, device=section.device,
@@ -239,8 +257,6 @@ class MinerModel:
                           pad_id=self.pad_id, progress=progress)
         rows = shard(self.sequences, miner, round)
         order = batches(rows, cfg.batch_size, miner_seed(miner, round))
-        if optimizer is not None:
-            optimizer.start(base, round)
         result = train_experts(self.model, self.adapter, self.spec.group, _while(order, keep_going), cfg,
                                None if optimizer is None else optimizer.state)
         if optimizer is not None:
@@ -312,9 +328,9 @@ class HonestStrategy:
         data, result = build_submission(job.model, job.miner, job.round, job.head, job.base.tensors,
                                         job.section, job.keep_going, feedback=job.feedback, optimizer=job.optimizer)
         tokens_s = result.tokens / result.seconds if result.seconds > 0 else 0.0
-        log.info("round %d: trained %d steps in %.1f s (%.0f tokens/s), loss %.4f -> %.4f", job.round,
-                 len(result.losses), result.seconds, tokens_s, result.losses[0], result.losses[-1])
-        job.metrics.train_progress(len(result.losses), result.tokens, result.seconds, result.losses[-1])
+        log.info("round %d: trained %d steps at lr %g in %.1f s (%.0f tokens/s), loss %.4f -> %.4f", job.round,
+                 len(result.losses), result.lr, result.seconds, tokens_s, result.losses[0], result.losses[-1])
+        job.metrics.train_progress(len(result.losses), result.tokens, result.seconds, result.losses[-1], result.lr)
         return data
 
     async def commitment(self, duty: MinerDuties, round: int) -> str | None:
@@ -365,7 +381,8 @@ class MinerDuties:
                                                        [section.data] if section.data else [],
                                                        forward=section.forward))
         self._served: str | None = None
-        self.optimizer = InnerOptimizer(rewind=section.rewind_optimizer) if section.keep_optimizer else None
+        self.optimizer = InnerOptimizer(rewind=section.rewind_optimizer, backtrack=section.backtrack_lr) \
+            if section.keep_optimizer else None
 
     @staticmethod
     def factory(strategy: HonestStrategy | None = None) -> DutiesFactory:

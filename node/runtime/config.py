@@ -104,6 +104,12 @@ class MinerSection(_Section):
         "instead of going on from it. Keeps a network whose state stops moving from stalling for good; "
         "docs/learning.md measures what it costs elsewhere.",
     )
+    backtrack_lr: bool = Field(
+        default=True,
+        description="With rewind_optimizer: after each round where no update was merged, train at half the last "
+        "round's inner lr (down to 1/64 of the spec's), and at the spec's lr again once an update is merged. A "
+        "rewound miner otherwise retries the same step, which may keep failing Proof-of-Loss.",
+    )
     data: ConfigPath | None = Field(default=None, description="Local training file overriding the spec's train files.")
     behaviour: Literal["honest", "lazy", "noise", "copier", "late", "garbage"] = Field(
         default="honest", description="Exists for simulations: anything but 'honest' plays an adversary."

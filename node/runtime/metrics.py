@@ -69,6 +69,8 @@ class NodeMetrics:
         self.train_tokens_per_s = Gauge("tessera_train_tokens_per_second", "Training throughput of the last round.",
                                         registry=r)
         self.train_loss = Gauge("tessera_train_loss", "Last inner training loss of the last round.", registry=r)
+        self.train_lr = Gauge("tessera_train_lr", "Inner AdamW lr of the last round's training: the spec's, or less "
+                              "while a miner backtracks after rounds that merged nothing.", registry=r)
         self.eval_seconds = Histogram("tessera_eval_seconds", "Seconds to check and score one submission.",
                                       buckets=_EVAL_BUCKETS, registry=r)
         self.scored = Counter("tessera_scored", "Submissions this validator scored, by verdict and reason.",
@@ -107,8 +109,11 @@ class NodeMetrics:
         if not ok:
             self.phase_failures.labels(phase=phase).inc()
 
-    def train_progress(self, steps: int, tokens: int, seconds: float, last_loss: float | None) -> None:
-        """A miner finished a round's training: `steps` inner steps over `tokens` tokens in `seconds`."""
+    def train_progress(self, steps: int, tokens: int, seconds: float, last_loss: float | None,
+                       lr: float | None = None) -> None:
+        """A miner finished a round's training: `steps` inner steps over `tokens` tokens in `seconds` at `lr`."""
+        if lr is not None:
+            self.train_lr.set(lr)
         self.train_steps.inc(steps)
         self.train_tokens.inc(tokens)
         self.train_tokens_per_s.set(tokens / seconds if seconds > 0 else 0.0)

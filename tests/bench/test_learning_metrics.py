@@ -146,6 +146,22 @@ def test_the_rewound_family_is_outer_lrs_rewind_arms_under_one_spec(learning: Mo
         learning.Arm(rewind=True)
 
 
+def test_the_backtracked_family_is_outer_lrs_backtrack_arms(learning: ModuleType) -> None:
+    outer_lr = load_bench("outer_lr")
+    backtracked = learning.backtracked_family()
+    assert learning.BACKTRACKED in learning.FAMILIES and set(backtracked) <= set(learning.SEED_ARMS)
+    arms = f"{outer_lr.PER_UPDATE_MOMENT}{outer_lr.SUBSET}{outer_lr.AVERAGE}{outer_lr.REWIND}{outer_lr.BACKTRACK}"
+    same = {"4": f"{arms}_4", "8": f"{arms}{outer_lr.SAME_SPEC}", "adversarial_4": f"{arms}_adversarial_4"}
+    assert {n: backtracked[f"{learning.BACKTRACKED}_{n}"] for n in same} == {
+        n: outer_lr.ARMS[a] for n, a in same.items()}
+    # each differs from the rewound family's arm in the backtracking alone
+    rewound = learning.rewound_family()
+    assert {name: replace(arm, backtrack=False) for name, arm in backtracked.items()} == {
+        name.replace(learning.REWOUND, learning.BACKTRACKED): arm for name, arm in rewound.items()}
+    with pytest.raises(ValueError, match="backtrack shortens a rewound miner's retry: it needs rewind"):
+        learning.Arm(keep_optimizer=True, backtrack=True)
+
+
 def test_the_sync_grid_spans_the_steps_between_merges_and_the_outer_lr(learning: ModuleType) -> None:
     grid = learning.sync_grid(learning.Arm(inner_steps=5, keep_optimizer=True, outer_lr=2.0))
     assert sorted((arm.inner_steps, arm.outer_lr) for arm in grid.values()) == [

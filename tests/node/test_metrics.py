@@ -23,13 +23,14 @@ def samples(metrics: NodeMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]
 
 def test_train_progress_counts_steps_and_tokens_and_sets_throughput() -> None:
     metrics = NodeMetrics()
-    metrics.train_progress(steps=10, tokens=4000, seconds=2.0, last_loss=3.5)
-    metrics.train_progress(steps=5, tokens=1000, seconds=0.5, last_loss=None)
+    metrics.train_progress(steps=10, tokens=4000, seconds=2.0, last_loss=3.5, lr=1e-3)
+    metrics.train_progress(steps=5, tokens=1000, seconds=0.5, last_loss=None, lr=2.5e-4)
     got = samples(metrics)
     assert got[("tessera_train_steps_total", ())] == 15
     assert got[("tessera_train_tokens_total", ())] == 5000
     assert got[("tessera_train_tokens_per_second", ())] == 2000.0  # the last round's rate
     assert got[("tessera_train_loss", ())] == 3.5  # kept when a round reports no loss
+    assert got[("tessera_train_lr", ())] == 2.5e-4  # the last round's: a backtracking miner's falls
 
 
 def test_submissions_scored_observes_seconds_per_submission_and_counts_verdicts() -> None:

@@ -2,12 +2,14 @@
 last trained: the merged experts it is about to train from are the ones it last trained from, so it steps from
 the moments it had there, not from moments that already counted that point's gradient. Where the experts moved,
 it goes on from its last state. A diverged training leaves nothing to rewind to, and `[miner] rewind_optimizer =
-false` turns rewinding off."""
+false` turns rewinding off. A rewound miner also backtracks its lr: each level round halves it, down to 1/64 of
+the spec's, and the round after a merge trains at the spec's again (`[miner] backtrack_lr`)."""
 
 from __future__ import annotations
 
 import copy
 import logging
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ import torch
 from node.duties.miner import InnerOptimizer, MinerDuties, MinerModel, build_submission, tensors_digest
 from node.runtime.config import MinerSection
 from tests.node.twins import Twins, identity
+from training.trainer import backtracked
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -67,7 +70,7 @@ def test_a_level_round_trains_from_the_moments_the_miner_had_there(tmp_path: Pat
     def build(optimizer: InnerOptimizer, round: int, base: Mapping[str, torch.Tensor]) -> bytes:
         return build_submission(model, me, round, head, base, MinerSection(), optimizer=optimizer)[0]
 
-    rewinding, straight = InnerOptimizer(), InnerOptimizer()
+    rewinding, straight = InnerOptimizer(backtrack=False), InnerOptimizer(backtrack=False)
     build(rewinding, 0, genesis)
     build(straight, 0, genesis)
     build(rewinding, 1, moved)
@@ -76,6 +79,46 @@ def test_a_level_round_trains_from_the_moments_the_miner_had_there(tmp_path: Pat
     level = build(rewinding, 2, moved)
     assert level == build(straight, 2, moved)
     assert level != build(went_on, 2, moved)
+
+
+def test_backtracking_halves_the_lr_each_level_round_down_to_a_floor_and_a_merge_restores_it() -> None:
+    assert [backtracked(1 / 2**k, merged=False) for k in range(7)] == [1 / 2**k for k in range(1, 7)] + [1 / 64]
+    assert backtracked(1 / 64, merged=True) == backtracked(1.0, merged=True) == 1.0
+    for wrong in (0.0, -0.5, 1.5, math.nan):
+        with pytest.raises(ValueError, match="an lr scale is in"):
+            backtracked(wrong, merged=False)
+    here, moved = {"w": torch.zeros(2, 3)}, {"w": torch.ones(2, 3)}
+    optimizer, kept = InnerOptimizer(), InnerOptimizer(backtrack=False)
+    scales = []
+    for base in [here] * 9 + [moved, moved, here]:
+        optimizer.start(base, 0)
+        kept.start(base, 0)
+        scales.append(optimizer.lr_scale)
+    assert scales == [1.0, 0.5, 0.25, 0.125, 1 / 16, 1 / 32, 1 / 64, 1 / 64, 1 / 64, 1.0, 0.5, 1.0]
+    assert kept.lr_scale == 1.0
+    optimizer.start(moved, 0)
+    optimizer.drop()  # a diverged round starts over at the spec's lr
+    assert optimizer.lr_scale == 1.0
+
+
+def test_a_level_round_trains_at_half_the_lr_of_the_last_training(tmp_path: Path) -> None:
+    """Real training on the twins: a backtracking miner's level round gives the bytes of a miner that trains from
+    the same moments at half the spec's lr, and not those of one at the spec's lr."""
+    net = Twins(tmp_path)
+    model, me = MinerModel.load(net.spec, net.spec_path), identity("miner-0").node_id
+    genesis, head = model.genesis.tensors, "ab" * 32
+
+    def build(optimizer: InnerOptimizer, round: int) -> bytes:
+        return build_submission(model, me, round, head, genesis, MinerSection(), optimizer=optimizer)[0]
+
+    backtracking, at_full_lr = InnerOptimizer(), InnerOptimizer(backtrack=False)
+    build(backtracking, 0)
+    build(at_full_lr, 0)
+    at_half_lr = InnerOptimizer(backtrack=False, lr_scale=0.5)  # from zero moments, as the rewound miner
+    level = build(backtracking, 1)
+    assert backtracking.lr_scale == 0.5
+    assert level == build(at_half_lr, 1)
+    assert level != build(at_full_lr, 1)
 
 
 def test_a_miner_that_turns_rewinding_off_goes_on_from_its_last_state() -> None:
@@ -93,7 +136,7 @@ async def test_the_miner_config_sets_whether_a_kept_state_rewinds(tmp_path: Path
     try:
         settings: dict[str, dict[str, object]] = {
             "miner-0": {"keep_optimizer": True}, "miner-1": {"keep_optimizer": True, "rewind_optimizer": False},
-            "miner-2": {}}
+            "miner-2": {}, "miner-3": {"keep_optimizer": True, "backtrack_lr": False}}
         optimizers = {}
         for name, miner in settings.items():
             duties = (await net.start(name, miner=miner)).duties
@@ -101,6 +144,7 @@ async def test_the_miner_config_sets_whether_a_kept_state_rewinds(tmp_path: Path
             optimizers[name] = duties.optimizer
     finally:
         await net.close()
-    assert optimizers["miner-0"] is not None and optimizers["miner-0"].rewind
+    assert optimizers["miner-0"] is not None and optimizers["miner-0"].rewind and optimizers["miner-0"].backtrack
+    assert optimizers["miner-3"] is not None and optimizers["miner-3"].rewind and not optimizers["miner-3"].backtrack
     assert optimizers["miner-1"] is not None and not optimizers["miner-1"].rewind
     assert optimizers["miner-2"] is None
