@@ -131,13 +131,20 @@ def test_the_learning_benchmark_runs_outer_lrs_averaged_family_as_it_is(learning
         0.6561, 0.430467, 0.6561]
 
 
+def _runs_outer_lrs_arms(learning: ModuleType, outer_lr: ModuleType, name: str, family: dict[str, Any],
+                         arms: str) -> None:
+    """`family` (the learning benchmark's `name`) is read by the targets and is outer_lr's arms named `arms`: its
+    4 miners, its 8 under the 4-miner spec, and its half-adversarial 4."""
+    assert name in learning.FAMILIES and set(family) <= set(learning.SEED_ARMS)
+    same = {"4": f"{arms}_4", "8": f"{arms}{outer_lr.SAME_SPEC}", "adversarial_4": f"{arms}_adversarial_4"}
+    assert {n: family[f"{name}_{n}"] for n in same} == {n: outer_lr.ARMS[a] for n, a in same.items()}
+
+
 def test_the_rewound_family_is_outer_lrs_rewind_arms_under_one_spec(learning: ModuleType) -> None:
     outer_lr = load_bench("outer_lr")
     rewound = learning.rewound_family()
-    assert learning.REWOUND in learning.FAMILIES and set(rewound) <= set(learning.SEED_ARMS)
     arms = f"{outer_lr.PER_UPDATE_MOMENT}{outer_lr.SUBSET}{outer_lr.AVERAGE}{outer_lr.REWIND}"
-    same = {"4": f"{arms}_4", "8": f"{arms}{outer_lr.SAME_SPEC}", "adversarial_4": f"{arms}_adversarial_4"}
-    assert {n: rewound[f"{learning.REWOUND}_{n}"] for n in same} == {n: outer_lr.ARMS[a] for n, a in same.items()}
+    _runs_outer_lrs_arms(learning, outer_lr, learning.REWOUND, rewound, arms)
     assert {(arm.beta1, arm.rewind, arm.keep_optimizer) for arm in rewound.values()} == {(0.6561, True, True)}
     # the rewind arms differ from the averaged family's in the rewind alone
     assert outer_lr.ARMS[f"{arms}_4"] == replace(learning.averaged_family()[f"{learning.AVERAGED}_4"],
@@ -149,11 +156,8 @@ def test_the_rewound_family_is_outer_lrs_rewind_arms_under_one_spec(learning: Mo
 def test_the_backtracked_family_is_outer_lrs_backtrack_arms(learning: ModuleType) -> None:
     outer_lr = load_bench("outer_lr")
     backtracked = learning.backtracked_family()
-    assert learning.BACKTRACKED in learning.FAMILIES and set(backtracked) <= set(learning.SEED_ARMS)
     arms = f"{outer_lr.PER_UPDATE_MOMENT}{outer_lr.SUBSET}{outer_lr.AVERAGE}{outer_lr.REWIND}{outer_lr.BACKTRACK}"
-    same = {"4": f"{arms}_4", "8": f"{arms}{outer_lr.SAME_SPEC}", "adversarial_4": f"{arms}_adversarial_4"}
-    assert {n: backtracked[f"{learning.BACKTRACKED}_{n}"] for n in same} == {
-        n: outer_lr.ARMS[a] for n, a in same.items()}
+    _runs_outer_lrs_arms(learning, outer_lr, learning.BACKTRACKED, backtracked, arms)
     # each differs from the rewound family's arm in the backtracking alone
     rewound = learning.rewound_family()
     assert {name: replace(arm, backtrack=False) for name, arm in backtracked.items()} == {
