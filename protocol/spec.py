@@ -188,11 +188,6 @@ class SubmissionSpec(_Strict):
         return self
 
 
-ADDED_FIELDS = (("training", "beta1"), ("aggregation", "outer_lr_scale"), ("aggregation", "average_decay"))
-"""(section, field) of the fields added after networks had started: at their defaults, which are what those
-networks ran, they are left out of the network id, so those networks keep theirs."""
-
-
 class NetworkSpec(_Strict):
     """Everything one network agrees on. `network_id` hashes its canonical encoding."""
 
@@ -259,16 +254,9 @@ class NetworkSpec(_Strict):
         return sum(v.weight for v in self.validators)
 
     def canonical_bytes(self) -> bytes:
-        """The canonical encoding that `network_id` hashes."""
+        """The canonical encoding that `network_id` hashes: every field, defaults and nulls included."""
         data = self.model_dump(mode="json")
         data["group"] = {str(k): v for k, v in self.group.items()}
-        if self.submission == SubmissionSpec():
-            del data["submission"]  # a spec that keeps full-expert submissions has the id it had before
-        for section, name in ADDED_FIELDS:  # and one that leaves the later fields at their defaults
-            if getattr(getattr(self, section), name) == type(getattr(self, section)).model_fields[name].default:
-                del data[section][name]
-        if self.model.config_sha256 is None:
-            del data["model"]["config_sha256"]  # so does a spec that does not pin its model config
         return canonical_json(data)
 
     @property
@@ -304,10 +292,16 @@ def parse_spec(data: dict[str, object]) -> NetworkSpec:
 
 
 SETTABLE_SECTIONS: dict[str, type[BaseModel]] = {
-    "training": TrainingSpec, "rewards": RewardSpec, "aggregation": AggregationSpec, "submission": SubmissionSpec,
-    "limits": LimitSpec}
-"""The spec sections a command line may set one field at a time (`--set SECTION.FIELD=VALUE`): the
-protocol's knobs. Timing, model, data and validators come from the command's own options."""
+    "timing": TimingSpec, "model": ModelSpec, "data": DataSpec, "training": TrainingSpec, "rewards": RewardSpec,
+    "aggregation": AggregationSpec, "submission": SubmissionSpec, "limits": LimitSpec}
+"""The spec sections a command line may set one field at a time (`--set SECTION.FIELD=VALUE`, the same in
+`tessera spec new` and `tessera simulate`), over what the command's own options wrote there."""
+
+DERIVED_FIELDS: dict[str, tuple[str, ...]] = {
+    "model": ("family", "checkpoint", "config", "init_seed", "base_hash", "config_sha256"),
+    "data": ("train", "heldout_sha256", "tokenizer")}
+"""The fields of settable sections that a command derives from the files it is given (the model, the data):
+a setting refuses them, since a value that disagrees with those files makes a spec no node can load."""
 
 
 def parse_setting(text: str) -> tuple[str, Any]:
@@ -326,21 +320,28 @@ def parse_setting(text: str) -> tuple[str, Any]:
 
 def judge_settings(settings: Iterable[tuple[str, Any]]) -> dict[str, dict[str, Any]]:
     """(`section.field`, value) pairs by section, later ones over earlier ones, each section judged by its
-    own model (alone: a field's other settings are the defaults); ValueError names the setting."""
+    own model (alone: a field's other settings are the defaults, or unset where the section has none);
+    ValueError names the setting."""
     sections: dict[str, dict[str, Any]] = {}
     for key, value in settings:
         section, _, field = key.partition(".")
         if section not in SETTABLE_SECTIONS or not field or "." in field:
             raise ValueError(f"cannot set {key!r} in a spec: give section.field with the section one of "
                              f"{', '.join(SETTABLE_SECTIONS)}")
+        if field in DERIVED_FIELDS.get(section, ()):
+            settable = [name for name in SETTABLE_SECTIONS[section].model_fields if name not in DERIVED_FIELDS[section]]
+            raise ValueError(f"cannot set {key!r} in a spec: the command derives it from the files it is given; "
+                             f"settable in [{section}]: {', '.join(settable)}")
         sections.setdefault(section, {})[field] = value
     for section, values in sections.items():
         try:
             SETTABLE_SECTIONS[section].model_validate(values)
         except ValidationError as exc:
-            err = exc.errors()[0]
-            where = ".".join([section, *(str(part) for part in err["loc"])])
-            why = f"no such field in [{section}]" if err["type"] == "extra_forbidden" else err["msg"]
+            errors = [err for err in exc.errors() if err["type"] != "missing"]  # a field the command writes
+            if not errors:
+                continue
+            where = ".".join([section, *(str(part) for part in errors[0]["loc"])])
+            why = f"no such field in [{section}]" if errors[0]["type"] == "extra_forbidden" else errors[0]["msg"]
             raise ValueError(f"spec setting {where}: {why.removeprefix('Value error, ')}") from exc
     return sections
 

@@ -138,6 +138,17 @@ def spec_setting(text: str) -> tuple[str, Any]:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def add_spec_settings(parser: argparse.ArgumentParser, after: str) -> None:
+    """The `--set SECTION.FIELD=VALUE` option of `spec new` and `simulate` (into `args.spec_settings`):
+    `protocol.spec.SETTABLE_SECTIONS`, applied after the options named in `after`."""
+    parser.add_argument(
+        "--set", action="append", default=[], type=spec_setting, metavar="SECTION.FIELD=VALUE",
+        dest="spec_settings",
+        help="a value for a field of the spec's [timing], [training], [rewards], [aggregation], [submission] or "
+             "[limits], or model.dtype, data.seq_len or data.heldout_sequences (repeatable; after "
+             f"{after}), e.g. --set aggregation.outer_lr=2.5 --set timing.clock_skew_s=1")
+
+
 def comma_list(text: str) -> tuple[str, ...]:
     """argparse's type for a comma-separated option (`--adversaries noise,copier`): its non-empty items."""
     return tuple(item.strip() for item in text.split(",") if item.strip())

@@ -19,7 +19,7 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-from node.cli.common import comma_list, spec_setting
+from node.cli.common import add_spec_settings, comma_list
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -44,15 +44,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     sim.add_argument("--format", choices=("experts", "pgrad"), default="experts",
                      help="what miners submit: full experts, or compressed pseudo-gradients (top-k per chunk, "
                           "2-bit, with error feedback; the spec's default [submission] parameters) (default experts)")
-    sim.add_argument("--set", action="append", default=[], type=spec_setting, metavar="SECTION.FIELD=VALUE",
-                     dest="spec_settings",
-                     help="write a value into the network spec's [training], [rewards], [aggregation], [submission] or "
-                          "[limits] "
-                          "(repeatable; after --inner-steps and --format), e.g. --set aggregation.outer_lr=2.5")
+    sim.add_argument("--family", default="qwen3_moe", metavar="FAMILY",
+                     help="model family of the tiny pretrained base: qwen3_moe, qwen2_moe, olmoe, mixtral, deepseek_v2 "
+                          "or deepseek_v3 (default qwen3_moe)")
+    add_spec_settings(sim, "--round-seconds, --train-share, --inner-steps and --format")
     sim.add_argument("--keep-optimizer", action="store_true",
                      help="miners keep their AdamW state from round to round ([miner] keep_optimizer)")
     sim.set_defaults(run=run_simulate)
-
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -65,7 +63,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     settings = SimSettings(validators=args.validators, miners=args.miners, adversaries=args.adversaries,
                            round_seconds=args.round_seconds, train_share=args.train_share,
                            start_delay_s=args.start_delay, base_port=args.base_port, seed=args.seed,
-                           inner_steps=args.inner_steps, submission_format=args.format,
+                           inner_steps=args.inner_steps, submission_format=args.format, family=args.family,
                            spec_settings=tuple(args.spec_settings), keep_optimizer=args.keep_optimizer)
     if args.force and args.dir.exists():
         if any(args.dir.iterdir()) and not (args.dir / "network" / "spec.toml").exists():

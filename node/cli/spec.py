@@ -9,10 +9,11 @@
 `spec new` hashes the base, its config.json and the held-out file, takes the tokenizer from the
 checkpoint directory, runs Phase 1 selection (`training.selection.select_experts`) on the training
 data and writes a complete spec that `spec check` accepts; paths in it are relative to the spec file.
-`--set` gives the protocol's settings other than the defaults (`protocol.spec.SETTABLE_SECTIONS`). It
-checks everything before it writes, including that every blob header (a miner's submission, a
-validator's global state and momentum) fits the spec's `limits.max_header_bytes` (`check_header_cap`,
-which `spec check` runs too), and writes nothing when a check fails. This module knows no selection or
+`--set` gives any spec field not derived from those files (`protocol.spec.SETTABLE_SECTIONS`), over what
+the other options wrote (the `--timing` preset, `--seq-len`, the checkpoint's dtype). It checks
+everything before it writes, including that every blob header (a miner's submission, a validator's
+global state and momentum) fits the spec's `limits.max_header_bytes` (`check_header_cap`, which `spec
+check` runs too), and writes nothing when a check fails. This module knows no selection or
 hashing rules of its own; heavy imports happen when a command runs.
 """
 
@@ -27,7 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from node.cli.common import check_output_file, spec_setting, write_new_file
+from node.cli.common import add_spec_settings, check_output_file, write_new_file
 from node.cli.main import command_group
 
 if TYPE_CHECKING:
@@ -68,10 +69,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     new.add_argument("--max-sequences", type=int, default=256,
                      help="training sequences the selection reads (default 256)")
     new.add_argument("--genesis", help="UTC start of round 0, ISO 8601 (default: now)")
-    new.add_argument("--set", action="append", default=[], type=spec_setting, metavar="SECTION.FIELD=VALUE",
-                     dest="spec_settings",
-                     help="a value for the spec's [training], [rewards], [aggregation], [submission] or [limits] "
-                          "(repeatable), e.g. --set submission.format=pgrad --set aggregation.outer_lr=2.5")
+    add_spec_settings(new, "--timing, --seq-len and --heldout-sequences")
     new.add_argument("--out", required=True, type=Path, metavar="SPEC", help="spec file to write; never overwritten")
     new.set_defaults(run=run_spec_new)
 
@@ -98,7 +96,8 @@ def run_spec_new(args: argparse.Namespace) -> int:
 
     check_output_file(args.out, "--out")  # an unwritable or taken --out fails before any work
     _check_options(args)
-    judge_settings(args.spec_settings)  # a bad --set fails here, before the checkpoint is read
+    # A bad --set fails here, before the checkpoint is read; selection packs sequences of the spec's data.seq_len.
+    seq_len = judge_settings(args.spec_settings).get("data", {}).get("seq_len", args.seq_len)
     validators = _validators(args.validator)
     genesis = _genesis(args.genesis)
     top_d = args.top_d if args.top_d is not None or args.mass is not None else 2
@@ -116,7 +115,7 @@ def run_spec_new(args: argparse.Namespace) -> int:
     model = load_checkpoint(checkpoint, progress=True)
     check_vocab(tokenizer, int(model.config.vocab_size), checkpoint)
     adapter = adapter_for(model.config.model_type)
-    sequences = pack(train_documents, tokenizer, args.seq_len)[: args.max_sequences]
+    sequences = pack(train_documents, tokenizer, seq_len)[: args.max_sequences]
     selection = select_experts(model, adapter, sequences, args.rule, top_d=top_d, mass=args.mass,
                                pad_id=tokenizer.pad_id)
     here = args.out.resolve().parent

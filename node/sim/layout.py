@@ -9,13 +9,13 @@
     data/heldout.jsonl        validators' held-out data (same domain, another seed, disjoint)
     data/general.jsonl        mixed code and prose, for `select-experts --rule differential`
     keys/validator-{i}.key    the validator keys (mode 0600), derived from the seed
-The expert group is chosen by running gate-mass selection on the training data. The spec's
-`[submission]` section is written only for compressed pseudo-gradients (`submission_format="pgrad"`,
-protocol.spec's default chunk, top-k, quantisation and partitions); a full-experts spec keeps the
-network id it had before that section existed. The base is the same for every seed (pretraining
-costs seconds, once per cache directory); everything else is derived from `seed` and `genesis`, so
-the same arguments write the same bytes. This module knows nothing about running the network;
-`tessera simulate` and the tests start processes from it.
+The expert group is chosen by running gate-mass selection on the training data. Miners submit full
+experts or, with `submission_format="pgrad"`, compressed pseudo-gradients (protocol.spec's default
+chunk, top-k, quantisation and partitions); `settings` (`section.field`, value) land in the spec
+last. The base is the same for every seed (pretraining costs seconds, once per cache directory);
+everything else is derived from `seed` and `genesis`, so the same arguments write the same bytes.
+This module knows nothing about running the network; `tessera simulate` and the tests start
+processes from it.
 """
 
 from __future__ import annotations
@@ -24,17 +24,17 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from node.sim.process import MAX_VALIDATORS
 from protocol.identity import Identity, save_identity
-from protocol.spec import SubmissionSpec, load_spec
+from protocol.spec import apply_settings, judge_settings, load_spec
 from training.adapters import ADAPTERS, adapter_for
 from training.checkpoint import checkpoint_hash, config_hash, read_config
 from training.corpus import generate, write_documents
@@ -79,11 +79,13 @@ def make_sim_network(
     experts_per_layer: int = 2,
     cache_dir: str | Path | None = None,
     submission_format: Literal["experts", "pgrad"] = "experts",
+    settings: Sequence[tuple[str, Any]] = (),
 ) -> SimNetwork:
     """Create the directory (which must be empty or absent) and write a simulation network into it.
 
     The pretrained base is cached under `cache_dir` (default: `default_cache_dir()`); miners submit
-    full experts or compressed pseudo-gradients as `submission_format` says. The arguments are judged
+    full experts or compressed pseudo-gradients as `submission_format` says, and `settings`
+    (`protocol.spec.judge_settings`) are written over everything else. The arguments are judged
     before the directory is made, and a failure part-way removes what was written.
     """
     directory = Path(directory).resolve()
@@ -98,11 +100,12 @@ def make_sim_network(
     unknown = set(timing or {}) - set(DEFAULT_TIMING) - {"clock_skew_s"}
     if unknown:
         raise ValueError(f"unknown timing field(s): {', '.join(sorted(unknown))}")
+    judge_settings(settings)
     created = not directory.exists()
     directory.mkdir(parents=True, exist_ok=True)
     try:
         return _write_network(directory, validators, family, genesis, timing, seed, experts_per_layer, cache_dir,
-                              submission_format)
+                              submission_format, settings)
     except BaseException:
         remove_written(directory, created)
         raise
@@ -110,7 +113,8 @@ def make_sim_network(
 
 def _write_network(directory: Path, validators: int, family: str, genesis: datetime | None,
                    timing: Mapping[str, float] | None, seed: int, experts_per_layer: int,
-                   cache_dir: str | Path | None, submission_format: str) -> SimNetwork:
+                   cache_dir: str | Path | None, submission_format: str,
+                   settings: Sequence[tuple[str, Any]]) -> SimNetwork:
     base_hash, config_sha256, group = _write_model_and_data(directory, family, seed, experts_per_layer, cache_dir)
     ids, keys = [], []
     for i in range(validators):
@@ -142,8 +146,7 @@ def _write_network(directory: Path, validators: int, family: str, genesis: datet
         "rewards": {"duplicate_cosine": 0.9999},
         "validators": [{"key": node_id, "weight": 1.0} for node_id in ids],
     }
-    if submission_format == "pgrad":
-        spec["submission"] = SubmissionSpec(format="pgrad").model_dump()
+    apply_settings(spec, [("submission.format", submission_format), *settings])
     spec_path = directory / "spec.toml"
     spec_path.write_text(to_toml(spec), encoding="utf-8")
     loaded = load_spec(spec_path)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from node.runtime.config import MinerSection
-from protocol.spec import TimingSpec, judge_settings
+from protocol.spec import FAMILIES, TimingSpec, judge_settings
 
 # The simulation adversaries are every `miner.behaviour` but "honest".
 ADVERSARY_KINDS: tuple[str, ...] = tuple(
@@ -67,12 +67,13 @@ class SimSettings:
     seed: int = 0
     """Seed of the model, data and keys."""
     family: str = "qwen3_moe"
-    """Tiny model family."""
+    """Model family of the tiny pretrained base (`protocol.spec.FAMILIES`)."""
     submission_format: Literal["experts", "pgrad"] = "experts"
     """What miners submit: full experts, or compressed pseudo-gradients (the spec's `[submission]`)."""
     spec_settings: tuple[tuple[str, Any], ...] = ()
-    """(`section.field`, value) pairs written into the spec after everything else, in the spec's settable
-    sections; judged by `protocol.spec.judge_settings` (`parse_setting` reads them from a command line)."""
+    """(`section.field`, value) pairs written into the spec after everything else (timing, inner_steps, the
+    format), in the spec's settable sections; judged by `protocol.spec.judge_settings` (`parse_setting` reads
+    them from a command line)."""
     keep_optimizer: bool = False
     """Miners keep their AdamW state from round to round (`[miner] keep_optimizer` in their configs)."""
     stop_timeout_s: float = 20.0
@@ -105,6 +106,8 @@ class SimSettings:
         if (1 - self.train_share) * self.round_seconds < MIN_AFTER_TRAIN_S - 1e-9:
             raise ValueError(f"only {(1 - self.train_share) * self.round_seconds:.1f} s of a round left after "
                              f"TRAIN; give commit, reveal, evaluate and merge {MIN_AFTER_TRAIN_S:.0f} s or more")
+        if self.family not in FAMILIES:
+            raise ValueError(f"--family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
         if self.inner_steps < 1:
             raise ValueError(f"inner_steps must be at least 1, got {self.inner_steps}")
         judge_settings(self.spec_settings)  # now, before anything is written

@@ -18,10 +18,9 @@ import os
 import signal
 import sys
 import time
-import tomllib
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -40,7 +39,7 @@ from node.sim.process import (
 from node.store.db import Storage
 from protocol.identity import save_identity
 from protocol.rounds import PHASES, Phase, Schedule
-from protocol.spec import apply_settings, load_spec
+from protocol.spec import load_spec
 
 POLL_S = 1.0
 STOP_POLL_S = 0.05
@@ -82,8 +81,8 @@ class Simulation:
         s = self.settings
         self.network = make_sim_network(self.directory / "network", validators=s.validators, family=s.family,
                                         genesis=genesis, timing=s.timing(), seed=s.seed,
-                                        submission_format=s.submission_format)
-        _set_spec(self.network.spec_path, [("training.inner_steps", s.inner_steps), *s.spec_settings])
+                                        submission_format=s.submission_format,
+                                        settings=[("training.inner_steps", s.inner_steps), *s.spec_settings])
         spec = load_spec(self.network.spec_path)
         self.schedule = Schedule.from_spec(spec)
         self._add_bootstrap()
@@ -334,13 +333,6 @@ class Simulation:
         tmp.write_text(json.dumps({"rounds": rounds}, indent=2) + "\n", encoding="utf-8")
         os.replace(tmp, path)
         return path
-
-
-def _set_spec(spec_path: Path, settings: Iterable[tuple[str, Any]]) -> None:
-    """Write each (`section.field`, value) into the spec file, later ones over earlier ones."""
-    spec = tomllib.loads(spec_path.read_text(encoding="utf-8"))
-    apply_settings(spec, settings)
-    spec_path.write_text(to_toml(spec), encoding="utf-8")
 
 
 def _rel(path: Path, directory: Path) -> str:

@@ -176,8 +176,8 @@ def test_spec_new_sets_the_protocols_settings_and_judges_them_before_reading_the
              match="spec setting aggregation.outer_lrr: no such field in [aggregation]")
     _refused(capsys, "spec", "new", "--checkpoint", missing, *args, "--set", "submission.topk=42",
              match="spec setting submission: topk must be a multiple of 4")
-    _refused(capsys, "spec", "new", "--checkpoint", missing, *args, "--set", "timing.train_s=5",
-             match="cannot set 'timing.train_s' in a spec")
+    _refused(capsys, "spec", "new", "--checkpoint", missing, *args, "--set", f"model.base_hash={'ab' * 32}",
+             match="cannot set 'model.base_hash' in a spec")
     with pytest.raises(SystemExit) as exit_:  # argparse's own refusal
         main(["spec", "new", "--checkpoint", str(missing), *map(str, args), "--set", "aggregation.outer_lr"])
     assert exit_.value.code == 2 and "write it as section.field=value" in capsys.readouterr().err
@@ -191,6 +191,22 @@ def test_spec_new_sets_the_protocols_settings_and_judges_them_before_reading_the
     assert (spec.submission.format, spec.training.inner_steps) == ("pgrad", 5)
     assert (spec.aggregation.outer_lr, spec.aggregation.momentum, spec.aggregation.top_g) == (2.5, 0.5, 8)
     assert spec.training.lr == TrainingSpec().lr and spec.aggregation.clip_to_median  # the rest keep defaults
+
+
+def test_spec_new_sets_timing_the_blob_dtype_and_the_data_over_its_options(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    checkpoint = write_hub_checkpoint(tmp_path / "ckpt", "qwen3_moe")
+    train, heldout = write_data(tmp_path)
+    capsys.readouterr()
+    out = tmp_path / "net" / "spec.toml"
+    code, _, err = run(capsys, "spec", "new", "--checkpoint", checkpoint, "--train", train, "--heldout", heldout,
+                       "--validator", "ab" * 32, "--timing", "sim", "--seq-len", "32", "--max-sequences", "64",
+                       "--set", "timing.train_s=5", "--set", "timing.clock_skew_s=0.5", "--set", "model.dtype=bfloat16",
+                       "--set", "data.seq_len=48", "--set", "data.heldout_sequences=4", "--out", out)
+    assert code == 0, err
+    spec = load_spec(out)
+    assert (spec.timing.train_s, spec.timing.commit_s, spec.timing.clock_skew_s) == (5.0, 4.0, 0.5)  # over --timing
+    assert (spec.model.dtype, spec.data.seq_len, spec.data.heldout_sequences) == ("bfloat16", 48, 4)
 
 
 def test_bad_groups_and_export_targets_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

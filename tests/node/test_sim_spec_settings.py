@@ -1,5 +1,5 @@
-"""`tessera simulate --set SECTION.FIELD=VALUE` and `--keep-optimizer`: a simulation of the protocol's
-other settings (the short rounds of docs/learning.md) without editing files by hand.
+"""`tessera simulate --set SECTION.FIELD=VALUE`, `--family` and `--keep-optimizer`: a simulation of any
+spec field it does not derive from its files (the short rounds of docs/learning.md) without editing files by hand.
 
 A setting is read as TOML, judged by the spec's own section model before anything is written, and
 lands in the prepared network's spec (nothing is started); `--keep-optimizer` lands in every miner's
@@ -35,7 +35,15 @@ def test_a_setting_is_read_as_toml_and_a_bare_word_as_a_string() -> None:
 
 
 @pytest.mark.parametrize(("setting", "reason"), [
-    (("timing.round_s", 10.0), "cannot set 'timing.round_s'"),  # the simulation's own section
+    (("timing.round_s", 10.0), r"timing.round_s: no such field in \[timing\]"),
+    (("timing.train_s", 0.0), "timing.train_s: Input should be greater than or equal to 0.001"),
+    (("model.dtype", "int8"), "model.dtype: Input should be 'float32', 'bfloat16' or 'float16'"),
+    (("model.base_hash", "ab" * 32), "cannot set 'model.base_hash' in a spec: the command derives it from the files "
+                                     "it is given; settable in \\[model\\]: dtype"),
+    (("data.train", ["x.jsonl"]), "cannot set 'data.train' in a spec: the command derives it"),
+    (("data.seq_len", 4), "data.seq_len: Input should be greater than or equal to 8"),
+    (("data.heldout_sequences", 0), "data.heldout_sequences: Input should be greater than or equal to 1"),
+    (("validators.weight", 2.0), "cannot set 'validators.weight'"),
     (("aggregation", 1.0), "cannot set 'aggregation'"),
     (("aggregation.outer_lr.x", 1.0), "cannot set 'aggregation.outer_lr.x'"),
     (("aggregation.outer_lrr", 1.0), r"aggregation.outer_lrr: no such field in \[aggregation\]"),
@@ -70,6 +78,21 @@ def test_settings_land_in_the_spec_and_kept_state_in_every_miner_config(tmp_path
             assert "miner" not in tomllib.loads((n.directory / "config.toml").read_text())
 
 
+def test_timing_model_and_data_settings_land_in_the_spec_and_its_network_id(tmp_path: Path) -> None:
+    settings = SimSettings(validators=1, miners=1, round_seconds=60.0,
+                           spec_settings=(("timing.clock_skew_s", 0.5), ("timing.merge_s", 3.0),
+                                          ("model.dtype", "bfloat16"), ("data.seq_len", 48),
+                                          ("data.heldout_sequences", 16)))
+    sim = Simulation(tmp_path / "sim", settings)
+    sim.prepare()
+    assert sim.network is not None and sim.schedule is not None
+    spec = load_spec(sim.network.spec_path)
+    assert (spec.timing.clock_skew_s, spec.timing.merge_s, spec.timing.train_s) == (0.5, 3.0, 54.0)
+    assert sim.schedule.round_seconds == spec.timing.round_seconds  # the nodes' clock is the written spec's
+    assert (spec.model.dtype, spec.data.seq_len, spec.data.heldout_sequences) == ("bfloat16", 48, 16)
+    assert sim.network.network_id == spec.network_id
+
+
 def test_simulate_set_and_keep_optimizer_reach_the_settings(tmp_path: Path, simulate_settings: list[SimSettings],
                                                             capsys) -> None:
     argv = ["simulate", "--dir", str(tmp_path / "sim"), "--set", "aggregation.outer_lr=2.5",
@@ -81,6 +104,17 @@ def test_simulate_set_and_keep_optimizer_reach_the_settings(tmp_path: Path, simu
     assert main(["simulate", "--dir", str(tmp_path / "sim")]) == 1
     assert (simulate_settings[-1].spec_settings, simulate_settings[-1].keep_optimizer) == ((), False)
     assert "stopped before writing anything" in capsys.readouterr().err
+
+
+def test_simulate_family_reaches_the_settings_and_an_unknown_one_is_refused(
+        tmp_path: Path, simulate_settings: list[SimSettings], capsys) -> None:
+    assert main(["simulate", "--dir", str(tmp_path / "sim"), "--family", "mixtral"]) == 1
+    assert [s.family for s in simulate_settings] == ["mixtral"]
+    assert main(["simulate", "--dir", str(tmp_path / "sim"), "--family", "llama"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("tessera: error: --family must be one of qwen3_moe, qwen2_moe, olmoe, mixtral, deepseek_v2, "
+                       "deepseek_v3, got 'llama'")
+    assert not (tmp_path / "sim").exists()
 
 
 def test_simulate_refuses_a_malformed_setting_before_writing_anything(tmp_path: Path, capsys) -> None:
@@ -120,6 +154,11 @@ def test_simulate_adversaries_are_the_comma_separated_kinds(tmp_path: Path, simu
     (["--start-delay", "1e12"], "--start-delay must be from 0 to 86400 seconds"),
     (["--set", "aggregation.outer_lr=inf"], "spec setting aggregation.outer_lr: Input should be a finite number"),
     (["--set", "aggregation.momentum=nan"], "spec setting aggregation.momentum: Input should be a finite number"),
+    (["--set", "timing.clock_skew_s=-1"], "spec setting timing.clock_skew_s: Input should be greater than or equal to 0"),
+    (["--set", "model.dtype=fp8"], "spec setting model.dtype: Input should be 'float32', 'bfloat16' or 'float16'"),
+    (["--set", "data.seq_len=4"], "spec setting data.seq_len: Input should be greater than or equal to 8"),
+    (["--set", "model.family=mixtral"], "cannot set 'model.family' in a spec: the command derives it"),
+    (["--family", "llama"], "--family must be one of qwen3_moe"),
 ])
 def test_simulate_refuses_a_bad_flag_naming_it_before_making_or_replacing_the_directory(
         tmp_path: Path, simulate_settings: list[SimSettings], capsys, flags: list[str], match: str) -> None:
@@ -148,7 +187,7 @@ def test_a_simulation_that_fails_while_writing_leaves_no_directory(
     def disk_full(*args: object) -> None:  # after the network is written, before the nodes' configs
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("node.sim.run._set_spec", disk_full)
+    monkeypatch.setattr("node.sim.run.Simulation._add_bootstrap", disk_full)
     sim = Simulation(tmp_path / "sim", SimSettings(validators=1, miners=1))
     with pytest.raises(OSError, match="No space left on device"):
         sim.prepare()

@@ -83,13 +83,13 @@ def test_spec_new_pins_the_config_and_a_node_with_another_config_refuses_to_star
     assert code == 2 and err.count("\n") == 1 and "model.config_sha256" in err
 
 
-def test_a_tiny_config_spec_may_pin_its_config_and_one_that_does_not_keeps_its_network_id(
+def test_a_tiny_config_spec_may_pin_its_config_and_one_that_does_not_has_it_null_in_its_network_id(
         tmp_path: Path, spec_dict: dict[str, Any]) -> None:
     config = tiny_config("qwen3_moe")
     (tmp_path / "tiny.json").write_text(json.dumps(config), encoding="utf-8")
     spec_dict["model"]["base_hash"] = state_hash(build_tiny_model("qwen3_moe", config, 7))
     unpinned = parse_spec(spec_dict)
-    assert b"config_sha256" not in unpinned.canonical_bytes()
+    assert b'"config_sha256":null' in unpinned.canonical_bytes()
     pinned_dict = copy.deepcopy(spec_dict)
     pinned_dict["model"]["config_sha256"] = config_hash(config)
     pinned = parse_spec(pinned_dict)

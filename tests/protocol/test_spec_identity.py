@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import copy
 import os
+import typing
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 from cryptography.hazmat.primitives import serialization
+from pydantic import BaseModel
 
 from protocol.identity import (
     Identity,
@@ -17,7 +19,8 @@ from protocol.identity import (
     save_identity,
     verify,
 )
-from protocol.spec import ADDED_FIELDS, SpecError, apply_settings, load_spec, parse_spec
+from protocol.spec import NetworkSpec, SpecError, apply_settings, load_spec, parse_spec
+from tests.conftest import make_identity
 
 
 def test_valid_spec_round_trips_through_toml(spec_dict, write_spec) -> None:
@@ -40,17 +43,61 @@ def test_network_id_ignores_spelling_but_not_content(spec_dict) -> None:
     assert parse_spec(changed).network_id != base
 
 
-@pytest.mark.parametrize(("section", "field", "other"), [("training", "beta1", 0.656),
-                                                        ("aggregation", "outer_lr_scale", "merged"),
-                                                        ("aggregation", "average_decay", 0.9)])
-def test_a_field_added_later_keeps_the_network_id_at_its_default_and_changes_it_otherwise(
-        spec_dict, section: str, field: str, other: object) -> None:
-    before = parse_spec(spec_dict)
-    assert (section, field) in ADDED_FIELDS and f'"{field}"'.encode() not in before.canonical_bytes()
-    spec_dict.setdefault(section, {})[field] = getattr(getattr(before, section), field)  # the default, written out
-    assert parse_spec(spec_dict).network_id == before.network_id
-    spec_dict[section][field] = other
-    assert parse_spec(spec_dict).network_id != before.network_id
+def _leaf_fields(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Dotted paths of a spec model's leaf fields; a list of models is `name[].field` (its first item)."""
+    leaves: list[str] = []
+    for name, info in model.model_fields.items():
+        inner = [a for a in typing.get_args(info.annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
+            leaves += _leaf_fields(info.annotation, f"{prefix}{name}.")
+        elif inner:
+            leaves += _leaf_fields(inner[0], f"{prefix}{name}[].")
+        else:
+            leaves.append(prefix + name)
+    return leaves
+
+
+# Each leaf field: (settings that make the fixture's spec a base to change it from, mostly none; another value).
+CHANGES: dict[str, tuple[dict[str, object], object]] = {
+    "name": ({}, "othernet"),
+    "genesis": ({}, datetime(2026, 1, 1, 0, 0, 1, tzinfo=UTC)),
+    "timing.train_s": ({}, 31.0), "timing.commit_s": ({}, 6.0), "timing.reveal_s": ({}, 11.0),
+    "timing.evaluate_s": ({}, 11.0), "timing.merge_s": ({}, 6.0), "timing.clock_skew_s": ({}, 1.5),
+    "model.family": ({}, "mixtral"),
+    "model.checkpoint": ({"model.config": KeyError, "model.checkpoint": "ckpt"}, "other-ckpt"),
+    "model.config": ({}, "other.json"), "model.init_seed": ({}, 8), "model.dtype": ({}, "bfloat16"),
+    "model.base_hash": ({}, "ef" * 32), "model.config_sha256": ({}, "01" * 32),
+    "group": ({}, {"0": [1, 3], "1": [0, 2]}),
+    "data.train": ({}, ["train.txt", "more.txt"]), "data.heldout_sha256": ({}, "ee" * 32),
+    "data.tokenizer": ({}, "tok"), "data.seq_len": ({}, 64), "data.heldout_sequences": ({}, 16),
+    "training.inner_steps": ({}, 21), "training.lr": ({}, 2e-3), "training.beta1": ({}, 0.656),
+    "training.weight_decay": ({}, 0.1), "training.batch_size": ({}, 4), "training.grad_clip": ({}, 0.5),
+    "validators[].key": ({}, make_identity(99).node_id), "validators[].weight": ({}, 2.0),
+    "rewards.replication": ({}, 1), "rewards.top_k": ({}, 4), "rewards.ema_alpha": ({}, 0.5),
+    "rewards.duplicate_cosine": ({}, 0.95),
+    "aggregation.top_g": ({}, 2), "aggregation.outer_lr": ({}, 0.7), "aggregation.outer_lr_scale": ({}, "merged"),
+    "aggregation.momentum": ({}, 0.9), "aggregation.weighting": ({}, "utility"),
+    "aggregation.clip_to_median": ({}, False), "aggregation.average_decay": ({}, 0.9),
+    "limits.max_message_bytes": ({}, 32768), "limits.max_header_bytes": ({}, 1 << 19),
+    "submission.format": ({}, "pgrad"), "submission.chunk": ({}, 128), "submission.topk": ({}, 36),
+    "submission.quant": ({}, "int8"), "submission.partitions": ({}, 4),
+}
+
+
+def test_the_changes_below_cover_every_leaf_field_of_the_spec() -> None:
+    assert sorted(CHANGES) == sorted(_leaf_fields(NetworkSpec))
+
+
+@pytest.mark.parametrize("field", sorted(CHANGES))
+def test_every_field_is_in_the_network_id_and_changing_it_changes_the_id(spec_dict, field: str) -> None:
+    before, value = CHANGES[field]
+    for dotted, held in before.items():
+        spec_dict = _set(spec_dict, dotted, held)
+    spec = parse_spec(spec_dict)
+    *_, name = field.split(".")
+    assert f'"{name.removesuffix("[]")}":'.encode() in spec.canonical_bytes()  # written even at its default
+    changed = _set(spec_dict, field.replace("[]", ".0"), value)
+    assert parse_spec(changed).network_id != spec.network_id
 
 
 def test_genesis_as_iso_string(spec_dict) -> None:
@@ -63,7 +110,7 @@ def _set(data: dict, dotted: str, value: object) -> dict:
     *parents, last = dotted.split(".")
     node = data
     for p in parents:
-        node = node.setdefault(p, {})
+        node = node[int(p)] if isinstance(node, list) else node.setdefault(p, {})
     if value is KeyError:
         del node[last]
     else:
