@@ -13,7 +13,8 @@ Semantics:
   back more than a round before that phase began: then it is a clock that had been set ahead being
   corrected, and the loop resumes at the phase of the corrected time (logged as an error; duties
   check storage for what they already did).
-This module knows nothing about what a phase's duty does, messages, storage or networking.
+Each run is kept as a `PhaseRun` (node.store.records, the record storage persists). This module knows
+nothing about what a phase's duty does, messages, storage or networking.
 """
 
 from __future__ import annotations
@@ -21,36 +22,14 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 from node.runtime.clock import Clock
+from node.store.records import PhaseRun
 from protocol.rounds import PHASES, Phase, Schedule
 
 log = logging.getLogger(__name__)
 
 PhaseHandler = Callable[[int, Phase], Awaitable[None]]
-
-
-@dataclass(frozen=True, slots=True)
-class PhaseRun:
-    """One run of the phase handler: when its phase began, when it ran, and how it ended."""
-
-    round: int
-    phase: str
-    started_at: float
-    finished_at: float
-    ok: bool
-    error: str = ""
-    phase_start: float = 0.0
-
-    @property
-    def duration_s(self) -> float:
-        return self.finished_at - self.started_at
-
-    @property
-    def late_s(self) -> float:
-        """How long after its phase began the handler started (resumes and overruns show here)."""
-        return max(0.0, self.started_at - self.phase_start)
 
 
 class Scheduler:

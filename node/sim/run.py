@@ -25,7 +25,6 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
-from node.runtime.scheduler import PhaseRun
 from node.sim.layout import SimNetwork, make_sim_network, prepare_base, remove_written, sim_identity, to_toml
 from node.sim.process import (
     ADVERSARY_KINDS,
@@ -37,6 +36,7 @@ from node.sim.process import (
     next_free_port,
 )
 from node.store.db import Storage
+from node.store.records import PhaseRun
 from protocol.identity import save_identity
 from protocol.rounds import PHASES, Phase, Schedule
 from protocol.spec import load_spec

@@ -25,12 +25,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from node.runtime.scheduler import PhaseRun
 from node.store.records import (
     CommitRecord,
     GlobalStateRecord,
     MessageRecord,
     NodeRecord,
+    PhaseRun,
     Proposal,
     RevealRecord,
     RewardRecord,

@@ -1,7 +1,8 @@
 """The typed records storage hands out: one frozen dataclass per thing a node persists or reads back.
 
 `RoundPlan` is the one a validator fixes when EVALUATE starts (seed, revealed miners, assignment)
-and MERGE reuses; `Submission` a miner's own blob of a round; the rest mirror gossip payload rows.
+and MERGE reuses; `Submission` a miner's own blob of a round; `PhaseRun` one run of the scheduler's
+phase handler (node.runtime.scheduler makes them); the rest mirror gossip payload rows.
 This module knows nothing about SQLite; node.store.db reads and writes these.
 """
 
@@ -116,6 +117,28 @@ class RewardsLedger:
 
     def as_dict(self) -> dict[str, Any]:
         return {"entries": [e.as_dict() for e in self.entries], "standings": self.standings}
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseRun:
+    """One run of the phase handler: when its phase began, when it ran, and how it ended."""
+
+    round: int
+    phase: str
+    started_at: float
+    finished_at: float
+    ok: bool
+    error: str = ""
+    phase_start: float = 0.0
+
+    @property
+    def duration_s(self) -> float:
+        return self.finished_at - self.started_at
+
+    @property
+    def late_s(self) -> float:
+        """How long after its phase began the handler started (resumes and overruns show here)."""
+        return max(0.0, self.started_at - self.phase_start)
 
 
 class StorageError(ValueError):

@@ -8,7 +8,8 @@ from collections.abc import Callable
 import pytest
 
 from node.runtime.clock import ManualClock, SystemClock
-from node.runtime.scheduler import PhaseRun, Scheduler
+from node.runtime.scheduler import Scheduler
+from node.store.records import PhaseRun
 from protocol.rounds import Phase, Schedule
 
 GENESIS = 1000.0

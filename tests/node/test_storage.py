@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from node.runtime.scheduler import PhaseRun
 from node.store.db import SCHEMA_VERSION, Proposal, RewardRecord, RoundPlan, Storage, StorageError, Submission
+from node.store.records import PhaseRun
 from protocol.messages import (
     Commit,
     GlobalState,
