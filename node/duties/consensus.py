@@ -35,7 +35,7 @@ import torch
 
 from node.net.network import NetworkError
 from node.runtime.clock import Clock
-from node.runtime.daemon import NodeContext
+from node.runtime.context import NodeContext
 from node.store.records import GlobalStateRecord
 from protocol.messages import Envelope, GlobalState, Heartbeat, Message
 from protocol.rounds import Phase

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from node.runtime.daemon import NodeContext
+from node.runtime.context import NodeContext
 from training.pgrad import error_bytes, load_error
 from validator.checks import pgrad_config
 

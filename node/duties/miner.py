@@ -47,7 +47,7 @@ from node.duties.feedback import ErrorFeedback, keep_feedback, load_feedback
 from node.duties.results import learn_results, unheard_by
 from node.net.network import PublishRefused
 from node.runtime.config import MinerSection
-from node.runtime.daemon import BuiltOnce, DutiesFactory, HeartbeatDuties, NodeContext
+from node.runtime.context import BuiltOnce, DutiesFactory, HeartbeatDuties, NodeContext
 from node.runtime.metrics import NodeMetrics
 from node.store.records import RoundPlan, Submission
 from protocol.messages import Commit, Envelope, Message, Reveal

@@ -41,7 +41,7 @@ from node.duties.prefetch import Prefetcher
 from node.duties.report import round_report
 from node.duties.results import leaderboard, learn_results
 from node.net.network import NetworkError, PublishRefused
-from node.runtime.daemon import BuiltOnce, HeartbeatDuties, NodeContext
+from node.runtime.context import BuiltOnce, HeartbeatDuties, NodeContext
 from node.store.records import Proposal, RewardRecord, RoundPlan
 from protocol.check import window
 from protocol.messages import (

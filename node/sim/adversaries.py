@@ -17,7 +17,7 @@ import torch
 from node.duties.consensus import wait_until
 from node.duties.miner import HonestStrategy, Job, MinerDuties
 from node.net.network import NetworkError
-from node.runtime.daemon import DutiesFactory
+from node.runtime.context import DutiesFactory
 from protocol.messages import Commit
 from protocol.rounds import Phase
 from validator.checks import submission_cap

@@ -18,7 +18,8 @@ from node.net.judge import GossipJudge
 from node.net.twin import MemoryHub, MemoryNetwork
 from node.runtime.clock import ManualClock
 from node.runtime.config import NodeConfig, load_config
-from node.runtime.daemon import CATCH_UP_WAIT_S, HeartbeatDuties, Node, NodeContext, history_providers
+from node.runtime.context import HeartbeatDuties, NodeContext, history_providers
+from node.runtime.daemon import CATCH_UP_WAIT_S, Node
 from node.store.blobs import BlobStore
 from node.store.db import Storage
 from node.store.lock import AlreadyRunning

@@ -21,7 +21,8 @@ from node.net.twin import MemoryHub
 from node.runtime import daemon
 from node.runtime.clock import ManualClock
 from node.runtime.config import ConfigError, load_config
-from node.runtime.daemon import HeartbeatDuties, Node
+from node.runtime.context import HeartbeatDuties
+from node.runtime.daemon import Node
 from node.store.blobs import BlobStore
 from node.store.lock import NodeLock, Owner
 from protocol.identity import save_identity
@@ -189,9 +190,10 @@ def test_the_daemon_acknowledges_a_stop_signal_and_the_same_one_again_exits_at_o
     config = write_node(tmp_path, extra="[p2p]\nport = 0\n[http]\nport = 0\n")
     code = ("import asyncio, sys; from node.cli.main import main; from node.runtime import daemon\n"
             "from node.duties.miner import MinerDuties\n"
+            "from node.runtime.context import HeartbeatDuties\n"
             "async def hang(self): await asyncio.Event().wait()\n"  # a close that never ends
             "daemon.Node._close = hang\n"
-            "MinerDuties.factory = staticmethod(lambda *args: daemon.HeartbeatDuties)\n"  # no model to load
+            "MinerDuties.factory = staticmethod(lambda *args: HeartbeatDuties)\n"  # no model to load
             "sys.exit(main(sys.argv[1:]))")
     proc = subprocess.Popen([sys.executable, "-c", code, "miner", "--config", str(config)], cwd=ROOT,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
