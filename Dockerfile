@@ -10,6 +10,7 @@ COPY pyproject.toml constraints.txt README.md ./
 COPY protocol ./protocol
 COPY training ./training
 COPY validator ./validator
+COPY miner ./miner
 COPY node ./node
 # torch first, with the project's pin (constraints.txt), from PyTorch's CPU index: PyPI's Linux wheel of the
 # same version is the CUDA build, which pulls gigabytes of nvidia-* wheels. Then the project itself.

@@ -64,8 +64,8 @@ from training.data import heldout_subset, load_sequences, not_padding  # noqa: E
 from training.evaluate import heldout_loss, token_loss_sum  # noqa: E402
 from training.experts import extract, insert  # noqa: E402
 from training.model import load_base  # noqa: E402
+from training.state import decode_state_blob  # noqa: E402
 from training.tokenizer import load_tokenizer  # noqa: E402
-from validator.state import decode_state_blob  # noqa: E402
 
 NOISE_SIGMAS = 2.0
 STATES = "adopted-states"  # under the simulation directory: a copy of each adopted state blob

@@ -28,7 +28,7 @@ from protocol.encoding import canonical_json, sha256_hex
 BLOB_FORMAT = "tessera-experts/1"
 PGRAD_FORMAT = "tessera-pgrad/1"
 """A compressed pseudo-gradient submission (training.pgrad): integer indices and codes, fp32 scales."""
-# Validators' global state and outer momentum (validator.state) use the same layout.
+# Validators' global state and outer momentum (training.state) use the same layout.
 FORMATS = (BLOB_FORMAT, PGRAD_FORMAT, "tessera-global/1", "tessera-momentum/1")
 META_KEY = "tessera"
 DTYPES: dict[str, torch.dtype] = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,

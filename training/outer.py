@@ -21,7 +21,7 @@ cosine is taken over the blocks both miners cover: two identities sending one ru
 on its own drawn chunks, agree exactly where their draws overlap and nowhere else, so their cosine
 over whole tensors is only about the overlap's share.
 `average_states` keeps the average of the merged states a network reports when its spec sets
-`aggregation.average_decay` (validator.state folds it into every state it makes).
+`aggregation.average_decay` (training.state folds it into every state it makes).
 This module knows nothing about ranking, rewards or where tensors come from.
 """
 

@@ -28,7 +28,8 @@ Blob tensors for an expert tensor named N with C of its chunks drawn, K kept eac
 A tensor with no chunk drawn has no blob tensors. A tensor smaller than `chunk` is one
 chunk of its own size; otherwise its size must be a multiple of `chunk`. `check_compressed` refuses
 every other value a peer could send, with a distinct reason.
-This module knows nothing about blobs' metadata, the network or how the decoded update is used.
+`pgrad_config` reads these parameters from a network spec's `[submission]` table, for miners and
+validators alike. This module knows nothing about blobs' metadata or how the decoded update is used.
 Legend: C chunks, K kept entries per chunk, N chunk length.
 """
 
@@ -47,6 +48,7 @@ import safetensors
 import safetensors.torch
 import torch
 
+from protocol.spec import NetworkSpec
 from training.experts import Tensors
 
 Quant = Literal["int8", "2bit"]
@@ -83,6 +85,14 @@ class PgradConfig:
     def index_code(self) -> str:
         """The safetensors dtype of in-chunk indices: U8 when they fit a byte, else I16."""
         return "U8" if self.chunk <= 256 else "I16"
+
+
+def pgrad_config(spec: NetworkSpec) -> PgradConfig | None:
+    """The compressed format's parameters if the spec's miners submit pseudo-gradients, else None."""
+    sub = spec.submission
+    if sub.format != "pgrad":
+        return None
+    return PgradConfig(chunk=sub.chunk, topk=sub.topk, quant=sub.quant, partitions=sub.partitions)
 
 
 def chunk_draw(network_id: str, round: int, miner: str) -> int:

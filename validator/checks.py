@@ -30,7 +30,14 @@ from training.blob import (
     max_blob_bytes,
     read_tensor,
 )
-from training.pgrad import PgradConfig, check_compressed, chunk_draw, compressed_bytes, compressed_shapes
+from training.pgrad import (
+    PgradConfig,
+    check_compressed,
+    chunk_draw,
+    compressed_bytes,
+    compressed_shapes,
+    pgrad_config,
+)
 
 
 @dataclass(frozen=True)
@@ -100,14 +107,6 @@ def check_submission(data: bytes, expect: Expectation) -> SubmissionVerdict:
             nan, inf = int(tensor.isnan().sum()), int(tensor.isinf().sum())
             return _reject(f"non-finite values in {name}: {nan} NaN, {inf} Inf", header.meta)
     return SubmissionVerdict(ok=True, reason="", meta=header.meta, tensors=tensors)
-
-
-def pgrad_config(spec: NetworkSpec) -> PgradConfig | None:
-    """The compressed format's parameters if the spec's miners submit pseudo-gradients, else None."""
-    sub = spec.submission
-    if sub.format != "pgrad":
-        return None
-    return PgradConfig(chunk=sub.chunk, topk=sub.topk, quant=sub.quant, partitions=sub.partitions)
 
 
 def submission_cap(spec: NetworkSpec, shapes: Mapping[str, tuple[int, ...]]) -> int:

@@ -42,8 +42,7 @@ from protocol.ranking import RoundRanking, Score, rank_round, scores_from_report
 from protocol.spec import NetworkSpec
 from training.experts import pseudo_gradient
 from training.outer import OuterConfig, near_duplicates, outer_step
-from training.pgrad import chunk_draw, coverage
-from validator.checks import pgrad_config
+from training.pgrad import chunk_draw, coverage, pgrad_config
 
 log = logging.getLogger(__name__)
 

@@ -30,9 +30,9 @@ from training.adapters import MoEAdapter
 from training.data import heldout_subset
 from training.evaluate import heldout_loss, loss_with_experts
 from training.experts import expected_shapes, insert
-from training.pgrad import rebuild
+from training.pgrad import pgrad_config, rebuild
 from training.tokenizer import BYTE_PAD
-from validator.checks import Expectation, SubmissionVerdict, check_submission, pgrad_config
+from validator.checks import Expectation, SubmissionVerdict, check_submission
 from validator.device import spread
 
 REASON_CHARS = 200

@@ -49,7 +49,7 @@ def decode_network_blob(path: Path, data: bytes, spec: Any) -> tuple[Any, dict[s
 def offered_experts(path: Path, meta: Any, tensors: dict[str, Any], spec: Any) -> tuple[dict[str, Any], bool]:
     """The experts a decoded blob offers, and whether they are an average: a global state's average of its merged
     states where the spec keeps one (`aggregation.average_decay`), else the blob's tensors."""
-    from validator.state import GLOBAL_FORMAT, split_average
+    from training.state import GLOBAL_FORMAT, split_average
 
     if meta.format != GLOBAL_FORMAT:
         return tensors, False

@@ -79,7 +79,7 @@ def _read_state(args: argparse.Namespace, spec: Any) -> tuple[bytes, Any, dict[s
     from node.cli.common import decode_network_blob, offered_experts
     from protocol.encoding import is_hex_digest
     from training.blob import BLOB_FORMAT
-    from validator.state import GLOBAL_FORMAT
+    from training.state import GLOBAL_FORMAT
 
     if args.state is not None:
         if not is_hex_digest(args.state):

@@ -161,11 +161,11 @@ def check_header_cap(spec: NetworkSpec, shapes: Mapping[str, tuple[int, ...]]) -
 
 
 def state_header_bytes(spec: NetworkSpec, shapes: Mapping[str, tuple[int, ...]]) -> int:
-    """The most bytes the header of a global state or momentum blob can take, as `validator.state` writes
+    """The most bytes the header of a global state or momentum blob can take, as `training.state` writes
     them (fp32 tensors of the group's shapes, and a state's average where the spec keeps one; no miner) in
     round 999999999; it reads no weights."""
     from training.blob import BlobMeta, header_size
-    from validator.state import GLOBAL_FORMAT, MOMENTUM_FORMAT, STATE_MINER, state_shapes
+    from training.state import GLOBAL_FORMAT, MOMENTUM_FORMAT, STATE_MINER, state_shapes
 
     group = {layer: list(ids) for layer, ids in spec.group.items()}
     held = {GLOBAL_FORMAT: state_shapes(spec, shapes), MOMENTUM_FORMAT: shapes}
@@ -185,8 +185,7 @@ def submission_header_bytes(spec: NetworkSpec, shapes: Mapping[str, tuple[int, .
     import dataclasses
 
     from training.blob import BLOB_FORMAT, PGRAD_FORMAT, BlobMeta, blob_dtype, header_size
-    from training.pgrad import compressed_shapes
-    from validator.checks import pgrad_config
+    from training.pgrad import compressed_shapes, pgrad_config
 
     cfg = pgrad_config(spec)
     if cfg is None:

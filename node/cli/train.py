@@ -3,7 +3,7 @@
     tessera train --spec SPEC --key KEY --round R [--global STATE_BLOB] [--steps H] [--data FILE...]
                   [--feedback FILE] --out BLOB
 
-It calls `node.duties.miner.build_submission`, the function the miner duty calls, with the same
+It calls `miner.submission.build_submission`, the function the miner duty calls, with the same
 seed derivation, shard, dtype and metadata, so for the same key, round and starting state it
 writes the bytes the miner would commit to. `--global` names a global-state blob of this network
 (the base model's experts when absent). In a pgrad network `--feedback` is the miner's
@@ -48,17 +48,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from miner.model import MinerModel, MinerSettings
+    from miner.submission import ErrorFeedback, build_submission
     from node.cli.common import check_output_file, write_new_file
     from node.duties.consensus import SyncError, decode_state
-    from node.duties.feedback import ErrorFeedback
-    from node.duties.miner import MinerModel, build_submission
-    from node.runtime.config import MinerSection
     from protocol.encoding import sha256_hex
     from protocol.identity import load_identity
     from protocol.spec import load_spec
     from training.blob import write_blob_file
-    from training.pgrad import error_bytes
-    from validator.checks import pgrad_config
+    from training.pgrad import error_bytes, pgrad_config
 
     if args.round < 0:
         raise ValueError("--round must be non-negative")
@@ -86,7 +84,7 @@ def run_train(args: argparse.Namespace) -> int:
         except SyncError as exc:
             raise ValueError(f"{args.global_blob}: {exc}") from exc
         head = sha256_hex(data)
-    blob, result = build_submission(model, identity.node_id, args.round, head, base, MinerSection(),
+    blob, result = build_submission(model, identity.node_id, args.round, head, base, MinerSettings(),
                                     steps=args.steps, progress=True, feedback=feedback)
     write_new_file(args.out, blob, "--out")
     if feedback is not None and feedback.error is not None:

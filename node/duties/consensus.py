@@ -2,12 +2,12 @@
 
 At the start of TRAIN of round r (the end of round r-1's MERGE) a node tallies round r-1's GlobalState
 votes from storage and adopts the hash endorsed by a strict majority of validator weight
-(`validator.state.adopt`); with no majority among the votes it holds it first asks a peer for round
+(`training.state.adopt`); with no majority among the votes it holds it first asks a peer for round
 r-1's history (votes gossip missed while it restarted or before the mesh took it in), and with still
 none the head stays. Adopting means holding the state blob
 (fetched from validators that voted for it when missing) after checking it: its hash (the fetch
 verifies it), that it is a global state of this network and expert group with finite values (holding,
-where the spec keeps one, the average of the merged states: `validator.state`), and that it is a state
+where the spec keeps one, the average of the merged states: `training.state`), and that it is a state
 of the round being settled. A vote counts for the hash it names, whatever parent it claims:
 the hash binds the blob's own parent, while the stored row keeps the parent of the first vote for that
 hash, which any one validator can write; adopting rewrites the row with the parent the checked blob
@@ -41,7 +41,7 @@ from protocol.messages import Envelope, GlobalState, Heartbeat, Message
 from protocol.rounds import Phase
 from protocol.spec import NetworkSpec
 from training.blob import BlobError, BlobMeta, decode_blob, max_blob_bytes
-from validator.state import (
+from training.state import (
     GLOBAL_FORMAT,
     STATE_MINER,
     GlobalExperts,
@@ -64,7 +64,7 @@ class Decoded(NamedTuple):
     meta: BlobMeta
     tensors: Tensors
     average: Tensors | None
-    """The average of the merged states, where the spec keeps one (`validator.state`)."""
+    """The average of the merged states, where the spec keeps one (`training.state`)."""
 
 
 class SyncError(ValueError):
@@ -81,7 +81,7 @@ class LoadedState:
 
 def decode_state(data: bytes, spec: NetworkSpec, shapes: Shapes) -> Decoded:
     """Check a global state blob of this network and group (`shapes`: the group's); its metadata, merged
-    tensors and average (None where the spec keeps none, `validator.state`). SyncError names what does not
+    tensors and average (None where the spec keeps none, `training.state`). SyncError names what does not
     fit."""
     try:
         meta, tensors = decode_blob(data, spec.limits.max_header_bytes)

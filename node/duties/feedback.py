@@ -9,8 +9,8 @@ not the previous round's head (that state was not adopted, or the miner skipped 
 the residual to its own update. What a round sent that was not merged is lost, not re-sent. A
 buffer whose blob is gone or unreadable (a miner away longer than the blob retention), or holds a
 NaN or an Inf, starts empty, with a warning; a round whose training diverged submits nothing and
-leaves the buffer as it was (node.duties.miner). This module knows nothing about training, the
-protocol or scoring.
+leaves the buffer as it was (miner.submission, where its value type `ErrorFeedback` lives). This
+module knows nothing about training, the protocol or scoring.
 """
 
 from __future__ import annotations
@@ -18,23 +18,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
 
-import torch
-
+from miner.submission import ErrorFeedback
 from node.runtime.context import NodeContext
-from training.pgrad import error_bytes, load_error
-from validator.checks import pgrad_config
+from training.pgrad import error_bytes, load_error, pgrad_config
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ErrorFeedback:
-    """The buffer a round's pgrad encoding starts from; the encoding replaces `error` with what it left."""
-
-    error: dict[str, torch.Tensor] | None = None
-    """What earlier rounds left unsent, fp32 by expert tensor name; None: nothing yet."""
 
 
 async def load_feedback(ctx: NodeContext, shapes: Mapping[str, tuple[int, ...]]) -> ErrorFeedback | None:

@@ -60,14 +60,15 @@ from protocol.rounds import Phase
 from protocol.seeds import commitment, new_seed
 from protocol.spec import spec_dir_path
 from training.data import check_disjoint, check_heldout_file, heldout_subset, load_sequences, read_documents
+from training.device import check_device
 from training.experts import extract
 from training.model import load_base
+from training.state import GlobalExperts
 from training.tokenizer import load_tokenizer
 from validator.checks import submission_cap
-from validator.device import check_device, skeleton
+from validator.device import skeleton
 from validator.merge import MergeInputError, MergeResult, MissingBlobError, merge_round
 from validator.scoring import Scorer, apply_global
-from validator.state import GlobalExperts
 
 log = logging.getLogger(__name__)
 

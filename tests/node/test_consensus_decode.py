@@ -12,7 +12,7 @@ from node.duties.consensus import SyncError, decode_state
 from protocol.spec import parse_spec
 from tests.conftest import make_spec_dict
 from training.blob import BlobMeta, encode_blob
-from validator.state import AVERAGE_PREFIX, GLOBAL_FORMAT, MOMENTUM_FORMAT, STATE_MINER
+from training.state import AVERAGE_PREFIX, GLOBAL_FORMAT, MOMENTUM_FORMAT, STATE_MINER
 
 SPEC = parse_spec(make_spec_dict())
 SHAPES = {"w": (2, 2)}

@@ -35,7 +35,7 @@ from tests.node.twins import phase_done, write_network
 from training.blob import decode_header
 from training.data import file_sha256
 from training.outer import average_states
-from validator.state import GlobalExperts, decode_state_blob
+from training.state import GlobalExperts, decode_state_blob
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from node.duties.miner import MinerModel, build_submission
-from node.runtime.config import MinerSection
+from miner.model import MinerModel, MinerSettings
+from miner.submission import build_submission
 from protocol.identity import Identity
 from protocol.spec import load_spec
 from tests.node.test_real_checkpoint_cli import new_network
@@ -33,12 +33,12 @@ def test_compressed_miner_holds_only_its_group_and_submits_the_same_blobs(
     assert cut.shapes == full.shapes
     assert all(torch.equal(cut.genesis.tensors[n], t) for n, t in full.genesis.tensors.items())
 
-    section = MinerSection(forward="compressed")
+    settings = MinerSettings(forward="compressed")
     miner = Identity.from_seed(bytes([3]) * 32).node_id
     head = spec.model.base_hash
     for round in (0, 1):  # round 1 trains from genesis again: the trained rows must be replaced first
-        blob_full, result_full = build_submission(full, miner, round, head, full.genesis.tensors, section, steps=2)
-        blob_cut, result_cut = build_submission(cut, miner, round, head, cut.genesis.tensors, section, steps=2)
+        blob_full, result_full = build_submission(full, miner, round, head, full.genesis.tensors, settings, steps=2)
+        blob_cut, result_cut = build_submission(cut, miner, round, head, cut.genesis.tensors, settings, steps=2)
         assert blob_cut == blob_full and result_cut.losses == result_full.losses
     with pytest.raises(ValueError, match="forward = 'compressed'"):
-        build_submission(cut, miner, 2, head, cut.genesis.tensors, MinerSection(forward="full"), steps=1)
+        build_submission(cut, miner, 2, head, cut.genesis.tensors, MinerSettings(forward="full"), steps=1)

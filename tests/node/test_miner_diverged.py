@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from node.duties.feedback import ErrorFeedback
-from node.duties.miner import InnerOptimizer, MinerModel, build_submission, encode_submission
-from node.runtime.config import MinerSection
+from miner.model import MinerModel, MinerSettings
+from miner.optimizer import InnerOptimizer
+from miner.submission import ErrorFeedback, build_submission, encode_submission
 from protocol.rounds import Phase
 from protocol.spec import parse_spec
 from tests.conftest import make_spec_dict
@@ -52,12 +52,10 @@ class _DivergingModel:
     def __init__(self, format: str) -> None:
         self.spec = SPECS[format]
 
-    def train(self, miner: str, round: int, base: Mapping[str, torch.Tensor], section: MinerSection,
+    def train(self, miner: str, round: int, base: Mapping[str, torch.Tensor], settings: MinerSettings,
               keep_going: Callable[[], bool], steps: int | None = None, progress: bool = False,
-              optimizer: InnerOptimizer | None = None) -> TrainResult:
+              optimizer_state: dict[str, Any] | None = None, lr_scale: float = 1.0) -> TrainResult:
         poisoned = {"state": {0: {"exp_avg": torch.full((2,), float("nan"))}}}
-        if optimizer is not None:
-            optimizer.state = poisoned
         return TrainResult(tensors=_experts(float("nan")), losses=[float("nan")], optimizer_state=poisoned)
 
 
@@ -65,10 +63,10 @@ class _DivergingModel:
 def test_a_diverged_build_keeps_the_buffer_and_drops_the_kept_optimizer_state(
         format: str, caplog: pytest.LogCaptureFixture) -> None:
     feedback = ErrorFeedback({name: torch.zeros(shape) for name, shape in SHAPES.items()})
-    optimizer = InnerOptimizer({"state": {0: {"exp_avg": torch.ones(2)}}})
+    optimizer = InnerOptimizer({"state": {0: {"exp_avg": torch.ones(2)}}, "param_groups": []})
     model: Any = _DivergingModel(format)
-    with caplog.at_level(logging.WARNING, logger="node.duties.miner"), pytest.raises(ValueError, match=DIVERGED):
-        build_submission(model, "ab" * 32, 3, "cd" * 32, _experts(), MinerSection(), feedback=feedback,
+    with caplog.at_level(logging.WARNING, logger="miner.submission"), pytest.raises(ValueError, match=DIVERGED):
+        build_submission(model, "ab" * 32, 3, "cd" * 32, _experts(), MinerSettings(), feedback=feedback,
                          optimizer=optimizer)
     assert feedback.error is not None and all(bool((t == 0).all()) for t in feedback.error.values())
     assert optimizer.state is None  # the next round starts AdamW at zero, not from NaN moments

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from node.duties.feedback import ErrorFeedback
-from node.duties.miner import encode_submission
+from miner.submission import ErrorFeedback, encode_submission
 from protocol.spec import parse_spec
 from tests.conftest import make_spec_dict
 

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from node.duties.feedback import ErrorFeedback, keep_feedback, load_feedback
+from miner.submission import ErrorFeedback
+from node.duties.feedback import keep_feedback, load_feedback
 from node.store.blobs import BlobStore
 from node.store.db import Storage, Submission
 from protocol.spec import parse_spec

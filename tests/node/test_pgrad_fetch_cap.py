@@ -14,7 +14,8 @@ from node.sim.adversaries import STRATEGIES, Lazy
 from protocol.rounds import Phase
 from tests.node.twins import Twins
 from training.blob import decode_blob, encode_blob, max_blob_bytes
-from validator.checks import Expectation, pgrad_config, submission_cap
+from training.pgrad import pgrad_config
+from validator.checks import Expectation, submission_cap
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -18,17 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from miner.model import MinerModel, MinerSettings
+from miner.submission import ErrorFeedback, build_submission
 from node.duties.consensus import decode_state
-from node.duties.feedback import ErrorFeedback
-from node.duties.miner import MinerModel, build_submission
-from node.runtime.config import MinerSection
 from node.runtime.daemon import Node
 from protocol.rounds import PHASES
 from tests.node.twins import Twins
 from training.blob import PGRAD_FORMAT, decode_blob, decode_header
 from training.outer import norm
-from training.pgrad import chunk_draw, compressed_bytes, coverage, decode, load_error
-from validator.checks import pgrad_config
+from training.pgrad import chunk_draw, compressed_bytes, coverage, decode, load_error, pgrad_config
 from validator.merge import outer_config
 
 pytestmark = pytest.mark.timeout(240)
@@ -99,13 +97,13 @@ async def test_pgrad_rounds_score_merge_agree_and_keep_the_error_buffer_across_a
         assert state is not None
         _, base, _ = decode_state(state, net.spec, model.shapes)
         feedback = ErrorFeedback(load_error(error0_data, model.shapes))
-        kept, _ = build_submission(model, net.id("miner-0"), 1, head0, base, MinerSection(), feedback=feedback)
-        fresh, _ = build_submission(model, net.id("miner-0"), 1, head0, base, MinerSection(), feedback=ErrorFeedback())
+        kept, _ = build_submission(model, net.id("miner-0"), 1, head0, base, MinerSettings(), feedback=feedback)
+        fresh, _ = build_submission(model, net.id("miner-0"), 1, head0, base, MinerSettings(), feedback=ErrorFeedback())
         assert kept == round1
         assert fresh != round1
         # Round 0 starts from no buffer: what `tessera train` (no feedback) writes is what the duty committed.
         first, _ = build_submission(model, net.id("miner-0"), 0, net.spec.model.base_hash, model.genesis.tensors,
-                                    MinerSection())
+                                    MinerSettings())
         assert first == await _submission(net.nodes["miner-0"], 0)
     finally:
         await net.close()

@@ -16,8 +16,7 @@ from node.sim.run import Simulation
 from protocol.spec import SubmissionSpec, load_spec
 from training.experts import extract
 from training.model import load_base
-from training.pgrad import PgradConfig, compressed_bytes
-from validator.checks import pgrad_config
+from training.pgrad import PgradConfig, compressed_bytes, pgrad_config
 
 pytestmark = pytest.mark.timeout(180)
 

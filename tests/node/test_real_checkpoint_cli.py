@@ -29,8 +29,8 @@ from training.evaluate import heldout_loss
 from training.experts import extract
 from training.export import read_expert_pack
 from training.model import build_tiny_model, load_base, tiny_config
+from training.state import GlobalExperts
 from training.tokenizer import HFTokenizer
-from validator.state import GlobalExperts
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:

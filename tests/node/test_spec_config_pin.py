@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
+from miner.submission import encode_submission
 from node.cli.main import main
 from node.cli.spec import submission_header_bytes
-from node.duties.miner import encode_submission
 from protocol.identity import Identity
 from protocol.spec import load_spec, parse_spec
 from tests.conftest import to_toml

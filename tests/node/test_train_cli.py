@@ -13,11 +13,11 @@ import pytest
 import safetensors.torch
 import torch
 
+from miner.model import MinerModel, MinerSettings
+from miner.optimizer import InnerOptimizer
+from miner.submission import ErrorFeedback, build_submission, encode_submission
 from node.cli.main import main
 from node.duties.consensus import decode_state
-from node.duties.feedback import ErrorFeedback
-from node.duties.miner import InnerOptimizer, MinerModel, build_submission, encode_submission
-from node.runtime.config import MinerSection
 from protocol.identity import save_identity
 from tests.node.twins import Twins, identity
 from training.blob import BlobMeta, encode_blob
@@ -69,11 +69,11 @@ async def test_a_miner_that_keeps_its_optimizer_trains_each_round_on_from_the_la
     model = MinerModel.load(net.spec, net.spec_path)
     _, head_tensors, _ = decode_state(state, net.spec, model.shapes)
     me, carried = identity("miner-0").node_id, InnerOptimizer()
-    builds = [build_submission(model, me, 0, net.spec.model.base_hash, model.genesis.tensors, MinerSection(),
+    builds = [build_submission(model, me, 0, net.spec.model.base_hash, model.genesis.tensors, MinerSettings(),
                                optimizer=carried)[0],
-              build_submission(model, me, 1, head, head_tensors, MinerSection(), optimizer=carried)[0]]
+              build_submission(model, me, 1, head, head_tensors, MinerSettings(), optimizer=carried)[0]]
     assert builds == duty_blobs and carried.state is not None
-    fresh, _ = build_submission(model, me, 1, head, head_tensors, MinerSection())  # AdamW from zero
+    fresh, _ = build_submission(model, me, 1, head, head_tensors, MinerSettings())  # AdamW from zero
     assert fresh != duty_blobs[1]
 
 
@@ -84,7 +84,7 @@ def test_a_miner_trains_at_the_specs_adamw_beta1(tmp_path: Path) -> None:
     for beta1 in (0.9, 0.5):
         spec = net.spec.model_copy(update={"training": net.spec.training.model_copy(update={"beta1": beta1})})
         model, carried = MinerModel.load(spec, net.spec_path), InnerOptimizer()
-        blobs[beta1], _ = build_submission(model, me, 0, base, model.genesis.tensors, MinerSection(),
+        blobs[beta1], _ = build_submission(model, me, 0, base, model.genesis.tensors, MinerSettings(),
                                            optimizer=carried)
         assert carried.state is not None
         betas[beta1] = carried.state["param_groups"][0]["betas"]
@@ -123,7 +123,7 @@ def test_tessera_train_carries_the_error_feedback_buffer_across_rounds(tmp_path:
     head, base, me = net.spec.model.base_hash, model.genesis.tensors, identity("miner-0").node_id
     feedback = ErrorFeedback()
     for r in (0, 1):
-        kept, result = build_submission(model, me, r, head, base, MinerSection(), steps=2, feedback=feedback)
+        kept, result = build_submission(model, me, r, head, base, MinerSettings(), steps=2, feedback=feedback)
         assert (tmp_path / f"train-{r}.blob").read_bytes() == kept, f"round {r}: not the duty's buffered build"
     assert feedback.error is not None and feedback_file.read_bytes() == error_bytes(feedback.error)
     fresh = encode_submission(net.spec, 1, me, head, result.tensors, base)  # round 1 from an empty buffer

@@ -13,8 +13,8 @@ import torch
 from protocol.spec import SpecError, parse_spec
 from tests.conftest import make_spec_dict
 from training.blob import BLOB_FORMAT, PGRAD_FORMAT, BlobMeta, blob_hash, encode_blob
-from training.pgrad import PgradConfig, chunk_draw, coverage, drawn_chunks, encode, rebuild
-from validator.checks import Expectation, SubmissionVerdict, check_submission, pgrad_config
+from training.pgrad import PgradConfig, chunk_draw, coverage, drawn_chunks, encode, pgrad_config, rebuild
+from validator.checks import Expectation, SubmissionVerdict, check_submission
 
 GROUP = {0: [1], 1: [2]}
 SHAPES = {

@@ -15,10 +15,9 @@ from protocol.messages import ScoreEntry, ScoreReport
 from protocol.spec import NetworkSpec, parse_spec
 from tests.conftest import MINER_OFFSET, make_identity, make_spec_dict
 from training.outer import OuterConfig
-from training.pgrad import chunk_draw, coverage
-from validator.checks import pgrad_config
+from training.pgrad import chunk_draw, coverage, pgrad_config
+from training.state import GlobalExperts
 from validator.merge import MergeInputError, MissingBlobError, merge_round, outer_config
-from validator.state import GlobalExperts
 
 ROUND = 4
 SEED = hashlib.sha256(b"round-seed").hexdigest()

@@ -12,8 +12,8 @@ from node.duties.validator import ValidatorDuties
 from node.runtime.config import NodeConfig
 from protocol.spec import load_spec
 from tests.node.twins import write_network
+from training.device import GIB, check_device, scoring_bytes
 from training.model import build_tiny_model, tiny_config
-from validator.device import GIB, check_device, scoring_bytes
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import torch
 
 from protocol.spec import NetworkSpec
 from training.blob import BlobMeta, blob_hash, decode_blob, encode_blob
+from training.state import GENESIS_ROUND, GLOBAL_FORMAT, MOMENTUM_FORMAT, GlobalExperts, StateError, adopt
 from validator.checks import Expectation, check_submission
-from validator.state import GENESIS_ROUND, GLOBAL_FORMAT, MOMENTUM_FORMAT, GlobalExperts, StateError, adopt
 
 HIDDEN, INTER = 8, 4
 

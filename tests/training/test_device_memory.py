@@ -14,7 +14,7 @@ _MEASURE = """
 import re, sys, torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from training.evaluate import heldout_loss
-from validator.device import scoring_bytes
+from training.device import scoring_bytes
 torch.set_num_threads(1)
 vocab, batch, seq_len = 20000, 4, 256
 config = Qwen3MoeConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,

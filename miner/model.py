@@ -1,0 +1,120 @@
+"""What a miner loads once and how it trains one round: the base model, its genesis state, the training data.
+
+`MinerModel.load` builds the base model (compressed to its expert group in `compressed` mode), the
+genesis state a miner trains from and the packed training sequences; `MinerModel.train` puts a state's
+experts into the model and runs the inner AdamW steps on this miner's shard of the sequences, in the
+batch order `miner_seed` draws. How it trains on this machine (device, forward mode, micro-batches,
+checkpointing, autocast) is a `MinerSettings`. This module knows nothing about the network, the blob
+a round submits, or how the AdamW state is carried between rounds (miner.optimizer).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from protocol.spec import NetworkSpec, spec_dir_path
+from training.adapters import MoEAdapter
+from training.compressed import CompressedModel
+from training.data import batches, load_sequences, shard
+from training.experts import extract, insert
+from training.model import load_base, load_compressed_base
+from training.state import GlobalExperts
+from training.tokenizer import load_tokenizer
+from training.trainer import TrainConfig, TrainResult, train_experts
+
+
+@dataclass(frozen=True)
+class MinerSettings:
+    """How this machine trains (the node config's `[miner]` section says it); the spec fixes what is trained."""
+
+    device: str = "cpu"
+    """Torch device for training, e.g. cpu or cuda:0."""
+    forward: Literal["full", "compressed"] = "full"
+    """'full' runs all experts (frozen); 'compressed' only the selected ones (a model loaded compressed)."""
+    micro_batch_size: int | None = None
+    """Sequences per forward pass; None: the spec's batch in one pass."""
+    checkpointing: bool = False
+    """Activation checkpointing: recompute decoder layers in backward to save memory."""
+    autocast: bool = True
+    """bf16 autocast when training on CUDA (no effect on CPU)."""
+
+
+def miner_seed(miner: str, round: int) -> int:
+    """The seed of a miner's batch order (and an adversary's noise) in a round."""
+    return int.from_bytes(hashlib.sha256(f"tessera-miner:{miner}:{round}".encode()).digest()[:8], "big") >> 1
+
+
+def training_files(spec: NetworkSpec, spec_path: Path, data: Sequence[Path] = ()) -> list[Path]:
+    """The files a miner trains on: `data` when given, else the spec's `data.train`."""
+    return list(data) or [spec_dir_path(spec_path, p) for p in spec.data.train]
+
+
+class MinerModel:
+    """What a miner loads once: the base model (compressed to its group in `compressed` mode), its genesis
+    state and the training sequences."""
+
+    def __init__(self, spec: NetworkSpec, model: torch.nn.Module | CompressedModel, adapter: MoEAdapter,
+                 genesis: GlobalExperts, sequences: torch.Tensor, pad_id: int) -> None:
+        self.spec = spec
+        self.model = model
+        self.adapter = adapter
+        self.genesis = genesis
+        self.shapes = {name: tuple(t.shape) for name, t in genesis.tensors.items()}
+        self.sequences = sequences
+        self.pad_id = pad_id
+
+    @classmethod
+    def load(cls, spec: NetworkSpec, spec_path: Path, data: Sequence[Path] = (), progress: bool = False,
+             forward: Literal["full", "compressed"] = "full") -> MinerModel:
+        """Build the base model and pack the training files (`data`, else the spec's); blocking.
+
+        `compressed`: the model is Θ̃0 alone (training.model.load_compressed_base), never holding the
+        unselected experts; it can then only train with `forward = "compressed"`."""
+        model: torch.nn.Module | CompressedModel
+        if forward == "compressed":
+            model = load_compressed_base(spec, spec_path, progress=progress)
+            adapter, experts = model.adapter, model.tensors()
+        else:
+            model, adapter = load_base(spec, spec_path, progress=progress)
+            experts = extract(model, adapter, spec.group)
+        tokenizer = load_tokenizer(spec.data.tokenizer, spec_path.parent)
+        sequences = load_sequences(training_files(spec, spec_path, data), tokenizer, spec.data.seq_len)
+        genesis = GlobalExperts.genesis(spec, experts, held_average=False)  # a miner trains from the merged state
+        return cls(spec, model, adapter, genesis, sequences, tokenizer.pad_id)
+
+    def train(self, miner: str, round: int, base: Mapping[str, torch.Tensor], settings: MinerSettings,
+              keep_going: Callable[[], bool], steps: int | None = None, progress: bool = False,
+              optimizer_state: dict[str, Any] | None = None, lr_scale: float = 1.0) -> TrainResult:
+        """H inner steps (or `steps`) from `base` on this miner's shard; fewer when `keep_going` turns False.
+
+        `progress`: a tqdm bar on a terminal (the `tessera train` command; the daemon logs instead).
+        `optimizer_state`: the AdamW state to go on from (None: start at zero); the new one is in the result.
+        `lr_scale`: the fraction of the spec's inner lr to train at."""
+        inner = self.spec.training
+        if isinstance(self.model, CompressedModel):
+            self.model.load(dict(base))
+        else:
+            insert(self.model, self.adapter, dict(base))
+        cfg = TrainConfig(steps=steps or inner.inner_steps, lr=inner.lr * lr_scale, beta1=inner.beta1,
+                          weight_decay=inner.weight_decay, batch_size=inner.batch_size,
+                          micro_batch_size=settings.micro_batch_size, grad_clip=inner.grad_clip,
+                          forward=settings.forward, device=settings.device,
+                          checkpointing=settings.checkpointing, autocast=settings.autocast,
+                          pad_id=self.pad_id, progress=progress)
+        rows = shard(self.sequences, miner, round)
+        order = batches(rows, cfg.batch_size, miner_seed(miner, round))
+        return train_experts(self.model, self.adapter, self.spec.group, _while(order, keep_going), cfg,
+                             optimizer_state)
+
+
+def _while(items: Iterator[torch.Tensor], keep_going: Callable[[], bool]) -> Iterator[torch.Tensor]:
+    for item in items:
+        if not keep_going():
+            return
+        yield item

@@ -1,0 +1,76 @@
+"""Whether a torch device can hold a model's scoring: refuse a device that is missing or too small, in one line.
+
+`check_device` refuses a device that does not exist on this machine, or a GPU whose free memory is
+below what scoring a model needs (`scoring_bytes`: weights in their dtype plus one batch of
+activations, estimated), with one line naming the setting and the memory needed; without a model it
+checks only that the device exists (a miner's training device, or a validator's before its model
+loads). This module knows nothing about rounds, roles' duties or the network.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+GIB = 1024**3
+_HEADROOM = 1.15
+"""Allowance over the estimate for the allocator, norms and hidden states."""
+
+
+def scoring_bytes(model: torch.nn.Module, batch_size: int, seq_len: int) -> int:
+    """Estimated device memory to score with `model`: resident weights plus one batch's activations."""
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    config: Any = model.config
+    vocab = int(config.vocab_size)
+    element = next(model.parameters()).element_size()
+    # the logits in the model dtype, their fp32 copy and cross-entropy's fp32 log-softmax (training.evaluate)
+    logits = batch_size * seq_len * vocab * (element + 8)
+    heads = int(getattr(config, "num_attention_heads", 1))
+    scores = batch_size * heads * seq_len * seq_len * 4  # eager attention scores of one layer
+    return int((weights + logits + scores) * _HEADROOM)
+
+
+def check_device(
+    device: str, model: torch.nn.Module | None, batch_size: int, seq_len: int, setting: str = "validator.device"
+) -> None:
+    """ValueError (one line naming `setting` and the memory needed) unless `device` can score `model`.
+
+    With `model` None only the device's existence is checked.
+    """
+    if device == "auto":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{setting} = 'auto' spreads the model over CUDA GPUs, but this machine has none")
+        if model is None:
+            return
+        need = scoring_bytes(model, batch_size, seq_len)
+        free = sum(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
+        if free < need:
+            raise ValueError(
+                f"{setting} = 'auto': scoring this model needs about {need / GIB:.1f} GiB but all "
+                f"{torch.cuda.device_count()} GPU(s) together have {free / GIB:.1f} GiB free"
+            )
+        return
+    try:
+        target = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"{setting} = {device!r} is not a torch device; use cpu, cuda, cuda:N or auto") from None
+    if target.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = target.index if target.index is not None else 0
+        if index >= count:
+            raise ValueError(f"{setting} = {device!r} does not exist: this machine has {count} CUDA device(s)")
+        if model is None:
+            return
+        need = scoring_bytes(model, batch_size, seq_len)
+        free = torch.cuda.mem_get_info(index)[0]
+        if free < need:
+            raise ValueError(
+                f"{setting} = {device!r} has {free / GIB:.1f} GiB free but scoring this model needs about "
+                f"{need / GIB:.1f} GiB; use a larger GPU, 'auto' to spread it over all GPUs, or a smaller "
+                "validator.batch_size"
+            )
+    elif target.type not in ("cpu", "meta"):
+        backend = getattr(torch, target.type, None)
+        if backend is None or not backend.is_available():
+            raise ValueError(f"{setting} = {device!r} does not exist on this machine")
