@@ -47,7 +47,8 @@ GROUP = {layer: list(range(layer % 8, 32, 8)) for layer in range(12)}
 
 def write_checkpoint(directory: Path) -> dict[str, Any]:
     """Write the benchmark checkpoint; returns its weight bytes and the written model's state hash."""
-    from training.model import build_tiny_model, state_hash, tiny_config
+    from training.model import state_hash
+    from training.tiny import build_tiny_model, tiny_config
 
     model = build_tiny_model("qwen3_moe", tiny_config("qwen3_moe", **CONFIG), seed=0)
     model.save_pretrained(str(directory))

@@ -62,7 +62,7 @@ def _setup() -> tuple[Any, Any, dict[int, list[int]], Iterator[Any], int]:
     from training.adapters import adapter_for
     from training.corpus import generate
     from training.data import batches, pack
-    from training.model import build_tiny_model, tiny_config
+    from training.tiny import build_tiny_model, tiny_config
     from training.tokenizer import ByteTokenizer
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))

@@ -44,10 +44,10 @@ def main() -> int:
     from training.adapters import adapter_for
     from training.corpus import generate
     from training.data import pack
-    from training.model import build_tiny_model, tiny_config
     from training.selection import select_experts
     from training.stability import stability_report
     from training.subset_eval import subset_report
+    from training.tiny import build_tiny_model, tiny_config
     from training.tokenizer import ByteTokenizer
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))

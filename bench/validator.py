@@ -43,7 +43,7 @@ def main() -> int:
     from training.data import heldout_subset, pack
     from training.evaluate import heldout_loss, loss_with_experts
     from training.experts import expected_shapes, extract
-    from training.model import build_tiny_model, tiny_config
+    from training.tiny import build_tiny_model, tiny_config
     from training.tokenizer import ByteTokenizer
     from validator.checks import Expectation, check_submission
 

@@ -9,34 +9,27 @@ compressed-mode miner's model Θ̃0 from a checkpoint without ever reading the g
 unselected experts. `state_hash` is a loaded model's fingerprint and
 `training.checkpoint.checkpoint_hash` the same fingerprint streamed from a checkpoint's files; the
 spec pins it as `base_hash` (framing: training/checkpoint.py), and the model config as
-`config_sha256` (`training.checkpoint.config_hash`) where it sets one. Tiny models are initialised from a
-local `torch.Generator`, never torch's global RNG: on import this module wraps the random init
-functions of `torch.nn.init` and `transformers.initialization` so that, inside `_drawing_from`,
-they draw from this thread's generator (outside it they behave exactly as before). The draws
-happen in the same order as with a seeded global RNG, so a seed gives the same bytes as it always
-did. This module knows nothing about training or the network; it reads only the files a spec names.
+`config_sha256` (`training.checkpoint.config_hash`) where it sets one. Tiny models come from
+`training.tiny`. This module knows nothing about training or the network; it reads only the files a
+spec names.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
 import sys
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, cast
 
 import torch
-import transformers.initialization as hf_init
 from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from transformers import (
     MODEL_FOR_CAUSAL_LM_MAPPING,
-    AutoConfig,
     AutoModelForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
@@ -57,82 +50,10 @@ from training.checkpoint import (
 )
 from training.compressed import CompressedModel, compress
 from training.experts import PARAMS, ExpertGroup, check_group
+from training.tiny import build_tiny_model, hf_config
 
 DeviceMap = str | dict[str, Any] | None
 
-_SPECIAL_TOKENS = {"pad_token_id": 256, "bos_token_id": 257, "eos_token_id": 258}
-_COMMON = {
-    "vocab_size": 260,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 128,
-    "tie_word_embeddings": False,
-    "num_experts_per_tok": 2,
-    **_SPECIAL_TOKENS,
-}
-_TINY: dict[str, dict[str, Any]] = {
-    "qwen3_moe": {
-        **_COMMON,
-        "num_hidden_layers": 2,
-        "head_dim": 16,
-        "intermediate_size": 128,
-        "moe_intermediate_size": 32,
-        "num_experts": 8,
-        "norm_topk_prob": True,
-    },
-    "olmoe": {**_COMMON, "num_hidden_layers": 2, "intermediate_size": 32, "num_experts": 8},
-    "mixtral": {**_COMMON, "num_hidden_layers": 2, "intermediate_size": 32, "num_local_experts": 8},
-    "qwen2_moe": {
-        **_COMMON,
-        "num_hidden_layers": 2,
-        "intermediate_size": 64,
-        "moe_intermediate_size": 32,
-        "shared_expert_intermediate_size": 32,
-        "num_experts": 8,
-    },
-    "deepseek_v2": {
-        **_COMMON,
-        "num_hidden_layers": 3,
-        "first_k_dense_replace": 1,
-        "intermediate_size": 64,
-        "moe_intermediate_size": 32,
-        "n_routed_experts": 8,
-        "n_shared_experts": 1,
-        "num_key_value_heads": 4,
-        "q_lora_rank": None,
-        "kv_lora_rank": 16,
-        "qk_rope_head_dim": 8,
-        "qk_nope_head_dim": 8,
-        "v_head_dim": 16,
-        "routed_scaling_factor": 1.0,
-    },
-    "deepseek_v3": {
-        **_COMMON,
-        "num_hidden_layers": 3,
-        "first_k_dense_replace": 1,
-        "intermediate_size": 64,
-        "moe_intermediate_size": 32,
-        "n_routed_experts": 8,
-        "n_shared_experts": 1,
-        "n_group": 1,
-        "topk_group": 1,
-        "num_key_value_heads": 4,
-        "q_lora_rank": None,
-        "kv_lora_rank": 16,
-        "qk_rope_head_dim": 8,
-        "qk_nope_head_dim": 8,
-        "v_head_dim": 16,
-        "routed_scaling_factor": 1.0,
-        "num_nextn_predict_layers": 0,
-    },
-}
-
-
-# The init functions that draw random numbers, in torch and in transformers' guarded copies.
-_RANDOM_INITS = ("uniform_", "normal_", "trunc_normal_", "xavier_uniform_", "xavier_normal_",
-                 "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_")
-_init_generator = threading.local()
 _CHECKPOINT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # What building a model from a checkpoint's config.json raises on values it cannot build (a zero head
 # count, a negative vocabulary, an unknown rope type, a field of the wrong type).
@@ -142,38 +63,6 @@ _SYNC_LOAD_ENV = "HF_DEACTIVATE_ASYNC_LOAD"
 
 class BaseMismatchError(ValueError):
     """The base model does not hash to the spec's `base_hash`, or its config not to `config_sha256`."""
-
-
-def tiny_config(family: str, **overrides: Any) -> dict[str, Any]:
-    """A small JSON-able config for `family`: hidden 64, 2 MoE layers of 8 experts, top-2, vocab 260.
-
-    The vocabulary fits the byte tokenizer: ids 0-255 are bytes, 256 pad, 257 bos, 258 eos, 259 spare.
-    The DeepSeek families get one extra dense first layer, as their real configs have.
-    """
-    adapter_for(family)
-    return {**_TINY[family], **overrides}
-
-
-def build_tiny_model(
-    family: str, config: dict[str, Any], seed: int | None = None, *, generator: torch.Generator | None = None
-) -> PreTrainedModel:
-    """A freshly initialised fp32 model of `family` from a config dict, drawn from `generator`.
-
-    Give either a generator or a seed (which seeds a local generator): the same seed gives the same
-    bytes as seeding torch's global RNG with it did, and torch's global RNG is left untouched.
-    """
-    assert (seed is None) != (generator is None), "give exactly one of seed or generator"
-    adapter = adapter_for(family)
-    hf_config = _make_config(adapter, config)
-    # transformers leaves from_config and PreTrainedModel.eval unannotated.
-    with _drawing_from(
-        generator if generator is not None else torch.Generator().manual_seed(cast(int, seed))
-    ):
-        model: PreTrainedModel = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
-            hf_config, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
-        )
-    adapter.check_layout(model)
-    return model.eval()  # type: ignore[no-untyped-call, no-any-return]
 
 
 def meta_model(directory: str | Path) -> PreTrainedModel:
@@ -461,45 +350,9 @@ def _checkpoint_config(directory: Path) -> PretrainedConfig:
         method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
         raise ValueError(f"{directory}: quantized checkpoints ({str(method)[:40]}) are not supported; "
                          "use a bf16/fp16/fp32 checkpoint")
-    config = _make_config(adapter_for(family), raw)
+    config = hf_config(adapter_for(family), raw)
     try:
         _stored_dtype(config)
     except ValueError as exc:
         raise ValueError(f"{directory}: {exc}") from None
     return config
-
-
-def _make_config(adapter: MoEAdapter, config: dict[str, Any]) -> PretrainedConfig:
-    model_type = config.get("model_type", adapter.family)
-    if model_type != adapter.family:
-        raise ValueError(
-            f"the model config is for {model_type!r}, but the spec's family is {adapter.family!r}"
-        )
-    try:
-        return AutoConfig.for_model(adapter.family, **{k: v for k, v in config.items() if k != "model_type"})
-    except (AttributeError, TypeError, ValueError, StrictDataclassError) as exc:  # e.g. an unknown dtype name
-        raise ValueError(f"invalid {adapter.family} model config: {exc}") from exc
-
-
-def _with_local_generator(init: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    @functools.wraps(init)
-    def draw(*args: Any, generator: torch.Generator | None = None, **kwargs: Any) -> torch.Tensor:
-        local = getattr(_init_generator, "value", None)
-        return init(*args, generator=local if generator is None else generator, **kwargs)
-
-    return draw
-
-
-for _module in (torch.nn.init, hf_init):
-    for _name in _RANDOM_INITS:
-        setattr(_module, _name, _with_local_generator(getattr(_module, _name)))
-
-
-@contextmanager
-def _drawing_from(generator: torch.Generator) -> Iterator[None]:
-    """Inside, this thread's weight inits draw from `generator`; other threads are unaffected."""
-    _init_generator.value = generator
-    try:
-        yield
-    finally:
-        _init_generator.value = None

@@ -94,7 +94,8 @@ def meta_base(spec: NetworkSpec, spec_path: Path) -> torch.nn.Module:
     import torch
 
     from protocol.spec import spec_dir_path
-    from training.model import build_tiny_model, meta_model, spec_model_config
+    from training.model import meta_model, spec_model_config
+    from training.tiny import build_tiny_model
 
     if spec.model.checkpoint is not None:
         directory = spec_dir_path(spec_path, spec.model.checkpoint)

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from tests.bench.scripts import BENCH, load_bench
-from training.model import build_tiny_model, state_hash, tiny_config
+from training.model import state_hash
+from training.tiny import build_tiny_model, tiny_config
 
 WRITTEN = "a" * 64
 COMPRESSED = "c" * 64

@@ -16,7 +16,7 @@ import torch
 from tests.bench.scripts import load_bench
 from training.data import heldout_subset
 from training.evaluate import heldout_loss
-from training.model import build_tiny_model, tiny_config
+from training.tiny import build_tiny_model, tiny_config
 
 PAD = 256
 

@@ -51,7 +51,8 @@ def _arithmetic(count: int, offset: int) -> str:
 def write_network(tmp: Path) -> tuple[Path, NetworkSpec, int, int]:
     """A network of three validators (the node is the third) and the node's config; spec, ports."""
     from training.data import file_sha256
-    from training.model import build_tiny_model, state_hash
+    from training.model import state_hash
+    from training.tiny import build_tiny_model
 
     net = tmp / "net"
     net.mkdir(parents=True)

@@ -16,7 +16,8 @@ from protocol.spec import load_spec
 from tests.conftest import make_identity, make_spec_dict, to_toml
 from training.blob import BlobMeta, blob_hash, encode_blob
 from training.experts import extract
-from training.model import build_tiny_model, load_base, state_hash, tiny_config
+from training.model import load_base, state_hash
+from training.tiny import build_tiny_model, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 MINER = make_identity(100).node_id

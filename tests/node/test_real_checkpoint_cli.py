@@ -28,8 +28,9 @@ from training.data import heldout_subset, load_sequences
 from training.evaluate import heldout_loss
 from training.experts import extract
 from training.export import read_expert_pack
-from training.model import build_tiny_model, load_base, tiny_config
+from training.model import load_base
 from training.state import GlobalExperts
+from training.tiny import build_tiny_model, tiny_config
 from training.tokenizer import HFTokenizer
 
 

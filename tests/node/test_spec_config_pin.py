@@ -25,14 +25,8 @@ from tests.training.hub_checkpoint import write_data, write_hub_checkpoint
 from training.adapters import adapter_for
 from training.checkpoint import checkpoint_hash, config_hash
 from training.experts import expected_shapes, extract
-from training.model import (
-    BaseMismatchError,
-    build_tiny_model,
-    load_base,
-    load_compressed_base,
-    state_hash,
-    tiny_config,
-)
+from training.model import BaseMismatchError, load_base, load_compressed_base, state_hash
+from training.tiny import build_tiny_model, tiny_config
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:

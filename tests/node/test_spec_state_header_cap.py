@@ -18,8 +18,8 @@ from protocol.spec import parse_spec
 from training.adapters import adapter_for
 from training.blob import BlobMeta, header_size
 from training.experts import expected_shapes, extract, tensor_name
-from training.model import build_tiny_model, tiny_config
 from training.state import MOMENTUM_FORMAT, GlobalExperts
+from training.tiny import build_tiny_model, tiny_config
 
 
 def _qwen3_30b_group(spec_dict: dict[str, Any], cap: int) -> tuple[Any, dict[str, tuple[int, ...]]]:

@@ -30,7 +30,8 @@ from protocol.identity import Identity, save_identity
 from protocol.rounds import PHASES, Phase, Schedule
 from protocol.spec import load_spec
 from training.data import file_sha256
-from training.model import build_tiny_model, state_hash
+from training.model import state_hash
+from training.tiny import build_tiny_model
 
 GENESIS = datetime(2026, 3, 1, tzinfo=UTC)
 MODEL = {

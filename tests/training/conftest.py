@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from training.adapters import MoEAdapter, adapter_for
-from training.model import build_tiny_model, tiny_config
+from training.tiny import build_tiny_model, tiny_config
 
 FAMILIES = ("qwen3_moe", "olmoe", "mixtral", "deepseek_v3", "qwen2_moe", "deepseek_v2")
 PAD = 256

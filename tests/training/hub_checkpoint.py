@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from training.corpus import generate, write_documents
-from training.model import build_tiny_model, tiny_config
+from training.tiny import build_tiny_model, tiny_config
 
 TOKENIZER_VOCAB = 200
 

@@ -22,7 +22,7 @@ import torch
 from training.adapters import MoEAdapter, adapter_for
 from training.corpus import generate
 from training.data import pack
-from training.model import build_tiny_model, tiny_config
+from training.tiny import build_tiny_model, tiny_config
 from training.tokenizer import ByteTokenizer
 
 U, A, B = 5, 2, 6

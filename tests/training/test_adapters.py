@@ -12,7 +12,8 @@ import torch
 
 from protocol.spec import parse_spec
 from training.adapters import ADAPTERS, adapter_for, family_of
-from training.model import BaseMismatchError, build_tiny_model, load_base, state_hash, tiny_config
+from training.model import BaseMismatchError, load_base, state_hash
+from training.tiny import build_tiny_model, tiny_config
 
 FAMILIES = tuple(ADAPTERS)
 @pytest.mark.parametrize("family", FAMILIES)

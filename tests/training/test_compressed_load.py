@@ -16,7 +16,8 @@ from training.adapters import adapter_for
 from training.blob import BlobMeta, encode_blob
 from training.checkpoint import model_sources
 from training.compressed import CompressedModel, compress, count_expert_rows
-from training.model import build_tiny_model, load_checkpoint, load_compressed, meta_model, tiny_config
+from training.model import load_checkpoint, load_compressed, meta_model
+from training.tiny import build_tiny_model, tiny_config
 from training.trainer import TrainConfig, train_experts
 
 from .conftest import pattern_sequences

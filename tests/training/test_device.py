@@ -13,7 +13,7 @@ from node.runtime.config import NodeConfig
 from protocol.spec import load_spec
 from tests.node.twins import write_network
 from training.device import GIB, check_device, scoring_bytes
-from training.model import build_tiny_model, tiny_config
+from training.tiny import build_tiny_model, tiny_config
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import torch
 
 from training.data import not_padding, pack
 from training.evaluate import heldout_loss
-from training.model import build_tiny_model, tiny_config
+from training.tiny import build_tiny_model, tiny_config
 from training.tokenizer import ByteTokenizer
 
 EOS = ByteTokenizer.eos_id

@@ -6,13 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 import training.corpus as corpus_module
-import training.model as model_module
 import training.pretrain as pretrain_module
+import training.tiny as tiny_module
 from training.data import pack
 from training.evaluate import heldout_loss
-from training.model import build_tiny_model, state_hash, tiny_config
+from training.model import state_hash
 from training.pretrain import (
     GENERAL_DOMAINS,
     TARGET_DOMAINS,
@@ -23,13 +24,16 @@ from training.pretrain import (
     pretrain,
     pretrained_base,
 )
+from training.tiny import build_tiny_model, tiny_config
 from training.tokenizer import ByteTokenizer
 
 QUICK = PretrainConfig(steps=30, batch_size=4, docs_per_domain=40)
 
 
 def test_pretraining_is_deterministic_and_lowers_general_loss() -> None:
+    threads = torch.get_num_threads()
     first, second = pretrain(QUICK), pretrain(QUICK)
+    assert torch.get_num_threads() == threads  # the steps ran in a child process with its own threads
     assert state_hash(first) == state_hash(second)
     untrained = build_tiny_model(QUICK.family, tiny_config(QUICK.family), seed=QUICK.seed)
     sequences = pack(general_corpus(QUICK), ByteTokenizer(), QUICK.seq_len)[:16]
@@ -55,13 +59,16 @@ def test_a_base_trained_on_another_tiny_config_or_corpus_is_not_reused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path, key = pretrained_base(tmp_path, QUICK), QUICK.key()
-    with monkeypatch.context() as patch:  # training.model's tiny config changed: smaller experts
-        patch.setitem(model_module._TINY, QUICK.family, {**tiny_config(QUICK.family), "moe_intermediate_size": 16})
+    with monkeypatch.context() as patch:  # training.tiny's tiny config changed: smaller experts
+        patch.setitem(tiny_module._TINY, QUICK.family, {**tiny_config(QUICK.family), "moe_intermediate_size": 16})
         assert QUICK.key() != key
         smaller = pretrained_base(tmp_path, QUICK)
         assert smaller != path and json.loads((smaller / "config.json").read_text())["moe_intermediate_size"] == 16
     with monkeypatch.context() as patch:  # training.corpus's prose changed
         patch.setitem(corpus_module._GENERATORS, "prose", lambda rng: f"a different sentence {rng.randint(0, 9)}.")
+        assert QUICK.key() != key
+    with monkeypatch.context() as patch:  # training.tiny's init rule changed
+        patch.setattr(pretrain_module, "INIT_RULE", "tessera-init/1")
         assert QUICK.key() != key
     assert QUICK.key() == key and pretrained_base(tmp_path, QUICK) == path
 

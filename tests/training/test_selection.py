@@ -14,8 +14,8 @@ import torch
 from training.adapters import adapter_for
 from training.corpus import generate
 from training.data import pack
-from training.model import build_tiny_model, tiny_config
 from training.selection import choose, routing_stats, select_experts
+from training.tiny import build_tiny_model, tiny_config
 from training.tokenizer import ByteTokenizer
 
 U, A, B = 5, 2, 6

@@ -18,7 +18,8 @@ from training.corpus import generate
 from training.data import batches, heldout_subset, pack
 from training.evaluate import heldout_loss
 from training.experts import extract
-from training.model import build_tiny_model, state_hash, tiny_config
+from training.model import state_hash
+from training.tiny import build_tiny_model, tiny_config
 from training.tokenizer import ByteTokenizer
 from training.trainer import TrainConfig, train_experts
 from validator.scoring import Scorer, ScoreResult, ScoringStopped
