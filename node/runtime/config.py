@@ -95,20 +95,9 @@ class MinerSection(_Section):
     keep_optimizer: bool = Field(
         default=False,
         description="Go on from the inner AdamW state of the last round trained, as DiLoCo's workers do, instead of "
-        "starting it at zero each round; held in memory (a restart starts at zero).",
-    )
-    rewind_optimizer: bool = Field(
-        default=True,
-        description="With keep_optimizer: where no update was merged since the last round trained (the merged "
-        "experts are the same), go back to the AdamW state from before that round (a copy in host memory) "
-        "instead of going on from it. Keeps a network whose state stops moving from stalling for good; "
-        "docs/learning.md measures what it costs elsewhere.",
-    )
-    backtrack_lr: bool = Field(
-        default=True,
-        description="With rewind_optimizer: after each round where no update was merged, train at half the last "
-        "round's inner lr (down to 1/64 of the spec's), and at the spec's lr again once an update is merged. A "
-        "rewound miner otherwise retries the same step, which may keep failing Proof-of-Loss.",
+        "starting it at zero each round; held in memory (a restart starts at zero). After a round that merged "
+        "nothing (the merged experts are the same) the state goes back to what it was before that round (a copy in "
+        "host memory) and the inner lr is halved (down to 1/64 of the spec's) until an update is merged.",
     )
     data: ConfigPath | None = Field(default=None, description="Local training file overriding the spec's train files.")
     behaviour: Literal["honest", "lazy", "noise", "copier", "late", "garbage"] = Field(

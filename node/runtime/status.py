@@ -206,10 +206,7 @@ class StatusViews:
 def learning_settings(spec: NetworkSpec, config: NodeConfig) -> dict[str, Any]:
     """How this network learns, as /status shows it: what miners send, how they train, how the state is merged.
 
-    All from the spec but `keep_optimizer`, `rewind_optimizer` and `backtrack_lr`, a miner's own settings (None on
-    a validator; `rewind_optimizer` None too where the miner does not keep its AdamW state, and `backtrack_lr`
-    where it does not rewind it)."""
-    rewinds = config.node.role == "miner" and config.miner.keep_optimizer and config.miner.rewind_optimizer
+    All from the spec but `keep_optimizer`, a miner's own setting (None on a validator)."""
     submission, training, aggregation = spec.submission, spec.training, spec.aggregation
     return {
         "format": submission.format,
@@ -220,9 +217,6 @@ def learning_settings(spec: NetworkSpec, config: NodeConfig) -> dict[str, Any]:
         "inner_beta1": training.beta1,
         "batch_size": training.batch_size,
         "keep_optimizer": config.miner.keep_optimizer if config.node.role == "miner" else None,
-        "rewind_optimizer": config.miner.rewind_optimizer
-        if config.node.role == "miner" and config.miner.keep_optimizer else None,
-        "backtrack_lr": config.miner.backtrack_lr if rewinds else None,
         "top_g": aggregation.top_g,
         "outer_lr": aggregation.outer_lr,
         "outer_lr_scale": aggregation.outer_lr_scale,

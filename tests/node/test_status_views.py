@@ -189,23 +189,15 @@ def test_status_says_how_the_network_learns(spec_dict: dict[str, Any], tmp_path:
         "format": "pgrad", "pgrad": {"chunk": 128, "topk": 16, "quant": "int8", "partitions": 4},
         "experts": 3,  # the group is {0: [1, 3], 1: [0]}
         "inner_steps": 5, "inner_lr": 2e-3, "inner_beta1": 0.656, "batch_size": 4, "keep_optimizer": True,
-        "rewind_optimizer": True, "backtrack_lr": True, "top_g": 8, "outer_lr": 2.5, "outer_lr_scale": "merged", "momentum": 0.0, "weighting": "uniform",
+        "top_g": 8, "outer_lr": 2.5, "outer_lr_scale": "merged", "momentum": 0.0, "weighting": "uniform",
         "average_decay": 0.9}
     validator = NodeConfig(node={"role": "validator", "spec": tmp_path / "spec.toml"},
                            validator={"heldout": tmp_path / "heldout.jsonl"})
     experts = learning_settings(parse_spec(make_spec_dict()), validator)
     assert experts["format"] == "experts" and experts["pgrad"] is None
-    assert experts["keep_optimizer"] is None and experts["rewind_optimizer"] is None  # a validator has neither
-    assert experts["backtrack_lr"] is None
-    not_kept = NodeConfig(node={"role": "miner", "spec": tmp_path / "spec.toml"}, miner={"rewind_optimizer": True})
-    assert learning_settings(pgrad, not_kept)["rewind_optimizer"] is None  # nothing to rewind
-    turned_off = NodeConfig(node={"role": "miner", "spec": tmp_path / "spec.toml"},
-                            miner={"keep_optimizer": True, "rewind_optimizer": False})
-    assert learning_settings(pgrad, turned_off)["rewind_optimizer"] is False
-    assert learning_settings(pgrad, turned_off)["backtrack_lr"] is None  # backtracks only a rewound miner
-    no_backtrack = NodeConfig(node={"role": "miner", "spec": tmp_path / "spec.toml"},
-                              miner={"keep_optimizer": True, "backtrack_lr": False})
-    assert learning_settings(pgrad, no_backtrack)["backtrack_lr"] is False
+    assert experts["keep_optimizer"] is None  # a miner's own setting
+    not_kept = NodeConfig(node={"role": "miner", "spec": tmp_path / "spec.toml"})
+    assert learning_settings(pgrad, not_kept)["keep_optimizer"] is False
 
 
 async def test_status_and_a_scrape_read_only_the_last_rounds_global_states(
