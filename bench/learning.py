@@ -1,67 +1,35 @@
-"""Learning benchmark: does the network learn as well as one node tuning the same experts, and faster with more miners?
+"""Learning benchmark: how far a network of M miners lowers held-out loss round by round, against one node.
 
-In-process, one run, CPU, on the pretrained tiny base (`training.pretrain`) and a target domain it
-never saw: a skill (arithmetic, records: rules learned once, so a step's progress hardly depends on
-how much data it sees) or knowledge (facts: many independent facts about people, tuned from a base
-that knows the sentence form from other people, `training.pretrain.base_config`; more data per step
-learns more facts). `--form-base` tunes a skill from a base that also read its form with random
-results, so the base is not confidently wrong on it and tuning learns only the rule. The network
-arms (`bench/learning_runs.py` runs every arm) use the protocol's own pieces each round: every miner
-trains the group from the global state (`training.trainer`, H steps on its shard), submits full
-experts or a compressed pseudo-gradient (`training.pgrad`, error feedback kept per miner), validators
-score each submission by Proof-of-Loss on a held-out subset the round seed picks, drop
-near-duplicates, merge the top-G with positive utility by the outer step (`training.outer`). Ranking
-is by loss with utility > 0, as `protocol.ranking` does; rewards are not computed.
-
-Arms: the network with M = 1, 4, 8 miners; single-node expert tuning (ESFT) of the same group for as
-many steps as the largest network spends, evaluated every H steps (the ESFT curve; equal tokens for
-every M, and one miner's tokens, are points on it); full fine-tuning of all weights with the 4-miner
-network's tokens as a reference; the 4-miner network with half its miners adversarial (one adds
-noise, one copies an honest miner), and with miners that keep their AdamW state from round to round
-(`Arm.keep_optimizer`; alone, and with outer momentum 0.5 on 4 and 8 miners and with half of 4
-adversarial); short rounds (`Arm.inner_steps`: H = 5 over four times the rounds, so every arm spends
-the same miner steps) with kept AdamW state and outer lr 2 on 4 and 8 miners and with half of 4
-adversarial (`SHORT`), sending full experts and compressed pseudo-gradients, and compressed at outer
-lr 2.5 (`SHORT_PGRAD`); miners that merge after every step at an outer lr equal to their number
-(`EVERY_STEP`), on 4 and 8 miners and with half of 4 adversarial; networks of 1, 4 and 8 miners
-sending compressed pseudo-gradients, whole (every miner every chunk) and partitioned (each miner a
-half or a quarter of the chunks, drawn from its id and the round, `training.pgrad`); a sweep of
-outer-optimizer settings and data shards on the 4-miner network, and on 4 and 8 miners of merge
-gates other than Proof-of-Loss on each submission (`Arm.gate`) and of updates weighted by their
-utility (`Arm.weighting`), and of kept AdamW state without outer momentum on 8 miners and on 4 with
-half adversarial, and of short rounds at other outer lrs, without kept state and without the gate,
-and of miners that each train only their share of the group's experts (`Arm.experts`), at H = 20
-and in short rounds, and a grid of the steps between merges and the outer lr (`sync_grid`);
-and the data-parallel ceiling: ESFT with M times the miners' batch for one miner's steps (as if M
-miners averaged gradients after every step), which bounds what a plain average (outer lr 1) of M
-miners' updates can reach, and for 4 miners again at 2 and 4 times the inner lr (a step on 4 times
-the batch has half the gradient noise and can be larger: what an outer lr above 1 can reach); and,
-to show whether the shared inner lr is fair to the baseline, ESFT for the 4-miner network's tokens,
-that network and the 4-miner `EVERY_STEP` network again at half and at double the lr; and, to show
-how much of a result is the draw, the headline arms (1, 4 and 8 miners, full and partitioned
-compressed), the ESFT curve and the ceiling again under two other seeds for the shards, batch orders
-and round seeds (`Settings.seed`), with the adversarial, optimizer-keeping and short-round arms.
-Reported per arm: held-out loss after every round, general-domain loss change (forgetting),
-`network_vs_esft` (loss drop / ESFT's drop at equal total tokens), `esft_equivalent_steps` after
-each round (ESFT steps that reach the same loss, linear between curve points), `parallel_efficiency`
-(those steps / miner steps spent; honest miners' steps for the adversarial arm) and
-`parallel_efficiency_monotone`, the same read on the non-increasing fit of the ESFT curve
-(`monotone`): where the curve is flat, its noise moves the first read, and the two disagree. The
-tuned arms merge every useful submission (top-G 8) by plain averaging (outer lr 1, no momentum) with
-a copy threshold of cosine 0.9999: honest miners starting from one state agree to about 0.995 after
-20 steps, so the old 0.99 dropped them all (the sweep's `old_defaults_dup0.99`).
-`targets` sets the issue's targets next to what was measured, and next to the efficiency that keeping
-0.95 of ESFT's drop alone takes (`efficiency_for_share`).
-Usage: python bench/learning.py [--domain D] [--form-base] [--rounds R] [--inner-steps H] [--out FILE.json]
+For each domain, seed, number of miners M and H (`--inner-steps`) it writes a network as `tessera spec
+new` would, with the spec's defaults, H and then `--set`, on the pretrained tiny base
+(`training.pretrain`; a target domain the base never saw, facts from a base that read their form) and
+the domain's training and held-out files. Then it runs `--rounds` rounds in one process, all through
+the product's code: the validators' seeds give the round seed (`protocol.seeds`), and every miner trains
+from the adopted state and builds its blob with the honest builder (`miner.submission.build_submission`).
+Each validator scores the miners assigned to it (`protocol.assignment`) with `validator.scoring.Scorer`,
+by Proof-of-Loss on the held-out subset the round seed picks. `validator.merge.merge_round` ranks the
+reports, rewards and merges them into the next state (`training.state.GlobalExperts.child`). This
+file has no round logic of its own: it changes only the inputs.
+Reported per run, on held-out documents the validators never score (the report set): the base's loss,
+the adopted state's after every round (`adopted_losses`: the average of the merged states where the
+spec keeps one), the best single submission's in that round (`best_single_losses`, None when none was
+accepted) and how many were merged. `baselines` holds single-node expert tuning (ESFT) at equal tokens:
+the miners' own training code on the same batches in the same order, as one AdamW run from the base,
+read after each round's worth of tokens.
+Usage: python bench/learning.py [--domain D,...] [--miners M,...] [--rounds R] [--inner-steps H,...]
+       [--seeds S,...] [--keep-optimizer] [--set SECTION.FIELD=VALUE]... [--small] [--out FILE.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import hashlib
 import sys
+import tempfile
 import time
-from dataclasses import asdict, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -69,344 +37,262 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.learning_runs import (  # noqa: E402
-    Arm,
-    Bench,
-    Settings,
-    at_learning_rate,
-    changed_settings,
-    data_parallel,
-    efficiency_for_share,
-    round_shape,
-    summarise,
-)
-from bench.report import emit  # noqa: E402
-from training.pgrad import PgradConfig  # noqa: E402
-from training.pretrain import TARGET_DOMAINS, base_config  # noqa: E402
+from bench.report import emit, out_file  # noqa: E402
+from miner.model import MinerModel, MinerSettings  # noqa: E402
+from miner.optimizer import InnerOptimizer  # noqa: E402
+from miner.submission import Diverged, ErrorFeedback, build_submission  # noqa: E402
+from node.cli.common import add_spec_settings, comma_list  # noqa: E402
+from node.sim.layout import DEFAULT_TIMING, default_cache_dir, to_toml  # noqa: E402
+from protocol.assignment import assign  # noqa: E402
+from protocol.identity import Identity  # noqa: E402
+from protocol.seeds import commitment, round_seed  # noqa: E402
+from protocol.spec import NetworkSpec, apply_settings, judge_settings, load_spec  # noqa: E402
+from training.adapters import adapter_for  # noqa: E402
+from training.blob import blob_hash  # noqa: E402
+from training.checkpoint import checkpoint_hash, config_hash, read_config  # noqa: E402
+from training.corpus import generate, write_documents  # noqa: E402
+from training.data import check_disjoint, file_sha256, load_sequences, pack  # noqa: E402
+from training.evaluate import loss_with_experts  # noqa: E402
+from training.experts import extract  # noqa: E402
+from training.model import load_base, load_checkpoint  # noqa: E402
+from training.pretrain import TARGET_DOMAINS, PretrainConfig, base_config, pretrained_base  # noqa: E402
+from training.selection import select_experts  # noqa: E402
+from training.state import GlobalExperts  # noqa: E402
+from training.tokenizer import ByteTokenizer  # noqa: E402
+from validator.merge import MergeResult, merge_round  # noqa: E402
+from validator.scoring import Scorer  # noqa: E402
 
-SHORT = "h5_keep_optimizer_lr2"
-"""The short-round arms: H = 5 over 4 times the rounds, miners keeping their AdamW state, outer lr 2 (about
-the square root of the 4 miners merged: each miner's AdamW step is normalised by its own batch's gradient
-noise, so the mean of M such steps moves about as far as one, where one step on M times the batch moves
-about sqrt(M) times as far)."""
-
-SHORT_PGRAD = "h5_keep_optimizer_lr2.5_pgrad_p2"
-"""The short-round arms sending compressed pseudo-gradients (`pgrad_2bit_c256_k40_p2`) at outer lr 2.5. Each
-round applies only the top entries of half the chunks per miner and the error buffers hold the rest back,
-so the same outer lr moves the compressed network less far than the full one; the outer lr was picked from
-2, 2.5 and 3 on records from the form-aware base (`docs/learning.md`)."""
-
-EVERY_STEP = "h1_keep_optimizer_lrM"
-"""Miners that merge after every step (H = 1, a hundred rounds), keeping their AdamW state, at an outer lr equal
-to the number of miners M the network is run with (4, and 8 on 8 miners). Where gradient noise rather than
-the number of steps limits learning, the mean of M miners' steps is one step on M times the data with 1/M of
-the noise, and sequential ESFT's M steps move about M times as far as one; an outer lr of M takes that
-distance. Merged after more steps, each miner's update has already gone as far as the sharp directions
-allow, and M times it overshoots (the sweep's `h{H}_keep_optimizer_lr{a}_4`)."""
-
-SHORT_FAMILIES = (SHORT, f"{SHORT}_pgrad_p2", SHORT_PGRAD)
-"""The short-round families: full experts at outer lr 2, compressed at 2 and at 2.5."""
-
-AVERAGED = "h1_keep_optimizer_lr_per_update_beta1M_subset128_average0.9"
-"""Miners that merge after every step, keeping their AdamW state at beta1 0.9^M for M miners, at an outer lr equal
-to the number of updates merged, gated by Proof-of-Loss on 128 held-out sequences, in a network that offers the
-average of its merged states at decay 0.9 (`aggregation.average_decay`): `bench/outer_lr.py`'s pick, the one
-family that holds every target on records (docs/learning.md, "Reporting the average of the merged states")."""
-
-REWOUND = "h1_keep_optimizer_rewind_lr_per_update_beta1_0.6561_subset128_average0.9"
-"""`AVERAGED` with two changes. After a round that merges nothing, the miners' AdamW state goes back to what it was
-before the round (`Arm.rewind`, what `[miner] rewind_optimizer` does in the node): on arithmetic, with half the
-miners adversarial, `AVERAGED`'s miners stopped passing the gate for good once the state stood still. And one
-spec for 4 miners and 8: beta1 0.9^4 = 0.6561, the 4-miner network's, so its 8-miner arm is more miners joining
-that network, not a network specified for 8 (`bench/outer_lr.py`'s `_rewind` arms; docs/learning.md)."""
-
-BACKTRACKED = "h1_keep_optimizer_rewind_backtrack_lr_per_update_beta1_0.6561_subset128_average0.9"
-"""`REWOUND` whose miners also halve their inner lr after each round that merges nothing, down to 1/64, and go
-back to the spec's lr once a round merges an update (`Arm.backtrack`, what `[miner] backtrack_lr` does in the
-node): rewound, `REWOUND`'s one honest miner left with half the miners adversarial still stalled under seed 2,
-retrying the same overshooting step (`bench/outer_lr.py`'s `_backtrack` arms; docs/learning.md)."""
-
-FAMILIES = (*SHORT_FAMILIES, EVERY_STEP, AVERAGED, REWOUND, BACKTRACKED)
-"""The families of 4 miners, 8 miners and 4 with half adversarial that the targets read."""
-
-CEILING_LR_FACTORS = (2.0, 4.0)
-"""The 4-miner data-parallel ceiling is also run at the inner lr times these (about sqrt(M) and M): a step on
-M times the batch has less noise and can be larger."""
-
-SEED_ARMS = ("network_1", "network_4", "network_8", "adversarial_4", "pgrad_2bit_c256_k40_p2_4",
-             "pgrad_2bit_c256_k40_p2_8", "keep_optimizer_4", "keep_optimizer_momentum0.5_4",
-             "keep_optimizer_momentum0.5_8", "keep_optimizer_momentum0.5_adversarial_4",
-             *(f"{family}_{name}" for family in FAMILIES for name in ("4", "8", "adversarial_4")))
-"""The arms the `seeds` section repeats: the ones the headline targets read."""
+VALIDATORS = 2
+"""Validators in every spec: the spec's default replication (2) then has each miner scored by two."""
+SEQ_LEN = 64
+SELECTION_SEQUENCES = 64
+GENESIS = datetime(2026, 1, 1, tzinfo=UTC)
+"""A fixed genesis, so that the same arguments write the same spec (its network id names blobs)."""
+MINER = MinerSettings()
+"""How every miner trains: on the CPU, the full model (the node's `[miner]` defaults)."""
 
 
-def headline(runs: dict[str, dict[str, Any]], ceiling: dict[str, Any], share_needs: float | None) -> dict[str, Any]:
-    """The numbers of one seed's run that the targets read; `share_needs` is `efficiency_for_share` at 4 miners."""
-    four, eight = runs["network_4"], runs["network_8"]
-    return {
-        "final_loss": {name: runs[name]["losses"][-1] for name in SEED_ARMS},
-        "merged_per_round": {name: [len(m) for m in runs[name]["merged"]] for name in SEED_ARMS},
-        "network_vs_esft_4": four.get("network_vs_esft"),
-        "parallel_efficiency_4": four["parallel_efficiency"],
-        "parallel_efficiency_4_monotone": four["parallel_efficiency_monotone"],
-        "parallel_efficiency_4_ceiling": ceiling["parallel_efficiency"],
-        "parallel_efficiency_4_share_needs": share_needs,
-        "progress_4_over_1": _ratio(four, runs["network_1"]),
-        **{f"{key}_{name}": runs[name].get(key)
-           for name in ("keep_optimizer_4", "keep_optimizer_momentum0.5_4", *(f"{f}_4" for f in FAMILIES))
-           for key in ("network_vs_esft", "parallel_efficiency", "parallel_efficiency_monotone")},
-        "8_ahead_of_4": eight["losses"][-1] < four["losses"][-1],
-        "8_ahead_of_4_pgrad_partitions_2": runs["pgrad_2bit_c256_k40_p2_8"]["losses"][-1]
-        < runs["pgrad_2bit_c256_k40_p2_4"]["losses"][-1],
-        "8_ahead_of_4_keep_optimizer_momentum0.5": runs["keep_optimizer_momentum0.5_8"]["losses"][-1]
-        < runs["keep_optimizer_momentum0.5_4"]["losses"][-1],
-        **{f"8_ahead_of_4_{family}": runs[f"{family}_8"]["losses"][-1] < runs[f"{family}_4"]["losses"][-1]
-           for family in FAMILIES},
-        **{f"forgetting_4_no_worse_than_esft_{family}": _forgets_no_more(runs[f"{family}_4"])
-           for family in FAMILIES},
-        "adversarial_lowers_every_round": runs["adversarial_4"]["lowered_every_round"],
-        "adversarial_lowers_every_round_keep_optimizer_momentum0.5":
-            runs["keep_optimizer_momentum0.5_adversarial_4"]["lowered_every_round"],
-        **{f"adversarial_lowers_every_round_{family}": runs[f"{family}_adversarial_4"]["lowered_every_round"]
-           for family in FAMILIES},
-        **{f"adversarial_rounds_lowered_{family}": runs[f"{family}_adversarial_4"]["rounds_lowered"]
-           for family in FAMILIES},
+@dataclass(frozen=True)
+class Size:
+    """How large the base, the data and (unless given) the runs are."""
+
+    train_docs: int
+    heldout_docs: int
+    report_docs: int
+    """The held-out documents kept for the report set; the validators' file holds the rest."""
+    miners: tuple[int, ...]
+    rounds: int
+    inner_steps: tuple[int, ...]
+    base: Callable[[str], PretrainConfig]
+    """The pretrained base a domain is tuned from."""
+
+
+def quick_base(domain: str) -> PretrainConfig:
+    """The domain's base (`training.pretrain.base_config`) trained for 30 steps on little data."""
+    return replace(base_config(domain), steps=30, batch_size=4, docs_per_domain=40)
+
+
+FULL = Size(train_docs=3000, heldout_docs=600, report_docs=200, miners=(4,), rounds=5, inner_steps=(20,),
+            base=base_config)
+SMALL = Size(train_docs=200, heldout_docs=60, report_docs=20, miners=(2,), rounds=2, inner_steps=(2,),
+             base=quick_base)
+"""A few seconds on a CPU, for the test suite: a base trained for 30 steps, small data, 2 miners, 2 rounds of 2 steps."""
+
+
+def identity(role: str, index: int, seed: int = 0) -> Identity:
+    """The key of `role` `index` under `seed` (validators use seed 0, so every seed runs the same spec)."""
+    return Identity.from_seed(hashlib.sha256(f"tessera-learning:{seed}:{role}:{index}".encode()).digest())
+
+
+def write_network(directory: Path, domain: str, inner_steps: int, size: Size, cache: Path,
+                  settings: list[tuple[str, Any]]) -> Path:
+    """Write a network of `domain` into `directory` (spec.toml, base/, data/) as `tessera spec new` would;
+    the spec path. The report set goes to data/report.jsonl, which the spec does not name."""
+    base = pretrained_base(cache, size.base(domain))
+    (directory / "base").symlink_to(base, target_is_directory=True)
+    train = generate(domain, size.train_docs, 11)
+    held = generate(domain, size.heldout_docs, 12)
+    check_disjoint(train, held)  # as `spec new`: validators refuse held-out data the miners train on
+    data = directory / "data"
+    write_documents(data / "train.jsonl", train)
+    write_documents(data / "heldout.jsonl", held[size.report_docs:])
+    write_documents(data / "report.jsonl", held[: size.report_docs])
+    model = load_checkpoint(base, dtype=torch.float32, attn_implementation="eager")
+    adapter = adapter_for(model.config.model_type)
+    sequences = pack(train, ByteTokenizer(), SEQ_LEN)[:SELECTION_SEQUENCES]
+    group = select_experts(model, adapter, sequences, "gate-mass", top_d=2)["group"]
+    spec: dict[str, Any] = {
+        "name": f"learning-{domain}",
+        "genesis": GENESIS,
+        "timing": dict(DEFAULT_TIMING),
+        "model": {"family": adapter.family, "checkpoint": "base", "base_hash": checkpoint_hash(base),
+                  "config_sha256": config_hash(read_config(base))},
+        "group": {str(layer): experts for layer, experts in sorted(group.items())},
+        "data": {"train": ["data/train.jsonl"], "heldout_sha256": file_sha256(data / "heldout.jsonl"),
+                 "tokenizer": "byte", "seq_len": SEQ_LEN},
+        "validators": [{"key": identity("validator", v).node_id, "weight": 1.0} for v in range(VALIDATORS)],
     }
+    apply_settings(spec, [("training.inner_steps", inner_steps), *settings])
+    path = directory / "spec.toml"
+    path.write_text(to_toml(spec), encoding="utf-8")
+    return path
 
 
-def other_seeds(bench: Bench, arms: dict[str, Arm], main: dict[str, Any], seeds: tuple[int, ...]) -> dict[str, Any]:
-    """The headline arms, their ESFT curve and the 4-miner ceiling again under other seeds (`Settings.seed`).
+class Network:
+    """What one spec's runs load once: the miners' model and data, the validators' scorer and the report set."""
 
-    `main` is seed 0's `headline`. Returns each seed's headline and, per number, its range over all seeds.
-    """
-    shared = bench.s
-    per_miner = shared.inner_steps * shared.rounds
-    by_seed = {"0": main}
-    for seed in seeds:
-        with changed_settings(bench, seed=seed):
-            curve, forgetting = bench.esft_curve(8 * per_miner, shared.inner_steps, {m * per_miner for m in (1, 4, 8)})
-            runs = {name: bench.network(arms[name]) for name in SEED_ARMS}
-            for run in runs.values():
-                summarise(bench, run, curve, forgetting)
-            by_seed[str(seed)] = headline(runs, data_parallel(bench, curve, 4),
-                                          efficiency_for_share(curve, bench.base_loss, 4 * per_miner))
-    ranges = {key: [min(h[key] for h in by_seed.values()), max(h[key] for h in by_seed.values())]
-              for key in main if not isinstance(main[key], (dict, bool))
-              if all(h[key] is not None for h in by_seed.values())}
-    held = {key: sum(h[key] for h in by_seed.values()) for key in main if isinstance(main[key], bool)}
-    return {"by_seed": by_seed, "range": ranges, f"seeds where it holds (of {len(by_seed)})": held}
+    def __init__(self, spec_path: Path) -> None:
+        self.spec: NetworkSpec = load_spec(spec_path)
+        self.miners = MinerModel.load(self.spec, spec_path)
+        model, adapter = load_base(self.spec, spec_path, attn_implementation="eager")
+        data = spec_path.parent / "data"
+        tokenizer = ByteTokenizer()
+        heldout = load_sequences([data / "heldout.jsonl"], tokenizer, self.spec.data.seq_len)
+        self.report = load_sequences([data / "report.jsonl"], tokenizer, self.spec.data.seq_len)
+        self.scorer = Scorer(model, adapter, self.spec, heldout, tokenizer.pad_id)
+        self.genesis = GlobalExperts.genesis(self.spec, extract(model, adapter, self.spec.group))
 
+    def loss(self, tensors: Mapping[str, torch.Tensor]) -> float:
+        """Loss on the report set of the base holding `tensors` (the scorer's model keeps its experts)."""
+        s = self.scorer
+        return round(loss_with_experts(s.model, s.adapter, tensors, self.report, s.batch_size, str(s.device),
+                                       s.pad_id).loss, 4)
 
-def targets(runs: dict[str, dict[str, Any]], ceilings: dict[str, dict[str, Any]], share_needs: float | None) -> dict[str, Any]:
-    """The issue's targets next to what this run measured, the data-parallel ceiling they are bounded by,
-    and the efficiency the share target alone asks for (`efficiency_for_share`)."""
-    four, eight = runs["network_4"], runs["network_8"]
-    pgrad = {name: {"network_vs_esft": run.get("network_vs_esft"),
-                    "payload_vs_bf16": round(run["pgrad"]["bf16_bytes"] / run["pgrad"]["payload_bytes"], 1)}
-             for name, run in runs.items() if name.startswith("pgrad_")}
-    return {
-        "network_vs_esft_4 (>= 0.95)": four.get("network_vs_esft"),
-        "network_vs_esft_8 (>= 0.95)": eight.get("network_vs_esft"),
-        "parallel_efficiency_4 (>= 0.5)": four["parallel_efficiency"],
-        "parallel_efficiency_4 read on the monotone fit of the ESFT curve": four["parallel_efficiency_monotone"],
-        "progress_4_over_1 (ESFT-equivalent steps of 4 miners / of 1)": _ratio(four, runs["network_1"]),
-        "parallel_efficiency_4_ceiling (synchronous data parallel)": ceilings["4"]["parallel_efficiency"],
-        "network_vs_esft_4_ceiling (synchronous data parallel)": ceilings["4"]["network_vs_esft"],
-        **{f"{key}_4_ceiling at inner lr x{factor:g}": ceilings[f"4_lr{factor:g}x"][key]
-           for key in ("parallel_efficiency", "network_vs_esft") for factor in CEILING_LR_FACTORS},
-        "parallel_efficiency_4 that keeping 0.95 of ESFT's drop takes (both targets: the larger of it and 0.5)":
-            share_needs,
-        "8_ahead_of_4": eight["losses"][-1] < four["losses"][-1],
-        "8_ahead_of_4_pgrad_partitions_2": runs["pgrad_2bit_c256_k40_p2_8"]["losses"][-1]
-        < runs["pgrad_2bit_c256_k40_p2_4"]["losses"][-1],
-        "forgetting_4_no_worse_than_esft": _forgets_no_more(four),
-        "adversarial_lowers_every_round": runs["adversarial_4"]["lowered_every_round"],
-        "pgrad (payload >= 16x, network_vs_esft >= 0.9)": pgrad,
-        f"{SHORT} (H = 5 over 4x the rounds, kept AdamW state, outer lr 2)": short_rounds(runs, SHORT),
-        f"{SHORT}_pgrad_p2 (the same, compressed as pgrad_2bit_c256_k40_p2)": short_rounds(runs, f"{SHORT}_pgrad_p2"),
-        f"{SHORT_PGRAD} (the same compressed, at outer lr 2.5)": short_rounds(runs, SHORT_PGRAD),
-        f"{EVERY_STEP} (H = 1 over 20x the rounds, kept AdamW state, outer lr = M)": short_rounds(runs, EVERY_STEP),
-        f"{AVERAGED} (the same at an outer lr per update merged and beta1 0.9^M, gated on 128 sequences, "
-        "offering the average of the merged states at decay 0.9)": short_rounds(runs, AVERAGED),
-        f"{REWOUND} (the same with the miners' AdamW state rewound after a round that merges nothing, "
-        "and the 4-miner spec's beta1 for 8 miners)": short_rounds(runs, REWOUND),
-        f"{BACKTRACKED} (the same with the miners' inner lr halved after each round that merges nothing, "
-        "back to the spec's once one merges)": short_rounds(runs, BACKTRACKED),
-    }
+    def run(self, miners: int, rounds: int, seed: int, keep_optimizer: bool) -> dict[str, Any]:
+        """`rounds` rounds of `miners` honest miners from genesis; the losses after each."""
+        ids = [identity("miner", i, seed).node_id for i in range(miners)]
+        pgrad = self.spec.submission.format == "pgrad"
+        feedback = {m: ErrorFeedback() if pgrad else None for m in ids}
+        optimizers = {m: InnerOptimizer() if keep_optimizer else None for m in ids}
+        state = self.genesis
+        adopted, best, merged = [], [], []
+        for r in range(rounds):
+            blobs: dict[str, bytes] = {}
+            for m in ids:
+                try:
+                    blobs[m], _ = build_submission(self.miners, m, r, state.hash, state.tensors, MINER,
+                                                   feedback=feedback[m], optimizer=optimizers[m])
+                except Diverged as exc:
+                    print(f"round {r}: miner {m[:8]}: {exc}", file=sys.stderr)
+            result, accepted = self.merge(r, seed, state, blobs)
+            if result.changed or state.average is not None:  # as the validator duty: an average moves every round
+                state = state.child(r, result.new_global, result.new_momentum)
+            adopted.append(self.loss(state.offered))
+            best.append(min((self.loss(t) for t in accepted.values()), default=None))
+            merged.append(len(result.contributors))
+        return {"base_loss": self.loss(self.genesis.offered), "adopted_losses": adopted,
+                "best_single_losses": best, "merged": merged}
 
+    def merge(self, round: int, seed: int, state: GlobalExperts,
+              blobs: Mapping[str, bytes]) -> tuple[MergeResult, dict[str, dict[str, torch.Tensor]]]:
+        """The validators' part of `round`: the round seed from their seeds, each scoring the miners assigned to
+        it, then `merge_round` on their reports; its result and the accepted submissions' experts."""
+        validators = [identity("validator", v).node_id for v in range(VALIDATORS)]
+        seeds = {v: hashlib.sha256(f"tessera-learning:{seed}:{round}:{v}".encode()).hexdigest() for v in validators}
+        seed_r = round_seed({v: commitment(s) for v, s in seeds.items()}, seeds)
+        revealed = {m: blob_hash(data) for m, data in blobs.items()}
+        assignment = assign(seed_r, revealed, validators, self.spec.rewards.replication)
+        reports, accepted = {}, {}
+        for v in validators:
+            mine = {m: (revealed[m], blobs[m]) for m, chosen in assignment.items() if v in chosen}
+            scored = self.scorer.score_round(round, seed_r, state.tensors, state.hash, mine)
+            reports[v] = scored.report(round, state.hash)
+            accepted.update(scored.accepted)
+        result = merge_round(reports, assignment, revealed, accepted, dict(state.tensors), dict(state.momentum),
+                             self.spec, state.hash)
+        return result, accepted
 
-def short_rounds(runs: dict[str, dict[str, Any]], family: str) -> dict[str, Any]:
-    """The targets read on one family of short-round arms (`FAMILIES`)."""
-    four, eight, adversarial = (runs[f"{family}_{name}"] for name in ("4", "8", "adversarial_4"))
-    return {
-        "network_vs_esft_4 (>= 0.95)": four.get("network_vs_esft"),
-        "parallel_efficiency_4 (>= 0.5)": four["parallel_efficiency"],
-        "parallel_efficiency_4 read on the monotone fit of the ESFT curve": four["parallel_efficiency_monotone"],
-        "8_ahead_of_4": eight["losses"][-1] < four["losses"][-1],
-        "forgetting_4_no_worse_than_esft": _forgets_no_more(four),
-        "adversarial_lowers_every_round": adversarial["lowered_every_round"],
-        "adversarial_rounds_lowered": f"{adversarial['rounds_lowered']} of {len(adversarial['losses'])}",
-    }
-
-
-def averaged_family() -> dict[str, Arm]:
-    """`AVERAGED` on 4 miners, on 8, and on 4 with half adversarial, each miner's beta1 0.9^M for M miners (a
-    spec sets beta1 for the miners a network is run with, not for who turns up)."""
-    arm = Arm(inner_steps=1, keep_optimizer=True, lr_per_update=True, subset=128, average=0.9)
-    return {name: replace(each, beta1=round(0.9**each.miners, 6)) for name, each in family(AVERAGED, arm).items()}
+    def esft(self, miners: int, rounds: int, seed: int) -> list[float]:
+        """One node tuning the group on every miner's batches of every round in turn, one AdamW run throughout;
+        its loss after each round's `miners` x H steps."""
+        ids = [identity("miner", i, seed).node_id for i in range(miners)]
+        tensors: Mapping[str, torch.Tensor] = self.genesis.tensors
+        optimizer: dict[str, Any] | None = None
+        losses = []
+        for r in range(rounds):
+            for m in ids:
+                result = self.miners.train(m, r, tensors, MINER, lambda: True, optimizer_state=optimizer)
+                tensors, optimizer = result.tensors, result.optimizer_state
+            losses.append(self.loss(tensors))
+        return losses
 
 
-def rewound_family() -> dict[str, Arm]:
-    """`REWOUND` on 4 miners, on 8, and on 4 with half adversarial, all under one spec (beta1 0.9^4)."""
-    return family(REWOUND, Arm(inner_steps=1, keep_optimizer=True, rewind=True, lr_per_update=True, subset=128,
-                               average=0.9, beta1=round(0.9**4, 6)))
+def integers(least: int) -> Callable[[str], tuple[int, ...]]:
+    """argparse's type for a comma-separated list of integers of at least `least` (`--miners 1,4,8`)."""
+
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(item) for item in comma_list(text))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        if not values or min(values) < least:
+            raise argparse.ArgumentTypeError(f"expected integers of at least {least}, got {text!r}")
+        return values
+
+    return parse
 
 
-def backtracked_family() -> dict[str, Arm]:
-    """`BACKTRACKED`: `rewound_family` with the miners' inner lr backtracking after level rounds."""
-    return {name.replace(REWOUND, BACKTRACKED): replace(arm, backtrack=True) for name, arm in rewound_family().items()}
+def domains(text: str) -> tuple[str, ...]:
+    """argparse's type for `--domain arithmetic,facts`: target domains of `training.pretrain`."""
+    chosen = comma_list(text)
+    unknown = [d for d in chosen if d not in TARGET_DOMAINS]
+    if not chosen or unknown:
+        raise argparse.ArgumentTypeError(f"expected domains from {', '.join(TARGET_DOMAINS)}, got {text!r}")
+    return chosen
 
 
-def family(name: str, arm: Arm, outer_lr_is_miners: bool = False) -> dict[str, Arm]:
-    """`arm` on 4 miners, on 8, and on 4 with half adversarial, named as `FAMILIES` are read; with
-    `outer_lr_is_miners` each at an outer lr equal to its number of miners (adversaries included: a
-    network's outer lr is set in its spec, not by who turns up)."""
-
-    def on(miners: int, adversaries: int = 0) -> Arm:
-        lr = float(miners) if outer_lr_is_miners else arm.outer_lr
-        return replace(arm, miners=miners, adversaries=adversaries, outer_lr=lr)
-
-    return {f"{name}_4": on(4), f"{name}_8": on(8), f"{name}_adversarial_4": on(4, adversaries=2)}
-
-
-def _forgets_no_more(run: dict[str, Any]) -> bool:
-    """Whether `run`'s general-domain loss rose no more than ESFT's at equal tokens."""
-    forgetting: float = run["forgetting"]
-    esft_forgetting: float = run.get("esft_forgetting_equal_tokens", math.inf)
-    return forgetting <= esft_forgetting
-
-
-def _ratio(run: dict[str, Any], baseline: dict[str, Any]) -> float | None:
-    """Final ESFT-equivalent steps of `run` over `baseline`'s: how many times one network's progress the other makes."""
-    a, b = run["esft_equivalent_steps"][-1], baseline["esft_equivalent_steps"][-1]
-    return None if a is None or not b else round(a / b, 2)
-
-
-def sync_grid(short: Arm) -> dict[str, Arm]:
-    """4 miners keeping their AdamW state, merged every H steps at outer lr a (H in 1, 2, 5, 10; a in 1, 2, 4):
-    how the efficiency an outer lr above 1 buys falls with the steps between merges."""
-    return {f"h{h}_keep_optimizer_lr{lr:g}_4": replace(short, inner_steps=h, outer_lr=lr)
-            for h in (1, 2, 5, 10) for lr in (1.0, 2.0, 4.0)}
+def progress(run: dict[str, Any], baseline: dict[str, Any], started: float) -> None:
+    """One line on stderr per run: who, the adopted state's losses and ESFT's."""
+    print(f"{run['domain']} seed {run['seed']} M={run['miners']} H={run['inner_steps']}: adopted "
+          f"{run['adopted_losses']}, ESFT {baseline['esft_losses']} ({time.perf_counter() - started:.0f} s)",
+          file=sys.stderr, flush=True)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--domain", choices=TARGET_DOMAINS, default="arithmetic", help="target domain (default arithmetic)")
-    parser.add_argument("--form-base", action="store_true",
-                        help="tune a skill from a base that also read its form, with random results "
-                        "(facts' base always does)")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds per network run (default 5)")
-    parser.add_argument("--inner-steps", type=int, default=20, help="H (default 20)")
-    parser.add_argument("--cache", type=Path, default=Path(".bench/cache"), help="pretrained-base cache directory")
-    parser.add_argument("--no-sweep", action="store_true", help="skip the outer-optimizer sweep")
-    parser.add_argument("--out", type=Path, help="write the JSON here (default: stdout only)")
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--domain", type=domains, default=("arithmetic",),
+                        help=f"target domains, comma-separated: {', '.join(TARGET_DOMAINS)} (default arithmetic)")
+    parser.add_argument("--miners", type=integers(1), help="miners per network, comma-separated (default 4)")
+    parser.add_argument("--rounds", type=int, help="rounds per run (default 5)")
+    parser.add_argument("--inner-steps", type=integers(1), help="H, written into the spec, comma-separated (default 20)")
+    parser.add_argument("--seeds", type=integers(0), default=(0,),
+                        help="seeds of the miners' ids (their shards and batches) and of the round seeds (default 0)")
+    parser.add_argument("--keep-optimizer", action="store_true",
+                        help="miners keep their AdamW state between rounds, as `[miner] keep_optimizer` does")
+    add_spec_settings(parser, "the spec's defaults and --inner-steps")
+    parser.add_argument("--small", action="store_true",
+                        help="a base trained for 30 steps, little data, and unless given 2 miners, 2 rounds of H = 2")
+    parser.add_argument("--cache", type=Path, default=default_cache_dir(), help="pretrained-base cache directory")
+    parser.add_argument("--out", type=out_file, help="write the JSON here (default: stdout only)")
     args = parser.parse_args()
+    size = SMALL if args.small else FULL
+    miners, inner_steps = args.miners or size.miners, args.inner_steps or size.inner_steps
+    rounds = size.rounds if args.rounds is None else args.rounds
+    if rounds < 1:
+        parser.error("--rounds must be at least 1")
+    try:
+        overrides = {f"{section}.{field}": value
+                     for section, values in judge_settings(args.spec_settings).items() for field, value in values.items()}
+    except ValueError as exc:
+        parser.error(f"--set: {exc}")
+    if "training.inner_steps" in overrides:
+        parser.error("--set training.inner_steps: give H as --inner-steps")
     torch.set_num_threads(1)  # a tiny model on a shared CPU runs faster without intra-op threads
     started = time.perf_counter()
-    settings = Settings(domain=args.domain, rounds=args.rounds, inner_steps=args.inner_steps,
-                        knows_form=True if args.form_base else None)
-    bench = Bench(settings, args.cache)
-    tuned = Arm()
-    short = Arm(inner_steps=5, keep_optimizer=True, outer_lr=2.0)
-    short_compressed = replace(short, pgrad=PgradConfig(chunk=256, topk=40, partitions=2))
-    max_miners = 8
-    per_miner = settings.inner_steps * settings.rounds
-    arms: dict[str, Arm] = {
-        "network_1": replace(tuned, miners=1),
-        "network_4": tuned,
-        "network_8": replace(tuned, miners=8),
-        "adversarial_4": replace(tuned, adversaries=2),
-        "keep_optimizer_4": replace(tuned, keep_optimizer=True),
-        **{f"keep_optimizer_momentum0.5_{m}": replace(tuned, miners=m, keep_optimizer=True, momentum=0.5)
-           for m in (4, 8)},
-        "keep_optimizer_momentum0.5_adversarial_4": replace(tuned, adversaries=2, keep_optimizer=True, momentum=0.5),
-        **family(SHORT, short),
-        **family(f"{SHORT}_pgrad_p2", short_compressed),
-        **family(SHORT_PGRAD, replace(short_compressed, outer_lr=2.5)),
-        **family(EVERY_STEP, Arm(inner_steps=1, keep_optimizer=True), outer_lr_is_miners=True),
-        **averaged_family(),
-        **rewound_family(),
-        **backtracked_family(),
-        "pgrad_2bit_k32_4": replace(tuned, pgrad=PgradConfig(chunk=1024, topk=32, quant="2bit")),
-        "pgrad_2bit_k48_4": replace(tuned, pgrad=PgradConfig(chunk=1024, topk=48, quant="2bit")),
-        "pgrad_int8_k32_4": replace(tuned, pgrad=PgradConfig(chunk=1024, topk=32, quant="int8")),
-        "pgrad_2bit_c256_k16_4": replace(tuned, pgrad=PgradConfig(chunk=256, topk=16, quant="2bit")),
-        "pgrad_2bit_c256_k32_p2_4": replace(tuned, pgrad=PgradConfig(chunk=256, topk=32, partitions=2)),
-        **{f"pgrad_2bit_c256_k40_p2_{m}": replace(tuned, miners=m, pgrad=PgradConfig(chunk=256, topk=40, partitions=2))
-           for m in (1, 4, 8)},
-        **{f"pgrad_2bit_c256_k64_p4_{m}": replace(tuned, miners=m, pgrad=PgradConfig(chunk=256, topk=64, partitions=4))
-           for m in (4, 8)},
-    }
-    sweep = {
-        "old_defaults_dup0.99": Arm(outer_lr=0.7, momentum=0.9, top_g=3, duplicate_cosine=0.99),
-        "design_0.7_0.9": Arm(outer_lr=0.7, momentum=0.9, top_g=3),
-        "sim_0.5_0.5": Arm(outer_lr=0.5, momentum=0.5, top_g=3),
-        "top3_1.0_0": Arm(outer_lr=1.0, momentum=0.0, top_g=3),
-        "average_1.0_0": Arm(outer_lr=1.0, momentum=0.0),
-        "lr2_0": Arm(outer_lr=2.0, momentum=0.0),
-        "lr3_0": Arm(outer_lr=3.0, momentum=0.0),
-        "lr1_0.5": Arm(outer_lr=1.0, momentum=0.5),
-        "lr2_0.5": Arm(outer_lr=2.0, momentum=0.5),
-        "disjoint_lr2_0": Arm(outer_lr=2.0, momentum=0.0, shards="disjoint"),
-        **{f"gate_{gate}_{m}": Arm(miners=m, gate=gate) for gate in ("none", "marginal") for m in (4, 8)},
-        **{f"utility_weighting_{m}": Arm(miners=m, weighting="utility") for m in (4, 8)},
-        "keep_optimizer_8": Arm(miners=8, keep_optimizer=True),
-        "keep_optimizer_adversarial_4": Arm(adversaries=2, keep_optimizer=True),
-        "h5_keep_optimizer_lr1.5_4": replace(short, outer_lr=1.5),
-        "h5_lr2_4": replace(short, keep_optimizer=False),
-        "h5_keep_optimizer_lr2_gate_none_4": replace(short, gate="none"),
-        "h5_keep_optimizer_lr2.83_8": replace(short, miners=8, outer_lr=2.83),
-        **{f"partition_experts_{m}": Arm(miners=m, experts="partition") for m in (4, 8)},
-        **{f"h5_keep_optimizer_lr{lr:g}_partition_experts_4": replace(short, outer_lr=lr, experts="partition")
-           for lr in (1.0, 2.0)},
-        **{name: arm for name, arm in sync_grid(short).items() if arm not in arms.values()},  # not twice
-    }
-    try:  # an H that does not divide the miners' steps fails here, not an hour in
-        for arm in [*sweep.values(), *arms.values()]:
-            round_shape(settings, arm)
-    except ValueError as exc:
-        parser.error(f"--inner-steps {settings.inner_steps} --rounds {settings.rounds}: {exc}")
-    curve, esft_forgetting = bench.esft_curve(max_miners * per_miner, settings.inner_steps, {m * per_miner for m in (1, 2, 4)})
-    runs: dict[str, dict[str, Any]] = {}
-    for name, arm in [*({} if args.no_sweep else sweep).items(), *arms.items()]:
-        runs[name] = bench.network(arm)
-        summarise(bench, runs[name], curve, esft_forgetting)
-        print(f"{name}: {runs[name]['losses']} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
-    ceilings = {str(m): data_parallel(bench, curve, m) for m in (4, 8)}
-    ceilings.update({f"4_lr{factor:g}x": data_parallel(bench, curve, 4, factor) for factor in CEILING_LR_FACTORS})
-    full = bench.full_finetune(4 * settings.inner_steps * settings.rounds)
-    checked = {"network_4": arms["network_4"], f"{EVERY_STEP}_4": arms[f"{EVERY_STEP}_4"]}
-    learning_rates = {str(factor): at_learning_rate(bench, factor, checked) for factor in (0.5, 2.0)}
-    share_needs = efficiency_for_share(curve, bench.base_loss, 4 * per_miner)
-    seeds = other_seeds(bench, arms, headline(runs, ceilings["4"], share_needs), (1, 2))
-    report = {
-        "settings": {**asdict(settings), "group": bench.group,
-                     "base": asdict(base_config(settings.domain, settings.knows_form))},
-        "base_loss": round(bench.base_loss, 4),
-        "base_general_loss": round(bench.base_general, 4),
-        "esft": {"curve": [(s, round(loss, 4)) for s, loss in curve],
-                 "forgetting_at_steps": {s: round(f, 4) for s, f in sorted(esft_forgetting.items())}},
-        "full_finetune_4_miner_tokens": full,
-        "data_parallel_ceiling": ceilings,
-        f"learning_rate_check (ESFT at 4-miner tokens, network_4 and {EVERY_STEP}_4, inner lr x 0.5 and x 2)":
-            learning_rates,
-        "targets": targets(runs, ceilings, share_needs),
-        "seeds (the headline arms under other draws of shards, batches and round seeds)": seeds,
-        "arms": {name: runs[name] for name in arms},
-        "sweep": {name: runs[name] for name in sweep if name in runs},
-        "seconds": round(time.perf_counter() - started, 1),
-    }
-    emit(report, args.out)
+    runs, baselines = [], []
+    for domain in args.domain:
+        for h in inner_steps:
+            with tempfile.TemporaryDirectory(prefix="tessera-learning-") as tmp:
+                network = Network(write_network(Path(tmp), domain, h, size, args.cache, args.spec_settings))
+                for seed in args.seeds:
+                    for m in miners:
+                        key = {"domain": domain, "seed": seed, "miners": m, "inner_steps": h}
+                        runs.append({**key, **network.run(m, rounds, seed, args.keep_optimizer)})
+                        baselines.append({**key, "esft_losses": network.esft(m, rounds, seed)})
+                        progress(runs[-1], baselines[-1], started)
+    emit({"seconds": round(time.perf_counter() - started, 1), "spec_overrides": overrides,
+          "keep_optimizer": args.keep_optimizer, "rounds": rounds, "small": args.small,
+          "runs": runs, "baselines": baselines}, args.out)
     return 0
 
 

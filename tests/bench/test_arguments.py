@@ -16,10 +16,8 @@ BAD = [
     ("twins_load.py", ["--miners", "0"], "must be at least 1"),
     ("round.py", ["--rounds", "0"], "--rounds must be at least 1"),
     ("miner.py", ["--out", "."], "is a directory"),
-    ("outer_lr.py", ["--jobs", "0"], "--jobs: expected at least 1"),
-    ("outer_lr.py", ["--seeds", "0,x"], "--seeds: expected comma-separated integers"),
-    ("outer_lr.py", ["--arms", "h1_keep_optimizer_lrM_4,h9"], "--arms: no arm named h9"),
-    ("outer_lr.py", ["--setting", "records, form base", "--setting", "poems"], "--setting: no setting named poems;"),
+    ("learning.py", ["--set", "training.inner_steps=5"], "give H as --inner-steps"),
+    ("learning.py", ["--seeds", "0,x"], "--seeds: expected comma-separated integers"),
 ]
 
 
