@@ -41,9 +41,6 @@ check: $(STAMP)
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -m "not integration"
 
-# The network that offers the average of its merged states (docs/learning.md, "The simulation learns every round").
-AVERAGED_SIM = --round-seconds 40 --train-share 0.5 --inner-steps 1 --set training.beta1=0.6561 --set aggregation.outer_lr=1.0 --set aggregation.outer_lr_scale=merged --set aggregation.momentum=0.0 --set aggregation.top_g=8 --set rewards.duplicate_cosine=0.9999 --set aggregation.average_decay=0.9 --keep-optimizer
-
 bench: $(STAMP)
 	mkdir -p .bench
 	$(PY) bench/miner.py --out .bench/miner.json
@@ -54,16 +51,8 @@ bench: $(STAMP)
 	$(PY) bench/twins_load.py --out .bench/twins_load.json
 	$(PY) bench/load.py --out .bench/load.json
 	$(PY) bench/learning.py --out .bench/learning.json
-	$(PY) bench/learning.py --domain records --out .bench/learning-records.json
-	$(PY) bench/learning.py --domain facts --out .bench/learning-facts.json
-	$(PY) bench/learning.py --form-base --out .bench/learning-form-arithmetic.json
-	$(PY) bench/learning.py --domain records --form-base --out .bench/learning-form-records.json
-	$(PY) bench/outer_lr.py --jobs 2 --out .bench/outer-lr.json
 	$(PY) bench/simulation.py --out .bench/simulation.json
 	$(PY) bench/simulation.py --miners 8 --adversaries noise,copier,lazy,garbage --out .bench/simulation-adversarial.json
-	$(PY) bench/simulation.py $(AVERAGED_SIM) --out .bench/simulation-average.json
-	$(PY) bench/simulation.py $(AVERAGED_SIM) --round-seconds 60 --miners 8 --adversaries noise,copier,lazy,garbage \
-		--out .bench/simulation-average-adversarial.json
 	$(PY) bench/soak.py --out .bench/soak.json
 	$(PY) bench/gpu.py --out .bench/gpu.json
 

@@ -134,7 +134,7 @@ class RewardSpec(_Strict):
 class AggregationSpec(_Strict):
     """The outer optimizer that merges the best pseudo-gradients.
 
-    The defaults are bench/learning.py's pick at the spec's default H = 20 and top-G 3: plain averaging
+    The defaults are the learning benchmark's pick at the spec's default H = 20 and top-G 3: plain averaging
     (lr 1, no momentum) against DiLoCo's lr 0.7 with momentum 0.9, which forgot 2.9 to 11 times as much
     general-domain loss where either forgot any (docs/learning.md, "Defaults").
     """
@@ -170,7 +170,7 @@ class SubmissionSpec(_Strict):
     `pgrad` blobs hold, per expert tensor, `.idx` (in-chunk indices: U8 for chunks of at most 256
     entries, else I16), `.q` (I8, or U8 with four 2-bit codes per byte) and `.scale` (F32, one per
     chunk), for the 1/`partitions` of the group's chunks that the round and the miner's id draw;
-    training.pgrad defines the layout. The defaults are bench/learning.py's choice: 40 of 256 entries
+    training.pgrad defines the layout. The defaults are the learning benchmark's choice: 40 of 256 entries
     in half the chunks, 19x smaller than bf16 experts, and more miners cover more chunks.
     """
 
