@@ -28,12 +28,13 @@ test-tools:
 		tmp=$$(mktemp -d) && (cd $$tmp && { apt-get download -q prometheus || { apt-get update -q && apt-get download -q prometheus; }; }) \
 		&& dpkg-deb -x $$tmp/prometheus_*.deb $$tmp/x && cp $$tmp/x/usr/bin/promtool $(VENV)/bin/ && rm -rf $$tmp; fi
 
-# Two pytest workers, a test file to one worker: the network simulation (tests/integration/test_network.py)
-# spends most of its time waiting for round phases, so the other files run beside it.
+# Two pytest workers, a test file to one worker, files in collection order (tests/conftest.py puts the
+# long ones first): the network simulation (tests/integration/test_network.py) spends most of its time
+# waiting for round phases, so it starts at once and the other files run beside it.
 test: $(STAMP) test-tools
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # The quick loop (at most 90 s): lint, types, unit and in-memory twin tests; no real node processes.
 check: $(STAMP)

@@ -3,6 +3,8 @@ headless Chromium (Debian's package, driven by Playwright) for the status-page t
 
 Identities come from fixed seeds: `make_identity(i)`; validators are identities 0..2, miners 100+.
 `make_spec_dict()` returns data shaped like decoded TOML, with made-up hashes.
+
+Collection puts the long files first (`pytest_collection_modifyitems`), for `make test`'s two workers.
 """
 
 from __future__ import annotations
@@ -19,8 +21,22 @@ from protocol.identity import Identity
 from protocol.spec import NetworkSpec, parse_spec
 
 GENESIS = datetime(2026, 1, 1, tzinfo=UTC)
+# `make test` hands files to its two pytest-xdist workers in collection order (--no-loadscope-reorder):
+# the network simulation, minutes of waiting on a round schedule, starts first so that the other files
+# run beside it rather than after it; the other real-process files follow, so the tail is short files.
+LONG_FIRST = ("integration/test_network.py", "integration/")
 N_VALIDATORS = 3
 MINER_OFFSET = 100
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    tests = Path(__file__).parent
+
+    def rank(item: pytest.Item) -> int:
+        path = item.path.relative_to(tests).as_posix() if item.path.is_relative_to(tests) else ""
+        return next((i for i, prefix in enumerate(LONG_FIRST) if path.startswith(prefix)), len(LONG_FIRST))
+
+    items.sort(key=rank)  # stable: each file's tests stay together and in order
 
 
 def make_identity(i: int) -> Identity:

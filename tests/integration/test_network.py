@@ -36,7 +36,7 @@ from tests.integration.network_run import (
     run_network,
 )
 
-# `make test` runs this file on one pytest-xdist worker (--dist loadfile) and the other files beside it.
+# `make test` runs this file first, on one pytest-xdist worker (--dist loadfile), and the other files beside it.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 NOTES = Path("/work/notes")
