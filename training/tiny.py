@@ -1,9 +1,9 @@
 """Tiny models for simulation and tests: the six families' small configs and a seeded, thread-safe builder.
 
 `tiny_config(family)` gives a small JSON-able config; `build_tiny_model` builds that family's model
-from such a dict, with no weights on the meta device (transformers runs no init there), moves it to
-the CPU and initialises every tensor explicitly from a local `torch.Generator`, by the rule
-`INIT_RULE` names (see `_initialise`). Neither torch's global RNG nor any library function is
+from such a dict with no weights on the meta device (`meta_tiny_model`; transformers runs no init
+there), moves it to the CPU and initialises every tensor explicitly from a local `torch.Generator`,
+by the rule `INIT_RULE` names (see `_initialise`). Neither torch's global RNG nor any library function is
 touched, so concurrent builds on other threads cannot change a model's bytes. `hf_config` turns a
 config dict (a tiny one, or a checkpoint's config.json) into the family's transformers config.
 This module knows nothing about checkpoints, training or the network.
@@ -95,6 +95,16 @@ def build_tiny_model(
     bytes on every thread and every run; torch's global RNG is neither read nor advanced.
     """
     assert (seed is None) != (generator is None), "give exactly one of seed or generator"
+    model = meta_tiny_model(family, config)
+    with torch.device("cpu"):  # a caller's device context would leave the rotary buffers on it
+        model.to_empty(device="cpu")
+        model.tie_weights()  # to_empty gives each tied name its own tensor
+        _initialise(model, generator if generator is not None else torch.Generator().manual_seed(cast(int, seed)))
+    return model
+
+
+def meta_tiny_model(family: str, config: dict[str, Any]) -> PreTrainedModel:
+    """`build_tiny_model`'s model with no weights (on the meta device), in eval mode: names, shapes, layout."""
     adapter = adapter_for(family)
     with torch.device("meta"):  # transformers runs no weight init on the meta device
         # transformers leaves from_config unannotated.
@@ -102,9 +112,6 @@ def build_tiny_model(
             hf_config(adapter, config), dtype=torch.float32, attn_implementation="eager",
             experts_implementation="eager",
         )
-    model.to_empty(device="cpu")
-    model.tie_weights()  # to_empty gives each tied name its own tensor
-    _initialise(model, generator if generator is not None else torch.Generator().manual_seed(cast(int, seed)))
     adapter.check_layout(model)
     return model.eval()  # type: ignore[no-untyped-call, no-any-return]  # unannotated in transformers
 

@@ -91,11 +91,10 @@ def run_inspect_blob(args: argparse.Namespace) -> int:
 
 def meta_base(spec: NetworkSpec, spec_path: Path) -> torch.nn.Module:
     """The spec's base model on the meta device: the checkpoint's config.json or the tiny config."""
-    import torch
 
     from protocol.spec import spec_dir_path
     from training.model import meta_model, spec_model_config
-    from training.tiny import build_tiny_model
+    from training.tiny import meta_tiny_model
 
     if spec.model.checkpoint is not None:
         directory = spec_dir_path(spec_path, spec.model.checkpoint)
@@ -104,9 +103,7 @@ def meta_base(spec: NetworkSpec, spec_path: Path) -> torch.nn.Module:
             raise ValueError(f"{directory}: the checkpoint is {model.config.model_type!r}, "
                              f"but the spec's family is {spec.model.family!r}")
         return model
-    config = spec_model_config(spec, spec_path)
-    with torch.device("meta"):
-        return build_tiny_model(spec.model.family, config, spec.model.init_seed)
+    return meta_tiny_model(spec.model.family, spec_model_config(spec, spec_path))
 
 
 def _validate_args(args: argparse.Namespace) -> None:

@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from training.adapters import ADAPTERS
 from training.model import state_hash
-from training.tiny import build_tiny_model, tiny_config
+from training.tiny import build_tiny_model, meta_tiny_model, tiny_config
 
 FAMILIES = tuple(ADAPTERS)
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,10 +103,21 @@ import torch.nn.init, transformers.initialization as hf_init
 names = [n for n in hf_init.TORCH_INIT_FUNCTIONS if hasattr(torch.nn.init, n)]
 before = {n: (getattr(torch.nn.init, n), getattr(hf_init, n)) for n in names}
 import training.model, training.pretrain
-from training.tiny import build_tiny_model, tiny_config
+from training.tiny import build_tiny_model, meta_tiny_model, tiny_config
 build_tiny_model("qwen3_moe", tiny_config("qwen3_moe"), 0)
 changed = [n for n in names if (getattr(torch.nn.init, n), getattr(hf_init, n)) != before[n]]
 assert not changed, changed
 assert all(torch.nn.init.__dict__[n] is hf_init.TORCH_INIT_FUNCTIONS[n] for n in names)
 """
     subprocess.run([sys.executable, "-c", script], cwd=ROOT, check=True, timeout=300)
+
+
+def test_the_meta_model_has_the_built_models_layout_and_no_weights() -> None:
+    config = tiny_config("deepseek_v3")
+    meta = meta_tiny_model("deepseek_v3", config)
+    with torch.device("meta"):  # a caller's device context does not leave the build half on it
+        built = build_tiny_model("deepseek_v3", config, 0)
+    assert all(t.device.type == "meta" for t in meta.state_dict().values())
+    assert all(t.device.type == "cpu" for t in [*built.parameters(), *built.buffers()])
+    assert {n: t.shape for n, t in meta.state_dict().items()} == {n: t.shape for n, t in built.state_dict().items()}
+    assert state_hash(built) == state_hash(build_tiny_model("deepseek_v3", config, 0))
