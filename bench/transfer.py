@@ -11,6 +11,8 @@ and the best run counts (the box is shared and noisy). `throughput_ratio` is the
 the raw copy with the same receive path. Gossip latency: five processes
 (a bootstrap node and four peers) in a full mesh; each message's latency is the time from the
 publish command on its sender to its delivery on each of the four others (one host, one clock).
+The messages are heartbeats, and a node sends at most one a round (node.net.judge), so the
+benchmark's network has rounds of `ROUND_S` and each process publishes once a round.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -33,6 +36,11 @@ from bench.report import emit, out_file  # noqa: E402
 from node.sim.peer import PeerProcess  # noqa: E402
 from node.store.blobs import BlobStore  # noqa: E402
 from protocol.identity import Identity  # noqa: E402
+from protocol.rounds import Schedule  # noqa: E402
+from protocol.spec import load_spec  # noqa: E402
+
+ROUND_S = 2.0
+"""Seconds in one round of the benchmark's network: a sender publishes its next heartbeat a round later."""
 
 SENDER = """
 import socket, sys
@@ -44,12 +52,14 @@ with socket.create_connection(("127.0.0.1", port)) as s, open(path, "rb") as f:
 
 
 def write_spec(directory: Path) -> Path:
+    """A network whose rounds last `ROUND_S`; the blob transfers do not depend on rounds."""
     genesis = (datetime.now(UTC) - timedelta(minutes=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
     validator = Identity.from_seed(b"\x07" * 32).node_id
+    phase = ROUND_S / 5
     path = directory / "spec.toml"
     path.write_text(
         f'name = "bench"\ngenesis = {genesis}\ngroup = {{ 0 = [0] }}\nvalidators = [{{ key = "{validator}" }}]\n'
-        "[timing]\ntrain_s = 3000.0\ncommit_s = 200.0\nreveal_s = 200.0\nevaluate_s = 100.0\nmerge_s = 100.0\n"
+        f"[timing]\ntrain_s = {phase}\ncommit_s = {phase}\nreveal_s = {phase}\nevaluate_s = {phase}\nmerge_s = {phase}\n"
         f'[model]\nfamily = "qwen3_moe"\nconfig = "model.json"\nbase_hash = "{"ab" * 32}"\n'
         f'[data]\ntrain = ["train.jsonl"]\nheldout_sha256 = "{"cd" * 32}"\n'
     )
@@ -63,11 +73,31 @@ def start_peer(root: Path, spec: Path, name: str, seed: int, bootstrap: list[str
     return PeerProcess(directory, spec, Identity.from_seed(seed.to_bytes(32, "big")), 0, *args)
 
 
-def wait_until(predicate: Callable[..., object], timeout: float) -> None:
+def start_peers(root: Path, spec: Path, seeds: dict[str, int], bootstrap: list[str]) -> list[PeerProcess]:
+    """Start peers side by side (each spends seconds importing libp2p); none is left running if one fails."""
+    with ThreadPoolExecutor(len(seeds)) as pool:
+        futures = [pool.submit(start_peer, root, spec, name, seed, bootstrap) for name, seed in seeds.items()]
+    errors = [error for future in futures if (error := future.exception()) is not None]
+    if errors:
+        stop_peers([future.result() for future in futures if future.exception() is None])
+        raise errors[0]
+    return [future.result() for future in futures]
+
+
+def stop_peers(peers: list[PeerProcess]) -> None:
+    """Ask every peer to stop before waiting for any: each takes a while to close its host."""
+    for peer in peers:
+        if peer.alive:
+            peer.proc.terminate()
+    for peer in peers:
+        peer.stop()
+
+
+def wait_until(predicate: Callable[..., object], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
-            raise TimeoutError("benchmark set-up timed out")
+            raise TimeoutError(f"{what}: not within {timeout} s")
         time.sleep(0.1)
 
 
@@ -101,7 +131,7 @@ def blob_throughput(root: Path, spec: Path, size: int, repeats: int) -> dict[str
     raw_store = BlobStore(root / "raw")
     p2p_runs, raw_runs, bare_runs = [], [], []
     try:
-        wait_until(lambda: provider.node_id in fetcher.call("peers")["peers"], 30)
+        wait_until(lambda: provider.node_id in fetcher.call("peers")["peers"], 30, "the fetcher connecting")
         for seed in range(repeats):
             blob = provider.call("put_blob", size=size, seed=seed, timeout=120)
             got = fetcher.call("fetch", hash=blob["hash"], providers=[provider.node_id], max_bytes=size, timeout=300)
@@ -109,8 +139,7 @@ def blob_throughput(root: Path, spec: Path, size: int, repeats: int) -> dict[str
             raw_runs.append(raw_tcp_copy(Path(blob["path"]), blob["hash"], raw_store))
             bare_runs.append(raw_tcp_copy(Path(blob["path"]), blob["hash"], None))
     finally:
-        provider.stop()
-        fetcher.stop()
+        stop_peers([provider, fetcher])
     mb = size / 1e6
     p2p_s, raw_s, bare_s = min(p2p_runs), min(raw_runs), min(bare_runs)
     return {
@@ -129,14 +158,21 @@ def blob_throughput(root: Path, spec: Path, size: int, repeats: int) -> dict[str
 
 def gossip_latency(root: Path, spec: Path, messages: int) -> dict[str, float]:
     boot = start_peer(root, spec, "boot", 10, [])
-    peers = [boot] + [start_peer(root, spec, f"n{i}", 11 + i, [boot.addr]) for i in range(4)]
+    try:
+        peers = [boot, *start_peers(root, spec, {f"n{i}": 11 + i for i in range(4)}, [boot.addr])]
+    except BaseException:
+        stop_peers([boot])
+        raise
     try:
         for peer in peers:
-            wait_until(lambda p=peer: len(p.call("peers")["peers"]) == 4, 60)
+            wait_until(lambda p=peer: len(p.call("peers")["peers"]) == 4, 60, "a full mesh of five")
         time.sleep(3)  # GossipSub grafts its mesh on 1 s heartbeats
+        schedule = Schedule.from_spec(load_spec(spec))
         sent: dict[str, tuple[float, int]] = {}
         for i in range(messages):
             index = i % len(peers)
+            if index == 0:  # every process has published in this round: on to the next
+                time.sleep(schedule.round_start(schedule.round_at(time.time()) + 1) - time.time() + 0.05)
             head = hashlib.sha256(f"bench-{i}".encode()).hexdigest()
             answer = peers[index].call("publish", head=head)
             sent[answer["message_id"]] = (answer["sent_at"], index)
@@ -154,10 +190,9 @@ def gossip_latency(root: Path, spec: Path, messages: int) -> dict[str, float]:
                         latencies.append((got[message_id] - sent_at) * 1000)
             return True
 
-        wait_until(all_delivered, 60)
+        wait_until(all_delivered, 60, "every message delivered to every other process")
     finally:
-        for peer in peers:
-            peer.stop()
+        stop_peers(peers)
     quantiles = statistics.quantiles(latencies, n=100)
     return {
         "gossip_processes": len(peers),
