@@ -27,6 +27,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "node.cli.bootstrap",
     "node.cli.spec",
     "node.cli.export",
+    "node.cli.plan",
 )
 
 EXIT_USAGE = 2

@@ -1,0 +1,77 @@
+"""The memory plan: a fake trace agrees with the same step on real tensors, and its parts add up to its peak."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from training.adapters import adapter_for
+from training.plan import PARTS, MemoryPlan, Setting, first_experts, measure, plan
+from training.tiny import build_tiny_model, tiny_config
+
+SETTINGS = {
+    "compressed miner": Setting(role="miner", seq_len=48, micro_batch=2, device="cpu", forward="compressed"),
+    "full miner": Setting(role="miner", seq_len=48, micro_batch=2, device="cpu", forward="full"),
+    "checkpointed miner": Setting(role="miner", seq_len=48, micro_batch=2, device="cpu", checkpointing=True),
+    "validator": Setting(role="validator", seq_len=48, micro_batch=2, device="cpu"),
+}
+
+
+def fake_plan(family: str, setting: Setting, per_layer: int = 2) -> MemoryPlan:
+    return plan(tiny_config(family), setting, per_layer, family=family, dtype=torch.float32,
+                attn_implementation="eager")
+
+
+def real_plan(family: str, setting: Setting, per_layer: int = 2) -> MemoryPlan:
+    adapter = adapter_for(family)
+    model = build_tiny_model(family, tiny_config(family), seed=0)
+    return measure(model, adapter, first_experts(model, adapter, per_layer), setting)
+
+
+@pytest.mark.parametrize(("family", "name"), [*(("olmoe", name) for name in SETTINGS),
+                                              ("deepseek_v3", "compressed miner")])  # its sigmoid router, once
+def test_a_fake_trace_peaks_within_a_tenth_of_the_same_step_on_real_tensors(family: str, name: str) -> None:
+    fake, real = fake_plan(family, SETTINGS[name]), real_plan(family, SETTINGS[name])
+    assert fake.parts["weights"] == real.parts["weights"]
+    assert abs(fake.peak_bytes - real.peak_bytes) <= 0.1 * real.peak_bytes, (fake, real)
+
+
+def test_the_parts_add_up_to_the_peak_and_a_miners_step_holds_copies_gradients_and_adam_state() -> None:
+    short = Setting(role="miner", seq_len=8, micro_batch=1, device="cpu")  # little activation: the step peaks
+    result = fake_plan("qwen3_moe", short)
+    parts = result.parts
+    assert set(parts) == set(PARTS) and sum(parts.values()) <= result.peak_bytes
+    assert result.phase == "optimizer step"
+    assert parts["weights"] > 0 and parts["activations"] > 0
+    assert parts["trainable_copies"] > 0 and parts["gradients"] == parts["trainable_copies"]
+    assert parts["optimizer_state"] >= 2 * parts["trainable_copies"]  # AdamW's two moments, fp32
+
+
+def test_a_validator_holds_weights_and_activations_only() -> None:
+    result = fake_plan("olmoe", SETTINGS["validator"])
+    assert sum(result.parts.values()) <= result.peak_bytes
+    assert result.parts["weights"] > 0 and result.parts["activations"] > 0
+    assert result.parts["trainable_copies"] == result.parts["gradients"] == result.parts["optimizer_state"] == 0
+
+
+def test_compressed_holds_fewer_weights_than_full_and_checkpointing_fewer_activations() -> None:
+    full, cut, recomputed = (fake_plan("olmoe", SETTINGS[name]) for name in
+                             ("full miner", "compressed miner", "checkpointed miner"))
+    assert cut.parts["weights"] < full.parts["weights"]
+    assert recomputed.peak_bytes < cut.peak_bytes
+
+
+def test_a_cuda_plan_adds_adams_foreach_temporaries_at_the_step() -> None:
+    cpu = fake_plan("qwen3_moe", Setting(role="miner", seq_len=8, device="cpu"))
+    cuda = fake_plan("qwen3_moe", Setting(role="miner", seq_len=8, device="cuda"))
+    assert cuda.device == "cuda" and cuda.phase == "optimizer step"
+    assert cuda.peak_bytes >= cpu.peak_bytes + cpu.parts["trainable_copies"] - cpu.parts["activations"]
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="micro_batch"):
+        Setting(role="miner", seq_len=8, micro_batch=0)
+    with pytest.raises(ValueError, match="role"):
+        Setting(role="trainer", seq_len=8)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="experts per layer"):
+        fake_plan("olmoe", SETTINGS["validator"], per_layer=9)
