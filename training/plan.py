@@ -97,6 +97,7 @@ class Setting:
 
     @property
     def cuda_autocast(self) -> bool:
+        """Whether the trainer would run bf16 autocast (and so grouped experts): autocast asked for on CUDA."""
         return self.autocast and torch.device(self.device).type == "cuda"
 
 
@@ -114,6 +115,7 @@ class MemoryPlan:
 
     @property
     def margin_bytes(self) -> int:
+        """The allowance added to the peak for what the trace does not see (`MARGIN_FIXED`, `MARGIN_SHARE`)."""
         return int(MARGIN_FIXED + MARGIN_SHARE * self.peak_bytes)
 
 
