@@ -36,11 +36,11 @@ test: $(STAMP) test-tools
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
-# The quick loop (at most 90 s): lint, types, unit and in-memory twin tests; no real node processes.
+# The quick loop: lint, types, unit and in-memory twin tests, on two workers; no real node processes.
 check: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q -m "not integration"
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not integration"
 
 bench: $(STAMP)
 	mkdir -p .bench
