@@ -23,7 +23,7 @@ test-tools:
 	@if ! { command -v chromium && command -v docker-compose && command -v faketime; } >/dev/null \
 			&& command -v apt-get >/dev/null; then \
 		apt-get update -q && apt-get install -y -q chromium docker-compose faketime; fi
-	@# promtool alone (tests/node/test_alerts.py runs the alert rules' unit tests), out of Debian's package
+	@# promtool alone (tests/deploy/test_alerts.py runs the alert rules' unit tests), out of Debian's package
 	@if ! command -v promtool >/dev/null && ! [ -x $(VENV)/bin/promtool ] && command -v apt-get >/dev/null; then \
 		tmp=$$(mktemp -d) && (cd $$tmp && { apt-get download -q prometheus || { apt-get update -q && apt-get download -q prometheus; }; }) \
 		&& dpkg-deb -x $$tmp/prometheus_*.deb $$tmp/x && cp $$tmp/x/usr/bin/promtool $(VENV)/bin/ && rm -rf $$tmp; fi

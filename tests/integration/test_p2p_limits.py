@@ -4,7 +4,7 @@ A peer that ignores the yamux receive window it was granted loses its connection
 buffers past that window (which yamux's autotuning may grow to MAX_WINDOW_SIZE, 16 MiB, while the
 node reads the request, so the flood is twice that); a provider that drips a blob one byte at a time, each inside the idle
 timeout, loses the fetch once the transfer's deadline (idle timeout + size / minimum rate) passes.
-The serving side's deadline is tested in tests/node/test_blob_deadline.py: over loopback yamux grows
+The serving side's deadline is tested in tests/node/net/test_blob_deadline.py: over loopback yamux grows
 a stream's window to 16 MiB at once, so a slow reader would need a blob larger than that to hold it.
 """
 

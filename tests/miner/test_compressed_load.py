@@ -16,7 +16,7 @@ from miner.model import MinerModel, MinerSettings
 from miner.submission import build_submission
 from protocol.identity import Identity
 from protocol.spec import load_spec
-from tests.node.test_real_checkpoint_cli import new_network
+from tests.node.cli.test_real_checkpoint_cli import new_network
 from training.compressed import CompressedModel, count_expert_rows
 
 

@@ -20,7 +20,7 @@ py-libp2p buffers it, so a peer that ignored windows made a stream nobody reads 
 Two module-level names of py-libp2p are set on import: yamux's frame-size constant, and the class
 its upgrader builds for yamux, which it takes by name rather than from the host's muxer options.
 These and the window check rely on private details of libp2p==0.8.1 (pinned in pyproject.toml);
-tests/node/test_wire.py and two integration tests (test_p2p.py, test_p2p_limits.py) hold them to
+tests/node/net/test_wire.py and two integration tests (test_p2p.py, test_p2p_limits.py) hold them to
 it. This module knows nothing about Tessera.
 """
 

@@ -19,7 +19,7 @@ from training.experts import extract
 from training.model import load_base, state_hash
 from training.tiny import build_tiny_model, tiny_config
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MINER = make_identity(100).node_id
 
 

@@ -20,7 +20,7 @@ from node.store.lock import AlreadyRunning, NodeLock
 from protocol.identity import save_identity
 from tests.conftest import make_identity, make_spec_dict, to_toml
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 HOLD = """
 import sys, time
 from pathlib import Path

@@ -15,7 +15,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(180)
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "twins_load.py"
+BENCH = Path(__file__).resolve().parents[3] / "bench" / "twins_load.py"
 
 
 def _run_load() -> Callable[..., Any]:

@@ -4,10 +4,11 @@ Two validators and four miners (two honest, one lazy, one garbage) run three rou
 qwen3_moe model whose config, data and expert group are fixed in tests/node/twins.py, with a fixed
 number of inner steps, a ManualClock moved phase by phase, and validator seeds drawn from a counter
 instead of the OS. Every loss, rank, reward, submission and state hash is compared with
-`golden_rounds.json`, captured from the code before the one-pass redesign (commit 7069fea).
+`golden_rounds.json`, first captured before the one-pass redesign (commit 7069fea) and recorded again
+once when every spec field entered the network id and tiny models stopped patching torch's init.
 Regenerate only when a change of behaviour is intended:
     .venv/bin/python -c "import asyncio, pathlib, tempfile, json; \
-from tests.node.test_rounds_golden import scenario; \
+from tests.node.duties.test_rounds_golden import scenario; \
 print(json.dumps(asyncio.run(scenario(pathlib.Path(tempfile.mkdtemp()))), indent=1, sort_keys=True))"
 """
 

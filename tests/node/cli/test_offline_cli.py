@@ -19,7 +19,7 @@ from node.sim.layout import make_sim_network, sim_identity
 from protocol.identity import save_identity
 from protocol.spec import load_spec
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 GENESIS = "2026-01-01T00:00:00Z"
 
 

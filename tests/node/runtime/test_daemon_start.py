@@ -29,7 +29,7 @@ from protocol.identity import save_identity
 from protocol.spec import load_spec
 from tests.conftest import make_identity, make_spec_dict, to_toml
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 VALIDATOR = make_identity(0)
 MINER = make_identity(100)
 BOOT = "/ip4/127.0.0.1/tcp/{port}/p2p/12D3KooWGXZ2GHu78yvJNtGaaYae2C8avDKw8TDByJ3j5S2ewXRv"

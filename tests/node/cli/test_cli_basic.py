@@ -15,7 +15,7 @@ import pytest
 from node.cli.main import main
 from protocol.spec import parse_spec
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def tessera(*args: str) -> subprocess.CompletedProcess[str]:
