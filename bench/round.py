@@ -2,7 +2,7 @@
 
 Runs `node.sim.run.Simulation` (default: 2 validators, 4 honest miners, and the default
 simulation timing: 80 s rounds with TRAIN 90 % of them) as real processes on loopback for --rounds rounds, then reads
-- each miner's training wall time per round from its log ("round R: trained N steps in S s"),
+- each miner's training wall time per round from its log ("round R: trained N steps at lr X in S s"),
 - every node's recorded phase-handler runs (start and end wall time, from its state file).
 Reported:
 - `train_share`: mean over miners and rounds of training wall time / round length, a miner-round with
@@ -10,7 +10,8 @@ Reported:
 - `train_window_share`: the same over the TRAIN window only;
 - `phase_seconds`: per phase, the mean over rounds of the longest handler run of any node;
 - `rounds`: the per-round report the simulation wrote (losses, verdicts, hashes).
-Usage: python bench/round.py [--rounds N] [--round-seconds S] [--train-share F] [--out FILE.json]
+Usage: python bench/round.py [--rounds N] [--validators V] [--miners M] [--round-seconds S] [--train-share F]
+       [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from node.sim.process import SimSettings  # noqa: E402
 from node.sim.run import Simulation  # noqa: E402
 from protocol.rounds import PHASES  # noqa: E402
 
-TRAINED = re.compile(r"round (?P<round>\d+): trained (?P<steps>\d+) steps in (?P<seconds>[\d.]+) s")
+TRAINED = re.compile(r"round (?P<round>\d+): trained (?P<steps>\d+) steps [^\n]*?in (?P<seconds>[\d.]+) s")
 
 
 def training_runs(logs: list[str], miners: int, rounds: int) -> tuple[list[float], list[int]]:
@@ -80,13 +81,22 @@ def measure(rounds: int, settings: SimSettings) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2, help="rounds to measure (default 2)")
+    parser.add_argument("--validators", type=int, default=2, help="validator processes (default 2)")
+    parser.add_argument("--miners", type=int, default=4, help="miner processes (default 4)")
     parser.add_argument("--round-seconds", type=float, default=80.0, help="round length (default 80)")
     parser.add_argument("--train-share", type=float, default=0.9, help="TRAIN's share of a round (default 0.9)")
     parser.add_argument("--out", type=out_file, help="write the JSON here (default: stdout only)")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
-    result = measure(args.rounds, SimSettings(round_seconds=args.round_seconds, train_share=args.train_share))
+    if args.miners < 1:
+        parser.error(f"--miners must be at least 1: the benchmark reads miners' training, got {args.miners}")
+    try:
+        settings = SimSettings(validators=args.validators, miners=args.miners, round_seconds=args.round_seconds,
+                               train_share=args.train_share)
+    except ValueError as exc:
+        parser.error(str(exc))
+    result = measure(args.rounds, settings)
     emit(result, args.out)
     return 0
 
