@@ -18,7 +18,7 @@ selected; only the compressed miner, which is what must fit a 24 GB card). Witho
 scaled-down shape on the CPU and says so in `device`; memory there is the bytes of weights,
 trainable copies, gradients and AdamW state (not a peak). Imports only torch, transformers and
 training/ (and the standard-library bench/report.py), so it runs on a GPU machine without the node's other dependencies.
-Usage: python bench/gpu.py --out FILE.json [--shape olmoe-1b-7b|qwen3-30b-a3b] [--steps N]
+Usage: python bench/gpu.py --out FILE.json [--shape olmoe-1b-7b|qwen3-30b-a3b] [--steps N] [--seq-len N]
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ def main() -> int:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="olmoe-1b-7b")
     parser.add_argument("--steps", type=int, default=4, help="timed optimizer steps per run (one more warms up)")
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing in sparse runs")
+    parser.add_argument("--seq-len", type=int, help=f"tokens per sequence (default: the shape's, {CPU_SEQ_LEN} on CPU)")
     args = parser.parse_args()
     if args.steps < 1:
         parser.error("--steps must be at least 1")
@@ -80,6 +81,11 @@ def main() -> int:
     shape = dict(SHAPES[args.shape])
     if not cuda:
         shape = {**shape, "config": {**shape["config"], **CPU_SCALE}, "seq_len": CPU_SEQ_LEN, "selected": CPU_SELECTED}
+    if args.seq_len is not None:
+        if not 2 <= args.seq_len <= shape["config"]["max_position_embeddings"]:
+            parser.error(f"--seq-len must be from 2 to {shape['config']['max_position_embeddings']} (the shape's "
+                         f"max_position_embeddings), got {args.seq_len}")
+        shape["seq_len"] = args.seq_len
     device = torch.device("cuda" if cuda else "cpu")
     slice_layers = 4 if cuda else 2
     out: dict[str, Any] = {

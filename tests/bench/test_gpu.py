@@ -1,15 +1,16 @@
 """bench/gpu.py compares the same work: every run of a shape starts from the same weights and batches
-(the CPU-scaled shape, as the benchmark runs it without CUDA)."""
+(the CPU-scaled shape, as the benchmark runs it without CUDA); and it runs end to end on that shape."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 
-from tests.bench.scripts import load_bench
+from tests.bench.scripts import assert_positive, load_bench, run_bench
 from training.compressed import compress
 
 
@@ -43,10 +44,23 @@ def test_every_run_trains_on_the_same_batches(bench: Any) -> None:
     assert all(torch.equal(a, b) for a, b in zip(bench._batches(3), bench._batches(3), strict=True))
 
 
-def test_full_fine_tuning_and_sparse_training_start_from_the_same_loss(bench: Any) -> None:
-    bench.sparse("full", 2)
-    bench.full_finetune(2)
-    bench.sparse("compressed", 2)
-    losses = bench.losses_before_update
+def test_a_one_step_run_reports_every_figure_and_full_fine_tuning_starts_from_sparse_training_s_loss(
+        tmp_path: Path) -> None:
+    """The CPU-scaled shape on short sequences, with CUDA hidden: the small shape whatever the machine."""
+    report = run_bench("gpu", tmp_path / "gpu.json", "--steps", "1", "--seq-len", "32",
+                       env={"CUDA_VISIBLE_DEVICES": ""})
+    assert report["device"].startswith("cpu") and (report["steps"], report["seq_len"]) == (1, 32)
+    assert_positive(report, "compressed_peak_gib", "compressed_tokens_per_s", "full_mode_peak_gib",
+                    "full_mode_tokens_per_s", "compressed_vs_full_mode_memory", "compressed_vs_full_mode_tokens_per_s",
+                    "slice_compressed_vs_fft_memory", "slice_tokens_per_s_ratio", "validator_seconds_per_submission",
+                    "validator_bare_forward_seconds", "validator_overhead_ratio")
+    assert report["cpu_load_average_1min"] >= 0
+    assert report["compressed_peak_gib"] < report["full_mode_peak_gib"]  # the compressed model holds fewer experts
+    slice_ = report["slice"]
+    assert slice_["layers"] == 2
+    for run in ("fft", "full", "compressed"):
+        assert len(slice_[run]) == 2 and all(v > 0 for v in slice_[run]), run
+    losses = report["loss_before_update"]
+    assert set(losses) == {"compressed_4_layers", "full_4_layers", "fft_2_layers", "full_2_layers",
+                           "compressed_2_layers"}
     assert losses["fft_2_layers"] == pytest.approx(losses["full_2_layers"], rel=1e-3)
-    assert set(losses) == {"full_2_layers", "fft_2_layers", "compressed_2_layers"}
