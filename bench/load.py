@@ -2,7 +2,8 @@
 
 The benchmark writes a Qwen3-MoE checkpoint of at least 1 GB (12 layers of 32 experts, hidden 768,
 fp32, per-expert hub keys, written by `save_pretrained`) into a temporary directory, then measures, each in its own subprocess so
-peak memory is its own:
+peak memory is its own (`--hidden-size` makes the checkpoint smaller, its experts' width following: a quick
+check that every load works, whose ratios are not those of a 1 GB checkpoint):
 - `tessera`: `training.model.load_checkpoint` (transformers' `from_pretrained`, sdpa);
 - `hash`: `training.checkpoint.checkpoint_hash`, the streaming base hash;
 - `plain`: bare `AutoModelForCausalLM.from_pretrained` of the same directory, for reference;
@@ -15,8 +16,9 @@ peak memory is its own:
 `peak_rss_ratio` = peak RSS (VmHWM) above the process's RSS once torch and transformers are
 imported, divided by the checkpoint's bytes; target <= 1.3. Seconds are wall-clock.
 Each load is also checked for content, after its peak is read: the `tessera` and `plain` models must
-hash (`training.model.state_hash`) as the model that was written, and the two compressed models alike.
-Usage: python bench/load.py [--out FILE.json]
+hash (`training.model.state_hash`) as the model that was written, and the two compressed models alike;
+`state_sha256` reports the hashes compared.
+Usage: python bench/load.py [--hidden-size 768] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -45,23 +47,30 @@ CONFIG = {"hidden_size": 768, "num_hidden_layers": 12, "num_experts": 32, "moe_i
 GROUP = {layer: list(range(layer % 8, 32, 8)) for layer in range(12)}
 
 
-def write_checkpoint(directory: Path) -> dict[str, Any]:
+def config(hidden_size: int) -> dict[str, int]:
+    """CONFIG at `hidden_size`, the experts' width scaled with it."""
+    return {**CONFIG, "hidden_size": hidden_size,
+            "moe_intermediate_size": CONFIG["moe_intermediate_size"] * hidden_size // CONFIG["hidden_size"]}
+
+
+def write_checkpoint(directory: Path, hidden_size: int) -> dict[str, Any]:
     """Write the benchmark checkpoint; returns its weight bytes and the written model's state hash."""
     from training.model import state_hash
     from training.tiny import build_tiny_model, tiny_config
 
-    model = build_tiny_model("qwen3_moe", tiny_config("qwen3_moe", **CONFIG), seed=0)
+    model = build_tiny_model("qwen3_moe", tiny_config("qwen3_moe", **config(hidden_size)), seed=0)
     model.save_pretrained(str(directory))
     size = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
-    assert size >= 1 << 30, f"benchmark checkpoint is only {size} bytes; raise CONFIG"
+    assert hidden_size != CONFIG["hidden_size"] or size >= 1 << 30, f"benchmark checkpoint is only {size} bytes; raise CONFIG"
     return {"bytes": size, "state_sha256": state_hash(model)}
 
 
-def measure(mode: str, directory: Path, extra_path: str | None = None) -> dict[str, Any]:
-    """Run one mode in a fresh subprocess; returns its seconds and peak RSS above the runtime."""
+def measure(mode: str, directory: Path, extra: str | None = None) -> dict[str, Any]:
+    """Run one mode in a fresh subprocess; returns its seconds and peak RSS above the runtime. `extra`: the
+    hidden size for `write`, the old loader's package directory for `old`."""
     command = [sys.executable, __file__, "--child", mode, str(directory)]
-    if extra_path:
-        command.append(extra_path)
+    if extra:
+        command.append(extra)
     result = subprocess.run(command, capture_output=True, text=True, check=False, cwd=ROOT)
     if result.returncode != 0:
         raise RuntimeError(f"{mode} failed: {result.stderr[-2000:]}")
@@ -69,16 +78,18 @@ def measure(mode: str, directory: Path, extra_path: str | None = None) -> dict[s
     return report
 
 
-def child(mode: str, directory: str, extra_path: str | None) -> None:
-    if extra_path:
-        sys.path.insert(0, extra_path)
+def child(mode: str, directory: str, extra: str | None) -> None:
+    if mode == "old":
+        assert extra is not None, "the old loader's package directory"
+        sys.path.insert(0, extra)
     import torch
     import transformers  # noqa: F401
 
     runtime_kb = _rss_kb()
     started = time.perf_counter()
     if mode == "write":
-        print(json.dumps(write_checkpoint(Path(directory))))
+        assert extra is not None, "the hidden size"
+        print(json.dumps(write_checkpoint(Path(directory), int(extra))))
         return
     loaded: torch.nn.Module | None = None
     if mode == "tessera":
@@ -161,12 +172,17 @@ def main() -> None:
         child(sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else None)
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden-size", type=int, default=CONFIG["hidden_size"],
+                        help=f"the checkpoint's hidden size, even (default {CONFIG['hidden_size']}: over 1 GB; "
+                             "16 for a quick run)")
     parser.add_argument("--out", type=out_file, help="also write the JSON report here")
     args = parser.parse_args()
+    if args.hidden_size < 2 or args.hidden_size % 2:  # the experts' width is half of it
+        parser.error(f"--hidden-size must be an even number of at least 2, got {args.hidden_size}")
     with tempfile.TemporaryDirectory(prefix="tessera-load-") as tmp:
         directory = Path(tmp) / "checkpoint"
         started = time.perf_counter()
-        written = measure("write", directory)
+        written = measure("write", directory, str(args.hidden_size))
         size = written["bytes"]
         write_seconds = time.perf_counter() - started
         runs = {mode: measure(mode, directory)
@@ -175,6 +191,7 @@ def main() -> None:
     check_loads(written["state_sha256"], runs)
     full_load, skip = runs["compressed_full_load"], runs["compressed_skip"]
     report: dict[str, Any] = {
+        "hidden_size": args.hidden_size,
         "checkpoint_bytes": size,
         "write_seconds": round(write_seconds, 2),
         "peak_rss_ratio": round(runs["tessera"]["peak_above_runtime_bytes"] / size, 3),
@@ -194,6 +211,9 @@ def main() -> None:
         "compressed_miner_seconds_full_load": round(full_load["seconds"], 2),
         "compressed_miner_seconds_skip_unselected": round(skip["seconds"], 2),
         "compressed_miner_held_gib": _gib(skip["held_bytes"]),
+        "state_sha256": {"written": written["state_sha256"],
+                         **{mode: runs[mode]["state_sha256"]
+                            for mode in ("tessera", "plain", "compressed_full_load", "compressed_skip")}},
     }
     emit(report, args.out)
 

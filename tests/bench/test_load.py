@@ -1,18 +1,16 @@
 """bench/load.py checks what its loads hold, not only how many bytes: a load of other weights of the same
-size fails the benchmark. `main` runs on the children's reports, the children on a small checkpoint of the
-benchmark's shape: a 1 GB checkpoint is not written."""
+size fails the benchmark. `main` runs on the children's reports, and the whole benchmark on a small checkpoint
+of the benchmark's shape (`--hidden-size 16`): a 1 GB checkpoint is not written."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.bench.scripts import BENCH, load_bench
+from tests.bench.scripts import assert_positive, load_bench, run_bench
 from training.model import state_hash
 from training.tiny import build_tiny_model, tiny_config
 
@@ -63,13 +61,22 @@ def test_a_load_of_other_weights_of_the_same_size_fails_the_benchmark(
 
 
 def test_every_checked_child_reports_the_hash_of_what_it_loaded(tmp_path: Path) -> None:
-    """The children themselves, on a small checkpoint of the benchmark's shape (12 layers of 32 experts)."""
-    model = build_tiny_model("qwen3_moe", tiny_config("qwen3_moe", num_hidden_layers=12, num_experts=32), seed=0)
-    model.save_pretrained(str(tmp_path))
-    runs = {}
-    for mode in ("tessera", "plain", "compressed_full_load", "compressed_skip"):
-        child = subprocess.run([sys.executable, str(BENCH / "load.py"), "--child", mode, str(tmp_path)],
-                               capture_output=True, text=True, timeout=300, check=True)
-        runs[mode] = json.loads(child.stdout.strip().splitlines()[-1])
-    load_bench("load").check_loads(state_hash(model), runs)
+    """The whole benchmark, children included, on a small checkpoint of the benchmark's shape (12 layers of 32
+    experts)."""
+    report = run_bench("load", tmp_path / "load.json", "--hidden-size", "16")
+    load = load_bench("load")
+    model = build_tiny_model("qwen3_moe", tiny_config("qwen3_moe", **load.config(16)), seed=0)
+    assert model.config.num_hidden_layers == 12 and model.config.num_experts == 32
+    runs = {mode: {"state_sha256": digest} for mode, digest in report["state_sha256"].items() if mode != "written"}
+    assert set(runs) == {"tessera", "plain", "compressed_full_load", "compressed_skip"}
+    assert report["state_sha256"]["written"] == state_hash(model)
+    load.check_loads(state_hash(model), runs)
     assert runs["tessera"]["state_sha256"] != runs["compressed_skip"]["state_sha256"]
+    assert report["hidden_size"] == 16
+    assert_positive(report, "checkpoint_bytes", "write_seconds", "peak_rss_ratio", "load_seconds", "base_hash_seconds",
+                    "base_hash_peak_rss_ratio", "compressed_miner_peak_rss_gib_full_load",
+                    "compressed_miner_peak_rss_gib_skip_unselected", "compressed_miner_skip_vs_full_load_peak_ratio",
+                    "compressed_miner_seconds_full_load", "compressed_miner_seconds_skip_unselected",
+                    "compressed_miner_held_gib")
+    for reference in ("plain_from_pretrained", "old_loader_7069fea"):
+        assert_positive(report[reference], "peak_rss_ratio", "load_seconds")
