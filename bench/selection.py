@@ -6,8 +6,8 @@ with `--sim`. For each domain, experts are selected by gate mass from `--example
 per document) in global and layerwise mode; then `training.subset_eval` prunes the model to the rule's
 top experts and to random ones (`--seeds` draws) at keep fractions 6.25..100% and measures held-out
 loss on other documents of the domain. A stability report (Jaccard overlap across seeds at 1, 5, 10
-and 100 examples) closes each domain. Everything is seeded.
-Usage: python bench/selection.py [--sim] [--domains code prose arithmetic] [--out FILE.json]
+and 100 examples drawn from `--documents` documents) closes each domain. Everything is seeded.
+Usage: python bench/selection.py [--sim] [--domains code prose arithmetic] [--documents 200] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from bench.report import emit, out_file  # noqa: E402
 
 FAMILY = "qwen3_moe"
 SEQ_LEN = 64
+DOCUMENTS = 200  # of a domain's 400 generated texts: the first ones are for selection, the rest held out
 
 
 def main() -> int:
@@ -33,11 +34,15 @@ def main() -> int:
     parser.add_argument("--cache", type=Path, default=ROOT / ".bench" / "pretrained", help="pretrained base cache")
     parser.add_argument("--domains", nargs="+", default=["code", "prose", "arithmetic"])
     parser.add_argument("--examples", type=int, default=5, help="documents the selection sees")
+    parser.add_argument("--documents", type=int, default=DOCUMENTS,
+                        help=f"documents the stability report draws from (default and most {DOCUMENTS})")
     parser.add_argument("--top-d", type=int, default=2, help="experts per layer in the selected group")
     parser.add_argument("--heldout", type=int, default=48, help="held-out sequences of SEQ_LEN tokens")
     parser.add_argument("--seeds", type=int, default=3, help="random selections per keep fraction")
     parser.add_argument("--out", type=out_file)
     args = parser.parse_args()
+    if not 1 <= args.examples <= args.documents <= DOCUMENTS:
+        parser.error(f"need 1 <= --examples <= --documents <= {DOCUMENTS}, got {args.examples} and {args.documents}")
 
     import torch
 
@@ -65,8 +70,8 @@ def main() -> int:
     for domain in args.domains:
         # Seed 7 is not the pretraining corpus's seed (0), so selection and held-out texts are unseen.
         texts = generate(domain, 400, seed=7)
-        documents = [pack([text], tokenizer, SEQ_LEN) for text in texts[:200]]
-        heldout = pack(texts[200:], tokenizer, SEQ_LEN)[: args.heldout]
+        documents = [pack([text], tokenizer, SEQ_LEN) for text in texts[: args.documents]]
+        heldout = pack(texts[DOCUMENTS:], tokenizer, SEQ_LEN)[: args.heldout]
         result = {}
         for mode in ("global", "layerwise"):
             selection = select_experts(model, adapter, documents[: args.examples], "gate-mass", top_d=args.top_d,
@@ -84,6 +89,7 @@ def main() -> int:
         "model": {"family": FAMILY, "experts": adapter.num_experts(model), "moe_layers": adapter.moe_layers(model)},
         "rule": "gate-mass",
         "examples": args.examples,
+        "documents": args.documents,
         "top_d": args.top_d,
         "heldout_sequences": args.heldout,
         "random_seeds": args.seeds,
