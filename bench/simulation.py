@@ -53,7 +53,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.report import emit  # noqa: E402
+from bench.report import emit, out_file  # noqa: E402
 from node.cli.common import comma_list, spec_setting  # noqa: E402
 from node.sim.process import SimSettings, SimulationError  # noqa: E402
 from node.sim.run import Simulation  # noqa: E402
@@ -322,7 +322,7 @@ def main() -> int:
     parser.add_argument("--dir", type=Path, help="simulation directory, must not exist (default: a new temporary one)")
     parser.add_argument("--reuse", type=Path, metavar="DIR",
                         help="skip the simulation: evaluate the --dir of an earlier run of this benchmark")
-    parser.add_argument("--out", type=Path, help="write the JSON here (default: stdout only)")
+    parser.add_argument("--out", type=out_file, help="write the JSON here (default: stdout only)")
     args = parser.parse_args()
     if args.rounds < 1 or args.subsets < 4:
         parser.error(f"--rounds must be >= 1 and --subsets >= 4, got {args.rounds} and {args.subsets}")

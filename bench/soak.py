@@ -14,7 +14,7 @@ per node, the least-squares slope of each quantity over the rounds from `--warmu
 and its first and last value there. A node that leaks shows a slope that does not shrink as the
 run gets longer; a flat node's slope is noise around zero. Linux only (/proc).
 Usage: python bench/soak.py [--rounds 30] [--warmup 6] [--validators 2] [--miners 4]
-       [--round-seconds 80] [--dir DIR] [--out FILE.json]
+       [--round-seconds 80] [--train-share 0.9] [--dir DIR] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.report import emit  # noqa: E402
+from bench.report import emit, out_file  # noqa: E402
 from bench.simulation import _commit, run_rounds  # noqa: E402
 from node.sim.process import SimNode, SimSettings  # noqa: E402
 from node.sim.run import Simulation  # noqa: E402
@@ -136,8 +136,10 @@ def main() -> int:
     parser.add_argument("--validators", type=int, default=2, help="validator processes (default 2)")
     parser.add_argument("--miners", type=int, default=4, help="miner processes (default 4)")
     parser.add_argument("--round-seconds", type=float, default=80.0, help="round length (default 80, as simulate)")
+    parser.add_argument("--train-share", type=float, default=0.9,
+                        help="TRAIN's share of the round (default 0.9, as simulate)")
     parser.add_argument("--dir", type=Path, help="simulation directory, must not exist (default: a new temporary one)")
-    parser.add_argument("--out", type=Path, help="write the JSON here (default: stdout only)")
+    parser.add_argument("--out", type=out_file, help="write the JSON here (default: stdout only)")
     args = parser.parse_args()
     if not sys.platform.startswith("linux"):
         parser.error("the soak benchmark reads /proc; it runs on Linux only")
@@ -147,7 +149,8 @@ def main() -> int:
     if args.dir is not None and args.dir.exists():
         parser.error(f"--dir {args.dir} exists; give a new directory")
     try:
-        settings = SimSettings(validators=args.validators, miners=args.miners, round_seconds=args.round_seconds)
+        settings = SimSettings(validators=args.validators, miners=args.miners, round_seconds=args.round_seconds,
+                               train_share=args.train_share)
     except ValueError as exc:
         parser.error(str(exc))
     directory = (args.dir or Path(tempfile.mkdtemp(prefix="tessera-soak-"))).resolve()
