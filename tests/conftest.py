@@ -4,7 +4,8 @@ headless Chromium (Debian's package, driven by Playwright) for the status-page t
 Identities come from fixed seeds: `make_identity(i)`; validators are identities 0..2, miners 100+.
 `make_spec_dict()` returns data shaped like decoded TOML, with made-up hashes.
 
-Collection puts the long files first (`pytest_collection_modifyitems`), for `make test`'s two workers.
+Collection puts the network simulation first and the files that start processes last
+(`pytest_collection_modifyitems`), for `make test`'s two workers.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from protocol.spec import NetworkSpec, parse_spec
 
 GENESIS = datetime(2026, 1, 1, tzinfo=UTC)
 # `make test` hands files to its two pytest-xdist workers in collection order (--no-loadscope-reorder):
-# the network simulation, minutes of waiting on a round schedule, starts first so that the other files
-# run beside it rather than after it; the other real-process files follow, so the tail is short files.
-LONG_FIRST = ("integration/test_network.py", "integration/")
+# the network simulation, minutes of waiting on a round schedule, starts first, and while its sixteen
+# processes start the other worker runs in-process tests; the files that start processes of their own
+# (real nodes, benchmark scripts, commands) come last, so they do not crowd the network's start.
+FIRST = ("integration/test_network.py",)
+LAST = ("integration/", "bench/", "deploy/", "node/cli/")
 N_VALIDATORS = 3
 MINER_OFFSET = 100
 
@@ -34,7 +37,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
     def rank(item: pytest.Item) -> int:
         path = item.path.relative_to(tests).as_posix() if item.path.is_relative_to(tests) else ""
-        return next((i for i, prefix in enumerate(LONG_FIRST) if path.startswith(prefix)), len(LONG_FIRST))
+        return 0 if path.startswith(FIRST) else 2 if path.startswith(LAST) else 1
 
     items.sort(key=rank)  # stable: each file's tests stay together and in order
 
