@@ -36,10 +36,11 @@ VALIDATORS = ("validator-0", "validator-1", "validator-2")
 SETTINGS = SimSettings(validators=len(VALIDATORS), miners=HONEST + len(ADVERSARY_KINDS), adversaries=ADVERSARY_KINDS,
                        # Training stops after 30 steps, well before TRAIN ends, so a node restarted in
                        # TRAIN is not starved of CPU by 11 training miners on 2 cores.
-                       round_seconds=50, train_share=0.45, inner_steps=30,
-                       # Each node spends about 8 s of CPU importing torch and transformers before it
-                       # listens: the 16 took 94 s to start on this 2-core machine with other real-process
-                       # tests beside them (55 s was too short there), and about 32 s in an earlier run.
+                       # A node spends about 8 s of CPU importing torch and transformers before it listens:
+                       # on this 2-core machine the 16 took 83-94 s to start, and a node SIGKILLed and
+                       # restarted took 33-42 s to listen again, so with 50 s rounds no validator of round 0
+                       # answered for it before the wait's deadline.
+                       round_seconds=70, train_share=0.45, inner_steps=30,
                        start_delay_s=100)
 # (round, phase) -> the nodes SIGKILLed at the start of that phase and restarted at once.
 KILLS: dict[tuple[int, Phase], tuple[str, ...]] = {
