@@ -98,7 +98,11 @@ def build_tiny_model(
     model = meta_tiny_model(family, config)
     with torch.device("cpu"):  # a caller's device context would leave the rotary buffers on it
         model.to_empty(device="cpu")
-        model.tie_weights()  # to_empty gives each tied name its own tensor
+        if model.config.tie_word_embeddings:  # to_empty gives each tied name its own tensor
+            # Tied here rather than by `model.tie_weights()`: transformers' from_pretrained swaps that method for
+            # a no-op on the class while it loads, and two loads on two threads can leave the no-op in place.
+            output = model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
+            output.weight = model.get_input_embeddings().weight
         _initialise(model, generator if generator is not None else torch.Generator().manual_seed(cast(int, seed)))
     return model
 
