@@ -3,6 +3,8 @@
 A validator commits to SHA256(seed) during TRAIN and reveals the seed during REVEAL; the round
 seed hashes the sorted seeds of every validator whose reveal matches its commitment, so no single
 validator picks it and no miner can know it when it commits. Seeds are 32 random bytes as hex.
+The merge gate draws its held-out rows from `gate_seed`, a seed derived from the round seed, so every
+validator draws the same rows and no miner knew them when it committed.
 This module knows nothing about messages, time windows or who is a validator.
 """
 
@@ -46,6 +48,11 @@ def round_seed(commits: Mapping[str, str], reveals: Mapping[str, str]) -> str:
     if not seeds:
         raise ValueError("no validator revealed a seed matching its commitment; the round has no seed")
     return hashlib.sha256(b"".join(seeds)).hexdigest()
+
+
+def gate_seed(round_seed_hex: str) -> str:
+    """The seed of the round's merge gate: SHA256("tessera-gate" ‖ the round seed's 32 bytes), hex."""
+    return sha256_hex(b"tessera-gate" + bytes.fromhex(round_seed_hex))
 
 
 def checkpoint_commitment(blob: bytes) -> str:

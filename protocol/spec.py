@@ -4,7 +4,8 @@ A spec fixes timing, the base model, the expert group, the data, the validator s
 aggregation and limits. Its SHA-256 over a canonical encoding is the network id carried in every
 message. Paths in a spec are relative to the spec file and stay as written in the canonical form,
 so the id does not depend on where a node keeps its files; the files themselves are pinned by
-hashes (`base_hash` and `config_sha256` for the model, `heldout_sha256` for the held-out data). This
+hashes (`base_hash` and `config_sha256` for the model, `heldout_sha256` and `general_sha256` for the held-out
+data). This
 module does not load models or data.
 """
 
@@ -90,6 +91,14 @@ class DataSpec(_Strict):
     tokenizer: str = Field(default="byte", description="'byte' or a tokenizer directory, relative to the spec.")
     seq_len: int = Field(default=64, ge=8, le=65536, description="Tokens per packed sequence.")
     heldout_sequences: int = Field(default=32, ge=1, description="Held-out sequences scored each round.")
+    gate_sequences: int = Field(
+        default=32, ge=1,
+        description="Held-out sequences the merge gate scores each round, drawn by the round seed from the rows "
+        "the round's scores leave out (the held-out file holds at least heldout_sequences + gate_sequences).")
+    general_sha256: Hex32 | None = Field(
+        default=None,
+        description="SHA-256 of the validators' general-domain held-out file, on which the merge gate measures "
+        "forgetting (aggregation.forgetting_budget); None: validators hold none and forgetting is not checked.")
 
 
 class TrainingSpec(_Strict):
@@ -155,6 +164,10 @@ class AggregationSpec(_Strict):
         "states, which moves (1 - average_decay) of the way to the merged state every round; that average is "
         "the model the network reports and exports, while miners train from the merged state "
         "(docs/learning.md, \"Reporting the average of the merged states\").")
+    forgetting_budget: float = Field(
+        default=0.1, ge=0,
+        description="Where the spec pins a general-domain held-out file (data.general_sha256): the most a candidate "
+        "state may raise its loss there over the current state, in nats, and still be adopted by the merge gate.")
 
 
 class LimitSpec(_Strict):
@@ -299,7 +312,7 @@ SETTABLE_SECTIONS: dict[str, type[BaseModel]] = {
 
 DERIVED_FIELDS: dict[str, tuple[str, ...]] = {
     "model": ("family", "checkpoint", "config", "init_seed", "base_hash", "config_sha256"),
-    "data": ("train", "heldout_sha256", "tokenizer")}
+    "data": ("train", "heldout_sha256", "general_sha256", "tokenizer")}
 """The fields of settable sections that a command derives from the files it is given (the model, the data):
 a setting refuses them, since a value that disagrees with those files makes a spec no node can load."""
 

@@ -26,14 +26,25 @@ The steps:
 When no miner qualifies no outer step is taken: the global tensors AND the momentum are returned
 as the very same objects, so the state keeps its bytes and its hash (momentum is not decayed either,
 since a decayed momentum would give validators that saw different rounds different states).
+
+`gate` then decides what the round adopts. Its candidates are the current state, the merged state and
+the state holding the best-ranked submission's experts (with the momentum as it was); each is measured
+by the caller's `measure` (validator.scoring.gate_measure: held-out rows the round seed draws apart from
+the scored ones, and general-domain rows where the spec pins a file), a candidate that raises the
+general-domain loss over the current state's by more than `aggregation.forgetting_budget` is refused,
+and the lowest gate loss is adopted, ties going to the earlier of `CANDIDATES` (a change must measure
+strictly lower than the state it replaces). Every input is public or derived from the round seed, so
+validators adopt the same state.
 This module knows nothing about networking, storage or how losses were measured.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Container, Iterable, Mapping
+import math
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -77,6 +88,44 @@ class MergeResult:
     def changed(self) -> bool:
         """False when no miner qualified: `new_global` and `new_momentum` are the inputs unchanged."""
         return bool(self.contributors)
+
+
+CANDIDATES = ("current", "merged", "best_single")
+"""The states the merge gate weighs, in the order that breaks a tie in their gate losses."""
+
+
+@dataclass(frozen=True)
+class GateLoss:
+    """A candidate state's loss on the round's gate rows, and on the general-domain rows (None: none held)."""
+
+    loss: float
+    general: float | None = None
+
+
+@dataclass(frozen=True)
+class Adoption:
+    """What the merge gate adopted: the candidate, its tensors and momentum, whose updates it holds (the
+    merged contributors, the best single submission's miner, or nobody), and every candidate's losses."""
+
+    adopted: str
+    contributors: list[str]
+    new_global: dict[str, torch.Tensor]
+    new_momentum: dict[str, torch.Tensor]
+    losses: dict[str, GateLoss]
+    refused: tuple[str, ...]
+    """Candidates over the forgetting budget, or with a non-finite loss."""
+
+    @property
+    def changed(self) -> bool:
+        """False when the current state stays: `new_global` and `new_momentum` are the inputs unchanged."""
+        return self.adopted != "current"
+
+    def report(self) -> dict[str, Any]:
+        """The gate as a round report shows it (`losses` and `general_losses` by candidate; empty when
+        nothing was merged and there was nothing to weigh)."""
+        general = {name: loss.general for name, loss in self.losses.items() if loss.general is not None}
+        return {"adopted": self.adopted, "losses": {name: loss.loss for name, loss in self.losses.items()},
+                "general_losses": general or None, "refused": list(self.refused)}
 
 
 def outer_config(spec: NetworkSpec) -> OuterConfig:
@@ -147,6 +196,48 @@ def merge_round(
                     ", ".join(m[:12] for m in contributors), overflowed[0])
         return MergeResult(ranking, ranking.points(), [], global_tensors, momentum, duplicates)
     return MergeResult(ranking, ranking.points(), contributors, new_global, new_momentum, duplicates)
+
+
+def gate(
+    merge: MergeResult,
+    blobs: Mapping[str, Tensors],
+    global_tensors: dict[str, torch.Tensor],
+    momentum: dict[str, torch.Tensor],
+    spec: NetworkSpec,
+    measure: Callable[[Tensors], GateLoss],
+) -> Adoption:
+    """The state round `merge` adopts (steps in the module doc); `measure` gives a candidate's losses.
+
+    With nothing merged there is nothing to weigh: the current state stays, unmeasured."""
+    if not merge.changed:
+        return Adoption("current", [], global_tensors, momentum, {}, ())
+    best = merge.contributors[0]
+    single = {name: t.detach().to("cpu", torch.float32).clone() for name, t in blobs[best].items()}
+    states = {"current": (global_tensors, momentum, []), "merged": (merge.new_global, merge.new_momentum,
+              merge.contributors), "best_single": (single, momentum, [best])}
+    losses = {name: measure(states[name][0]) for name in CANDIDATES}
+    budget = spec.aggregation.forgetting_budget
+    refused = tuple(name for name in CANDIDATES[1:] if not _within_budget(losses[name], losses["current"], budget))
+    allowed = [name for name in CANDIDATES if name not in refused]
+    adopted = min(allowed, key=lambda name: _finite_or_inf(losses[name].loss))  # min keeps the first of a tie
+    tensors, moment, holders = states[adopted]
+    log.info("gate: adopting the %s state (%s)%s", adopted,
+             ", ".join(f"{name} {losses[name].loss:.4f}" for name in CANDIDATES),
+             f"; refused {', '.join(refused)}" if refused else "")
+    return Adoption(adopted, list(holders), tensors, moment, losses, refused)
+
+
+def _within_budget(candidate: GateLoss, current: GateLoss, budget: float) -> bool:
+    """A finite gate loss, and no more than `budget` nats of general-domain loss over the current state's."""
+    if not math.isfinite(candidate.loss):
+        return False
+    if candidate.general is None or current.general is None:
+        return True
+    return math.isfinite(candidate.general) and candidate.general - current.general <= budget
+
+
+def _finite_or_inf(loss: float) -> float:
+    return loss if math.isfinite(loss) else math.inf
 
 
 def _coverage(

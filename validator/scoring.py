@@ -11,8 +11,9 @@ validator's device (`validator.device`; `auto` spreads a model too large for one
 with accelerate's device map); batches hold `validator.batch_size` sequences. On CPU fp32 the losses
 are bit-for-bit reproducible; on a GPU they may differ from another validator's in the last bits,
 which the median over assigned validators absorbs. The model always holds the global experts when a
-call returns. This module knows nothing about assignment, gossip or how the results are combined
-across validators.
+call returns. The merge gate's rows (`gate_rows`: held-out rows the round's scores leave out, picked by
+the gate seed) and its measure of a candidate state (`gate_measure`) live here too. This module knows
+nothing about assignment, gossip or how the results are combined across validators.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from protocol.messages import ScoreEntry, ScoreReport
+from protocol.seeds import gate_seed
 from protocol.spec import NetworkSpec
 from training.adapters import MoEAdapter
 from training.data import heldout_subset
@@ -34,6 +36,7 @@ from training.pgrad import pgrad_config, rebuild
 from training.tokenizer import BYTE_PAD
 from validator.checks import Expectation, SubmissionVerdict, check_submission
 from validator.device import spread
+from validator.merge import GateLoss, Tensors
 
 REASON_CHARS = 200
 
@@ -181,6 +184,48 @@ class Scorer:
     def loss(self, sequences: torch.Tensor) -> float:
         """Held-out loss of the model as it stands, on the scoring device in scoring-sized batches."""
         return heldout_loss(self.model, sequences, self.batch_size, self.device, self.pad_id).loss
+
+
+def report_rows(total: int, round_seed: str, spec: NetworkSpec) -> torch.Tensor:
+    """Indices of the held-out rows (of `total`) that the round's scores and reported loss use, sorted."""
+    rows: torch.Tensor = heldout_subset(torch.arange(total), round_seed, spec.data.heldout_sequences)
+    return rows
+
+
+def gate_rows(total: int, round_seed: str, spec: NetworkSpec) -> torch.Tensor:
+    """Indices of the held-out rows the merge gate scores, sorted: `data.gate_sequences` of the rows that
+    `report_rows` leaves out, drawn by the gate seed, so choosing a state does not bias its reported loss."""
+    free = torch.ones(total, dtype=torch.bool)
+    free[report_rows(total, round_seed, spec)] = False
+    rows: torch.Tensor = heldout_subset(torch.arange(total)[free], gate_seed(round_seed), spec.data.gate_sequences)
+    return rows
+
+
+def check_gate_data(spec: NetworkSpec, heldout_rows: int) -> None:
+    """ValueError unless a held-out file of `heldout_rows` sequences holds the scored and the gate's rows apart."""
+    need = spec.data.heldout_sequences + spec.data.gate_sequences
+    if heldout_rows < need:
+        raise ValueError(f"held-out data has {heldout_rows} sequences; the spec scores {spec.data.heldout_sequences} "
+                         f"per round and gates the merge on {spec.data.gate_sequences} others, {need} in all")
+
+
+def gate_measure(scorer: Scorer, round_seed: str, general: torch.Tensor | None) -> Callable[[Tensors], GateLoss]:
+    """The merge gate's measure for one round: a candidate state's loss on the gate rows of the scorer's
+    held-out data and, where the validator holds `general` (general-domain held-out sequences), on the
+    `data.gate_sequences` of them (all, if fewer) the gate seed draws. The model keeps its experts."""
+    spec = scorer.spec
+    gate = scorer.heldout[gate_rows(scorer.heldout.shape[0], round_seed, spec)]
+    drawn = None if general is None else heldout_subset(
+        general, gate_seed(round_seed), min(spec.data.gate_sequences, general.shape[0]))
+
+    def loss(tensors: Tensors, sequences: torch.Tensor) -> float:
+        return loss_with_experts(scorer.model, scorer.adapter, tensors, sequences, scorer.batch_size,
+                                 scorer.device, scorer.pad_id).loss
+
+    def measure(tensors: Tensors) -> GateLoss:
+        return GateLoss(loss(tensors, gate), None if drawn is None else loss(tensors, drawn))
+
+    return measure
 
 
 def _reject(miner: str, commitment: str, reason: str) -> ScoreEntry:

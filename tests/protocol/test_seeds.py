@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol.seeds import checkpoint_commitment, commitment, new_seed, reveal_matches, round_seed
+from protocol.seeds import checkpoint_commitment, commitment, gate_seed, new_seed, reveal_matches, round_seed
 
 SEEDS = {f"v{i}": hashlib.sha256(bytes([i])).hexdigest() for i in range(4)}
 COMMITS = {v: commitment(s) for v, s in SEEDS.items()}
@@ -57,3 +57,9 @@ def test_round_seed_needs_one_honest_reveal() -> None:
 
 def test_checkpoint_commitment() -> None:
     assert checkpoint_commitment(b"blob") == hashlib.sha256(b"blob").hexdigest()
+
+
+def test_the_gate_seed_is_a_fixed_function_of_the_round_seed_and_differs_from_it() -> None:
+    s_r = hashlib.sha256(b"round").hexdigest()
+    assert gate_seed(s_r) == hashlib.sha256(b"tessera-gate" + bytes.fromhex(s_r)).hexdigest()
+    assert gate_seed(s_r) != s_r and gate_seed(s_r) != gate_seed(hashlib.sha256(b"other").hexdigest())

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from protocol.ranking import rank_round, scores_from_report
+from protocol.seeds import gate_seed
 from protocol.spec import NetworkSpec, parse_spec
 from tests.conftest import MINER_OFFSET, make_identity, make_spec_dict
 from training.adapters import adapter_for
@@ -22,7 +23,16 @@ from training.model import state_hash
 from training.tiny import build_tiny_model, tiny_config
 from training.tokenizer import ByteTokenizer
 from training.trainer import TrainConfig, train_experts
-from validator.scoring import Scorer, ScoreResult, ScoringStopped
+from validator.merge import GateLoss
+from validator.scoring import (
+    Scorer,
+    ScoreResult,
+    ScoringStopped,
+    check_gate_data,
+    gate_measure,
+    gate_rows,
+    report_rows,
+)
 
 ROUND = 1
 SEED = hashlib.sha256(b"scoring-round").hexdigest()
@@ -271,3 +281,34 @@ def test_auto_device_spreads_a_model_without_a_device_map_and_needs_gpus_for_it(
     setup, _, _ = qwen
     with pytest.raises(ValueError, match="spreads the model over CUDA GPUs, but this machine has none"):
         Scorer(copy.deepcopy(setup.model), setup.adapter, setup.spec, setup.scorer.heldout, device="auto")
+
+
+@pytest.mark.parametrize("round_seed", [hashlib.sha256(f"gate-{i}".encode()).hexdigest() for i in range(20)])
+def test_the_gate_rows_and_the_scored_rows_never_overlap(qwen, round_seed: str) -> None:
+    setup, _, _ = qwen
+    total, spec = setup.scorer.heldout.shape[0], setup.spec
+    scored, gated = report_rows(total, round_seed, spec), gate_rows(total, round_seed, spec)
+    assert len(scored) == spec.data.heldout_sequences and len(gated) == spec.data.gate_sequences
+    assert not set(scored.tolist()) & set(gated.tolist()) and len(set(gated.tolist())) == len(gated)
+    assert torch.equal(setup.scorer.heldout[scored], heldout_subset(setup.scorer.heldout, round_seed,
+                                                                    spec.data.heldout_sequences))
+    assert torch.equal(gated, gate_rows(total, round_seed, spec))  # every validator draws the same rows
+
+
+def test_the_gate_measures_a_state_on_its_own_rows_and_on_general_data(qwen) -> None:
+    setup, _, _ = qwen
+    spec, heldout = setup.spec, setup.scorer.heldout
+    general = pack(generate("prose", 40, seed=9), ByteTokenizer(), 64)
+    measured = gate_measure(setup.scorer, SEED, general)(setup.global_tensors)
+    on_gate_rows = heldout_loss(setup.model, heldout[gate_rows(heldout.shape[0], SEED, spec)], 16, "cpu").loss
+    drawn = heldout_subset(general, gate_seed(SEED), spec.data.gate_sequences)
+    assert measured == GateLoss(on_gate_rows, heldout_loss(setup.model, drawn, 16, "cpu").loss)
+    assert gate_measure(setup.scorer, SEED, None)(setup.global_tensors) == GateLoss(on_gate_rows, None)
+
+
+def test_held_out_data_without_room_for_the_gate_is_refused(qwen) -> None:
+    setup, _, _ = qwen
+    need = setup.spec.data.heldout_sequences + setup.spec.data.gate_sequences
+    check_gate_data(setup.spec, need)
+    with pytest.raises(ValueError, match=f"held-out data has {need - 1} sequences; the spec scores"):
+        check_gate_data(setup.spec, need - 1)
