@@ -2,23 +2,27 @@
 
 TRAIN of round r: settle round r-1's global state (node.duties.consensus; a validator in the minority
 re-syncs state and momentum), then commit to a fresh seed, persisted BEFORE it is published so a restart
-reuses it. REVEAL: reveal the seed; each accepted Reveal of the round starts a background fetch of its
-blob (node.duties.prefetch), so a miner that goes down after revealing is still scored. EVALUATE: a
-commit here without its reveal (or the reverse) sends us to a peer for the round's envelopes; then the
-round plan (node.duties.plan: seed s_r from the validators that committed and revealed, the miners with
-a Commit and a matching Reveal, the assignment) is fixed and persisted; the blobs of the miners assigned
+reuses it. REVEAL: reveal the seed; the blobs of the round's accepted Reveals are fetched in the background
+(node.duties.prefetch: assigned ones first, within a byte budget), so a miner that goes down after revealing
+is still scored. EVALUATE: a commit here without its reveal (or the reverse) sends us to a peer for the
+round's envelopes; then the round plan (node.duties.plan: seed s_r from the validators that committed and
+revealed, the miners with a Commit and a matching Reveal, the assignment) is fixed and persisted; the blobs of the miners assigned
 to this validator are fetched (capped), checked and scored off the event loop, and a ScoreReport is
 published. MERGE: wait for the other validators' reports (half the phase, then ask a peer for them),
 then `validator.merge.merge_round` on the SAME plan and the reports as stored whole; its
 MissingBlobError names the candidates this validator did not score, which are fetched and checked once
-into the round's checked-blob cache (`_Checked`, emptied after the merge). The validators whose reports
+into the round's checked-blob cache (`_Checked`, emptied after the merge). The merge gate
+(`validator.merge.gate`) then adopts the lowest of the current, merged and best-single states on held-out
+rows the round seed draws apart from the scored ones, refusing one that forgets more of the general-domain
+file (`validator.general`, where the spec pins one) than the spec's budget. The validators whose reports
 the merge used are fixed in storage before anything follows from it, so a merge run again after a
 restart ranks, rewards and proposes from the same reports (not from any that came in since), and the
 ledger, leaderboard, round report and vote agree. Rewards and their mark are one storage write; the new
 state and momentum are recorded as our proposal, served (again after any restart) and announced in
 GlobalState. A round that merges nothing proposes no state, unless the spec keeps an average of the
-merged states (`aggregation.average_decay`), which moves every round. The round report
-(node.duties.report) and leaderboard (node.duties.results) are stored; the loss of the ADOPTED state
+merged states (`aggregation.average_decay`), which moves every round. The round report, with the gate's
+candidates' losses (node.duties.report), and the leaderboard (node.duties.results) are stored; the loss of
+the ADOPTED state
 (the model it offers: its average, where the spec keeps one) on round r's held-out subset is filled
 in once round r+1 has settled it. Each step checks storage first, so a restarted validator resumes
 without publishing anything twice.
@@ -37,7 +41,7 @@ import torch
 
 from node.duties.consensus import Consensus, wait_until
 from node.duties.plan import make_plan, unpaired
-from node.duties.prefetch import Prefetcher
+from node.duties.prefetch import Prefetcher, early_assignment
 from node.duties.report import round_report
 from node.duties.results import leaderboard, learn_results
 from node.net.network import NetworkError, PublishRefused
@@ -59,7 +63,14 @@ from protocol.ranking import RoundRanking, update_standing
 from protocol.rounds import Phase
 from protocol.seeds import commitment, new_seed
 from protocol.spec import spec_dir_path
-from training.data import check_disjoint, check_heldout_file, heldout_subset, load_sequences, read_documents
+from training.data import (
+    check_disjoint,
+    check_heldout_file,
+    file_sha256,
+    heldout_subset,
+    load_sequences,
+    read_documents,
+)
 from training.device import check_device
 from training.experts import extract
 from training.model import load_base
@@ -67,8 +78,8 @@ from training.state import GlobalExperts
 from training.tokenizer import load_tokenizer
 from validator.checks import submission_cap
 from validator.device import skeleton
-from validator.merge import MergeInputError, MergeResult, MissingBlobError, merge_round
-from validator.scoring import Scorer, apply_global
+from validator.merge import Adoption, MergeInputError, MergeResult, MissingBlobError, gate, merge_round
+from validator.scoring import Scorer, apply_global, check_gate_data, gate_measure
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +100,7 @@ class ValidatorDuties:
         except ValueError as exc:
             raise ValueError(f"validator.heldout: {exc}") from None
         _check_disjoint(ctx)
+        _check_general(ctx)
         section = ctx.config.validator
         check_device(section.device, skeleton(ctx.spec, ctx.config.node.spec), section.batch_size, ctx.spec.data.seq_len)
         self.ctx = ctx
@@ -100,7 +112,8 @@ class ValidatorDuties:
         self.synced = False
         self._loaded = BuiltOnce(lambda: _Loaded.create(ctx))
         self._checked = _Checked(-1)
-        self._prefetch = Prefetcher(ctx.network, report_capacity(ctx.spec.limits.max_message_bytes))
+        self._prefetch = Prefetcher(ctx.network, report_capacity(ctx.spec.limits.max_message_bytes),
+                                    section.prefetch_bytes)
         self._cap: int | None = None  # known once the model is loaded
 
     async def on_phase(self, round: int, phase: Phase) -> None:
@@ -125,10 +138,15 @@ class ValidatorDuties:
 
     async def on_message(self, envelope: Envelope, message: Message) -> None:
         await self.consensus.on_message(envelope, message)
-        if isinstance(message, Reveal) and self._cap is not None:
+        if isinstance(message, Reveal | SeedReveal) and self._cap is not None:
             current = self.ctx.schedule.round_at(self.ctx.clock.now())
             if message.round == current:
-                self._prefetch.start(message.commitment, envelope.sender, self._cap)
+                if isinstance(message, Reveal):
+                    self._prefetch.offer(message.commitment, envelope.sender, message.size, self._cap)
+                if self._prefetch.assigned is None:
+                    assigned = await early_assignment(self.ctx.storage, self.ctx.spec, current, self.me)
+                    if assigned is not None:
+                        self._prefetch.assign(assigned)
         self.arrivals.set()
 
     async def _load_head(self, loaded: _Loaded) -> None:
@@ -265,10 +283,10 @@ class ValidatorDuties:
         if merged_from is not None:  # reports that came in since must not change what we rewarded and voted
             reports = {v: report for v, report in reports.items() if v in merged_from}
         try:
-            result = await self._merge_result(round, plan, head, loaded, reports)
+            result, adoption = await self._merge_result(round, plan, head, loaded, reports)
         except MergeInputError as exc:
             log.warning("round %d: no merge: %s", round, exc)
-            await self._write_report(round, plan, head, None, None)
+            await self._write_report(round, plan, head, None, None, None)
             return
         finally:
             self._checked = _Checked(round + 1)  # accepted submissions are kept only until their merge
@@ -276,19 +294,24 @@ class ValidatorDuties:
         await self._record_rewards(round, result)
         await self.ctx.storage.set_round_results(round, leaderboard(round, head, result.ranking, reports, exact=True))
         # A network that keeps an average of its merged states moves it every round, merged or not.
-        moves = result.changed or (self.state is not None and self.state.average is not None)
-        proposed = await self._propose(round, result, head) if moves else None
-        await self._write_report(round, plan, head, result.ranking, proposed)
+        moves = adoption.changed or (self.state is not None and self.state.average is not None)
+        proposed = await self._propose(round, adoption, head) if moves else None
+        await self._write_report(round, plan, head, result.ranking, proposed, adoption)
 
     async def _merge_result(self, round: int, plan: RoundPlan, head: str, loaded: _Loaded,
-                            reports: Mapping[str, ScoreReport]) -> MergeResult:
-        """`merge_round` on `reports` and this round's checked blobs, fetching missing candidates once."""
+                            reports: Mapping[str, ScoreReport]) -> tuple[MergeResult, Adoption]:
+        """`merge_round` on `reports` and this round's checked blobs, fetching missing candidates once, and
+        the state its gate adopts."""
         assert self.state is not None
         state = self.state
 
-        def merge() -> MergeResult:
-            return merge_round(reports, plan.assignment, plan.revealed, self._checked.of(round),
-                               dict(state.tensors), dict(state.momentum), self.ctx.spec, head)
+        def merge() -> tuple[MergeResult, Adoption]:
+            blobs = self._checked.of(round)
+            tensors, momentum = dict(state.tensors), dict(state.momentum)
+            result = merge_round(reports, plan.assignment, plan.revealed, blobs, tensors, momentum, self.ctx.spec,
+                                 head)
+            return result, gate(result, blobs, tensors, momentum, self.ctx.spec,
+                                gate_measure(loaded.scorer, plan.seed, loaded.general))
 
         try:
             return await asyncio.to_thread(merge)
@@ -296,8 +319,8 @@ class ValidatorDuties:
             await self._check_candidates(round, plan, exc.miners, head, loaded)
         return await asyncio.to_thread(merge)
 
-    async def _propose(self, round: int, result: MergeResult, head: str) -> str | None:
-        """Store, serve and announce the merged state; None when this validator abstains. Once our vote is
+    async def _propose(self, round: int, result: Adoption, head: str) -> str | None:
+        """Store, serve and announce the adopted state; None when this validator abstains. Once our vote is
         out, the proposal it named stands: a merge run again after a restart may see reports that came
         in since, and must not serve or report a state other than the one we voted for."""
         assert self.state is not None
@@ -340,9 +363,10 @@ class ValidatorDuties:
     # -- the round report ---------------------------------------------------------------------
 
     async def _write_report(self, round: int, plan: RoundPlan, head: str, ranking: RoundRanking | None,
-                            proposed: str | None) -> None:
+                            proposed: str | None, adoption: Adoption | None) -> None:
         heard = {n.node_id for n in await self.ctx.storage.nodes() if n.role == "miner" and n.round >= round}
-        await self.ctx.storage.set_round_report(round, round_report(plan, head, ranking, proposed, heard))
+        gated = None if adoption is None else adoption.report()
+        await self.ctx.storage.set_round_report(round, round_report(plan, head, ranking, proposed, heard, gated))
         self.ctx.metrics.seeds_withheld(plan.unrevealed_seeds, plan.excluded)
 
     async def _finish_report(self, round: int, loaded: _Loaded) -> None:
@@ -386,10 +410,12 @@ class _Checked:
 
 
 class _Loaded:
-    """What a validator loads once: the scorer (base model + held-out data) and the genesis state."""
+    """What a validator loads once: the scorer (base model + held-out data), the general-domain held-out
+    sequences (None: the spec pins none) and the genesis state."""
 
-    def __init__(self, scorer: Scorer, genesis: GlobalExperts, cap: int) -> None:
+    def __init__(self, scorer: Scorer, general: torch.Tensor | None, genesis: GlobalExperts, cap: int) -> None:
         self.scorer = scorer
+        self.general = general
         self.genesis = genesis
         self.cap = cap
 
@@ -401,12 +427,18 @@ class _Loaded:
         model, adapter = load_base(spec, spec_path, device_map=device_map)
         tokenizer = load_tokenizer(spec.data.tokenizer, spec_path.parent)
         heldout = load_sequences([ctx.config.validator.heldout], tokenizer, spec.data.seq_len)
+        try:
+            check_gate_data(spec, heldout.shape[0])
+        except ValueError as exc:
+            raise ValueError(f"validator.heldout: {exc}") from None
+        general_file = ctx.config.validator.general
+        general = None if general_file is None else load_sequences([general_file], tokenizer, spec.data.seq_len)
         section = ctx.config.validator
         check_device(section.device, model, section.batch_size, spec.data.seq_len)
         scorer = Scorer(model, adapter, spec, heldout, tokenizer.pad_id, section.device, section.batch_size)
         genesis = GlobalExperts.genesis(spec, extract(model, adapter, spec.group))
         cap = submission_cap(spec, scorer.shapes)  # the format's own cap: a pgrad blob is far smaller
-        return cls(scorer, genesis, cap)
+        return cls(scorer, general, genesis, cap)
 
     def loss(self, tensors: dict[str, torch.Tensor], seed: str) -> float:
         """Held-out loss of the model holding `tensors` on the subset `seed` picks."""
@@ -414,6 +446,23 @@ class _Loaded:
         apply_global(s.model, s.adapter, tensors)
         sequences = heldout_subset(s.heldout, seed, s.spec.data.heldout_sequences)
         return s.loss(sequences)
+
+
+def _check_general(ctx: NodeContext) -> None:
+    """Refuse a general-domain held-out file the spec does not pin, or a missing or other one where it pins one."""
+    pinned, general = ctx.spec.data.general_sha256, ctx.config.validator.general
+    if pinned is None and general is not None:
+        raise ValueError("validator.general: the spec pins no general-domain held-out file (data.general_sha256); "
+                         "remove validator.general")
+    if pinned is None:
+        return
+    if general is None:
+        raise ValueError("validator.general: the spec pins a general-domain held-out file (data.general_sha256); "
+                         "give its path")
+    actual = file_sha256(general) if general.is_file() else None
+    if actual != pinned:
+        raise ValueError(f"validator.general: {general} {'hashes to ' + actual if actual else 'is not a file'}, but "
+                         f"the spec pins data.general_sha256 = {pinned}; use the network's general-domain file")
 
 
 def _check_disjoint(ctx: NodeContext) -> None:

@@ -109,10 +109,19 @@ class ValidatorSection(_Section):
     """How a validator evaluates."""
 
     heldout: ConfigPath | None = Field(default=None, description="The held-out file whose SHA-256 the spec pins.")
+    general: ConfigPath | None = Field(
+        default=None, description="The general-domain held-out file whose SHA-256 the spec pins as data.general_sha256 "
+        "(required where the spec pins one): the merge gate's forgetting check reads it.")
     device: str = Field(
         default="cpu", description="Torch device for scoring (cpu, cuda, cuda:1); 'auto' spreads the model over all GPUs."
     )
     batch_size: int = Field(default=16, ge=1, description="Held-out sequences per scoring forward pass.")
+    prefetch_bytes: int = Field(
+        default=8 << 30, ge=0,
+        description="Bytes of revealed blobs fetched during REVEAL each round (as their reveals declare them), "
+        "those assigned to this validator first; 0 prefetches none. What does not fit is fetched at EVALUATE "
+        "if this validator scores it.",
+    )
 
 
 class StorageSection(_Section):
@@ -177,7 +186,8 @@ class NodeConfig(BaseSettings):
         node = self.node.model_copy(update={"spec": fix(self.node.spec), "key": fix(self.node.key),
                                             "data_dir": fix(self.node.data_dir)})
         miner = self.miner.model_copy(update={"data": fix(self.miner.data)})
-        validator = self.validator.model_copy(update={"heldout": fix(self.validator.heldout)})
+        validator = self.validator.model_copy(update={"heldout": fix(self.validator.heldout),
+                                                      "general": fix(self.validator.general)})
         return self.model_copy(update={"node": node, "miner": miner, "validator": validator})
 
 
