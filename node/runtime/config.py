@@ -131,6 +131,11 @@ class StorageSection(_Section):
     message_retention_rounds: int = Field(
         default=8, ge=2, description="Rounds of the seen-message log kept; commits, scores and states stay."
     )
+    blob_budget_bytes: int | None = Field(
+        default=None, ge=0,
+        description="Most bytes the blob store may hold: a fetch that would pass it is refused (this node's own "
+        "blobs are always written); unset: no budget.",
+    )
 
 
 class NodeConfig(BaseSettings):

@@ -96,7 +96,7 @@ class Node:
         now, schedule = clock.now(), Schedule.from_spec(spec)
         new_data_round = schedule.round_at(now) if not config.db_path.exists() and now >= schedule.genesis_ts else -1
         try:
-            blobs = BlobStore(config.blob_dir)
+            blobs = BlobStore(config.blob_dir, config.storage.blob_budget_bytes)
             blobs.sweep_temporary()  # ours alone now: what a crash left behind
             storage = await Storage.open(config.db_path)
         except BaseException:
@@ -277,7 +277,7 @@ class Node:
                 log.info("round %d: the last round this node ran was %d; pruning waits a round", round, latest)
             else:
                 await self.ctx.storage.prune(round - self.ctx.config.storage.message_retention_rounds)
-                await self._prune_blobs()
+                await self._prune_blobs(round)
         await self.duties.on_phase(round, phase)
 
     async def _on_run(self, run: PhaseRun) -> None:
@@ -290,8 +290,8 @@ class Node:
         if run.phase == Phase.MERGE:
             await self.ctx.storage.export_rewards_jsonl(self.ctx.config.rewards_jsonl)
 
-    async def _prune_blobs(self) -> None:
-        keep = {h for h in (await self.ctx.storage.head(), await self.ctx.storage.momentum()) if h}
+    async def _prune_blobs(self, round: int) -> None:
+        keep = await self.ctx.storage.blobs_in_use(round - 1)
         max_age = self.ctx.config.storage.blob_retention_rounds * self.ctx.schedule.round_seconds
         deleted = await asyncio.to_thread(self.ctx.blobs.retain, keep, max_age)
         if deleted:

@@ -6,15 +6,21 @@ into place (os.replace) only once its hash and size are verified, and the rename
 deletes its temp file (also when the disk refuses writes: the OSError reaches the caller and no
 partial blob stays). Temp files left by a crash are removed by `sweep_temporary`, which only the
 store's owner calls, when it opens the store (a node, once it holds its data directory's lock):
-anyone else may open the same directory to read it without touching writes in flight. This
-module knows nothing about the network, messages or what a blob contains.
+anyone else may open the same directory to read it without touching writes in flight.
+A store may have a byte budget: a blob received through `open_writer` (a fetch) that would take the
+blobs held, and those arriving, past it is refused with BlobStoreFull, an OSError as a full disk is, before
+its bytes are stored (a fetcher that knows the size asks `check_room` first); this node's own blobs
+(`put_bytes`, `put_file`) count towards the budget but are never refused by it. `retain` prunes by age.
+This module knows nothing about the network, messages or what a blob contains.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
+import threading
 import time
 from pathlib import Path
 from types import TracebackType
@@ -34,6 +40,15 @@ class HashMismatch(BlobError):
 
 class BlobTooLarge(BlobError):
     """More bytes arrived than the caller's cap allows."""
+
+
+class BlobStoreFull(OSError):
+    """A received blob would take the store past its byte budget: refused as a full disk would refuse it."""
+
+    def __init__(self, blob_hash: str, incoming: int, held: int, budget: int) -> None:
+        super().__init__(errno.ENOSPC, f"blob {blob_hash[:12]}: {incoming} more bytes would take the blob store past "
+                         f"its budget of {budget} bytes ({held} held or arriving); the fetch is refused (raise "
+                         "storage.blob_budget_bytes, or keep fewer rounds with storage.blob_retention_rounds)")
 
 
 def _check_hash(blob_hash: str) -> None:
@@ -56,10 +71,11 @@ class BlobWriter:
     As a context manager it commits on a clean exit (unless committed already) and aborts on an exception.
     """
 
-    def __init__(self, store: BlobStore, expected_hash: str, max_bytes: int) -> None:
+    def __init__(self, store: BlobStore, expected_hash: str, max_bytes: int, budgeted: bool) -> None:
         self._store = store
         self.expected_hash = expected_hash
         self.max_bytes = max_bytes
+        self.budgeted = budgeted
         self.size = 0
         self._stored = 0
         self._hasher = hashlib.sha256()
@@ -68,16 +84,18 @@ class BlobWriter:
         self._done = False
 
     def write(self, data: bytes | memoryview) -> None:
-        """Hash and store `data`; BlobTooLarge (and the temp file deleted) past the cap."""
+        """Hash and store `data`; BlobTooLarge past the cap, BlobStoreFull past the store's budget (and the temp
+        file deleted)."""
         try:
             self.accept(data)
-        except BlobTooLarge:
+        except (BlobTooLarge, BlobStoreFull):
             self.abort()
             raise
         self.store(data)
 
     def accept(self, data: bytes | memoryview) -> None:
-        """Count and hash `data`; BlobTooLarge past the cap. `store` must follow with the same bytes.
+        """Count and hash `data`; BlobTooLarge past the cap, BlobStoreFull past the store's budget (a budgeted
+        writer). `store` must follow with the same bytes.
 
         Hashing is fastest on bytes still in this CPU's cache, so a receiver accepts a chunk where it
         arrived and may store it from another thread.
@@ -85,6 +103,8 @@ class BlobWriter:
         assert not self._done, "write after commit/abort"
         if self.size + len(data) > self.max_bytes:
             raise BlobTooLarge(f"blob {self.expected_hash[:12]}: more than {self.max_bytes} bytes")
+        if self.budgeted:
+            self._store._reserve(self.expected_hash, len(data))
         self.size += len(data)
         self._hasher.update(data)
 
@@ -113,6 +133,7 @@ class BlobWriter:
                 new_directory = True
             except FileExistsError:
                 new_directory = False
+            replaced = final.exists()
             os.replace(self.tmp_path, final)
             _fsync_directory(final.parent)
             if new_directory:
@@ -121,6 +142,7 @@ class BlobWriter:
             self.abort()
             raise
         self._done = True
+        self._store._landed(self.size if self.budgeted else 0, 0 if replaced else self.size)
         return final
 
     def abort(self) -> None:
@@ -131,6 +153,7 @@ class BlobWriter:
         with contextlib.suppress(OSError):  # the close flushes what is buffered; the file closes regardless
             self._file.close()
         self.tmp_path.unlink(missing_ok=True)
+        self._store._landed(self.size if self.budgeted else 0, 0)
 
     def __enter__(self) -> BlobWriter:
         return self
@@ -145,11 +168,45 @@ class BlobWriter:
 
 
 class BlobStore:
-    """Blobs by SHA-256 under one directory."""
+    """Blobs by SHA-256 under one directory; `budget_bytes` (None: no budget) bounds what fetches may add."""
 
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, budget_bytes: int | None = None) -> None:
         self.root = Path(root)
         (self.root / TMP_DIR).mkdir(parents=True, exist_ok=True)
+        if budget_bytes is not None and budget_bytes < 0:
+            raise BlobError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self._lock = threading.Lock()  # writers commit from worker threads
+        self._held = sum(self.size(h) for h in self.hashes()) if budget_bytes is not None else 0
+        self._arriving = 0  # bytes budgeted writers accepted and have not committed or aborted yet
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the blobs stored (counted only in a store with a budget; 0 otherwise)."""
+        return self._held
+
+    def check_room(self, blob_hash: str, incoming: int) -> None:
+        """BlobStoreFull when `incoming` more bytes of a received blob would take the store past its budget."""
+        with self._lock:
+            self._check_room(blob_hash, incoming)
+
+    def _check_room(self, blob_hash: str, incoming: int) -> None:
+        budget = self.budget_bytes
+        if budget is not None and self._held + self._arriving + incoming > budget:
+            raise BlobStoreFull(blob_hash, incoming, self._held + self._arriving, budget)
+
+    def _reserve(self, blob_hash: str, incoming: int) -> None:
+        with self._lock:
+            self._check_room(blob_hash, incoming)
+            self._arriving += incoming
+
+    def _landed(self, reserved: int, stored: int) -> None:
+        """A writer ended: `reserved` budgeted bytes no longer arriving, `stored` new bytes held."""
+        if self.budget_bytes is None:
+            return
+        with self._lock:
+            self._arriving -= reserved
+            self._held += stored
 
     def sweep_temporary(self) -> int:
         """Delete the temp files of writes that never finished (a crash); returns how many. Only for the
@@ -184,7 +241,7 @@ class BlobStore:
         """Store `data`; returns its address (a no-op when it is already stored)."""
         blob_hash = hashlib.sha256(data).hexdigest()
         if not self.has(blob_hash):
-            with self.open_writer(blob_hash, len(data)) as writer:
+            with self._writer(blob_hash, len(data), budgeted=False) as writer:
                 writer.write(data)
         return blob_hash
 
@@ -197,20 +254,32 @@ class BlobStore:
                 hasher.update(chunk)
         blob_hash = hasher.hexdigest()
         if not self.has(blob_hash):
-            with self.open_writer(blob_hash, source.stat().st_size) as writer, open(source, "rb") as f:
+            with self._writer(blob_hash, source.stat().st_size, budgeted=False) as writer, open(source, "rb") as f:
                 while chunk := f.read(1 << 20):
                     writer.write(chunk)
         return blob_hash
 
     def open_writer(self, expected_hash: str, max_bytes: int) -> BlobWriter:
-        """A writer for a blob expected to hash to `expected_hash`, refusing more than `max_bytes`."""
+        """A writer for a received blob expected to hash to `expected_hash`, refusing more than `max_bytes`
+        and anything past the store's budget."""
+        return self._writer(expected_hash, max_bytes, budgeted=True)
+
+    def _writer(self, expected_hash: str, max_bytes: int, budgeted: bool) -> BlobWriter:
         _check_hash(expected_hash)
         if max_bytes < 0:
             raise BlobError(f"max_bytes must be >= 0, got {max_bytes}")
-        return BlobWriter(self, expected_hash, max_bytes)
+        return BlobWriter(self, expected_hash, max_bytes, budgeted)
 
     def delete(self, blob_hash: str) -> None:
-        self.path(blob_hash).unlink(missing_ok=True)
+        self._unlink(self.path(blob_hash))
+
+    def _unlink(self, path: Path) -> None:
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            return
+        self._landed(0, -size)
 
     def hashes(self) -> list[str]:
         """Addresses of every stored blob, sorted."""
@@ -228,6 +297,6 @@ class BlobStore:
                 continue
             path = self.path(blob_hash)
             if now - path.stat().st_mtime > max_age_s:
-                path.unlink(missing_ok=True)
+                self._unlink(path)
                 deleted.append(blob_hash)
         return deleted

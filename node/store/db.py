@@ -297,6 +297,27 @@ class Storage(SqliteWorker):
     def set_head(self, conn: sqlite3.Connection, state_hash: str) -> None:
         put(conn, _HEAD, state_hash)
 
+    @read
+    def blobs_in_use(self, conn: sqlite3.Connection, since_round: int) -> set[str]:
+        """The blobs this node keeps however old they are: the head, the outer momentum and every momentum
+        announced for the head (what a re-syncing validator asks the head's voters for), and its own
+        proposals and submissions from `since_round` on (what it serves). The error-feedback buffer ages
+        out like any blob (node.duties.feedback)."""
+        head = get(conn, _HEAD)
+        kept = {value for value in (head, get(conn, _MOMENTUM)) if value is not None}
+        if head is not None:
+            announced = _MOMENTUM_OF.format(head, "")  # "momentum_of:<head>:", then the voter
+            kept.update(value for (value,) in conn.execute("SELECT value FROM kv WHERE substr(key, 1, ?) = ?",
+                                                           (len(announced), announced)))
+        for prefix in (_PROPOSAL, _SUBMISSION):
+            head_text = prefix.format("")
+            for (text,) in conn.execute("SELECT value FROM kv WHERE substr(key, 1, ?) = ? AND "
+                                        "CAST(substr(key, ?) AS INTEGER) >= ?",
+                                        (len(head_text), head_text, len(head_text) + 1, since_round)):
+                record = json.loads(text)
+                kept.update(record[field] for field in ("state", "momentum", "hash") if field in record)
+        return kept
+
     # -- what a miner keeps ---------------------------------------------------------------------
 
     @read

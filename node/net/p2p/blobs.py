@@ -1,8 +1,10 @@
 """The `/tessera/blob/1` stream protocol: serve blobs by hash and pull them from providers.
 
 A request is the 32-byte hash; the answer is a status byte, an 8-byte size and the bytes. The
-fetching side checks the announced size against the cap, hashes while it reads and lets the blob
-store verify and rename (nothing partial is left behind). Either side gives up a transfer that is
+fetching side checks the announced size against the cap and the blob store's budget (a fetch the
+budget refuses ends there, with BlobStoreFull, whichever provider is asked), reads no more than the
+announced size, hashes while it reads and lets the blob store verify and rename (nothing partial is
+left behind: not when the provider stops mid-blob, nor when the disk fills). Either side gives up a transfer that is
 idle for `blob_idle_timeout_s`, or not done by its deadline (that timeout plus the size at
 `blob_min_rate_bytes_s`), so a peer that drips bytes holds a stream no longer than that. A provider
 serves one peer at most `max_serves_per_peer` streams at once and answers more with BLOB_BUSY, so
@@ -28,7 +30,7 @@ from node.net.network import BlobFetchError
 from node.net.p2p.peers import node_id_for
 from node.net.p2p.streams import read_exact, reset
 from node.net.p2p.wire import FRAME_PAYLOAD_BYTES
-from node.store.blobs import BlobStore, BlobWriter
+from node.store.blobs import BlobStore, BlobStoreFull, BlobWriter
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +111,9 @@ class BlobStreams:
         for peer_id in providers:
             try:
                 path = await self._fetch_from(host, peer_id, blob_hash, max_bytes)
+            except BlobStoreFull:
+                self.judge.count_blob(failed=1)
+                raise
             except Exception as exc:
                 failures.append(f"{node_id_for(peer_id)[:12]}: {exc!r}")
                 continue
@@ -129,6 +134,7 @@ class BlobStreams:
                 raise BlobFetchError("busy serving us other blobs" if header[0] == BLOB_BUSY else "not served")
             if size > max_bytes:
                 raise BlobFetchError(f"announced {size} bytes, over the {max_bytes}-byte cap")
+            self.store.check_room(blob_hash, size)
             with self.store.open_writer(blob_hash, max_bytes) as writer:  # aborts (deletes) on any error
                 with trio.move_on_after(self._deadline_s(size)) as transfer:
                     await self._receive_into(stream, writer, size)
