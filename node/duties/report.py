@@ -1,13 +1,14 @@
 """A validator's report of one round: every miner's verdict, loss, rank, reward and the reason.
 
 `round_report` is a pure function of the round plan, the head scored against, the ranking (None
-when no merge happened) and the miners heard from; the loss of the adopted state is filled in a
-round later by the validator duty. This module knows nothing about storage or the network.
+when no merge happened), the miners heard from and the merge gate's verdict (`gate`: which candidate
+state was adopted and each candidate's losses, `validator.merge.Adoption.report`); the loss of the
+adopted state is filled in a round later by the validator duty. This module knows nothing about storage or the network.
 """
 
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Mapping, Set
 from typing import Any
 
 from node.store.records import RoundPlan
@@ -15,7 +16,7 @@ from protocol.ranking import RoundRanking
 
 
 def round_report(plan: RoundPlan, head: str, ranking: RoundRanking | None, proposed: str | None,
-                 heard: Set[str]) -> dict[str, Any]:
+                 heard: Set[str], gate: Mapping[str, Any] | None) -> dict[str, Any]:
     """The JSON-able report; `heard`: miners whose heartbeat of this round or later was received."""
     miners: dict[str, dict[str, Any]] = {}
     if ranking is not None:
@@ -33,4 +34,5 @@ def round_report(plan: RoundPlan, head: str, ranking: RoundRanking | None, propo
                              "reason": reason}
     return {"round": plan.round, "base": head, "base_loss": None if ranking is None else ranking.base_loss,
             "proposed_hash": proposed, "global_hash": None, "global_loss": None,
+            "gate": None if gate is None else dict(gate),
             "miners": [miners[m] for m in sorted(miners)]}

@@ -6,7 +6,7 @@ counters (messages by kind and verdict, rejects per peer, bytes, blob fetches, p
 scrape time from `NetworkStats` so there is one count, not two; the scheduler's round and phase
 timings, pushed in by the node; and the work and results of the round, pushed in through small
 methods: `train_progress` (miner), `submissions_scored` and `seeds_withheld` (validator),
-`round_results` (any node, from the status views). Peer ids are unbounded and chosen by peers, so
+`round_results` (any node, from the status views; a validator's also carries its merge gate). Peer ids are unbounded and chosen by peers, so
 rejects per peer are exported for the top N only (labelled by the id's first 16 alphanumeric
 characters) plus one `other` series; verdict reasons are free text, so they are cut to their first
 clause and bounded in number (the scored counter for the process's life, the last round's verdicts per
@@ -83,6 +83,13 @@ class NodeMetrics:
         r.register(self.own)
         self.verdicts = Gauge("tessera_round_verdicts", "Miners of the last round with results, by verdict and reason.",
                               ["verdict", "reason"], registry=r)
+        self.gate_loss = Gauge("tessera_gate_loss", "Validators: each merge-gate candidate's loss on the gate rows "
+                               "of the last round that weighed candidates.", ["candidate"], registry=r)
+        self.gate_general_loss = Gauge("tessera_gate_general_loss", "Validators: each merge-gate candidate's loss "
+                                       "on the general-domain rows of that round (where the spec pins a file).",
+                                       ["candidate"], registry=r)
+        self.gate_adopted = Gauge("tessera_gate_adopted", "Validators: 1 for the candidate the merge gate adopted in "
+                                  "the last round that weighed candidates, 0 for the others.", ["candidate"], registry=r)
         self.agreement = Gauge("tessera_validator_agreement", "Share of validator weight behind the most-voted "
                                "global state of the last round with votes.", registry=r)
         self.seed_withheld = Counter("tessera_seed_withheld", "Rounds in which a validator committed a seed "
@@ -133,9 +140,17 @@ class NodeMetrics:
         self.validators_excluded.set(len(excluded))
 
     def round_results(self, base_loss: float | None, adopted_loss: float | None, own: dict[str, Any] | None,
-                      agreement: dict[str, Any] | None, verdicts: list[tuple[str, str]]) -> None:
-        """The latest round results: losses, agreement, verdicts, and on a miner (`own` given, also when its last
-        round did not score it: `{loss: None, rank: None, reward: 0.0}`) its own `{loss, rank, reward}`."""
+                      agreement: dict[str, Any] | None, verdicts: list[tuple[str, str]],
+                      gate: dict[str, Any] | None = None) -> None:
+        """The latest round results: losses, agreement, verdicts, on a miner (`own` given, also when its last
+        round did not score it: `{loss: None, rank: None, reward: 0.0}`) its own `{loss, rank, reward}`, and on a
+        validator the last merge gate that weighed candidates (a round report's `gate`)."""
+        if gate is not None:
+            for gauge, losses in ((self.gate_loss, gate["losses"]), (self.gate_general_loss, gate["general_losses"])):
+                for candidate, loss in (losses or {}).items():
+                    gauge.labels(candidate=candidate).set(loss)
+            for candidate in gate["losses"]:
+                self.gate_adopted.labels(candidate=candidate).set(int(candidate == gate["adopted"]))
         for gauge, value in ((self.base_loss, base_loss), (self.adopted_loss, adopted_loss)):
             if value is not None:
                 gauge.set(value)

@@ -6,7 +6,8 @@ node stores once the round settled (`storage.round_results`, ranked from the pub
 by node.duties.results), plus miners that committed without revealing. Each miner row carries every
 validator's score. The held-out loss of the state adopted after round r is the validator's report
 of it, else the median base loss of round r+1's score reports (measured against that state; not
-shown where the spec keeps an average of the merged states, the model such a network offers). At
+shown where the spec keeps an average of the merged states, the model such a network offers). A
+validator's rounds also carry its merge gate's verdict (`gate`: the candidate adopted, each one's loss). At
 each scrape, `refresh_metrics` copies the same numbers into the node's Prometheus gauges. This
 module knows nothing about HTTP, computes no ranking, and never writes to storage.
 """
@@ -50,11 +51,14 @@ class RoundView:
     "excluded": [validators left out of its assignment for withholding one in a recent round]}."""
     proposed_hash: str | None = None
     """Validators only: the state this validator proposed for the round (None: it proposed none)."""
+    gate: dict[str, Any] | None = None
+    """Validators only: the merge gate's verdict, {"adopted": "current" | "merged" | "best_single", "losses" and
+    "general_losses": by candidate, "refused": [candidates over the forgetting budget]} (None: no merge)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"round": self.round, "source": self.source, "base": self.base, "base_loss": self.base_loss,
                 "global_hash": self.global_hash, "global_loss": self.global_loss, "miners": self.miners,
-                "seeds": self.seeds, "proposed_hash": self.proposed_hash}
+                "seeds": self.seeds, "proposed_hash": self.proposed_hash, "gate": self.gate}
 
 
 class StatusViews:
@@ -129,7 +133,8 @@ class StatusViews:
             base_loss=next((v.base_loss for v in reversed(views) if v.base_loss is not None), None),
             adopted_loss=next((v.global_loss for v in reversed(views) if v.global_loss is not None), None),
             own=own, agreement=self._agreement(states),
-            verdicts=[] if last is None else [(m["verdict"], m["reason"]) for m in last.miners])
+            verdicts=[] if last is None else [(m["verdict"], m["reason"]) for m in last.miners],
+            gate=next((v.gate for v in reversed(views) if v.gate and v.gate["losses"]), None))
 
     # -- building the views ---------------------------------------------------------------------
 
@@ -164,7 +169,7 @@ class StatusViews:
             loss = own.get("global_loss")
             return RoundView(round, "validator", own.get("base"), own.get("base_loss"), own.get("global_hash"),
                              loss if loss is not None else public_loss, miners, await self._seeds(round),
-                             own.get("proposed_hash"))
+                             own.get("proposed_hash"), own.get("gate"))
         if results is None:
             return None
         rows = {line["miner"]: _row(line) for line in results["miners"]}

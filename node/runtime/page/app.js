@@ -173,7 +173,7 @@ function renderLeaderboards(rounds, me) {
   const tables = shown.map((r) => {
     const table = el("table", null, "leaderboard");
     table.dataset.round = r.round;
-    table.append(el("caption", `round ${r.round} · base loss ${num(r.base_loss)}${r.source === "public" ? " · from public score reports" : ""}`));
+    table.append(el("caption", `round ${r.round} · base loss ${num(r.base_loss)}${gateText(r.gate)}${r.source === "public" ? " · from public score reports" : ""}`));
     table.append(head(["miner", "verdict", "loss", "rank", "reward", "reason"]));
     const body = document.createElement("tbody");
     const ordered = [...r.miners].sort((a, b) => (a.rank ?? 1e9) - (b.rank ?? 1e9) || (a.id < b.id ? -1 : 1));
@@ -190,6 +190,14 @@ function renderLeaderboards(rounds, me) {
     return wrap;
   });
   $("leaderboards").replaceChildren(...tables);
+}
+
+// A validator's merge gate: the candidate state it adopted, then every candidate's gate loss (refused ones marked).
+function gateText(gate) {
+  if (!gate || !Object.keys(gate.losses).length) return "";
+  const losses = Object.entries(gate.losses).map(([name, loss]) =>
+    `${name.replace("_", " ")} ${num(loss)}${gate.refused.includes(name) ? " (refused)" : ""}`);
+  return ` · gate adopted ${gate.adopted.replace("_", " ")} (${losses.join(", ")})`;
 }
 
 function renderStandings(rewards) {

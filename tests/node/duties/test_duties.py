@@ -154,7 +154,13 @@ async def test_two_rounds_reward_honest_miners_and_lower_the_loss(network: Net) 
         assert (lazy["reward"], lazy["reason"], lazy["loss"]) == (0.0, "no utility", r0["base_loss"])
         assert garbage["reward"] == 0.0 and garbage["verdict"] == "reject"
         assert garbage["reason"].startswith("rejected: "), garbage
-        assert set(states[0].contributors) == {m for m, k in kind_of.items() if k == "honest"}
+        # both validators' gates weighed the same candidates the same way and adopted the lowest, a change
+        gate = r0["gate"]
+        assert gate == r1["gate"] and gate["adopted"] in ("merged", "best_single") and gate["refused"] == []
+        assert gate["losses"][gate["adopted"]] == min(gate["losses"].values()) < gate["losses"]["current"]
+        honest = {m for m, k in kind_of.items() if k == "honest"}
+        best = next(m["id"] for m in r0["miners"] if m["rank"] == 1)
+        assert set(states[0].contributors) == (honest if gate["adopted"] == "merged" else {best})
     first, second = await report(v0, 0), await report(v0, 1)
     assert second["base"] == heads[0] and second["base_loss"] < first["base_loss"]  # round 1 built on round 0
     api = await HttpApi.start(v0)
@@ -183,7 +189,8 @@ async def test_a_diverging_validator_resyncs_and_a_late_miner_catches_up(tmp_pat
     sim = make_sim_network(tmp_path / "sim", validators=2, genesis=GENESIS)
     spec = tomllib.loads(sim.spec_path.read_text(encoding="utf-8"))
     spec["validators"][0]["weight"] = 2.0
-    apply_settings(spec, [("aggregation.momentum", 0.5)])  # momentum must matter to drift
+    # momentum must matter to drift; at lr 0.7 a step of 1.05 times the one miner's update is the gate's pick
+    apply_settings(spec, [("aggregation.momentum", 0.5), ("aggregation.outer_lr", 0.7)])
     sim.spec_path.write_text(to_toml(spec), encoding="utf-8")
     net = Net(sim, tmp_path)
     try:
@@ -198,12 +205,14 @@ async def test_a_diverging_validator_resyncs_and_a_late_miner_catches_up(tmp_pat
         await net.phase(0, Phase.EVALUATE)
         genesis = v1.duties.state
         assert isinstance(genesis, GlobalExperts)
-        # validator-1's momentum drifts: its merge gives another state than validator-0's
+        # validator-1's momentum drifts: it adopts another state than validator-0's
         v1.duties.state = GlobalExperts(spec=genesis.spec, round=genesis.round, parent=genesis.parent,
                                         tensors=genesis.tensors,
                                         momentum={n: torch.ones_like(t) for n, t in genesis.momentum.items()})
         await net.phase(0, Phase.MERGE)
         votes = {s.hash: s.voters for s in await v0.ctx.storage.global_states(0)}
+        # validator-0's gate adopts the merged state; validator-1's, drifted far off, the miner's own experts
+        assert [(await report(v, 0))["gate"]["adopted"] for v in (v0, v1)] == ["merged", "best_single"]
         assert len(votes) == 2
         adopted = next(h for h, voters in votes.items() if voters == (sim.validator_ids[0],))
         assert (await report(v1, 0))["proposed_hash"] != adopted
