@@ -13,7 +13,7 @@ loaded in the checkpoint's dtype. Each tensor is framed with the dtype it is sto
 compare the bytes they were given, whatever dtype they load them in. Checkpoint keys the model
 does not have (e.g. DeepSeek's MTP layer) are not part of the model and not hashed. `read_rows` reads
 chosen rows (experts) of one model tensor and nothing else, so a compressed miner never reads the
-experts it does not train. `config_hash` pins the model config beside the weights (a spec's
+experts it does not train; `row_pieces` says where a row's bytes lie, so an export can write just those. `config_hash` pins the model config beside the weights (a spec's
 `config_sha256`): SHA-256 of the config's JSON content in canonical form (protocol.encoding: sorted
 keys, compact, UTF-8), so key order and whitespace do not count but every value does, including ones
 that change the forward pass without changing a weight (top-k, norm_topk_prob, rope settings). It
@@ -149,15 +149,7 @@ def read_rows(parts: list[Stored], shape: tuple[int, ...], rows: list[int]) -> t
     Only those rows' bytes are read: from a fused stored tensor [E, ...] the rows' byte ranges, from
     per-expert hub pieces just those experts' pieces (gate before up, as the converter concatenates).
     """
-    per_row = len(parts) // shape[0]
-    wanted: list[Stored] = []
-    for row in rows:
-        assert 0 <= row < shape[0], f"row {row} of a tensor with {shape[0]} rows"
-        if len(parts) > 1:
-            wanted += parts[row * per_row : (row + 1) * per_row]
-        else:
-            size = parts[0].nbytes // shape[0]
-            wanted.append(replace(parts[0], offset=parts[0].offset + row * size, nbytes=size))
+    wanted = [piece for row in rows for piece in row_pieces(parts, shape, row)]
     out = torch.empty((len(rows), *shape[1:]), dtype=getattr(torch, parts[0].dtype))
     buffer = out.reshape(-1).view(torch.uint8).numpy().data
     assert buffer.nbytes == sum(p.nbytes for p in wanted), f"the pieces of {parts[0].key} do not fill {shape}"
@@ -169,6 +161,17 @@ def read_rows(parts: list[Stored], shape: tuple[int, ...], rows: list[int]) -> t
                 raise ValueError(f"{stored.path}: file ends inside {stored.key}; the checkpoint is truncated")
         at += stored.nbytes
     return out
+
+
+def row_pieces(parts: list[Stored], shape: tuple[int, ...], row: int) -> list[Stored]:
+    """Where row `row` (dim 0) of the model tensor of `shape` made of `parts` lies: the stored pieces (or the byte
+    range of a fused stored tensor) whose bytes, in order, are that row's bytes in the stored dtype."""
+    assert 0 <= row < shape[0], f"row {row} of a tensor with {shape[0]} rows"
+    if len(parts) > 1:
+        per_row = len(parts) // shape[0]
+        return parts[row * per_row : (row + 1) * per_row]
+    size = parts[0].nbytes // shape[0]
+    return [replace(parts[0], offset=parts[0].offset + row * size, nbytes=size)]
 
 
 def _canonical_parts(directory: Path) -> Iterator[tuple[str, str, tuple[int, ...], list[Stored]]]:

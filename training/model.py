@@ -125,9 +125,7 @@ def load_compressed(
     adapter = adapter_for(config.model_type)
     meta = meta_model(directory)
     check_group(meta, adapter, group)
-    names = {id(t): name for name, t in meta.named_parameters()}
-    fused = {(layer, param): names[id(getattr(adapter.experts(meta, layer), param))]
-             for layer in group for param in PARAMS}
+    fused = expert_tensor_names(meta, adapter, list(group))
     shapes = {name: tuple(meta.get_parameter(name).shape) for name in fused.values()}
     sources = model_sources(directory)
     model = _from_pretrained(directory, config, dtype, None, attn_implementation, progress,
@@ -137,6 +135,13 @@ def load_compressed(
                                      sorted(group[layer])).to(load_dtype) for param in PARAMS}
             for layer in group}
     return compress(model, adapter, group, rows=rows)
+
+
+def expert_tensor_names(model: torch.nn.Module, adapter: MoEAdapter, layers: list[int]) -> dict[tuple[int, str], str]:
+    """(layer, param) -> the name in `model.state_dict()` of that layer's fused expert tensor, for each of `layers`."""
+    names = {id(t): name for name, t in model.named_parameters()}
+    return {(layer, param): names[id(getattr(adapter.experts(model, layer), param))]
+            for layer in layers for param in PARAMS}
 
 
 def load_base(
@@ -159,7 +164,7 @@ def load_base(
     if spec.model.config is not None:
         model = _tiny_base(spec, spec_path)
     else:
-        model = load_checkpoint(_checked_checkpoint(spec, spec_path), dtype=dtype, device_map=device_map,
+        model = load_checkpoint(checked_checkpoint(spec, spec_path), dtype=dtype, device_map=device_map,
                                 attn_implementation=attn_implementation or "sdpa", progress=progress)
     check_group(model, adapter, spec.group)
     return model, adapter
@@ -180,7 +185,7 @@ def load_compressed_base(
     """
     if spec.model.config is not None:
         return compress(_tiny_base(spec, spec_path), adapter_for(spec.model.family), spec.group)
-    return load_compressed(_checked_checkpoint(spec, spec_path), spec.group, dtype=dtype,
+    return load_compressed(checked_checkpoint(spec, spec_path), spec.group, dtype=dtype,
                            attn_implementation=attn_implementation or "sdpa", progress=progress)
 
 
@@ -207,8 +212,9 @@ def _tiny_base(spec: NetworkSpec, spec_path: str | Path) -> PreTrainedModel:
     return model
 
 
-def _checked_checkpoint(spec: NetworkSpec, spec_path: str | Path) -> Path:
-    """The spec's checkpoint directory, once its family, config hash and streamed hash match the spec."""
+def checked_checkpoint(spec: NetworkSpec, spec_path: str | Path) -> Path:
+    """The spec's checkpoint directory, once its family, config hash and streamed hash match the spec
+    (BaseMismatchError when they do not)."""
     assert spec.model.checkpoint is not None, "the spec validator requires config or checkpoint"
     directory = spec_dir_path(spec_path, spec.model.checkpoint)
     config = read_config(directory)

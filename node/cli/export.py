@@ -7,16 +7,21 @@
 `--blob` names any canonical blob file of this network (a global state or a miner's full-expert submission).
 Of a global state, the experts the network offers are written: the average of its merged states where the
 spec keeps one (`aggregation.average_decay`), else the merged state.
-Without `--experts-only` the base model is loaded, the blob's experts are written into it and the
-result is saved with `training.export.export_checkpoint`. With `--experts-only` only the group is
-written, as an expert pack; `--heldout` adds the held-out loss of the state to its manifest (and
-to the printed summary in either mode). Nothing is written when a check fails. This module only
-wires arguments; the export logic lives in `training.export`.
+Without `--experts-only` a checkpoint base is checked against the spec's hash and copied shard by
+shard with the blob's experts written over the base's (`training.export.patch_checkpoint`: no shard
+is ever held in memory); a tiny simulation base is built, the experts inserted and saved
+(`export_checkpoint`). With `--experts-only` only the group is written, as an expert pack;
+`--heldout` loads the base once to record the state's held-out loss in the pack's manifest (and the
+printed summary in either mode). Either way `provenance.json` goes beside the weights: the network
+id, base hash, the state and, from the node's store (with `--state`), the chain of global states from
+genesis with each round's merged miners and their commitments. Nothing is written when a check fails.
+This module only wires arguments; the export logic lives in `training.export`.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hashlib
 import json
 from pathlib import Path
@@ -25,6 +30,7 @@ from typing import Any
 from node.cli.common import DEFAULT_SEED, round_seed
 
 EVAL_BATCH = 16
+PROVENANCE_FORMAT = "tessera-provenance/1"
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -46,29 +52,30 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def run_export(args: argparse.Namespace) -> int:
     from protocol.spec import load_spec, spec_dir_path
-    from training.experts import insert
-    from training.export import check_out_dir, export_checkpoint, write_expert_pack
+    from training.export import check_out_dir, export_checkpoint, patch_checkpoint, write_expert_pack
 
     check_out_dir(args.out)
     spec = load_spec(args.spec)
     data, meta, tensors, averaged = _read_state(args, spec)
     state = hashlib.sha256(data).hexdigest()
-    model = adapter = loss = None
-    if args.heldout is not None or not args.experts_only:
-        from training.model import load_base
-
-        model, adapter = load_base(spec, args.spec, progress=True)
-        insert(model, adapter, tensors)
-    if args.heldout is not None:
-        loss = _heldout_loss(spec, args, model)
+    provenance = _provenance(args, spec, state, meta)
+    loss = None if args.heldout is None else _heldout_loss(spec, args, tensors)
+    tokenizer = None if spec.data.tokenizer == "byte" else spec_dir_path(args.spec, spec.data.tokenizer)
     if args.experts_only:
         write_expert_pack(tensors, {"network": spec.network_id, "round": meta.round, "group": dict(spec.group),
                                     "base_hash": spec.model.base_hash, "state": state, "heldout_loss": loss,
-                                    "average": averaged, "family": spec.model.family}, args.out)
+                                    "average": averaged, "family": spec.model.family}, args.out, provenance)
+    elif spec.model.checkpoint is not None:
+        from training.model import checked_checkpoint
+
+        patch_checkpoint(checked_checkpoint(spec, args.spec), tensors, args.out, tokenizer, provenance)
     else:
-        assert model is not None  # loaded above whenever not --experts-only
-        tokenizer = None if spec.data.tokenizer == "byte" else spec_dir_path(args.spec, spec.data.tokenizer)
-        export_checkpoint(model, args.out, tokenizer)
+        from training.experts import insert
+        from training.model import load_base
+
+        model, adapter = load_base(spec, args.spec)
+        insert(model, adapter, tensors)
+        export_checkpoint(model, args.out, tokenizer, provenance)
     print(json.dumps({"out": str(args.out), "state": state, "round": meta.round, "heldout_loss": loss,
                       "experts_only": args.experts_only, "average": averaged}, indent=2, sort_keys=True))
     return 0
@@ -100,11 +107,53 @@ def _read_state(args: argparse.Namespace, spec: Any) -> tuple[bytes, Any, dict[s
     return (data, meta, *offered_experts(path, meta, tensors, spec))
 
 
-def _heldout_loss(spec: Any, args: argparse.Namespace, model: Any) -> float:
+def _heldout_loss(spec: Any, args: argparse.Namespace, tensors: dict[str, Any]) -> float:
+    """The held-out loss of the base with `tensors` in place; the model is let go before the export writes."""
     from node.cli.common import heldout_sequences
     from training.evaluate import heldout_loss
+    from training.experts import insert
+    from training.model import load_base
     from training.tokenizer import load_tokenizer
 
+    model, adapter = load_base(spec, args.spec, progress=True)
+    insert(model, adapter, tensors)
     tokenizer = load_tokenizer(spec.data.tokenizer, args.spec.parent)
     sequences = heldout_sequences(args.heldout, args.spec, spec, tokenizer, args.seed)
     return float(heldout_loss(model, sequences, batch_size=EVAL_BATCH, pad_id=tokenizer.pad_id).loss)
+
+
+def _provenance(args: argparse.Namespace, spec: Any, state: str, meta: Any) -> dict[str, Any]:
+    """Where the state came from: the network, its base, and the chain of global states from genesis to `state`,
+    each with the miners the node recorded as merged into it and their commitments (`null` where the node's
+    store does not know them: an export from a --blob, or a state the node only synced)."""
+    from training.state import GLOBAL_FORMAT
+
+    chain: list[dict[str, Any]] = []
+    if meta.format == GLOBAL_FORMAT:
+        chain = [{"round": meta.round, "state": state, "parent": meta.base, "contributors": None}]
+        db = args.data_dir / "node.db"
+        if args.state is not None and db.is_file():
+            chain = asyncio.run(_chain(db, state, spec.model.base_hash)) or chain
+    return {"format": PROVENANCE_FORMAT, "network": spec.network_id, "base_hash": spec.model.base_hash,
+            "state": state, "round": meta.round, "source": meta.format, "miner": meta.miner or None,
+            "chain": chain}
+
+
+async def _chain(db: Path, head: str, base_hash: str) -> list[dict[str, Any]]:
+    """The node's record of the states from genesis to `head`, oldest first; empty when it has none of `head`."""
+    from node.store.db import Storage
+
+    storage = await Storage.open(db)
+    try:
+        states = {record.hash: record for record in await storage.global_states()}
+        chain: list[dict[str, Any]] = []
+        at = head
+        while at != base_hash and at in states and len(chain) <= len(states):
+            record = states[at]
+            commits = {c.miner: c.commitment for c in await storage.commits_for(record.round)}
+            chain.append({"round": record.round, "state": record.hash, "parent": record.parent,
+                          "contributors": [{"miner": m, "commitment": commits.get(m)} for m in record.contributors]})
+            at = record.parent
+    finally:
+        await storage.close()
+    return chain[::-1]

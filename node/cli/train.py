@@ -1,21 +1,23 @@
 """`tessera train`: one miner's local run, offline -> the canonical blob it would submit.
 
     tessera train --spec SPEC --key KEY --round R [--global STATE_BLOB] [--steps H] [--data FILE...]
-                  [--feedback FILE] --out BLOB
+                  [--feedback FILE] [--forward full|compressed] --out BLOB
 
 It calls `miner.submission.build_submission`, the function the miner duty calls, with the same
 seed derivation, shard, dtype and metadata, so for the same key, round and starting state it
 writes the bytes the miner would commit to. `--global` names a global-state blob of this network
-(the base model's experts when absent). In a pgrad network `--feedback` is the miner's
-error-feedback buffer (the fp32 safetensors form of `training.pgrad.error_bytes`, the bytes a miner
-keeps in its blob store): read when the file exists (else the buffer starts empty), checked before
-training (a file without the buffer's mark, a Tessera blob or expert weights, is refused and left as
-it was), and atomically replaced by what the round left unsent once the blob is written. `--out` is
-never overwritten, nor the same file as `--feedback`; both paths are checked writable before the
-model loads. Without it the build starts from an empty buffer and keeps nothing. Its AdamW state
-always starts at zero, as a miner's does unless `[miner] keep_optimizer` carries it from round to
-round (then only the first round after the miner starts is the same). This module knows nothing
-about the network.
+(the base model's experts when absent). `--forward compressed` trains as a miner with `[miner] forward =
+"compressed"` does, on a model holding only the group's experts (`training.model.load_compressed`
+never reads the others), so a miner can be tried on a checkpoint far larger than its memory. In a
+pgrad network `--feedback` is the miner's error-feedback buffer (the fp32 safetensors form of
+`training.pgrad.error_bytes`, the bytes a miner keeps in its blob store): read when the file exists
+(else the buffer starts empty), checked before training (a file without the buffer's mark, a Tessera
+blob or expert weights, is refused and left as it was), and atomically replaced by what the round left
+unsent once the blob is written. `--out` is never overwritten, nor the same file as `--feedback`; both
+paths are checked writable before the model loads. Without it the build starts from an empty buffer and
+keeps nothing. Its AdamW state always starts at zero, as a miner's does unless `[miner] keep_optimizer`
+carries it from round to round (then only the first round after the miner starts is the same). This
+module knows nothing about the network.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="pgrad networks: the error-feedback buffer (fp32 safetensors) to start from if FILE "
                         "exists; replaced atomically with the new buffer after the blob is written "
                         "(default: an empty buffer, nothing kept)")
+    p.add_argument("--forward", choices=("full", "compressed"), default="full",
+                   help="full: load the whole model; compressed: load only the group's experts, as a miner with "
+                        "[miner] forward = \"compressed\" does (default full)")
     p.add_argument("--out", required=True, type=Path, metavar="BLOB", help="where to write the blob (a new file)")
     p.set_defaults(run=run_train)
 
@@ -71,7 +76,7 @@ def run_train(args: argparse.Namespace) -> int:
     check_output_file(args.out, "--out")
     if args.feedback is not None:
         check_output_file(args.feedback, "--feedback", replace=True)
-    model = MinerModel.load(spec, args.spec, args.data or [], progress=True)
+    model = MinerModel.load(spec, args.spec, args.data or [], progress=True, forward=args.forward)
     feedback = None if args.feedback is None else ErrorFeedback(_read_feedback(args.feedback, model.shapes))
     head, base = spec.model.base_hash, model.genesis.tensors
     if args.global_blob is not None:
@@ -84,7 +89,8 @@ def run_train(args: argparse.Namespace) -> int:
         except SyncError as exc:
             raise ValueError(f"{args.global_blob}: {exc}") from exc
         head = sha256_hex(data)
-    blob, result = build_submission(model, identity.node_id, args.round, head, base, MinerSettings(),
+    settings = MinerSettings(forward=args.forward)
+    blob, result = build_submission(model, identity.node_id, args.round, head, base, settings,
                                     steps=args.steps, progress=True, feedback=feedback)
     write_new_file(args.out, blob, "--out")
     if feedback is not None and feedback.error is not None:
