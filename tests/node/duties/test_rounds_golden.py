@@ -5,7 +5,9 @@ qwen3_moe model whose config, data and expert group are fixed in tests/node/twin
 number of inner steps, a ManualClock moved phase by phase, and validator seeds drawn from a counter
 instead of the OS. Every loss, rank, reward, submission and state hash is compared with
 `golden_rounds.json`, first captured before the one-pass redesign (commit 7069fea) and recorded again
-once when every spec field entered the network id and tiny models stopped patching torch's init.
+once when every spec field entered the network id and tiny models stopped patching torch's init, and
+once more when MERGE went through the merge gate (its new spec fields changed the network id, and the gate
+adopts the best single submission in every round here).
 Regenerate only when a change of behaviour is intended:
     .venv/bin/python -c "import asyncio, pathlib, tempfile, json; \
 from tests.node.duties.test_rounds_golden import scenario; \
