@@ -260,6 +260,29 @@ def test_a_validator_refuses_a_held_out_file_that_shares_documents_with_the_trai
         ValidatorDuties(ctx)  # type: ignore[arg-type]
 
 
+def test_a_validator_holds_the_general_domain_file_exactly_where_the_spec_pins_one(tmp_path: Path) -> None:
+    spec_path = write_network(tmp_path / "net")
+    general = tmp_path / "net" / "general.jsonl"
+    general.write_text('{"text": "The river runs past the mill."}\n', encoding="utf-8")
+    heldout = tmp_path / "net" / "heldout.jsonl"
+
+    def duties(spec_file: Path, **validator: Path) -> None:
+        config = NodeConfig(node={"role": "validator", "spec": spec_file, "data_dir": tmp_path / "v"},
+                            validator={"heldout": heldout, **validator})
+        ValidatorDuties(SimpleNamespace(config=config, spec=load_spec(spec_file)))  # type: ignore[arg-type]
+
+    with pytest.raises(ValueError, match=r"validator.general: the spec pins no general-domain held-out file"):
+        duties(spec_path, general=general)
+    pinned = tmp_path / "net" / "pinned.toml"
+    text = spec_path.read_text(encoding="utf-8")
+    pinned.write_text(text.replace("[data]\n", f'[data]\ngeneral_sha256 = "{file_sha256(general)}"\n'),
+                      encoding="utf-8")
+    with pytest.raises(ValueError, match=r"validator.general: the spec pins a general-domain held-out file"):
+        duties(pinned)
+    with pytest.raises(ValueError, match=r"validator.general: .* hashes to .*, but the spec pins data.general_sha256"):
+        duties(pinned, general=heldout)
+
+
 def averaging_network(tmp_path: Path) -> Net:
     sim = make_sim_network(tmp_path / "sim", validators=2, genesis=GENESIS)
     spec = tomllib.loads(sim.spec_path.read_text(encoding="utf-8"))
