@@ -58,8 +58,6 @@ SEES_NOT = (
     "the CUDA context and the kernel libraries' workspaces (cuBLAS, attention)",
     "the caching allocator's rounding and fragmentation",
     "CUDA attention kernels (the trace runs the CPU's; flash attention holds no L x L scores on either)",
-    "AdamW's multi-tensor (foreach) step on CUDA, whose temporaries the trace adds as one fp32 copy of the "
-    "trainable experts",
     "bf16 autocast as CUDA applies it (the trace applies the CPU's autocast lists)",
 )
 _SHADOW_NUMEL = 1 << 24
@@ -85,6 +83,8 @@ class Setting:
     checkpointing: bool = False
     autocast: bool = False
     """bf16 autocast, as a miner on CUDA runs it (no effect on a CPU device, as in the trainer)."""
+    optimizer: Literal["adamw", "adamw8bit"] = "adamw"
+    """A miner's inner optimizer (`training.trainer.TrainConfig.optimizer`)."""
 
     def __post_init__(self) -> None:
         if self.role not in ("miner", "validator"):
@@ -94,6 +94,8 @@ class Setting:
                              f"{self.micro_batch}")
         if self.forward not in ("full", "compressed"):
             raise ValueError(f"forward must be 'full' or 'compressed', got {self.forward!r}")
+        if self.optimizer not in ("adamw", "adamw8bit"):
+            raise ValueError(f"optimizer must be 'adamw' or 'adamw8bit', got {self.optimizer!r}")
 
     @property
     def cuda_autocast(self) -> bool:
@@ -170,7 +172,7 @@ def measure(model: torch.nn.Module, adapter: MoEAdapter, group: ExpertGroup, set
             _train_step(net, adapter, group, ids_BL, setting)
         else:
             loss_with_experts(net, adapter, submission, ids_BL, batch_size=setting.micro_batch, pad_id=_NO_PADDING)
-    peak, parts, phase = trace.peak(foreach_step=torch.device(setting.device).type == "cuda")
+    peak, parts, phase = trace.peak()
     return MemoryPlan(peak, parts, phase, setting.device, time.perf_counter() - started)
 
 
@@ -178,6 +180,7 @@ def _train_step(net: Any, adapter: MoEAdapter, group: ExpertGroup, ids_BL: torch
     """One step of the miner's own training (the trainer's copies, forward, backward and AdamW step)."""
     cfg = TrainConfig(steps=1, batch_size=setting.micro_batch, forward=setting.forward, device="cpu",
                       checkpointing=setting.checkpointing, autocast=setting.autocast, pad_id=_NO_PADDING,
+                      optimizer=setting.optimizer,
                       experts_implementation="grouped_mm" if setting.cuda_autocast else "eager")
     train_experts(net, adapter, group, iter([ids_BL]), cfg)
 
@@ -226,8 +229,7 @@ class Trace(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves
         self._peak: dict[int, int] = {}
         self._peak_bytes = -1
         self._peak_phase = "forward"
-        self._step_start: dict[int, int] | None = None
-        self._state_bytes = 0
+        self._in_step = False
         self._stopped = False
         for tensor in weights:  # no finalizer: a weakref would stop `Module.to` swapping a fake parameter
             self._labels[self._add(tensor, watch=False)] = "weights"
@@ -244,22 +246,13 @@ class Trace(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves
         for hook in self._hooks:
             hook.remove()
 
-    def peak(self, foreach_step: bool) -> tuple[int, dict[str, int], str]:
-        """(peak bytes, PARTS at the peak, its phase); `foreach_step` adds CUDA's foreach AdamW temporaries."""
+    def peak(self) -> tuple[int, dict[str, int], str]:
+        """(peak bytes, PARTS at the peak, its phase)."""
         parts = dict.fromkeys(PARTS, 0)
         for key, nbytes in self._peak.items():
             parts[self._labels.get(key, "activations")] += nbytes
-        peak, phase = self._peak_bytes, self._peak_phase
-        if foreach_step and self._step_start is not None:
-            at_step = dict.fromkeys(PARTS, 0)
-            for key, nbytes in self._step_start.items():
-                at_step[self._labels.get(key, "activations")] += nbytes
-            at_step["optimizer_state"] = self._state_bytes
-            at_step["activations"] += at_step["trainable_copies"]  # foreach AdamW's sqrt of exp_avg_sq
-            if sum(at_step.values()) > peak:
-                parts, peak, phase = at_step, sum(at_step.values()), "optimizer step"
-        assert sum(parts.values()) == peak, "the parts of the peak do not add up to it"
-        return peak, parts, phase
+        assert sum(parts.values()) == self._peak_bytes, "the parts of the peak do not add up to it"
+        return self._peak_bytes, parts, self._peak_phase
 
     def _before_step(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
         for group in optimizer.param_groups:
@@ -268,14 +261,13 @@ class Trace(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves
                 if param.grad is not None:
                     self._labels[self._key(param.grad)] = "gradients"
         self._collect_frees()
-        self._step_start = dict(self._live)
+        self._in_step = True
 
     def _after_step(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
         for state in optimizer.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor):
                     self._labels[self._key(value)] = "optimizer_state"
-                    self._state_bytes += value.untyped_storage().nbytes()
         self._stopped = True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
@@ -289,7 +281,7 @@ class Trace(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves
                     self._add(tensor)
             if self._live_bytes > self._peak_bytes:
                 self._peak, self._peak_bytes = dict(self._live), self._live_bytes
-                self._peak_phase = ("optimizer step" if self._step_start is not None else
+                self._peak_phase = ("optimizer step" if self._in_step else
                                     "backward" if torch._C._current_autograd_node() is not None else "forward")
         return out
 

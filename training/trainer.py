@@ -16,7 +16,7 @@ Forward modes:
   experts, top-k capped at their number. Trained rows are written back into the model passed in.
 
 Memory: frozen weights keep their dtype (bf16 for checkpoints); bf16 autocast on CUDA; activation
-checkpointing of decoder layers and micro-batches with gradient accumulation are options.
+checkpointing of decoder layers, micro-batches with gradient accumulation and 8-bit AdamW moments are options.
 This module knows nothing about data files, blobs or the network; it consumes token batches.
 Legend: B batch, L sequence length.
 """
@@ -72,6 +72,9 @@ class TrainConfig:
     """Run forward and backward under bf16 autocast on CUDA (no effect on other devices)."""
     checkpointing: bool = False
     """Recompute each decoder layer's activations during backward: less memory, about a third more compute."""
+    optimizer: Literal["adamw", "adamw8bit"] = "adamw"
+    """`adamw`: torch's fused AdamW, fp32 moments; `adamw8bit`: bitsandbytes' AdamW8bit, moments held in 8 bits
+    block-wise (about a quarter of the state; tensors under 4096 values keep fp32 moments)."""
     experts_implementation: Literal["auto", "eager", "grouped_mm"] = "auto"
     """Selected-expert maths: `eager` per-expert loop, `grouped_mm` grouped GEMMs; `auto` = grouped on CUDA in bf16."""
     pad_id: int = 256
@@ -94,6 +97,8 @@ class TrainConfig:
             )
         if self.forward not in ("full", "compressed"):
             raise ValueError(f"forward must be 'full' or 'compressed', got {self.forward!r}")
+        if self.optimizer not in ("adamw", "adamw8bit"):
+            raise ValueError(f"optimizer must be adamw or adamw8bit, got {self.optimizer!r}")
         if self.experts_implementation not in ("auto", "eager", "grouped_mm"):
             raise ValueError(
                 f"experts_implementation must be auto, eager or grouped_mm, got {self.experts_implementation!r}"
@@ -134,7 +139,7 @@ def train_experts(
     device = torch.device(cfg.device)
     net, copies = _prepare(model, adapter, group, cfg, device)
     params = [p for c in copies for p in (c.w_gu_SIH, c.w_down_SHI)]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, 0.999))
+    optimizer = inner_adamw(params, cfg)
     if optimizer_state is not None:
         _resume(optimizer, params, optimizer_state, cfg)
     result = TrainResult(tensors={}, lr=cfg.lr)
@@ -166,6 +171,21 @@ def train_experts(
     return result
 
 
+def inner_adamw(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
+    """`cfg.optimizer` over `params`. Torch's AdamW runs fused, on every device torch fuses it for (CPU and CUDA
+    among them): the multi-tensor (foreach) step it replaces holds temporaries the size of the trainable
+    experts in fp32 at the step, on CUDA, where it is torch's default."""
+    betas = (cfg.beta1, 0.999)
+    if cfg.optimizer == "adamw8bit":
+        # imported only when asked for: it takes seconds (it imports torch.compile's machinery)
+        from bitsandbytes.optim.adamw import AdamW8bit
+
+        # bitsandbytes leaves its optimizers unannotated
+        eight_bit = AdamW8bit(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=betas)  # type: ignore[no-untyped-call]
+        return cast(torch.optim.Optimizer, eight_bit)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=betas, fused=True)
+
+
 BACKTRACK_FLOOR = 1 / 64
 """The smallest fraction of its lr that backtracking (`backtracked`) leaves a miner's inner AdamW."""
 
@@ -184,7 +204,9 @@ def _resume(
 ) -> None:
     """Load an earlier run's optimizer state; ValueError when it was not for these parameters."""
     moments = state.get("state", {})
-    shapes = [tuple(moments[i]["exp_avg"].shape) if i in moments else None for i in range(len(params))]
+    first = ("exp_avg", "state1")  # torch's AdamW names its first moment so, bitsandbytes' its 8-bit state
+    shapes = [next((tuple(moments[i][k].shape) for k in first if k in moments[i]), None) if i in moments else None
+              for i in range(len(params))]
     groups = state.get("param_groups") or [{}]
     if len(groups) != 1 or len(groups[0].get("params", [])) != len(params) or any(
         shape is not None and shape != tuple(p.shape) for shape, p in zip(shapes, params, strict=True)

@@ -13,6 +13,7 @@ SETTINGS = {
     "compressed miner": Setting(role="miner", seq_len=48, micro_batch=2, device="cpu", forward="compressed"),
     "full miner": Setting(role="miner", seq_len=48, micro_batch=2, device="cpu", forward="full"),
     "checkpointed miner": Setting(role="miner", seq_len=48, micro_batch=2, device="cpu", checkpointing=True),
+    "8-bit miner": Setting(role="miner", seq_len=48, micro_batch=2, device="cpu", optimizer="adamw8bit"),
     "validator": Setting(role="validator", seq_len=48, micro_batch=2, device="cpu"),
 }
 
@@ -61,11 +62,22 @@ def test_compressed_holds_fewer_weights_than_full_and_checkpointing_fewer_activa
     assert recomputed.peak_bytes < cut.peak_bytes
 
 
-def test_a_cuda_plan_adds_adams_foreach_temporaries_at_the_step() -> None:
+def test_a_cuda_plan_traces_the_same_fused_step_as_a_cpu_one_without_fp32_temporaries_of_the_experts() -> None:
     cpu = fake_plan("qwen3_moe", Setting(role="miner", seq_len=8, device="cpu"))
     cuda = fake_plan("qwen3_moe", Setting(role="miner", seq_len=8, device="cuda"))
     assert cuda.device == "cuda" and cuda.phase == "optimizer step"
-    assert cuda.peak_bytes >= cpu.peak_bytes + cpu.parts["trainable_copies"] - cpu.parts["activations"]
+    assert cuda.peak_bytes == cpu.peak_bytes and cuda.parts == cpu.parts
+    assert cuda.parts["activations"] < cuda.parts["trainable_copies"] / 4  # fused AdamW: no foreach temporaries
+
+
+def test_8bit_adamw_lowers_the_peak_of_a_step_that_peaks_at_the_optimizer() -> None:
+    short = Setting(role="miner", seq_len=8, micro_batch=1, device="cuda")
+    fp32 = fake_plan("qwen3_moe", short, per_layer=4)
+    eight = fake_plan("qwen3_moe", Setting(role="miner", seq_len=8, micro_batch=1, device="cuda",
+                                           optimizer="adamw8bit"), per_layer=4)
+    assert fp32.phase == "optimizer step"
+    assert eight.peak_bytes < fp32.peak_bytes - fp32.parts["optimizer_state"] / 2, (fp32, eight)
+    assert eight.parts["optimizer_state"] < fp32.parts["optimizer_state"] / 3
 
 
 def test_bad_settings_are_refused() -> None:
@@ -73,5 +85,7 @@ def test_bad_settings_are_refused() -> None:
         Setting(role="miner", seq_len=8, micro_batch=0)
     with pytest.raises(ValueError, match="role"):
         Setting(role="trainer", seq_len=8)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="optimizer"):
+        Setting(role="miner", seq_len=8, optimizer="sgd")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="experts per layer"):
         fake_plan("olmoe", SETTINGS["validator"], per_layer=9)
