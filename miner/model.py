@@ -4,8 +4,8 @@
 genesis state a miner trains from and the packed training sequences; `MinerModel.train` puts a state's
 experts into the model and runs the inner AdamW steps on this miner's shard of the sequences, in the
 batch order `miner_seed` draws. How it trains on this machine (device, forward mode, micro-batches,
-checkpointing, autocast) is a `MinerSettings`. This module knows nothing about the network, the blob
-a round submits, or how the AdamW state is carried between rounds (miner.optimizer).
+checkpointing, autocast, optimizer) is a `MinerSettings`. This module knows nothing about the network, the
+blob a round submits, or how the AdamW state is carried between rounds (miner.optimizer).
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ class MinerSettings:
     """Activation checkpointing: recompute decoder layers in backward to save memory."""
     autocast: bool = True
     """bf16 autocast when training on CUDA (no effect on CPU)."""
+    optimizer: Literal["adamw", "adamw8bit"] = "adamw"
+    """Inner optimizer: AdamW with fp32 moments, or bitsandbytes' AdamW8bit (8-bit moments)."""
 
 
 def miner_seed(miner: str, round: int) -> int:
@@ -106,7 +108,7 @@ class MinerModel:
                           micro_batch_size=settings.micro_batch_size, grad_clip=inner.grad_clip,
                           forward=settings.forward, device=settings.device,
                           checkpointing=settings.checkpointing, autocast=settings.autocast,
-                          pad_id=self.pad_id, progress=progress)
+                          optimizer=settings.optimizer, pad_id=self.pad_id, progress=progress)
         rows = shard(self.sequences, miner, round)
         order = batches(rows, cfg.batch_size, miner_seed(miner, round))
         return train_experts(self.model, self.adapter, self.spec.group, _while(order, keep_going), cfg,

@@ -2,12 +2,13 @@
 
     tessera plan (--spec FILE | --config FILE) --role miner|validator [--experts-per-layer N] [--seq-len N]
                  [--micro-batch N] [--device cuda] [--forward compressed|full] [--checkpointing] [--autocast]
-                 [--json]
+                 [--optimizer adamw|adamw8bit] [--json]
 
 `training.plan` runs the role's own step on fake tensors (no weight is read; `--config` is a
 checkpoint's config.json, `--spec` a network's model, group and sequence length) and this prints the
 peak, what it is made of, and the margin added for what a CPU trace does not see; `--json` prints
-the same as one object. This module knows nothing about how the trace is taken.
+the same as one object. A miner or validator on CUDA runs the same trace as it starts
+(node.runtime.preflight.check_memory). This module knows nothing about how the trace is taken.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="a miner's model: only the group's experts, or all of them (default compressed)")
     p.add_argument("--checkpointing", action="store_true", help="a miner recomputes each layer in backward")
     p.add_argument("--autocast", action="store_true", help="a miner trains under bf16 autocast (CUDA only)")
+    p.add_argument("--optimizer", choices=("adamw", "adamw8bit"), default="adamw",
+                   help="a miner's inner optimizer: fp32 moments, or bitsandbytes' 8-bit ones (default adamw)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(run=run_plan)
 
@@ -79,7 +82,8 @@ def run_plan(args: argparse.Namespace) -> int:
     seq_len = args.seq_len if args.seq_len is not None else model.seq_len
     assert group is not None and seq_len is not None, "a spec gives both; _model refuses --config without them"
     setting = Setting(role=args.role, seq_len=seq_len, micro_batch=args.micro_batch, device=args.device,
-                      forward=args.forward, checkpointing=args.checkpointing, autocast=args.autocast)
+                      forward=args.forward, checkpointing=args.checkpointing, autocast=args.autocast,
+                      optimizer=args.optimizer)
     try:
         result = plan(model.config, setting, group, family=model.family, dtype=model.dtype,
                       attn_implementation=model.attn)
@@ -94,6 +98,7 @@ def run_plan(args: argparse.Namespace) -> int:
             "sees_not": list(SEES_NOT), "seconds": round(result.seconds, 1), "role": args.role,
             "forward": args.forward if args.role == "miner" else "full", "seq_len": seq_len,
             "micro_batch": args.micro_batch, "checkpointing": args.checkpointing, "autocast": args.autocast,
+            "optimizer": args.optimizer,
         }, indent=2, sort_keys=True))
         return 0
     print(f"{model.family or model.config.get('model_type')} {args.role}, seq {seq_len} x micro-batch {args.micro_batch}, on {args.device} "
@@ -110,8 +115,6 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def _model(args: argparse.Namespace) -> _Model:
     """What `--config` or `--spec` names: a config.json's model, or the spec's model, group and seq_len."""
-    from training.checkpoint import read_config
-
     if args.config is not None:
         if args.experts_per_layer is None:
             raise ValueError("--experts-per-layer: required with --config (a config.json names no group)")
@@ -124,17 +127,10 @@ def _model(args: argparse.Namespace) -> _Model:
         if not isinstance(config, dict):
             raise ValueError(f"--config {args.config}: a config.json holds one JSON object")
         return _Model(f"--config {args.config}", config)
-    import torch
-
-    from protocol.spec import load_spec, spec_dir_path
-    from training.model import spec_model_config
+    from node.runtime.preflight import planned_model
+    from protocol.spec import load_spec
 
     spec = load_spec(args.spec)
-    group = {layer: list(ids) for layer, ids in spec.group.items()}
-    source = f"--spec {args.spec}"
-    if spec.model.config is not None:  # a tiny model: fp32 and eager attention, as training.tiny builds it
-        return _Model(source, spec_model_config(spec, args.spec), spec.model.family, torch.float32, "eager", group,
-                      spec.data.seq_len)
-    assert spec.model.checkpoint is not None, "the spec validator requires config or checkpoint"
-    return _Model(source, read_config(spec_dir_path(args.spec, spec.model.checkpoint)), spec.model.family, None,
-                  "sdpa", group, spec.data.seq_len)
+    model = planned_model(spec, args.spec)
+    return _Model(f"--spec {args.spec}", model.config, model.family, model.dtype, model.attn,
+                  {layer: list(ids) for layer, ids in spec.group.items()}, spec.data.seq_len)

@@ -53,7 +53,8 @@ TRAIN_MARGIN_MAX_S = 120.0
 def miner_settings(section: MinerSection) -> MinerSettings:
     """How this machine trains, from the node config's `[miner]` section."""
     return MinerSettings(device=section.device, forward=section.forward, micro_batch_size=section.micro_batch_size,
-                         checkpointing=section.checkpointing, autocast=section.autocast)
+                         checkpointing=section.checkpointing, autocast=section.autocast,
+                         optimizer=section.optimizer)
 
 
 @dataclass(frozen=True)

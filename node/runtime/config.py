@@ -92,6 +92,14 @@ class MinerSection(_Section):
         default=False, description="Activation checkpointing: recompute decoder layers in backward to save memory."
     )
     autocast: bool = Field(default=True, description="bf16 autocast when training on CUDA (no effect on CPU).")
+    optimizer: Literal["adamw", "adamw8bit"] = Field(
+        default="adamw", description="Inner optimizer: 'adamw' (fp32 moments) or 'adamw8bit' (bitsandbytes' 8-bit "
+        "moments, about a quarter of the optimizer state's memory)."
+    )
+    device_memory_gib: float | None = Field(
+        default=None, gt=0, description="GiB of the CUDA device training may use; unset: its free memory at start. "
+        "A miner whose traced plan (`tessera plan`) needs more refuses to start."
+    )
     keep_optimizer: bool = Field(
         default=False,
         description="Go on from the inner AdamW state of the last round trained, as DiLoCo's workers do, instead of "
@@ -116,6 +124,10 @@ class ValidatorSection(_Section):
         default="cpu", description="Torch device for scoring (cpu, cuda, cuda:1); 'auto' spreads the model over all GPUs."
     )
     batch_size: int = Field(default=16, ge=1, description="Held-out sequences per scoring forward pass.")
+    device_memory_gib: float | None = Field(
+        default=None, gt=0, description="GiB of the CUDA device scoring may use; unset: its free memory at start. "
+        "A validator whose traced plan (`tessera plan`) needs more refuses to start."
+    )
     prefetch_bytes: int = Field(
         default=8 << 30, ge=0,
         description="Bytes of revealed blobs fetched during REVEAL each round (as their reveals declare them), "

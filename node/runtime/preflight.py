@@ -2,8 +2,9 @@
 ConfigError naming the field. A key the spec does not name as a validator's on a validator (or names on a
 miner); a p2p or HTTP port another process listens on (libp2p listens with SO_REUSEPORT, so two nodes on
 one port would share it silently and split their peers' connections); a bootstrap address that is not
-one. Also what a node without peers should check (`alone_hint`), and where py-libp2p's own log lines go.
-This module knows nothing of what a running node does.
+one; a CUDA device that does not exist, or that cannot hold the role's step as `training.plan` traces it
+before any weight loads (`check_memory`). Also what a node without peers should check (`alone_hint`), and
+where py-libp2p's own log lines go. This module knows nothing of what a running node does.
 """
 
 from __future__ import annotations
@@ -12,12 +13,21 @@ import errno
 import logging
 import os
 import socket
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from node.net.config import P2PConfig
 from node.net.network import Network
 from node.runtime.config import ConfigError, NodeConfig
 from protocol.identity import Identity
-from protocol.spec import NetworkSpec
+from protocol.spec import NetworkSpec, spec_dir_path
+
+if TYPE_CHECKING:
+    import torch
+
+    from training.plan import MemoryPlan, Setting
 
 
 def check_role_key(config: NodeConfig, spec: NetworkSpec, identity: Identity) -> None:
@@ -31,6 +41,113 @@ def check_role_key(config: NodeConfig, spec: NetworkSpec, identity: Identity) ->
     if config.node.role == "miner" and is_validator:
         raise ConfigError(f"node.key: {config.node.key} ({identity.node_id[:12]}) is a validator's key in the spec; "
                           f"a miner needs its own: create one with `tessera keygen` and set node.key")
+
+
+@dataclass(frozen=True)
+class PlannedModel:
+    """A spec's model as `training.plan.plan` builds it: its config dict, family, weights' dtype and attention."""
+
+    config: dict[str, Any]
+    family: str
+    dtype: torch.dtype | None
+    """None: the checkpoint config's own dtype."""
+    attn: str
+
+
+def planned_model(spec: NetworkSpec, spec_path: Path) -> PlannedModel:
+    """The spec's model as a node builds it: a tiny config in fp32 with eager attention (training.tiny), or a
+    checkpoint's config.json in its dtype with sdpa. Reads no weights."""
+    import torch
+
+    from training.checkpoint import read_config
+    from training.model import spec_model_config
+
+    if spec.model.config is not None:
+        return PlannedModel(spec_model_config(spec, spec_path), spec.model.family, torch.float32, "eager")
+    assert spec.model.checkpoint is not None, "the spec validator requires config or checkpoint"
+    return PlannedModel(read_config(spec_dir_path(spec_path, spec.model.checkpoint)), spec.model.family, None, "sdpa")
+
+
+def check_memory(config: NodeConfig, spec: NetworkSpec) -> None:
+    """ConfigError when the role's device is CUDA and the role's own step, traced on fake tensors, needs more
+    than its `device_memory_gib` (unset: the device's free memory) or the device does not exist. The one line
+    names the memory needed and the first of this node's settings, taken in turn, that would make it fit."""
+    role = config.node.role
+    section = config.miner if role == "miner" else config.validator
+    field = f"{role}.device"
+    if not section.device.startswith("cuda"):  # cpu, or a validator's 'auto' (training.device sizes that)
+        return
+    from training.device import GIB, check_device
+
+    if section.device_memory_gib is None:
+        try:
+            check_device(section.device, None, 1, spec.data.seq_len, setting=field)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        import torch
+
+        free = torch.cuda.mem_get_info(torch.device(section.device).index or 0)[0]
+        where = "has"
+    else:
+        free = int(section.device_memory_gib * GIB)
+        where = f"may use ({role}.device_memory_gib)"
+    try:
+        model = planned_model(spec, config.node.spec)
+    except ValueError as exc:
+        raise ConfigError(f"node.spec: {exc}") from exc
+    setting = _setting(config, spec)
+    result = _plan(model, spec, setting)
+    need = result.peak_bytes + result.margin_bytes
+    if need <= free:
+        return
+    fix = "no setting of this node makes it fit: use a GPU with more memory"
+    for changes, tried in _fixes(role, setting):
+        fitted = _plan(model, spec, tried)
+        if fitted.peak_bytes + fitted.margin_bytes <= free:
+            fix = f"it fits with {', '.join(changes)} (tessera plan traces any setting)"
+            break
+    raise ConfigError(f"{field}: this {role} needs about {need / GIB:.1f} GiB of {section.device} (a traced peak of "
+                      f"{result.peak_bytes / GIB:.1f} GiB plus {result.margin_bytes / GIB:.1f} GiB margin) but "
+                      f"{where} {free / GIB:.1f} GiB; {fix}")
+
+
+def _setting(config: NodeConfig, spec: NetworkSpec) -> Setting:
+    """What this node runs on one micro-batch, as `training.plan` traces it."""
+    from training.plan import Setting
+
+    if config.node.role == "validator":
+        return Setting(role="validator", seq_len=spec.data.seq_len, micro_batch=config.validator.batch_size,
+                       device=config.validator.device)
+    miner = config.miner
+    return Setting(role="miner", seq_len=spec.data.seq_len,
+                   micro_batch=miner.micro_batch_size or spec.training.batch_size, device=miner.device,
+                   forward=miner.forward, checkpointing=miner.checkpointing, autocast=miner.autocast,
+                   optimizer=miner.optimizer)
+
+
+def _fixes(role: str, setting: Setting) -> Iterator[tuple[list[str], Setting]]:
+    """This node's settings that save memory, each added to those before it: (what changed, the setting then)."""
+    steps: list[tuple[str, dict[str, Any]]] = [("validator.batch_size = 1", {"micro_batch": 1})]
+    if role == "miner":
+        steps = [("miner.forward = 'compressed'", {"forward": "compressed"}),
+                 ("miner.checkpointing = true", {"checkpointing": True}),
+                 ("miner.autocast = true", {"autocast": True}),
+                 ("miner.optimizer = 'adamw8bit'", {"optimizer": "adamw8bit"}),
+                 ("miner.micro_batch_size = 1", {"micro_batch": 1})]
+    changes: list[str] = []
+    for name, change in steps:
+        if all(getattr(setting, key) == value for key, value in change.items()):
+            continue
+        setting = replace(setting, **change)
+        changes.append(name)
+        yield list(changes), setting
+
+
+def _plan(model: PlannedModel, spec: NetworkSpec, setting: Setting) -> MemoryPlan:
+    from training.plan import plan
+
+    group = {layer: list(ids) for layer, ids in spec.group.items()}
+    return plan(model.config, setting, group, family=model.family, dtype=model.dtype, attn_implementation=model.attn)
 
 
 def check_listen(config: NodeConfig) -> None:

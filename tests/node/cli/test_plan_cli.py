@@ -37,6 +37,14 @@ def test_plan_of_a_config_prints_the_peak_its_parts_the_margin_and_what_it_does_
     assert result["parts"]["trainable_copies"] > 0
 
 
+def test_plan_traces_the_8bit_optimizer(config_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ("--config", str(config_file), "--role", "miner", "--experts-per-layer", "4", "--seq-len", "8")
+    fp32 = plan_json(capsys, *args)
+    eight = plan_json(capsys, *args, "--optimizer", "adamw8bit")
+    assert fp32["optimizer"] == "adamw" and eight["optimizer"] == "adamw8bit"
+    assert eight["peak_bytes"] < fp32["peak_bytes"]
+
+
 def test_plan_of_a_spec_takes_its_group_and_sequence_length(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "tiny.json").write_text(json.dumps(tiny_config("qwen3_moe")), encoding="utf-8")
     spec = tmp_path / "spec.toml"
