@@ -1,23 +1,30 @@
-"""Learning benchmark: how far a network of M miners lowers held-out loss round by round, against one node.
+"""Learning benchmark: the network's adopted state round by round against one node and the data-parallel ceiling.
 
-For each domain, seed, number of miners M and H (`--inner-steps`) it writes a network as `tessera spec
-new` would, with the spec's defaults, H and then `--set`, on the pretrained tiny base
-(`training.pretrain`; a target domain the base never saw, facts from a base that read their form) and
-the domain's training and held-out files. Then it runs `--rounds` rounds in one process, all through
-the product's code: the validators' seeds give the round seed (`protocol.seeds`), and every miner trains
-from the adopted state and builds its blob with the honest builder (`miner.submission.build_submission`).
-Each validator scores the miners assigned to it (`protocol.assignment`) with `validator.scoring.Scorer`,
-by Proof-of-Loss on the held-out subset the round seed picks. `validator.merge.merge_round` ranks the
-reports, rewards and merges them into the next state (`training.state.GlobalExperts.child`). This
-file has no round logic of its own: it changes only the inputs.
-Reported per run, on held-out documents the validators never score (the report set): the base's loss,
-the adopted state's after every round (`adopted_losses`: the average of the merged states where the
-spec keeps one), the best single submission's in that round (`best_single_losses`, None when none was
-accepted) and how many were merged. `baselines` holds single-node expert tuning (ESFT) at equal tokens:
-the miners' own training code on the same batches in the same order, as one AdamW run from the base,
-read after each round's worth of tokens.
-Usage: python bench/learning.py [--domain D,...] [--miners M,...] [--rounds R] [--inner-steps H,...]
-       [--seeds S,...] [--keep-optimizer] [--set SECTION.FIELD=VALUE]... [--small] [--out FILE.json]
+For each setting (a target domain, on a base that did or did not read the domain's form), seed and
+network (M miners at H inner steps, A of them adversarial) it writes a network as `tessera spec new`
+would, with the spec's defaults, H and then `--set`, on the pretrained tiny base (`training.pretrain`)
+and the setting's training, held-out and general-domain held-out files. Then it runs `--rounds` rounds
+through the product's code alone: the validators' seeds give the round seed (`protocol.seeds`); every
+honest miner trains from the adopted state and builds its blob with the honest builder
+(`miner.submission.build_submission`), an adversary with the simulation's noise strategy
+(`node.sim.adversaries`); each validator scores the miners assigned to it (`protocol.assignment`) with
+`validator.scoring.Scorer`; `validator.merge.merge_round` ranks, rewards and merges, and
+`validator.merge.gate` adopts the lowest of the current, merged and best-single states on the gate rows
+(`validator.scoring.gate_measure`, with the forgetting budget on the general-domain file the spec pins).
+This file has no round logic of its own: it changes only the inputs.
+Read on held-out documents the validators never score (the report set), per run: `base_loss`,
+`adopted_losses` (the state adopted at the end of each round: the average of the merged states where the
+spec keeps one), `best_single_losses` (the lowest single accepted submission of the round), `gates` (the
+gate's verdict each round: the candidate adopted, every candidate's gate and general-domain losses, those
+refused, and how many updates were merged and are in the adopted state), `noise` (the mean over the run's states of half the gap between their losses on
+the two halves of the report set: the sampling noise of one held-out subset) and `forgetting` (the rise of
+the last adopted state's loss on a general-domain report set over the base's). `baselines`, per setting,
+seed, H and M, from the same base and batches at the same tokens: single-node expert tuning (ESFT: the
+miners' own training code over every miner's batches in turn, one AdamW run) and the data-parallel
+ceiling (one AdamW run whose every step takes the M miners' batches of that step together), each read
+after every round's tokens, and ESFT's forgetting.
+Usage: python bench/learning.py [--domain S,...] [--networks M@H[/A],...] [--rounds R] [--seeds S,...]
+       [--workers W] [--set SECTION.FIELD=VALUE]... [--small] [--cache DIR] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -27,49 +34,47 @@ import hashlib
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report import emit, out_file  # noqa: E402
-from miner.model import MinerModel, MinerSettings  # noqa: E402
-from miner.optimizer import InnerOptimizer  # noqa: E402
-from miner.submission import Diverged, ErrorFeedback, build_submission  # noqa: E402
 from node.cli.common import add_spec_settings, comma_list  # noqa: E402
-from node.sim.layout import DEFAULT_TIMING, default_cache_dir, to_toml  # noqa: E402
-from protocol.assignment import assign  # noqa: E402
-from protocol.identity import Identity  # noqa: E402
-from protocol.seeds import commitment, round_seed  # noqa: E402
-from protocol.spec import NetworkSpec, apply_settings, judge_settings, load_spec  # noqa: E402
-from training.adapters import adapter_for  # noqa: E402
-from training.blob import blob_hash  # noqa: E402
-from training.checkpoint import checkpoint_hash, config_hash, read_config  # noqa: E402
-from training.corpus import generate, write_documents  # noqa: E402
-from training.data import check_disjoint, file_sha256, load_sequences, pack  # noqa: E402
-from training.evaluate import loss_with_experts  # noqa: E402
-from training.experts import extract  # noqa: E402
-from training.model import load_base, load_checkpoint  # noqa: E402
-from training.pretrain import TARGET_DOMAINS, PretrainConfig, base_config, pretrained_base  # noqa: E402
-from training.selection import select_experts  # noqa: E402
-from training.state import GlobalExperts  # noqa: E402
-from training.tokenizer import ByteTokenizer  # noqa: E402
-from validator.merge import MergeResult, merge_round  # noqa: E402
-from validator.scoring import Scorer  # noqa: E402
+from protocol.spec import judge_settings  # noqa: E402
 
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    import torch
+
+    from miner.model import MinerModel
+    from protocol.spec import NetworkSpec
+    from training.pretrain import PretrainConfig
+    from training.state import GlobalExperts
+    from validator.scoring import Scorer
+
+SETTINGS = {"arithmetic": ("arithmetic", False), "records": ("records", False), "facts": ("facts", True),
+            "arithmetic-form": ("arithmetic", True), "records-form": ("records", True)}
+"""Each setting's target domain and whether its base read the domain's form (`training.pretrain.base_config`)."""
 VALIDATORS = 2
 """Validators in every spec: the spec's default replication (2) then has each miner scored by two."""
 SEQ_LEN = 64
 SELECTION_SEQUENCES = 64
 GENESIS = datetime(2026, 1, 1, tzinfo=UTC)
 """A fixed genesis, so that the same arguments write the same spec (its network id names blobs)."""
-MINER = MinerSettings()
-"""How every miner trains: on the CPU, the full model (the node's `[miner]` defaults)."""
+
+
+@dataclass(frozen=True)
+class Net:
+    """One network of a run: M miners, A of them adversarial, at H inner steps."""
+
+    miners: int
+    inner_steps: int
+    adversaries: int = 0
 
 
 @dataclass(frozen=True)
@@ -80,36 +85,62 @@ class Size:
     heldout_docs: int
     report_docs: int
     """The held-out documents kept for the report set; the validators' file holds the rest."""
-    miners: tuple[int, ...]
+    general_docs: int
+    """General-domain documents per general domain in the validators' file, and again in the report set."""
+    settings: tuple[str, ...]
+    networks: tuple[Net, ...]
+    seeds: tuple[int, ...]
     rounds: int
-    inner_steps: tuple[int, ...]
-    base: Callable[[str], PretrainConfig]
-    """The pretrained base a domain is tuned from."""
+    quick_base: bool
+    """A base trained for 30 steps on little data instead of the full pretraining."""
 
 
-def quick_base(domain: str) -> PretrainConfig:
-    """The domain's base (`training.pretrain.base_config`) trained for 30 steps on little data."""
-    return replace(base_config(domain), steps=30, batch_size=4, docs_per_domain=40)
+FULL = Size(train_docs=3000, heldout_docs=600, report_docs=200, general_docs=100, settings=tuple(SETTINGS),
+            networks=(Net(1, 20), Net(4, 20), Net(8, 20), Net(4, 20, 2), Net(4, 50)), seeds=(0, 1, 2), rounds=5,
+            quick_base=False)
+SMALL = Size(train_docs=200, heldout_docs=120, report_docs=40, general_docs=20, settings=("arithmetic",),
+             networks=(Net(2, 2), Net(2, 2, 1)), seeds=(0,), rounds=2, quick_base=True)
+"""A few seconds on a CPU, for the test suite: a base trained for 30 steps, small data, 2 rounds of H = 2."""
 
 
-FULL = Size(train_docs=3000, heldout_docs=600, report_docs=200, miners=(4,), rounds=5, inner_steps=(20,),
-            base=base_config)
-SMALL = Size(train_docs=200, heldout_docs=60, report_docs=20, miners=(2,), rounds=2, inner_steps=(2,),
-             base=quick_base)
-"""A few seconds on a CPU, for the test suite: a base trained for 30 steps, small data, 2 miners, 2 rounds of 2 steps."""
+def base_of(setting: str, size: Size) -> PretrainConfig:
+    """The pretrained base a setting is tuned from."""
+    from dataclasses import replace
+
+    from training.pretrain import base_config
+
+    domain, knows_form = SETTINGS[setting]
+    cfg = base_config(domain, knows_form)
+    return replace(cfg, steps=30, batch_size=4, docs_per_domain=40) if size.quick_base else cfg
 
 
-def identity(role: str, index: int, seed: int = 0) -> Identity:
+def identity(role: str, index: int, seed: int = 0) -> Any:
     """The key of `role` `index` under `seed` (validators use seed 0, so every seed runs the same spec)."""
+    from protocol.identity import Identity
+
     return Identity.from_seed(hashlib.sha256(f"tessera-learning:{seed}:{role}:{index}".encode()).digest())
 
 
-def write_network(directory: Path, domain: str, inner_steps: int, size: Size, cache: Path,
+def write_network(directory: Path, setting: str, inner_steps: int, size: Size, cache: Path,
                   settings: list[tuple[str, Any]]) -> Path:
-    """Write a network of `domain` into `directory` (spec.toml, base/, data/) as `tessera spec new` would;
-    the spec path. The report set goes to data/report.jsonl, which the spec does not name."""
-    base = pretrained_base(cache, size.base(domain))
+    """Write a network of `setting` into `directory` (spec.toml, base/, data/) as `tessera spec new` would; the
+    spec path. The report sets go to data/report.jsonl and data/general-report.jsonl, which the spec does not name."""
+    import torch
+
+    from node.sim.layout import DEFAULT_TIMING, to_toml
+    from protocol.spec import apply_settings
+    from training.adapters import adapter_for
+    from training.checkpoint import checkpoint_hash, config_hash, read_config
+    from training.corpus import generate, write_documents
+    from training.data import check_disjoint, file_sha256, pack
+    from training.model import load_checkpoint
+    from training.pretrain import GENERAL_DOMAINS, pretrained_base
+    from training.selection import select_experts
+    from training.tokenizer import ByteTokenizer
+
+    base = pretrained_base(cache, base_of(setting, size))
     (directory / "base").symlink_to(base, target_is_directory=True)
+    domain = SETTINGS[setting][0]
     train = generate(domain, size.train_docs, 11)
     held = generate(domain, size.heldout_docs, 12)
     check_disjoint(train, held)  # as `spec new`: validators refuse held-out data the miners train on
@@ -117,19 +148,21 @@ def write_network(directory: Path, domain: str, inner_steps: int, size: Size, ca
     write_documents(data / "train.jsonl", train)
     write_documents(data / "heldout.jsonl", held[size.report_docs:])
     write_documents(data / "report.jsonl", held[: size.report_docs])
+    for name, seed in (("general.jsonl", 13), ("general-report.jsonl", 14)):  # the base read seed 0's documents
+        write_documents(data / name, [doc for d in GENERAL_DOMAINS for doc in generate(d, size.general_docs, seed)])
     model = load_checkpoint(base, dtype=torch.float32, attn_implementation="eager")
     adapter = adapter_for(model.config.model_type)
     sequences = pack(train, ByteTokenizer(), SEQ_LEN)[:SELECTION_SEQUENCES]
     group = select_experts(model, adapter, sequences, "gate-mass", top_d=2)["group"]
     spec: dict[str, Any] = {
-        "name": f"learning-{domain}",
+        "name": f"learning-{setting}",
         "genesis": GENESIS,
         "timing": dict(DEFAULT_TIMING),
         "model": {"family": adapter.family, "checkpoint": "base", "base_hash": checkpoint_hash(base),
                   "config_sha256": config_hash(read_config(base))},
         "group": {str(layer): experts for layer, experts in sorted(group.items())},
         "data": {"train": ["data/train.jsonl"], "heldout_sha256": file_sha256(data / "heldout.jsonl"),
-                 "tokenizer": "byte", "seq_len": SEQ_LEN},
+                 "general_sha256": file_sha256(data / "general.jsonl"), "tokenizer": "byte", "seq_len": SEQ_LEN},
         "validators": [{"key": identity("validator", v).node_id, "weight": 1.0} for v in range(VALIDATORS)],
     }
     apply_settings(spec, [("training.inner_steps", inner_steps), *settings])
@@ -139,54 +172,93 @@ def write_network(directory: Path, domain: str, inner_steps: int, size: Size, ca
 
 
 class Network:
-    """What one spec's runs load once: the miners' model and data, the validators' scorer and the report set."""
+    """What one spec's runs load once: the miners' model and data, the validators' scorer and general-domain
+    sequences, and the report sets."""
 
     def __init__(self, spec_path: Path) -> None:
+        from miner.model import MinerModel, MinerSettings
+        from protocol.spec import load_spec
+        from training.data import load_sequences
+        from training.experts import extract
+        from training.model import load_base
+        from training.state import GlobalExperts
+        from training.tokenizer import ByteTokenizer
+        from validator.scoring import Scorer
+
         self.spec: NetworkSpec = load_spec(spec_path)
-        self.miners = MinerModel.load(self.spec, spec_path)
+        self.miners: MinerModel = MinerModel.load(self.spec, spec_path)
+        self.settings = MinerSettings()  # the node's `[miner]` defaults: the CPU, the full model
         model, adapter = load_base(self.spec, spec_path, attn_implementation="eager")
-        data = spec_path.parent / "data"
-        tokenizer = ByteTokenizer()
-        heldout = load_sequences([data / "heldout.jsonl"], tokenizer, self.spec.data.seq_len)
-        self.report = load_sequences([data / "report.jsonl"], tokenizer, self.spec.data.seq_len)
-        self.scorer = Scorer(model, adapter, self.spec, heldout, tokenizer.pad_id)
-        self.genesis = GlobalExperts.genesis(self.spec, extract(model, adapter, self.spec.group))
+        data, tokenizer = spec_path.parent / "data", ByteTokenizer()
 
-    def loss(self, tensors: Mapping[str, torch.Tensor]) -> float:
-        """Loss on the report set of the base holding `tensors` (the scorer's model keeps its experts)."""
+        def sequences(name: str) -> torch.Tensor:
+            return load_sequences([data / name], tokenizer, self.spec.data.seq_len)
+
+        self.scorer: Scorer = Scorer(model, adapter, self.spec, sequences("heldout.jsonl"), tokenizer.pad_id)
+        self.general, self.report, self.general_report = (sequences(name) for name in (
+            "general.jsonl", "report.jsonl", "general-report.jsonl"))
+        self.genesis: GlobalExperts = GlobalExperts.genesis(self.spec, extract(model, adapter, self.spec.group))
+
+    def loss(self, tensors: Mapping[str, torch.Tensor], sequences: torch.Tensor | None = None) -> float:
+        """Loss on the report set (or `sequences`) of the base holding `tensors` (the scorer's model keeps its experts)."""
+        from training.evaluate import loss_with_experts
+
         s = self.scorer
-        return round(loss_with_experts(s.model, s.adapter, tensors, self.report, s.batch_size, str(s.device),
-                                       s.pad_id).loss, 4)
+        rows = self.report if sequences is None else sequences
+        return round(loss_with_experts(s.model, s.adapter, tensors, rows, s.batch_size, str(s.device), s.pad_id).loss, 4)
 
-    def run(self, miners: int, rounds: int, seed: int, keep_optimizer: bool) -> dict[str, Any]:
-        """`rounds` rounds of `miners` honest miners from genesis; the losses after each."""
-        ids = [identity("miner", i, seed).node_id for i in range(miners)]
-        pgrad = self.spec.submission.format == "pgrad"
-        feedback = {m: ErrorFeedback() if pgrad else None for m in ids}
-        optimizers = {m: InnerOptimizer() if keep_optimizer else None for m in ids}
+    def noise(self, tensors: Mapping[str, torch.Tensor]) -> float:
+        """Half the gap between the losses of `tensors` on the two halves of the report set."""
+        half = self.report.shape[0] // 2
+        return abs(self.loss(tensors, self.report[:half]) - self.loss(tensors, self.report[half:])) / 2
+
+    def run(self, net: Net, rounds: int, seed: int) -> dict[str, Any]:
+        """`rounds` rounds of `net` from genesis: the losses after each, the gate's picks, the noise, the forgetting."""
+        from miner.submission import Diverged, ErrorFeedback, build_submission
+
+        ids = [identity("miner", i, seed).node_id for i in range(net.miners)]
+        adversaries = set(ids[net.miners - net.adversaries:])
+        feedback = {m: ErrorFeedback() if self.spec.submission.format == "pgrad" else None for m in ids}
         state = self.genesis
-        adopted, best, merged = [], [], []
+        adopted, best, picks, noise = [], [], [], [self.noise(state.offered)]
         for r in range(rounds):
             blobs: dict[str, bytes] = {}
             for m in ids:
                 try:
-                    blobs[m], _ = build_submission(self.miners, m, r, state.hash, state.tensors, MINER,
-                                                   feedback=feedback[m], optimizer=optimizers[m])
+                    blobs[m] = self.adversary(m, r, state) if m in adversaries else build_submission(
+                        self.miners, m, r, state.hash, state.tensors, self.settings, feedback=feedback[m])[0]
                 except Diverged as exc:
                     print(f"round {r}: miner {m[:8]}: {exc}", file=sys.stderr)
-            result, accepted = self.merge(r, seed, state, blobs)
-            if result.changed or state.average is not None:  # as the validator duty: an average moves every round
-                state = state.child(r, result.new_global, result.new_momentum)
+            state, pick, accepted = self.round(r, seed, state, blobs)
             adopted.append(self.loss(state.offered))
             best.append(min((self.loss(t) for t in accepted.values()), default=None))
-            merged.append(len(result.contributors))
-        return {"base_loss": self.loss(self.genesis.offered), "adopted_losses": adopted,
-                "best_single_losses": best, "merged": merged}
+            picks.append(pick)
+            noise.append(self.noise(state.offered))
+        base_general = self.loss(self.genesis.offered, self.general_report)
+        return {"base_loss": self.loss(self.genesis.offered), "adopted_losses": adopted, "best_single_losses": best,
+                "gates": picks, "noise": round(sum(noise) / len(noise), 4),
+                "forgetting": round(self.loss(state.offered, self.general_report) - base_general, 4)}
 
-    def merge(self, round: int, seed: int, state: GlobalExperts,
-              blobs: Mapping[str, bytes]) -> tuple[MergeResult, dict[str, dict[str, torch.Tensor]]]:
+    def adversary(self, miner: str, round: int, state: GlobalExperts) -> bytes:
+        """The simulation's noise adversary's blob (`node.sim.adversaries.Noise`)."""
+        from node.duties.miner import Job
+        from node.runtime.metrics import NodeMetrics
+        from node.sim.adversaries import Noise
+
+        job = Job(self.miners, miner, round, state.hash, state, self.settings, lambda: True, NodeMetrics())
+        return Noise().build(job)
+
+    def round(self, round: int, seed: int, state: GlobalExperts,
+              blobs: Mapping[str, bytes]) -> tuple[GlobalExperts, dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
         """The validators' part of `round`: the round seed from their seeds, each scoring the miners assigned to
-        it, then `merge_round` on their reports; its result and the accepted submissions' experts."""
+        it, `merge_round` on their reports and the gate; the state adopted, the gate's verdict (as a round
+        report shows it, with the number of updates merged and adopted) and the accepted submissions' experts."""
+        from protocol.assignment import assign
+        from protocol.seeds import commitment, round_seed
+        from training.blob import blob_hash
+        from validator.merge import gate, merge_round
+        from validator.scoring import gate_measure
+
         validators = [identity("validator", v).node_id for v in range(VALIDATORS)]
         seeds = {v: hashlib.sha256(f"tessera-learning:{seed}:{round}:{v}".encode()).hexdigest() for v in validators}
         seed_r = round_seed({v: commitment(s) for v, s in seeds.items()}, seeds)
@@ -198,27 +270,83 @@ class Network:
             scored = self.scorer.score_round(round, seed_r, state.tensors, state.hash, mine)
             reports[v] = scored.report(round, state.hash)
             accepted.update(scored.accepted)
-        result = merge_round(reports, assignment, revealed, accepted, dict(state.tensors), dict(state.momentum),
-                             self.spec, state.hash)
-        return result, accepted
+        tensors, momentum = dict(state.tensors), dict(state.momentum)
+        result = merge_round(reports, assignment, revealed, accepted, tensors, momentum, self.spec, state.hash)
+        adoption = gate(result, accepted, tensors, momentum, self.spec, gate_measure(self.scorer, seed_r, self.general))
+        if adoption.changed or state.average is not None:  # as the validator duty: an average moves every round
+            state = state.child(round, adoption.new_global, adoption.new_momentum)
+        verdict = {**adoption.report(), "merged": len(result.contributors), "in_adopted": len(adoption.contributors)}
+        return state, verdict, accepted
 
-    def esft(self, miners: int, rounds: int, seed: int) -> list[float]:
-        """One node tuning the group on every miner's batches of every round in turn, one AdamW run throughout;
-        its loss after each round's `miners` x H steps."""
+    def baselines(self, miners: int, rounds: int, seed: int) -> dict[str, Any]:
+        """ESFT and the data-parallel ceiling on the batches `miners` honest miners draw, read after each round."""
+        import torch
+
+        from miner.model import miner_seed
+        from training.data import batches, shard
+        from training.experts import insert
+        from training.trainer import TrainConfig, train_experts
+
         ids = [identity("miner", i, seed).node_id for i in range(miners)]
-        tensors: Mapping[str, torch.Tensor] = self.genesis.tensors
+        esft: Mapping[str, torch.Tensor] = self.genesis.tensors
         optimizer: dict[str, Any] | None = None
-        losses = []
+        esft_losses = []
         for r in range(rounds):
             for m in ids:
-                result = self.miners.train(m, r, tensors, MINER, lambda: True, optimizer_state=optimizer)
-                tensors, optimizer = result.tensors, result.optimizer_state
-            losses.append(self.loss(tensors))
-        return losses
+                result = self.miners.train(m, r, esft, self.settings, lambda: True, optimizer_state=optimizer)
+                esft, optimizer = result.tensors, result.optimizer_state
+            esft_losses.append(self.loss(esft))
+        dp, dp_losses, inner, model = self.genesis.tensors, [], self.spec.training, self.miners.model
+        assert isinstance(model, torch.nn.Module), "the miners' model is loaded whole (`full` forward)"
+        cfg = TrainConfig(steps=inner.inner_steps, lr=inner.lr, beta1=inner.beta1, weight_decay=inner.weight_decay,
+                          batch_size=inner.batch_size * miners, grad_clip=inner.grad_clip, pad_id=self.miners.pad_id)
+        optimizer = None
+        for r in range(rounds):
+            streams = [batches(shard(self.miners.sequences, m, r), inner.batch_size, miner_seed(m, r)) for m in ids]
+            together = (torch.cat(step) for step in zip(*streams, strict=True))  # endless streams: H steps
+            insert(model, self.miners.adapter, dict(dp))
+            trained = train_experts(model, self.miners.adapter, self.spec.group, together, cfg, optimizer)
+            dp, optimizer = trained.tensors, trained.optimizer_state
+            dp_losses.append(self.loss(dp))
+        base_general = self.loss(self.genesis.offered, self.general_report)
+        return {"esft_losses": esft_losses, "esft_loss": esft_losses[-1], "dp_ceiling_losses": dp_losses,
+                "dp_ceiling_loss": dp_losses[-1],
+                "esft_forgetting": round(self.loss(esft, self.general_report) - base_general, 4)}
 
 
-def integers(least: int) -> Callable[[str], tuple[int, ...]]:
-    """argparse's type for a comma-separated list of integers of at least `least` (`--miners 1,4,8`)."""
+def run_task(setting: str, seed: int, size: Size, networks: tuple[Net, ...], rounds: int, cache: Path,
+             settings: list[tuple[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every network and baseline of one setting and seed (one process's share of the benchmark)."""
+    import torch
+
+    torch.set_num_threads(1)  # a tiny model on a shared CPU runs faster without intra-op threads
+    runs, baselines = [], []
+    for h in sorted({net.inner_steps for net in networks}):
+        with tempfile.TemporaryDirectory(prefix="tessera-learning-") as tmp:
+            network = Network(write_network(Path(tmp), setting, h, size, cache, settings))
+            for net in (n for n in networks if n.inner_steps == h):
+                started = time.perf_counter()
+                key = {"domain": setting, "seed": seed, "inner_steps": h, "miners": net.miners}
+                runs.append({**key, "adversaries": net.adversaries, **network.run(net, rounds, seed)})
+                print(f"{setting} seed {seed} M={net.miners} A={net.adversaries} H={h}: adopted "
+                      f"{runs[-1]['adopted_losses']} ({[g['adopted'] for g in runs[-1]['gates']]}, "
+                      f"{time.perf_counter() - started:.0f} s)",
+                      file=sys.stderr, flush=True)
+            for m in sorted({n.miners for n in networks if n.inner_steps == h}):
+                baselines.append({"domain": setting, "seed": seed, "inner_steps": h, "miners": m,
+                                  **network.baselines(m, rounds, seed)})
+    return runs, baselines
+
+
+def pretrain(setting: str, size: Size, cache: Path) -> None:
+    """Train and cache the setting's base (once per cache directory)."""
+    from training.pretrain import pretrained_base
+
+    pretrained_base(cache, base_of(setting, size))
+
+
+def integers(least: int) -> Any:
+    """argparse's type for a comma-separated list of integers of at least `least` (`--seeds 0,1,2`)."""
 
     def parse(text: str) -> tuple[int, ...]:
         try:
@@ -232,67 +360,84 @@ def integers(least: int) -> Callable[[str], tuple[int, ...]]:
     return parse
 
 
+def networks(text: str) -> tuple[Net, ...]:
+    """argparse's type for `--networks 4@20,4@20/2`: M miners at H inner steps, A of them adversarial."""
+    nets = []
+    for item in comma_list(text):
+        try:
+            counts, _, adversaries = item.partition("/")
+            miners, _, h = counts.partition("@")
+            net = Net(int(miners), int(h), int(adversaries or 0))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected networks as M@H or M@H/A, got {item!r}") from None
+        if net.miners < 1 or net.inner_steps < 1 or not 0 <= net.adversaries < net.miners:
+            raise argparse.ArgumentTypeError(f"{item!r}: need M >= 1, H >= 1 and 0 <= A < M")
+        nets.append(net)
+    if not nets:
+        raise argparse.ArgumentTypeError("expected at least one network")
+    return tuple(nets)
+
+
 def domains(text: str) -> tuple[str, ...]:
-    """argparse's type for `--domain arithmetic,facts`: target domains of `training.pretrain`."""
+    """argparse's type for `--domain arithmetic,facts`: settings of `SETTINGS`."""
     chosen = comma_list(text)
-    unknown = [d for d in chosen if d not in TARGET_DOMAINS]
-    if not chosen or unknown:
-        raise argparse.ArgumentTypeError(f"expected domains from {', '.join(TARGET_DOMAINS)}, got {text!r}")
+    if not chosen or any(d not in SETTINGS for d in chosen):
+        raise argparse.ArgumentTypeError(f"expected settings from {', '.join(SETTINGS)}, got {text!r}")
     return chosen
-
-
-def progress(run: dict[str, Any], baseline: dict[str, Any], started: float) -> None:
-    """One line on stderr per run: who, the adopted state's losses and ESFT's."""
-    print(f"{run['domain']} seed {run['seed']} M={run['miners']} H={run['inner_steps']}: adopted "
-          f"{run['adopted_losses']}, ESFT {baseline['esft_losses']} ({time.perf_counter() - started:.0f} s)",
-          file=sys.stderr, flush=True)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--domain", type=domains, default=("arithmetic",),
-                        help=f"target domains, comma-separated: {', '.join(TARGET_DOMAINS)} (default arithmetic)")
-    parser.add_argument("--miners", type=integers(1), help="miners per network, comma-separated (default 4)")
+    parser.add_argument("--domain", type=domains, help=f"settings, comma-separated: {', '.join(SETTINGS)} (default all)")
+    parser.add_argument("--networks", type=networks,
+                        help="networks, comma-separated M@H[/A]: M miners at H inner steps, A adversarial "
+                             "(default 1@20,4@20,8@20,4@20/2,4@50)")
     parser.add_argument("--rounds", type=int, help="rounds per run (default 5)")
-    parser.add_argument("--inner-steps", type=integers(1), help="H, written into the spec, comma-separated (default 20)")
-    parser.add_argument("--seeds", type=integers(0), default=(0,),
-                        help="seeds of the miners' ids (their shards and batches) and of the round seeds (default 0)")
-    parser.add_argument("--keep-optimizer", action="store_true",
-                        help="miners keep their AdamW state between rounds, as `[miner] keep_optimizer` does")
-    add_spec_settings(parser, "the spec's defaults and --inner-steps")
+    parser.add_argument("--seeds", type=integers(0),
+                        help="seeds of the miners' ids (their shards and batches) and of the round seeds (default 0,1,2)")
+    parser.add_argument("--workers", type=int, default=2, help="processes, one setting and seed each (default 2)")
+    add_spec_settings(parser, "the spec's defaults and each network's H")
     parser.add_argument("--small", action="store_true",
-                        help="a base trained for 30 steps, little data, and unless given 2 miners, 2 rounds of H = 2")
-    parser.add_argument("--cache", type=Path, default=default_cache_dir(), help="pretrained-base cache directory")
+                        help="a base trained for 30 steps, little data, and unless given arithmetic, seed 0, "
+                             "2@2,2@2/1 and 2 rounds")
+    parser.add_argument("--cache", type=Path, help="pretrained-base cache directory (default: the simulation's)")
     parser.add_argument("--out", type=out_file, help="write the JSON here (default: stdout only)")
     args = parser.parse_args()
     size = SMALL if args.small else FULL
-    miners, inner_steps = args.miners or size.miners, args.inner_steps or size.inner_steps
     rounds = size.rounds if args.rounds is None else args.rounds
-    if rounds < 1:
-        parser.error("--rounds must be at least 1")
+    if rounds < 1 or args.workers < 1:
+        parser.error("--rounds and --workers must be at least 1")
     try:
         overrides = {f"{section}.{field}": value
                      for section, values in judge_settings(args.spec_settings).items() for field, value in values.items()}
     except ValueError as exc:
         parser.error(f"--set: {exc}")
     if "training.inner_steps" in overrides:
-        parser.error("--set training.inner_steps: give H as --inner-steps")
-    torch.set_num_threads(1)  # a tiny model on a shared CPU runs faster without intra-op threads
+        parser.error("--set training.inner_steps: each network has its own H; give H as --inner-steps in --networks M@H")
+    settings, seeds, nets = args.domain or size.settings, args.seeds or size.seeds, args.networks or size.networks
+    from node.sim.layout import default_cache_dir
+
+    cache = args.cache or default_cache_dir()
     started = time.perf_counter()
+    tasks = [(setting, seed) for setting in settings for seed in seeds]
     runs, baselines = [], []
-    for domain in args.domain:
-        for h in inner_steps:
-            with tempfile.TemporaryDirectory(prefix="tessera-learning-") as tmp:
-                network = Network(write_network(Path(tmp), domain, h, size, args.cache, args.spec_settings))
-                for seed in args.seeds:
-                    for m in miners:
-                        key = {"domain": domain, "seed": seed, "miners": m, "inner_steps": h}
-                        runs.append({**key, **network.run(m, rounds, seed, args.keep_optimizer)})
-                        baselines.append({**key, "esft_losses": network.esft(m, rounds, seed)})
-                        progress(runs[-1], baselines[-1], started)
-    emit({"seconds": round(time.perf_counter() - started, 1), "spec_overrides": overrides,
-          "keep_optimizer": args.keep_optimizer, "rounds": rounds, "small": args.small,
-          "runs": runs, "baselines": baselines}, args.out)
+    if len(tasks) == 1 or args.workers == 1:
+        for setting, seed in tasks:
+            part = run_task(setting, seed, size, nets, rounds, cache, args.spec_settings)
+            runs += part[0]
+            baselines += part[1]
+    else:
+        import multiprocessing
+
+        bases = sorted({SETTINGS[s][0] if SETTINGS[s][1] else "general": s for s in settings}.values())
+        with ProcessPoolExecutor(min(args.workers, len(tasks)), mp_context=multiprocessing.get_context("spawn")) as pool:
+            list(pool.map(pretrain, bases, [size] * len(bases), [cache] * len(bases)))  # each base once
+            for part in pool.map(run_task, *zip(*[(s, seed, size, nets, rounds, cache, args.spec_settings)
+                                                  for s, seed in tasks], strict=True)):
+                runs += part[0]
+                baselines += part[1]
+    emit({"seconds": round(time.perf_counter() - started, 1), "spec_overrides": overrides, "rounds": rounds,
+          "small": args.small, "runs": runs, "baselines": baselines}, args.out)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""bench/learning.py at its small size: a network of 2 miners runs 2 rounds through the product's round and ESFT runs beside it."""
+"""bench/learning.py at its small size: an honest and a half-adversarial network of 2 miners run 2 rounds through
+the product's round and merge gate, with ESFT and the data-parallel ceiling beside them."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import sys
 from pathlib import Path
 
 from tests.bench.scripts import BENCH
+from validator.merge import CANDIDATES
 
 
-def test_the_small_learning_benchmark_records_every_rounds_adopted_loss(tmp_path: Path) -> None:
+def test_the_small_learning_benchmark_records_every_rounds_adopted_loss_and_gate(tmp_path: Path) -> None:
     out = tmp_path / "learning.json"
     run = subprocess.run(
         [sys.executable, str(BENCH / "learning.py"), "--small", "--set", "aggregation.top_g=1",
@@ -22,15 +24,25 @@ def test_the_small_learning_benchmark_records_every_rounds_adopted_loss(tmp_path
     report = json.loads(out.read_text())
     assert report["spec_overrides"] == {"aggregation.top_g": 1}
     assert math.isfinite(report["seconds"]) and report["rounds"] == 2
-    key = {"domain": "arithmetic", "seed": 0, "miners": 2, "inner_steps": 2}
-    [network] = report["runs"]
-    [esft] = report["baselines"]
-    assert {k: network[k] for k in key} == key and {k: esft[k] for k in key} == key
-    base, adopted, best = network["base_loss"], network["adopted_losses"], network["best_single_losses"]
-    assert len(adopted) == len(best) == len(network["merged"]) == len(esft["esft_losses"]) == 2
-    assert all(math.isfinite(loss) for loss in [base, *adopted, *best, *esft["esft_losses"]])
-    assert all(merged in (0, 1) for merged in network["merged"])  # --set reached the spec: top-G 1
-    # the adopted state moves exactly in the rounds that merged an update (the spec keeps no average)
-    for before, after, merged in zip([base, *adopted], adopted, network["merged"], strict=False):
-        assert (after != before) == bool(merged)
-    assert adopted[-1] < base and esft["esft_losses"][-1] < base  # the domain is new to the base: both learn
+    key = {"domain": "arithmetic", "seed": 0, "inner_steps": 2, "miners": 2}
+    honest, adversarial = report["runs"]
+    [baseline] = report["baselines"]
+    assert {k: baseline[k] for k in key} == key
+    assert all({k: network[k] for k in key} == key for network in (honest, adversarial))
+    assert (honest["adversaries"], adversarial["adversaries"]) == (0, 1)
+    base = honest["base_loss"]
+    assert all(math.isfinite(baseline[k]) for k in ("esft_loss", "dp_ceiling_loss", "esft_forgetting"))
+    assert baseline["esft_loss"] < base and baseline["dp_ceiling_loss"] < base  # the domain is new to the base
+    for network in (honest, adversarial):
+        adopted, best, gates = network["adopted_losses"], network["best_single_losses"], network["gates"]
+        assert network["base_loss"] == base and len(adopted) == len(best) == len(gates) == 2
+        assert all(math.isfinite(loss) for loss in [*adopted, *best, network["noise"], network["forgetting"]])
+        assert 0 < network["noise"] < 1
+        for before, after, gate in zip([base, *adopted], adopted, gates, strict=False):
+            assert gate["adopted"] in CANDIDATES and gate["merged"] in (0, 1)  # --set reached the spec: top-G 1
+            allowed = [name for name in gate["losses"] if name not in gate["refused"]]
+            assert gate["losses"][gate["adopted"]] == min(gate["losses"][name] for name in allowed)
+            assert gate["general_losses"] is not None  # the spec pins a general-domain file: forgetting is checked
+            # the adopted state moves exactly in the rounds whose gate adopted a change (the spec keeps no average)
+            assert (after != before) == (gate["adopted"] != "current")
+        assert adopted[-1] < base
