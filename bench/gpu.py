@@ -7,7 +7,10 @@ a fixed number of selected experts per layer and reports, in one run:
 - a 4-layer slice (2 on CPU) of the same shape trained three ways (full fine-tuning with fp32 master weights and
   AdamW over every parameter, `full`, `compressed`) for the memory and speed ratios, since full
   fine-tuning of the whole shape does not fit one 80 GB GPU;
-- validator seconds per submission (swap the experts in, held-out loss, restore) over a bare forward.
+- validator seconds per submission (swap the experts in, held-out loss, restore) over a bare forward;
+- next to each memory figure of the project's own work (`*_plan_peak_gib`), the peak `training.plan` traces
+  for the same run on fake tensors before it starts, so a run on a GPU checks the plan (full fine-tuning is
+  not the project's work and has none); on CUDA `*_plan_vs_measured` is the plan's peak over the measured one.
 Every run of one shape starts from the same weights (each weight row drawn from a seed of its name
 and row, so a compressed model's kept experts are the full model's) and trains on the same batches;
 `loss_before_update` is each run's loss on its first batch before any update (the compressed model
@@ -42,6 +45,7 @@ from training.adapters import MoEAdapter, adapter_for, tensor_attr  # noqa: E402
 from training.compressed import CompressedModel, compress  # noqa: E402
 from training.evaluate import heldout_loss, loss_with_experts  # noqa: E402
 from training.experts import extract  # noqa: E402
+from training.plan import Setting, plan  # noqa: E402
 from training.trainer import TrainConfig, train_experts  # noqa: E402
 
 GIB = 1024**3
@@ -96,17 +100,22 @@ def main() -> int:
         "memory": "peak torch.cuda.max_memory_allocated" if cuda else "bytes of weights + trainable state (not a peak)",
     }
     bench = Bench(shape, device, args.steps, args.checkpointing)
-    compressed = bench.sparse("compressed", shape["config"]["num_hidden_layers"])
+    layers = shape["config"]["num_hidden_layers"]
+    compressed = bench.sparse("compressed", layers)
     out["compressed_peak_gib"], out["compressed_tokens_per_s"] = compressed
+    out.update(bench.planned("compressed", layers, compressed[0], cuda))
     if args.shape == "olmoe-1b-7b":
-        full = bench.sparse("full", shape["config"]["num_hidden_layers"])
+        full = bench.sparse("full", layers)
         out["full_mode_peak_gib"], out["full_mode_tokens_per_s"] = full
+        out.update(bench.planned("full", layers, full[0], cuda))
         out["compressed_vs_full_mode_memory"] = compressed[0] / full[0]
         out["compressed_vs_full_mode_tokens_per_s"] = compressed[1] / full[1]
         fft = bench.full_finetune(slice_layers)
         slice_full = bench.sparse("full", slice_layers)
         slice_compressed = bench.sparse("compressed", slice_layers)
-        out["slice"] = {"layers": slice_layers, "fft": fft, "full": slice_full, "compressed": slice_compressed}
+        out["slice"] = {"layers": slice_layers, "fft": fft, "full": slice_full, "compressed": slice_compressed,
+                        "plan_peak_gib": {"full": bench.plan_peak("miner", slice_layers, "full"),
+                                          "compressed": bench.plan_peak("miner", slice_layers, "compressed")}}
         out["slice_compressed_vs_fft_memory"] = slice_compressed[0] / fft[0]
         out["slice_tokens_per_s_ratio"] = slice_compressed[1] / fft[1]
         out.update(bench.validator())
@@ -146,6 +155,23 @@ class Bench:
         model = target.model if isinstance(target, CompressedModel) else target
         return self._memory(model, trainable), self._tokens_per_s(clock)
 
+    def plan_peak(self, role: Literal["miner", "validator"], layers: int,
+                  forward: Literal["full", "compressed"] = "compressed") -> float:
+        """GiB of the peak `training.plan` traces for this run, as the node would plan it before it starts."""
+        setting = Setting(role=role, seq_len=self.shape["seq_len"], micro_batch=1, device=str(self.device),
+                          forward=forward, checkpointing=self.checkpointing, autocast=True)
+        config = {**self.shape["config"], "num_hidden_layers": layers}
+        result = plan(config, setting, self.shape["selected"], family=self.shape["family"], dtype=torch.bfloat16,
+                      attn_implementation="sdpa")
+        return result.peak_bytes / GIB
+
+    def planned(self, forward: Literal["full", "compressed"], layers: int, measured: float,
+                cuda: bool) -> dict[str, float]:
+        """The plan's peak for a sparse run (and, on CUDA, its ratio to the measured peak), keyed as the report's."""
+        name = "compressed" if forward == "compressed" else "full_mode"
+        peak = self.plan_peak("miner", layers, forward)
+        return {f"{name}_plan_peak_gib": peak, **({f"{name}_plan_vs_measured": peak / measured} if cuda else {})}
+
     def full_finetune(self, layers: int) -> tuple[float, float]:
         """(memory GiB, tokens/s) of full fine-tuning: fp32 master weights, AdamW on all, bf16 autocast on CUDA."""
         self._reset()
@@ -176,8 +202,13 @@ class Bench:
             bare.append(_timed(lambda: heldout_loss(model, heldout, batch_size=1, device=device, pad_id=-1)))
             swapped.append(_timed(lambda: loss_with_experts(
                 model, self.adapter, miner, heldout, batch_size=1, device=device, pad_id=-1)))
-        return {"validator_seconds_per_submission": min(swapped), "validator_bare_forward_seconds": min(bare),
-                "validator_overhead_ratio": min(swapped) / min(bare)}
+        out = {"validator_seconds_per_submission": min(swapped), "validator_bare_forward_seconds": min(bare),
+               "validator_overhead_ratio": min(swapped) / min(bare),
+               "validator_plan_peak_gib": self.plan_peak("validator", self.shape["config"]["num_hidden_layers"])}
+        if self.device.type == "cuda":
+            out["validator_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+            out["validator_plan_vs_measured"] = out["validator_plan_peak_gib"] / out["validator_peak_gib"]
+        return out
 
     def _meta_model(self, layers: int) -> torch.nn.Module:
         config = AutoConfig.for_model(self.shape["family"], **{**self.shape["config"], "num_hidden_layers": layers})

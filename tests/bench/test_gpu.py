@@ -1,5 +1,6 @@
 """bench/gpu.py compares the same work: every run of a shape starts from the same weights and batches
-(the CPU-scaled shape, as the benchmark runs it without CUDA); and it runs end to end on that shape."""
+(the CPU-scaled shape, as the benchmark runs it without CUDA); and it runs end to end on that shape, with the
+memory plan's traced peak next to each memory figure."""
 
 from __future__ import annotations
 
@@ -53,13 +54,17 @@ def test_a_one_step_run_reports_every_figure_and_full_fine_tuning_starts_from_sp
     assert_positive(report, "compressed_peak_gib", "compressed_tokens_per_s", "full_mode_peak_gib",
                     "full_mode_tokens_per_s", "compressed_vs_full_mode_memory", "compressed_vs_full_mode_tokens_per_s",
                     "slice_compressed_vs_fft_memory", "slice_tokens_per_s_ratio", "validator_seconds_per_submission",
-                    "validator_bare_forward_seconds", "validator_overhead_ratio")
+                    "validator_bare_forward_seconds", "validator_overhead_ratio", "compressed_plan_peak_gib",
+                    "full_mode_plan_peak_gib", "validator_plan_peak_gib")
     assert report["cpu_load_average_1min"] >= 0
     assert report["compressed_peak_gib"] < report["full_mode_peak_gib"]  # the compressed model holds fewer experts
+    assert report["compressed_plan_peak_gib"] < report["full_mode_plan_peak_gib"]
+    assert "compressed_plan_vs_measured" not in report  # a ratio to a measured peak only on CUDA
     slice_ = report["slice"]
     assert slice_["layers"] == 2
     for run in ("fft", "full", "compressed"):
         assert len(slice_[run]) == 2 and all(v > 0 for v in slice_[run]), run
+    assert 0 < slice_["plan_peak_gib"]["compressed"] < slice_["plan_peak_gib"]["full"]
     losses = report["loss_before_update"]
     assert set(losses) == {"compressed_4_layers", "full_4_layers", "fft_2_layers", "full_2_layers",
                            "compressed_2_layers"}
