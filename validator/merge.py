@@ -1,4 +1,4 @@
-"""The MERGE phase's computation: combine score reports, rank and reward, then aggregate the best.
+"""The MERGE phase's computation: combine score reports, rank and reward, aggregate the best, then gate what is adopted.
 
 `merge_round` is THE one function MERGE calls: a pure function of this round's reports, assignment,
 commitments and checked blobs plus the current global state and momentum, computed in a fixed order
