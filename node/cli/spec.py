@@ -2,16 +2,18 @@
 
     tessera spec hash-model DIR [--config]   print a checkpoint's base hash (streamed from its files),
                                              or with --config its config.json's hash (model.config_sha256)
-    tessera spec new --checkpoint DIR --train FILE... --heldout FILE --validator KEY[:WEIGHT]...
+    tessera spec new --checkpoint DIR --train FILE... --heldout FILE [--general FILE] --validator KEY[:WEIGHT]...
                      [--rule R] [--top-d N | --mass P] [--timing PRESET] [--set SECTION.FIELD=VALUE]...
                      --out SPEC
 
-`spec new` hashes the base, its config.json and the held-out file, takes the tokenizer from the
+`spec new` hashes the base, its config.json, the held-out file and the general-domain held-out file (if given: the
+merge gate's forgetting check), takes the tokenizer from the
 checkpoint directory, runs Phase 1 selection (`training.selection.select_experts`) on the training
 data and writes a complete spec that `spec check` accepts; paths in it are relative to the spec file.
 `--set` gives any spec field not derived from those files (`protocol.spec.SETTABLE_SECTIONS`), over what
 the other options wrote (the `--timing` preset, `--seq-len`, the checkpoint's dtype). It checks
-everything before it writes, including that every blob header (a miner's submission, a validator's
+everything before it writes: that the held-out file packs into at least one round's subset of sequences
+before the checkpoint is hashed or loaded, and that every blob header (a miner's submission, a validator's
 global state and momentum) fits the spec's `limits.max_header_bytes` (`check_header_cap`, which `spec
 check` runs too), and writes nothing when a check fails. This module knows no selection or
 hashing rules of its own; heavy imports happen when a command runs.
@@ -56,6 +58,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     new.add_argument("--checkpoint", required=True, type=Path, metavar="DIR", help="HF checkpoint directory")
     new.add_argument("--train", required=True, nargs="+", type=Path, metavar="FILE", help="miners' training files")
     new.add_argument("--heldout", required=True, type=Path, metavar="FILE", help="validators' held-out file")
+    new.add_argument("--general", type=Path, metavar="FILE",
+                     help="validators' general-domain held-out file, on which the merge gate checks forgetting "
+                          "(data.general_sha256; default: none)")
     new.add_argument("--validator", required=True, action="append", metavar="KEY[:WEIGHT]",
                      help="validator node id (64 hex) with an optional weight; repeat for each")
     new.add_argument("--rule", choices=RULES, default="gate-mass", help="selection rule (default gate-mass)")
@@ -97,12 +102,15 @@ def run_spec_new(args: argparse.Namespace) -> int:
     check_output_file(args.out, "--out")  # an unwritable or taken --out fails before any work
     _check_options(args)
     # A bad --set fails here, before the checkpoint is read; selection packs sequences of the spec's data.seq_len.
-    seq_len = judge_settings(args.spec_settings).get("data", {}).get("seq_len", args.seq_len)
+    data_settings = judge_settings(args.spec_settings).get("data", {})
+    seq_len = data_settings.get("seq_len", args.seq_len)
     validators = _validators(args.validator)
     genesis = _genesis(args.genesis)
     top_d = args.top_d if args.top_d is not None or args.mass is not None else 2
     train_documents = [doc for path in args.train for doc in _documents("--train", path)]
     heldout_documents = _documents("--heldout", args.heldout)
+    if args.general is not None:
+        _documents("--general", args.general)
     try:  # every validator refuses to start on held-out data the miners train on
         check_disjoint(train_documents, heldout_documents)
     except ValueError as exc:
@@ -110,8 +118,10 @@ def run_spec_new(args: argparse.Namespace) -> int:
     checkpoint = args.checkpoint.resolve()
     config_sha256 = config_hash(read_config(checkpoint))
     _check_top_d(top_d, checkpoint)
-    base_hash = checkpoint_hash(checkpoint)
     tokenizer = HFTokenizer(checkpoint)
+    _check_heldout_fills(args.heldout, pack(heldout_documents, tokenizer, seq_len).shape[0], seq_len,
+                         data_settings.get("heldout_sequences", args.heldout_sequences))
+    base_hash = checkpoint_hash(checkpoint)
     model = load_checkpoint(checkpoint, progress=True)
     check_vocab(tokenizer, int(model.config.vocab_size), checkpoint)
     adapter = adapter_for(model.config.model_type)
@@ -128,7 +138,8 @@ def run_spec_new(args: argparse.Namespace) -> int:
         "group": selection["group"],
         "data": {"train": [_relative(p.resolve(), here) for p in args.train],
                  "heldout_sha256": file_sha256(args.heldout), "tokenizer": _relative(checkpoint, here),
-                 "seq_len": args.seq_len, "heldout_sequences": args.heldout_sequences},
+                 "seq_len": args.seq_len, "heldout_sequences": args.heldout_sequences,
+                 "general_sha256": None if args.general is None else file_sha256(args.general)},
         "validators": [{"key": key, "weight": weight} for key, weight in validators],
     }
     apply_settings(spec, args.spec_settings)
@@ -139,6 +150,15 @@ def run_spec_new(args: argparse.Namespace) -> int:
     print(json.dumps({"spec": str(args.out), "network_id": network_id, "base_hash": base_hash,
                       "group": selection["group"], "rule": args.rule}, indent=2, sort_keys=True))
     return 0
+
+
+def _check_heldout_fills(path: Path, held: int, seq_len: int, per_round: int) -> None:
+    """Refuse a held-out file that packs into fewer sequences than one round scores: every validator's
+    scoring (and `tessera eval`) would refuse it later."""
+    if held < per_round:
+        raise ValueError(f"--heldout {path}: packs into {held} sequences of {seq_len} tokens, and a round scores "
+                         f"{per_round} (--heldout-sequences, data.heldout_sequences); add held-out documents, or "
+                         "ask for fewer sequences or shorter ones (--seq-len)")
 
 
 def check_header_cap(spec: NetworkSpec, shapes: Mapping[str, tuple[int, ...]]) -> None:

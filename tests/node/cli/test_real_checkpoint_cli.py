@@ -146,7 +146,7 @@ def _refused(capsys: pytest.CaptureFixture[str], *argv: object, match: str) -> N
 def test_bad_checkpoints_are_refused_and_nothing_is_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     train, heldout = write_data(tmp_path)
     out = tmp_path / "spec.toml"
-    args = ("--train", train, "--heldout", heldout, "--validator", "ab" * 32, "--out", out)
+    args = ("--train", train, "--heldout", heldout, "--validator", "ab" * 32, "--heldout-sequences", "1", "--out", out)
     (tmp_path / "empty").mkdir()
     _refused(capsys, "spec", "new", "--checkpoint", tmp_path / "empty", *args, match="no config.json")
     no_weights = tmp_path / "no-weights"
