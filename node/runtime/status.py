@@ -6,10 +6,12 @@ node stores once the round settled (`storage.round_results`, ranked from the pub
 by node.duties.results), plus miners that committed without revealing. Each miner row carries every
 validator's score. The held-out loss of the state adopted after round r is the validator's report
 of it, else the median base loss of round r+1's score reports (measured against that state; not
-shown where the spec keeps an average of the merged states, the model such a network offers). A
-validator's rounds also carry its merge gate's verdict (`gate`: the candidate adopted, each one's loss). At
-each scrape, `refresh_metrics` copies the same numbers into the node's Prometheus gauges. This
-module knows nothing about HTTP, computes no ranking, and never writes to storage.
+shown where the spec keeps an average of the merged states, the model such a network offers): so on a
+miner a round's adopted loss shows once the next round's reports are in, also for a round it could not
+rank (then without miner rows). A validator's rounds also carry its merge gate's verdict (`gate`: the
+candidate adopted, each one's loss). At each scrape, `refresh_metrics` copies the same numbers into the
+node's Prometheus gauges. This module knows nothing about HTTP, computes no ranking, and never writes to
+storage.
 """
 
 from __future__ import annotations
@@ -170,8 +172,11 @@ class StatusViews:
             return RoundView(round, "validator", own.get("base"), own.get("base_loss"), own.get("global_hash"),
                              loss if loss is not None else public_loss, miners, await self._seeds(round),
                              own.get("proposed_hash"), own.get("gate"))
-        if results is None:
-            return None
+        if results is None:  # a round this node could not rank (no report against the head it held)
+            if not next_reports:
+                return None  # not settled yet, or nothing public says how it ended
+            return RoundView(round, "public", _most_common([rep.base for rep in reports.values()]),
+                             _median([rep.base_loss for rep in reports.values()]), None, public_loss, [])
         rows = {line["miner"]: _row(line) for line in results["miners"]}
         for commit in await storage.commits_for(round):
             rows.setdefault(commit.miner, {"id": commit.miner, "verdict": "missing", "loss": None, "rank": None,
@@ -250,6 +255,11 @@ def _scores_by_miner(reports: dict[str, ScoreReport]) -> dict[str, dict[str, dic
 
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
+
+
+def _most_common(values: list[str]) -> str | None:
+    """The value most of `values` name (the smallest of a tie); None for none."""
+    return min(set(values), key=lambda v: (-values.count(v), v)) if values else None
 
 
 def _standings(views: list[RoundView], alpha: float) -> dict[str, float]:

@@ -111,7 +111,11 @@ function renderChart(rounds, role) {
   const figure = $("loss-chart");
   const points = rounds.filter((r) => r.global_loss !== null && r.global_loss !== undefined);
   if (!points.length) {
-    figure.replaceChildren(el("figcaption", "no completed round yet", "muted"));
+    const first = rounds.find((r) => r.base_loss !== null && r.base_loss !== undefined);
+    const started = first ? `; round ${first.round} started at ${num(first.base_loss)}` : "";
+    // Only validators measure the adopted state at once; any other node reads it from the next round's reports.
+    const wait = role === "validator" ? "" : "; a round's point appears once the next round's score reports are in";
+    figure.replaceChildren(el("figcaption", `no completed round yet${started}${wait}`, "muted"));
     return;
   }
   const W = 640, H = 220, L = 56, R = 16, T = 14, B = 30;
