@@ -90,7 +90,7 @@ def run_hash_model(args: argparse.Namespace) -> int:
 
 
 def run_spec_new(args: argparse.Namespace) -> int:
-    from protocol.spec import apply_settings, judge_settings, parse_spec
+    from protocol.spec import DataSpec, apply_settings, judge_settings, parse_spec
     from training.adapters import adapter_for
     from training.checkpoint import checkpoint_hash, config_hash, read_config
     from training.data import check_disjoint, file_sha256, pack
@@ -120,7 +120,8 @@ def run_spec_new(args: argparse.Namespace) -> int:
     _check_top_d(top_d, checkpoint)
     tokenizer = HFTokenizer(checkpoint)
     _check_heldout_fills(args.heldout, pack(heldout_documents, tokenizer, seq_len).shape[0], seq_len,
-                         data_settings.get("heldout_sequences", args.heldout_sequences))
+                         data_settings.get("heldout_sequences", args.heldout_sequences),
+                         data_settings.get("gate_sequences", DataSpec.model_fields["gate_sequences"].default))
     base_hash = checkpoint_hash(checkpoint)
     model = load_checkpoint(checkpoint, progress=True)
     check_vocab(tokenizer, int(model.config.vocab_size), checkpoint)
@@ -138,10 +139,11 @@ def run_spec_new(args: argparse.Namespace) -> int:
         "group": selection["group"],
         "data": {"train": [_relative(p.resolve(), here) for p in args.train],
                  "heldout_sha256": file_sha256(args.heldout), "tokenizer": _relative(checkpoint, here),
-                 "seq_len": args.seq_len, "heldout_sequences": args.heldout_sequences,
-                 "general_sha256": None if args.general is None else file_sha256(args.general)},
+                 "seq_len": args.seq_len, "heldout_sequences": args.heldout_sequences},
         "validators": [{"key": key, "weight": weight} for key, weight in validators],
     }
+    if args.general is not None:  # TOML has no null: a spec without the key pins no general-domain file
+        spec["data"]["general_sha256"] = file_sha256(args.general)
     apply_settings(spec, args.spec_settings)
     judged = parse_spec(spec)  # the whole spec is judged before a byte is written
     check_header_cap(judged, expected_shapes(model, adapter, judged.group))
@@ -152,13 +154,14 @@ def run_spec_new(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_heldout_fills(path: Path, held: int, seq_len: int, per_round: int) -> None:
-    """Refuse a held-out file that packs into fewer sequences than one round scores: every validator's
-    scoring (and `tessera eval`) would refuse it later."""
-    if held < per_round:
+def _check_heldout_fills(path: Path, held: int, seq_len: int, per_round: int, gate: int) -> None:
+    """Refuse a held-out file that packs into fewer sequences than one round scores and its merge gate scores
+    apart from them: every validator would refuse it later."""
+    if held < per_round + gate:
         raise ValueError(f"--heldout {path}: packs into {held} sequences of {seq_len} tokens, and a round scores "
-                         f"{per_round} (--heldout-sequences, data.heldout_sequences); add held-out documents, or "
-                         "ask for fewer sequences or shorter ones (--seq-len)")
+                         f"{per_round} (--heldout-sequences, data.heldout_sequences) and gates its merge on {gate} "
+                         "others (data.gate_sequences); add held-out documents, or ask for fewer sequences or "
+                         "shorter ones (--seq-len)")
 
 
 def check_header_cap(spec: NetworkSpec, shapes: Mapping[str, tuple[int, ...]]) -> None:
