@@ -1,10 +1,15 @@
-"""Whether a torch device can hold a model's scoring: refuse a device that is missing or too small, in one line.
+"""Whether a torch device can hold a model's scoring: refuse a device that is missing or too small, in one line;
+and frozen weights held in 8 bits, which makes a scoring model smaller there.
 
 `check_device` refuses a device that does not exist on this machine, or a GPU whose free memory is
 below what scoring a model needs (`scoring_bytes`: weights in their dtype plus one batch of
 activations, estimated), with one line naming the setting and the memory needed; without a model it
 checks only that the device exists (a miner's training device, or a validator's before its model
-loads). This module knows nothing about rounds, roles' duties or the network.
+loads). `hold_int8` swaps a model's frozen linear layers (attention, dense and shared-expert MLPs; not
+the routers, the fused experts, which Proof-of-Loss swaps rows of, or an output layer tied to the
+embeddings) for `Int8Linear`: weight-only int8, one scale per output row. This module knows nothing
+about rounds, roles' duties or the network.
+Legend: O output features, I input features.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 GIB = 1024**3
 _HEADROOM = 1.15
@@ -74,3 +80,43 @@ def check_device(
         backend = getattr(torch, target.type, None)
         if backend is None or not backend.is_available():
             raise ValueError(f"{setting} = {device!r} does not exist on this machine")
+
+
+class Int8Linear(torch.nn.Module):
+    """A frozen `nn.Linear` held as int8 weights with one scale per output row (symmetric, round to nearest).
+
+    The forward multiplies by the int8 weights cast to the input's dtype and scales the output rows, so
+    one layer's weights exist in that dtype only while that layer runs."""
+
+    w_OI: torch.Tensor
+    scale_O: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        with torch.no_grad():
+            w_OI = linear.weight.detach().float()
+            scale_O = w_OI.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+            self.register_buffer("w_OI", torch.round(w_OI / scale_O[:, None]).to(torch.int8))
+            self.register_buffer("scale_O", scale_O.to(linear.weight.dtype))
+            bias = None if linear.bias is None else linear.bias.detach().clone()
+            self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.w_OI.to(x.dtype)) * self.scale_O.to(x.dtype)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+
+def hold_int8(model: torch.nn.Module, routers: list[torch.nn.Module]) -> int:
+    """Swap every frozen `nn.Linear` of `model` but `routers` and an output layer tied to the input embeddings
+    for an `Int8Linear` in place; the number swapped."""
+    keep = {id(r) for r in routers}
+    get_input = getattr(model, "get_input_embeddings", None)
+    embeddings = get_input() if callable(get_input) else None
+    tied = None if embeddings is None else embeddings.weight
+    swapped = [(name, module) for name, module in model.named_modules()
+               if isinstance(module, torch.nn.Linear) and id(module) not in keep and module.weight is not tied]
+    for name, module in swapped:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, Int8Linear(module))
+    return len(swapped)

@@ -42,6 +42,7 @@ from transformers import AutoModelForCausalLM
 
 from training.adapters import MoEAdapter, adapter_for, family_of
 from training.compressed import compress
+from training.device import hold_int8
 from training.evaluate import loss_with_experts
 from training.experts import ExpertGroup, check_group, expert_names, parse_name
 from training.tiny import hf_config
@@ -85,6 +86,8 @@ class Setting:
     """bf16 autocast, as a miner on CUDA runs it (no effect on a CPU device, as in the trainer)."""
     optimizer: Literal["adamw", "adamw8bit"] = "adamw"
     """A miner's inner optimizer (`training.trainer.TrainConfig.optimizer`)."""
+    weights: Literal["checkpoint", "int8"] = "checkpoint"
+    """A validator's frozen weights: as the checkpoint holds them, or int8 (`training.device.hold_int8`)."""
 
     def __post_init__(self) -> None:
         if self.role not in ("miner", "validator"):
@@ -96,6 +99,8 @@ class Setting:
             raise ValueError(f"forward must be 'full' or 'compressed', got {self.forward!r}")
         if self.optimizer not in ("adamw", "adamw8bit"):
             raise ValueError(f"optimizer must be 'adamw' or 'adamw8bit', got {self.optimizer!r}")
+        if self.weights not in ("checkpoint", "int8") or (self.weights == "int8" and self.role != "validator"):
+            raise ValueError(f"weights is 'checkpoint', or 'int8' on a validator, got {self.weights!r} on a {self.role}")
 
     @property
     def cuda_autocast(self) -> bool:
@@ -163,6 +168,8 @@ def measure(model: torch.nn.Module, adapter: MoEAdapter, group: ExpertGroup, set
         # torch cannot move a fake parameter (FakeTensorMode holds weak references to it, so swap_tensors
         # refuses), and the trainer and the scorer move the model where it already is: let that be a no-op.
         vars(module)["to"] = lambda *_, **__: module
+    if setting.weights == "int8":
+        hold_int8(module, [adapter.router(module, layer) for layer in adapter.moe_layers(module)])
     weights = [*module.parameters(), *module.buffers()]
     submission = _submission(model, adapter, group) if setting.role == "validator" else {}
     with Trace(weights, fake) as trace, torch.autocast("cpu", torch.bfloat16, enabled=setting.cuda_autocast):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -30,6 +30,7 @@ from protocol.seeds import gate_seed
 from protocol.spec import NetworkSpec
 from training.adapters import MoEAdapter
 from training.data import heldout_subset
+from training.device import hold_int8
 from training.evaluate import heldout_loss, loss_with_experts
 from training.experts import expected_shapes, insert
 from training.pgrad import pgrad_config, rebuild
@@ -78,10 +79,12 @@ class Scorer:
         pad_id: int = BYTE_PAD,
         device: str = "cpu",
         batch_size: int = 16,
+        weights: Literal["checkpoint", "int8"] = "checkpoint",
     ) -> None:
         """`heldout`: the validators' held-out sequences, [N, seq_len] token ids; `pad_id` is not scored.
 
-        The model is moved to `device` (or spread over the GPUs for `auto`) once, here.
+        The model is moved to `device` (or spread over the GPUs for `auto`) once, here; with `weights` int8
+        its frozen linear layers are first held in int8 (`training.device.hold_int8`; the experts stay).
         """
         if batch_size < 1:
             raise ValueError(f"validator.batch_size must be at least 1, got {batch_size}")
@@ -91,6 +94,8 @@ class Scorer:
                 f"{spec.data.heldout_sequences} per round"
             )
         self.model = model.eval()
+        if weights == "int8":
+            hold_int8(model, [adapter.router(model, layer) for layer in adapter.moe_layers(model)])
         if device == "auto":
             if not getattr(model, "hf_device_map", None):
                 spread(model)

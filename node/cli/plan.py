@@ -2,7 +2,7 @@
 
     tessera plan (--spec FILE | --config FILE) --role miner|validator [--experts-per-layer N] [--seq-len N]
                  [--micro-batch N] [--device cuda] [--forward compressed|full] [--checkpointing] [--autocast]
-                 [--optimizer adamw|adamw8bit] [--json]
+                 [--optimizer adamw|adamw8bit] [--weights checkpoint|int8] [--json]
 
 `training.plan` runs the role's own step on fake tensors (no weight is read; `--config` is a
 checkpoint's config.json, `--spec` a network's model, group and sequence length) and this prints the
@@ -58,6 +58,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--autocast", action="store_true", help="a miner trains under bf16 autocast (CUDA only)")
     p.add_argument("--optimizer", choices=("adamw", "adamw8bit"), default="adamw",
                    help="a miner's inner optimizer: fp32 moments, or bitsandbytes' 8-bit ones (default adamw)")
+    p.add_argument("--weights", choices=("checkpoint", "int8"), default="checkpoint",
+                   help="a validator's frozen weights: as the checkpoint holds them, or int8 (default checkpoint)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(run=run_plan)
 
@@ -83,7 +85,7 @@ def run_plan(args: argparse.Namespace) -> int:
     assert group is not None and seq_len is not None, "a spec gives both; _model refuses --config without them"
     setting = Setting(role=args.role, seq_len=seq_len, micro_batch=args.micro_batch, device=args.device,
                       forward=args.forward, checkpointing=args.checkpointing, autocast=args.autocast,
-                      optimizer=args.optimizer)
+                      optimizer=args.optimizer, weights=args.weights)
     try:
         result = plan(model.config, setting, group, family=model.family, dtype=model.dtype,
                       attn_implementation=model.attn)
@@ -98,7 +100,7 @@ def run_plan(args: argparse.Namespace) -> int:
             "sees_not": list(SEES_NOT), "seconds": round(result.seconds, 1), "role": args.role,
             "forward": args.forward if args.role == "miner" else "full", "seq_len": seq_len,
             "micro_batch": args.micro_batch, "checkpointing": args.checkpointing, "autocast": args.autocast,
-            "optimizer": args.optimizer,
+            "optimizer": args.optimizer, "weights": args.weights,
         }, indent=2, sort_keys=True))
         return 0
     print(f"{model.family or model.config.get('model_type')} {args.role}, seq {seq_len} x micro-batch {args.micro_batch}, on {args.device} "

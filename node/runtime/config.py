@@ -128,6 +128,10 @@ class ValidatorSection(_Section):
         default=None, gt=0, description="GiB of the CUDA device scoring may use; unset: its free memory at start. "
         "A validator whose traced plan (`tessera plan`) needs more refuses to start."
     )
+    weights: Literal["checkpoint", "int8"] = Field(
+        default="checkpoint", description="Frozen weights as the checkpoint holds them, or 'int8': attention, dense "
+        "and shared-expert layers held weight-only in int8 (the experts scored stay as they are)."
+    )
     prefetch_bytes: int = Field(
         default=8 << 30, ge=0,
         description="Bytes of revealed blobs fetched during REVEAL each round (as their reveals declare them), "

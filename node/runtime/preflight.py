@@ -117,7 +117,7 @@ def _setting(config: NodeConfig, spec: NetworkSpec) -> Setting:
 
     if config.node.role == "validator":
         return Setting(role="validator", seq_len=spec.data.seq_len, micro_batch=config.validator.batch_size,
-                       device=config.validator.device)
+                       device=config.validator.device, weights=config.validator.weights)
     miner = config.miner
     return Setting(role="miner", seq_len=spec.data.seq_len,
                    micro_batch=miner.micro_batch_size or spec.training.batch_size, device=miner.device,
@@ -127,7 +127,8 @@ def _setting(config: NodeConfig, spec: NetworkSpec) -> Setting:
 
 def _fixes(role: str, setting: Setting) -> Iterator[tuple[list[str], Setting]]:
     """This node's settings that save memory, each added to those before it: (what changed, the setting then)."""
-    steps: list[tuple[str, dict[str, Any]]] = [("validator.batch_size = 1", {"micro_batch": 1})]
+    steps: list[tuple[str, dict[str, Any]]] = [("validator.weights = 'int8'", {"weights": "int8"}),
+                                                ("validator.batch_size = 1", {"micro_batch": 1})]
     if role == "miner":
         steps = [("miner.forward = 'compressed'", {"forward": "compressed"}),
                  ("miner.checkpointing = true", {"checkpointing": True}),

@@ -15,6 +15,7 @@ SETTINGS = {
     "checkpointed miner": Setting(role="miner", seq_len=48, micro_batch=2, device="cpu", checkpointing=True),
     "8-bit miner": Setting(role="miner", seq_len=48, micro_batch=2, device="cpu", optimizer="adamw8bit"),
     "validator": Setting(role="validator", seq_len=48, micro_batch=2, device="cpu"),
+    "int8 validator": Setting(role="validator", seq_len=48, micro_batch=2, device="cpu", weights="int8"),
 }
 
 
@@ -87,5 +88,7 @@ def test_bad_settings_are_refused() -> None:
         Setting(role="trainer", seq_len=8)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="optimizer"):
         Setting(role="miner", seq_len=8, optimizer="sgd")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="weights"):
+        Setting(role="miner", seq_len=8, weights="int8")
     with pytest.raises(ValueError, match="experts per layer"):
         fake_plan("olmoe", SETTINGS["validator"], per_layer=9)

@@ -45,6 +45,12 @@ def test_plan_traces_the_8bit_optimizer(config_file: Path, capsys: pytest.Captur
     assert eight["peak_bytes"] < fp32["peak_bytes"]
 
 
+def test_plan_traces_a_validators_int8_weights(config_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ("--config", str(config_file), "--role", "validator", "--experts-per-layer", "2", "--seq-len", "8")
+    held, int8 = plan_json(capsys, *args), plan_json(capsys, *args, "--weights", "int8")
+    assert int8["weights"] == "int8" and int8["parts"]["weights"] < held["parts"]["weights"]
+
+
 def test_plan_of_a_spec_takes_its_group_and_sequence_length(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "tiny.json").write_text(json.dumps(tiny_config("qwen3_moe")), encoding="utf-8")
     spec = tmp_path / "spec.toml"
