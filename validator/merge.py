@@ -27,8 +27,9 @@ When no miner qualifies no outer step is taken: the global tensors AND the momen
 as the very same objects, so the state keeps its bytes and its hash (momentum is not decayed either,
 since a decayed momentum would give validators that saw different rounds different states).
 
-`gate` then decides what the round adopts. Its candidates are the current state, the merged state and
-the state holding the best-ranked submission's experts (with the momentum as it was); each is measured
+`gate` then decides what the round adopts. Its candidates are the current state, the merged state (where
+a step was taken) and the state holding the best single submission's experts, the first of the ranking
+without near-duplicate flags (with the momentum as it was); each is measured
 by the caller's `measure` (validator.scoring.gate_measure: held-out rows the round seed draws apart from
 the scored ones, and general-domain rows where the spec pins a file), a candidate that raises the
 general-domain loss over the current state's by more than `aggregation.forgetting_budget` is refused,
@@ -83,6 +84,9 @@ class MergeResult:
     new_global: dict[str, torch.Tensor]
     new_momentum: dict[str, torch.Tensor]
     duplicates: set[str]
+    best: str | None
+    """The best single submission: the first miner of the ranking without near-duplicate flags (a flag denies
+    a copier the reward and the merge, while adopting one of two equal updates gives the same state)."""
 
     @property
     def changed(self) -> bool:
@@ -181,8 +185,9 @@ def merge_round(
     duplicates = near_duplicates(grads, spec.rewards.duplicate_cosine, masks)
     ranking = rank_reports(reports, assignment, commitments, head, spec, duplicates)
     contributors = list(ranking.ranked()[: spec.aggregation.top_g])
+    best = preliminary.ranked()[0] if needed else None
     if not contributors:
-        return MergeResult(ranking, ranking.points(), [], global_tensors, momentum, duplicates)
+        return MergeResult(ranking, ranking.points(), [], global_tensors, momentum, duplicates, best)
 
     utilities = [ranking.result(miner).utility for miner in contributors]
     new_global, new_momentum = outer_step(
@@ -194,8 +199,8 @@ def merge_round(
     if overflowed:
         log.warning("the outer step over %s would put non-finite values in %s; the state stays",
                     ", ".join(m[:12] for m in contributors), overflowed[0])
-        return MergeResult(ranking, ranking.points(), [], global_tensors, momentum, duplicates)
-    return MergeResult(ranking, ranking.points(), contributors, new_global, new_momentum, duplicates)
+        return MergeResult(ranking, ranking.points(), [], global_tensors, momentum, duplicates, best)
+    return MergeResult(ranking, ranking.points(), contributors, new_global, new_momentum, duplicates, best)
 
 
 def gate(
@@ -208,21 +213,23 @@ def gate(
 ) -> Adoption:
     """The state round `merge` adopts (steps in the module doc); `measure` gives a candidate's losses.
 
-    With nothing merged there is nothing to weigh: the current state stays, unmeasured."""
-    if not merge.changed:
+    Without a best single submission there is nothing to weigh: the current state stays, unmeasured. Without a
+    merge (every candidate flagged a near-duplicate, or a step that would overflow) the merged candidate is the
+    current state and is not weighed twice."""
+    if merge.best is None:
         return Adoption("current", [], global_tensors, momentum, {}, ())
-    best = merge.contributors[0]
-    single = {name: t.detach().to("cpu", torch.float32).clone() for name, t in blobs[best].items()}
+    single = {name: t.detach().to("cpu", torch.float32).clone() for name, t in blobs[merge.best].items()}
     states = {"current": (global_tensors, momentum, []), "merged": (merge.new_global, merge.new_momentum,
-              merge.contributors), "best_single": (single, momentum, [best])}
-    losses = {name: measure(states[name][0]) for name in CANDIDATES}
+              merge.contributors), "best_single": (single, momentum, [merge.best])}
+    weighed = [name for name in CANDIDATES if name != "merged" or merge.changed]
+    losses = {name: measure(states[name][0]) for name in weighed}
     budget = spec.aggregation.forgetting_budget
-    refused = tuple(name for name in CANDIDATES[1:] if not _within_budget(losses[name], losses["current"], budget))
-    allowed = [name for name in CANDIDATES if name not in refused]
+    refused = tuple(name for name in weighed[1:] if not _within_budget(losses[name], losses["current"], budget))
+    allowed = [name for name in weighed if name not in refused]
     adopted = min(allowed, key=lambda name: _finite_or_inf(losses[name].loss))  # min keeps the first of a tie
     tensors, moment, holders = states[adopted]
     log.info("gate: adopting the %s state (%s)%s", adopted,
-             ", ".join(f"{name} {losses[name].loss:.4f}" for name in CANDIDATES),
+             ", ".join(f"{name} {loss.loss:.4f}" for name, loss in losses.items()),
              f"; refused {', '.join(refused)}" if refused else "")
     return Adoption(adopted, list(holders), tensors, moment, losses, refused)
 

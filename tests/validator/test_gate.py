@@ -96,3 +96,19 @@ def test_a_round_that_merged_nothing_keeps_the_current_state_unmeasured(spec: Ne
     adoption = gate(nothing, rnd.blobs, tensors, momentum, spec, measure)
     assert adoption.adopted == "current" and adoption.losses == {} and adoption.contributors == []
     assert adoption.new_global is tensors and adoption.new_momentum is momentum
+
+
+def test_when_every_update_is_flagged_a_copy_the_gate_weighs_the_best_single_submission(spec: NetworkSpec) -> None:
+    a, b = _miners(2)
+    update = _moved(_global(spec), 1)
+    rnd = Round(spec, {a: update, b: {name: t.clone() for name, t in update.items()}}, {a: 2.5, b: 2.0})
+    merged = rnd.merge()
+    assert not merged.changed and merged.duplicates == {a, b} and merged.best == b  # a copy: neither merged
+
+    def measure(tensors: Mapping[str, torch.Tensor]) -> GateLoss:
+        return GateLoss(2.0 if all(torch.equal(tensors[k], update[k]) for k in update) else 3.0)
+
+    adoption = gate(merged, rnd.blobs, dict(rnd.head.tensors), dict(rnd.head.momentum), spec, measure)
+    assert adoption.adopted == "best_single" and adoption.contributors == [b]
+    assert adoption.losses == {"current": GateLoss(3.0), "best_single": GateLoss(2.0)}  # no merged state to weigh
+    assert merged.points == {}  # the copies earn nothing
