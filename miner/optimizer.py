@@ -26,8 +26,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class InnerOptimizer:
-    """The AdamW state (`TrainResult.optimizer_state`) on the training device, carried from round to round. In
-    memory only; a restart starts at zero.
+    """The AdamW state (`TrainResult.optimizer_state`: fp32 moments, or 8-bit ones with `[miner] optimizer =
+    "adamw8bit"`) on the training device, carried from round to round. In memory only; a restart starts at zero.
 
     Before each training (`start`) it keeps a CPU copy of that state and a digest of the merged tensors it
     trains from. When the next training starts from tensors with the same digest, the state goes back to the
