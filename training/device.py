@@ -1,5 +1,5 @@
-"""Whether a torch device can hold a model's scoring: refuse a device that is missing or too small, in one line;
-and frozen weights held in 8 bits, which makes a scoring model smaller there.
+"""Whether a device can hold a model's scoring (a device missing or too small is refused in one line), and
+frozen weights held in int8 to make a model smaller there.
 
 `check_device` refuses a device that does not exist on this machine, or a GPU whose free memory is
 below what scoring a model needs (`scoring_bytes`: weights in their dtype plus one batch of
