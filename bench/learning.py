@@ -24,7 +24,7 @@ miners' own training code over every miner's batches in turn, one AdamW run) and
 ceiling (one AdamW run whose every step takes the M miners' batches of that step together), each read
 after every round's tokens, and ESFT's forgetting.
 Usage: python bench/learning.py [--domain S,...] [--networks M@H[/A],...] [--rounds R] [--seeds S,...]
-       [--workers W] [--set SECTION.FIELD=VALUE]... [--small] [--cache DIR] [--out FILE.json]
+       [--workers W] [--keep-optimizer] [--set SECTION.FIELD=VALUE]... [--small] [--cache DIR] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -212,13 +212,16 @@ class Network:
         half = self.report.shape[0] // 2
         return abs(self.loss(tensors, self.report[:half]) - self.loss(tensors, self.report[half:])) / 2
 
-    def run(self, net: Net, rounds: int, seed: int) -> dict[str, Any]:
-        """`rounds` rounds of `net` from genesis: the losses after each, the gate's picks, the noise, the forgetting."""
+    def run(self, net: Net, rounds: int, seed: int, keep_optimizer: bool) -> dict[str, Any]:
+        """`rounds` rounds of `net` from genesis: the losses after each, the gate's picks, the noise, the forgetting.
+        `keep_optimizer`: honest miners carry their AdamW state between rounds, as `[miner] keep_optimizer` does."""
+        from miner.optimizer import InnerOptimizer
         from miner.submission import Diverged, ErrorFeedback, build_submission
 
         ids = [identity("miner", i, seed).node_id for i in range(net.miners)]
         adversaries = set(ids[net.miners - net.adversaries:])
         feedback = {m: ErrorFeedback() if self.spec.submission.format == "pgrad" else None for m in ids}
+        optimizers = {m: InnerOptimizer() if keep_optimizer else None for m in ids}
         state = self.genesis
         adopted, best, picks, noise = [], [], [], [self.noise(state.offered)]
         for r in range(rounds):
@@ -226,7 +229,8 @@ class Network:
             for m in ids:
                 try:
                     blobs[m] = self.adversary(m, r, state) if m in adversaries else build_submission(
-                        self.miners, m, r, state.hash, state.tensors, self.settings, feedback=feedback[m])[0]
+                        self.miners, m, r, state.hash, state.tensors, self.settings, feedback=feedback[m],
+                        optimizer=optimizers[m])[0]
                 except Diverged as exc:
                     print(f"round {r}: miner {m[:8]}: {exc}", file=sys.stderr)
             state, pick, accepted = self.round(r, seed, state, blobs)
@@ -301,7 +305,7 @@ class Network:
         cfg = TrainConfig(steps=inner.inner_steps, lr=inner.lr, beta1=inner.beta1, weight_decay=inner.weight_decay,
                           batch_size=inner.batch_size * miners, grad_clip=inner.grad_clip, pad_id=self.miners.pad_id)
         optimizer = None
-        for r in range(rounds):
+        for r in range(rounds if miners > 1 else 0):  # one miner's ceiling is ESFT itself
             streams = [batches(shard(self.miners.sequences, m, r), inner.batch_size, miner_seed(m, r)) for m in ids]
             together = (torch.cat(step) for step in zip(*streams, strict=True))  # endless streams: H steps
             insert(model, self.miners.adapter, dict(dp))
@@ -309,13 +313,14 @@ class Network:
             dp, optimizer = trained.tensors, trained.optimizer_state
             dp_losses.append(self.loss(dp))
         base_general = self.loss(self.genesis.offered, self.general_report)
+        dp_losses = dp_losses or esft_losses
         return {"esft_losses": esft_losses, "esft_loss": esft_losses[-1], "dp_ceiling_losses": dp_losses,
                 "dp_ceiling_loss": dp_losses[-1],
                 "esft_forgetting": round(self.loss(esft, self.general_report) - base_general, 4)}
 
 
 def run_task(setting: str, seed: int, size: Size, networks: tuple[Net, ...], rounds: int, cache: Path,
-             settings: list[tuple[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+             settings: list[tuple[str, Any]], keep_optimizer: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Every network and baseline of one setting and seed (one process's share of the benchmark)."""
     import torch
 
@@ -327,7 +332,7 @@ def run_task(setting: str, seed: int, size: Size, networks: tuple[Net, ...], rou
             for net in (n for n in networks if n.inner_steps == h):
                 started = time.perf_counter()
                 key = {"domain": setting, "seed": seed, "inner_steps": h, "miners": net.miners}
-                runs.append({**key, "adversaries": net.adversaries, **network.run(net, rounds, seed)})
+                runs.append({**key, "adversaries": net.adversaries, **network.run(net, rounds, seed, keep_optimizer)})
                 print(f"{setting} seed {seed} M={net.miners} A={net.adversaries} H={h}: adopted "
                       f"{runs[-1]['adopted_losses']} ({[g['adopted'] for g in runs[-1]['gates']]}, "
                       f"{time.perf_counter() - started:.0f} s)",
@@ -396,6 +401,8 @@ def main() -> int:
     parser.add_argument("--seeds", type=integers(0),
                         help="seeds of the miners' ids (their shards and batches) and of the round seeds (default 0,1,2)")
     parser.add_argument("--workers", type=int, default=2, help="processes, one setting and seed each (default 2)")
+    parser.add_argument("--keep-optimizer", action="store_true",
+                        help="honest miners keep their AdamW state between rounds, as `[miner] keep_optimizer` does")
     add_spec_settings(parser, "the spec's defaults and each network's H")
     parser.add_argument("--small", action="store_true",
                         help="a base trained for 30 steps, little data, and unless given arithmetic, seed 0, "
@@ -423,7 +430,7 @@ def main() -> int:
     runs, baselines = [], []
     if len(tasks) == 1 or args.workers == 1:
         for setting, seed in tasks:
-            part = run_task(setting, seed, size, nets, rounds, cache, args.spec_settings)
+            part = run_task(setting, seed, size, nets, rounds, cache, args.spec_settings, args.keep_optimizer)
             runs += part[0]
             baselines += part[1]
     else:
@@ -432,12 +439,12 @@ def main() -> int:
         bases = sorted({SETTINGS[s][0] if SETTINGS[s][1] else "general": s for s in settings}.values())
         with ProcessPoolExecutor(min(args.workers, len(tasks)), mp_context=multiprocessing.get_context("spawn")) as pool:
             list(pool.map(pretrain, bases, [size] * len(bases), [cache] * len(bases)))  # each base once
-            for part in pool.map(run_task, *zip(*[(s, seed, size, nets, rounds, cache, args.spec_settings)
-                                                  for s, seed in tasks], strict=True)):
+            jobs = [(s, seed, size, nets, rounds, cache, args.spec_settings, args.keep_optimizer) for s, seed in tasks]
+            for part in pool.map(run_task, *zip(*jobs, strict=True)):
                 runs += part[0]
                 baselines += part[1]
     emit({"seconds": round(time.perf_counter() - started, 1), "spec_overrides": overrides, "rounds": rounds,
-          "small": args.small, "runs": runs, "baselines": baselines}, args.out)
+          "keep_optimizer": args.keep_optimizer, "small": args.small, "runs": runs, "baselines": baselines}, args.out)
     return 0
 
 
