@@ -19,12 +19,12 @@ from typing import Any, Literal
 import torch
 
 from protocol.spec import NetworkSpec, spec_dir_path
-from training.adapters import MoEAdapter
+from training.adapters import MoEAdapter, tensor_attr
 from training.compressed import CompressedModel
 from training.data import batches, load_sequences, shard
 from training.experts import extract, insert
 from training.model import load_base, load_compressed_base
-from training.state import GlobalExperts
+from training.state import GENESIS_ROUND, GlobalExperts
 from training.tokenizer import load_tokenizer
 from training.trainer import TrainConfig, TrainResult, train_experts
 
@@ -81,14 +81,16 @@ class MinerModel:
         model: torch.nn.Module | CompressedModel
         if forward == "compressed":
             model = load_compressed_base(spec, spec_path, progress=progress)
-            adapter, experts = model.adapter, model.tensors()
+            # The base's experts in the dtype the checkpoint stores them: their exact values, at half fp32's bytes
+            # in a bf16 checkpoint (the rows they are loaded into hold that dtype anyway).
+            held = tensor_attr(model.experts(min(model.group)), "gate_up_proj").dtype
+            adapter, experts = model.adapter, model.tensors(held)
         else:
             model, adapter = load_base(spec, spec_path, progress=progress)
             experts = extract(model, adapter, spec.group)
         tokenizer = load_tokenizer(spec.data.tokenizer, spec_path.parent)
         sequences = load_sequences(training_files(spec, spec_path, data), tokenizer, spec.data.seq_len)
-        genesis = GlobalExperts.genesis(spec, experts, held_average=False)  # a miner trains from the merged state
-        return cls(spec, model, adapter, genesis, sequences, tokenizer.pad_id)
+        return cls(spec, model, adapter, _genesis(spec, experts), sequences, tokenizer.pad_id)
 
     def train(self, miner: str, round: int, base: Mapping[str, torch.Tensor], settings: MinerSettings,
               keep_going: Callable[[], bool], steps: int | None = None, progress: bool = False,
@@ -113,6 +115,13 @@ class MinerModel:
         order = batches(rows, cfg.batch_size, miner_seed(miner, round))
         return train_experts(self.model, self.adapter, self.spec.group, _while(order, keep_going), cfg,
                              optimizer_state)
+
+
+def _genesis(spec: NetworkSpec, experts: Mapping[str, torch.Tensor]) -> GlobalExperts:
+    """A miner's view of the genesis state: the base's experts without their average (a miner trains from the
+    merged state) and with a momentum it never reads, zero-strided views of one zero (no memory)."""
+    zeros = {name: torch.zeros((), dtype=torch.float32).expand(t.shape) for name, t in experts.items()}
+    return GlobalExperts(spec=spec, round=GENESIS_ROUND, parent="", tensors=dict(experts), momentum=zeros)
 
 
 def _while(items: Iterator[torch.Tensor], keep_going: Callable[[], bool]) -> Iterator[torch.Tensor]:

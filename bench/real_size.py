@@ -1,0 +1,251 @@
+"""Real-size benchmark: every operator command on an OLMoE-1B-7B-shaped checkpoint, then one round of real processes.
+
+On the checkpoint of `bench/real_size_fixture.py` (written to `--work` unless `--checkpoint` names one),
+each `tessera` command runs as its own subprocess, and its peak RSS (the child's getrusage maxrss,
+read by os.wait4) and wall seconds are recorded next to its budget, a multiple of the checkpoint's
+weight bytes: `spec new` (top-d 2) 1.3, `inspect blob` 0.1, `eval` of the base and of a blob (the
+scoring path: the model once in its dtype, the blob's experts swapped in) 1.3, `train --forward
+compressed` in `experts` and in `pgrad` format (the pgrad spec is the experts spec with its
+`[submission] format` changed) 0.35, and `export` of the trained blob 1.3. Blob bytes of both formats
+are recorded. Then, unless `--no-network`, a network of real processes (`node.sim.run.Simulation`
+with this spec in place of the tiny one: a bootstrap, one validator, `--miners` compressed miners)
+runs round 0 with H = 2 and phase windows sized from the measured commands: blobs move over
+libp2p, are checked, scored, merged and adopted on every node. Recorded: the state every node
+adopted, each phase's longest handler run (REVEAL's includes the validator's blob transfers;
+EVALUATE's, divided by the submissions, is the seconds a submission takes to score), and every
+node's peak RSS (VmHWM before it stops). `--layers 2 --hidden-size 64` runs in seconds.
+Usage: python bench/real_size.py --out FILE [--checkpoint DIR] [--layers N] [--hidden-size H] [--work DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.report import emit, out_file  # noqa: E402
+
+BUDGETS = {"spec_new": 1.3, "inspect": 0.1, "eval_base": 1.3, "train_experts": 0.35, "train_pgrad": 0.35,
+           "eval_blob": 1.3, "export": 1.3}
+"""Peak RSS allowed to each command, as a multiple of the checkpoint's weight bytes."""
+SEQ_LEN = 64
+HELDOUT_SEQUENCES = 8
+BATCH = 4
+INNER_STEPS = 2
+SEED = 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked before torch is imported."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, type=out_file, metavar="FILE", help="JSON report to write")
+    parser.add_argument("--checkpoint", type=Path, metavar="DIR",
+                        help="a checkpoint bench/real_size_fixture.py wrote (default: write one under --work)")
+    parser.add_argument("--layers", type=int, default=16, help="layers of the checkpoint to write (default 16)")
+    parser.add_argument("--hidden-size", type=int, default=2048, help="hidden size of the checkpoint to write")
+    parser.add_argument("--work", type=Path, metavar="DIR", help="new directory for the run (default: a temporary one)")
+    parser.add_argument("--miners", type=int, default=2, help="compressed miners in the network round (default 2)")
+    parser.add_argument("--no-network", action="store_true", help="measure the commands only")
+    args = parser.parse_args(argv)
+    if args.checkpoint is not None and not (args.checkpoint / "config.json").is_file():
+        parser.error(f"--checkpoint {args.checkpoint}: no config.json there; write one with bench/real_size_fixture.py")
+    if args.work is not None and args.work.exists() and (not args.work.is_dir() or any(args.work.iterdir())):
+        parser.error(f"--work {args.work}: exists and is not an empty directory")
+    if not 1 <= args.miners <= 8:
+        parser.error(f"--miners must be 1 to 8, got {args.miners}")
+    return args
+
+
+def measure(name: str, argv: list[str], work: Path, weight_bytes: int) -> dict[str, Any]:
+    """Run `tessera argv` in its own process; its seconds, peak RSS and ratio, and the JSON it printed, if any."""
+    out, err = work / f"{name}.out", work / f"{name}.err"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    started = time.perf_counter()
+    with out.open("wb") as stdout, err.open("wb") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "node.cli", *argv], cwd=ROOT, stdout=stdout, stderr=stderr,
+                                stdin=subprocess.DEVNULL, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    seconds = time.perf_counter() - started
+    if proc.returncode not in (0, 1) or (proc.returncode == 1 and name != "inspect"):
+        raise RuntimeError(f"tessera {' '.join(argv[:2])} exited {proc.returncode}: {err.read_text()[-3000:]}")
+    peak = usage.ru_maxrss * 1024  # kilobytes on Linux
+    text = out.read_text(encoding="utf-8")
+    try:
+        printed = json.loads(text[text.index("{"):]) if "{" in text else None
+    except json.JSONDecodeError:
+        printed = None
+    ratio = peak / weight_bytes
+    return {"seconds": round(seconds, 2), "peak_rss_bytes": peak, "ratio": round(ratio, 4),
+            "budget": BUDGETS[name], "within": ratio <= BUDGETS[name], "printed": printed}
+
+
+def derived_spec(source: Path, target: Path, changes: dict[str, Any]) -> Path:
+    """`source` (a spec file) with `changes` applied (a dict updates that section, anything else replaces the
+    field), written to `target` in the same directory, so the spec's relative paths still hold."""
+    from node.sim.layout import to_toml
+
+    assert source.parent == target.parent, "a spec's paths are relative to its directory"
+    spec = tomllib.loads(source.read_text(encoding="utf-8"))
+    for key, value in changes.items():
+        if isinstance(value, dict):
+            spec.setdefault(key, {}).update(value)
+        else:
+            spec[key] = value
+    target.write_text(to_toml(spec), encoding="utf-8")
+    return target
+
+
+def commands(checkpoint: Path, work: Path, weight_bytes: int) -> tuple[dict[str, Any], Path, Path]:
+    """Each operator command measured; the report, the network's spec and the trained miner blob."""
+    from node.sim.layout import sim_identity
+    from protocol.identity import save_identity
+
+    network = work / "network"
+    (network / "keys").mkdir(parents=True)
+    validator, miner = sim_identity(SEED, "validator", 0), sim_identity(SEED, "miner", 0)
+    save_identity(validator, network / "keys" / "validator-0.key")
+    save_identity(miner, work / "miner-0.key")
+    data = checkpoint / "data"
+    (network / "data").mkdir()
+    (network / "data" / "heldout.jsonl").write_bytes((data / "heldout.jsonl").read_bytes())
+    spec = network / "spec.toml"
+    runs: dict[str, Any] = {}
+    runs["spec_new"] = measure("spec_new", [
+        "spec", "new", "--checkpoint", str(checkpoint), "--train", str(data / "train.jsonl"),
+        "--heldout", str(data / "heldout.jsonl"), "--validator", validator.node_id, "--top-d", "2",
+        "--seq-len", str(SEQ_LEN), "--heldout-sequences", str(HELDOUT_SEQUENCES), "--max-sequences", "16",
+        "--timing", "sim", "--set", f"training.inner_steps={INNER_STEPS}", "--set", f"training.batch_size={BATCH}",
+        "--out", str(spec)], work, weight_bytes)
+    pgrad = derived_spec(spec, network / "spec-pgrad.toml", {"submission": {"format": "pgrad"}})
+    heldout = str(network / "data" / "heldout.jsonl")
+    runs["eval_base"] = measure("eval_base", ["eval", "--spec", str(spec), "--heldout", heldout], work, weight_bytes)
+    blobs = {"experts": work / "miner.blob", "pgrad": work / "miner-pgrad.blob"}
+    for fmt, spec_file in (("experts", spec), ("pgrad", pgrad)):
+        runs[f"train_{fmt}"] = measure(f"train_{fmt}", [
+            "train", "--spec", str(spec_file), "--key", str(work / "miner-0.key"), "--round", "0",
+            "--steps", str(INNER_STEPS), "--forward", "compressed", "--out", str(blobs[fmt])], work, weight_bytes)
+    runs["inspect"] = measure("inspect", ["inspect", "blob", str(blobs["experts"]), "--spec", str(spec)], work,
+                              weight_bytes)
+    runs["eval_blob"] = measure("eval_blob", ["eval", "--spec", str(spec), "--heldout", heldout, "--blob",
+                                              str(blobs["experts"])], work, weight_bytes)
+    runs["export"] = measure("export", ["export", "--spec", str(spec), "--blob", str(blobs["experts"]),
+                                        "--out", str(work / "exported")], work, weight_bytes)
+    report = {"commands": runs, "blob_bytes": {fmt: path.stat().st_size for fmt, path in blobs.items()}}
+    return report, spec, blobs["experts"]
+
+
+def network_round(spec: Path, work: Path, runs: dict[str, Any], miners: int) -> dict[str, Any]:
+    """One round of a bootstrap, a validator and `miners` compressed miners on `spec`, windows from `runs`."""
+    from datetime import UTC, datetime, timedelta
+
+    from node.sim.layout import SimNetwork, sim_identity, to_toml
+    from node.sim.process import SimSettings
+    from node.sim.run import Simulation
+    from protocol.rounds import Schedule
+    from protocol.spec import load_spec
+
+    load_s = max(runs["eval_base"]["seconds"], runs["train_experts"]["seconds"])
+    trained = runs["train_experts"]["printed"]
+    train_s = trained["tokens"] / trained["tokens_per_s"]
+    forward_s = runs["eval_base"]["printed"]["seconds"]
+    blob = runs["train_experts"]["printed"]["bytes"]
+    # Nodes hash and load side by side on shared cores; transfers are taken at 10 MB/s or better.
+    start_s = load_s * (1 + miners) / 2 + 60
+    timing = {"train_s": round(max(30.0, 4 * train_s), 1), "commit_s": 10.0,
+              "reveal_s": round(max(20.0, 15 + miners * blob / 10e6), 1),
+              "evaluate_s": round(max(30.0, 20 + 3 * (1 + miners) * forward_s), 1),
+              "merge_s": round(max(30.0, 20 + 4 * blob / 10e6), 1), "clock_skew_s": 2.0}
+    genesis = (datetime.now(UTC) + timedelta(seconds=start_s)).replace(microsecond=0)
+    round_spec = derived_spec(spec, spec.parent / "spec-round.toml", {"timing": timing, "genesis": genesis})
+    loaded = load_spec(round_spec)
+    sim = Simulation(work / "sim", SimSettings(validators=1, miners=miners, seed=SEED, round_seconds=sum(
+        v for k, v in timing.items() if k != "clock_skew_s"), train_share=0.5))
+    sim.network = SimNetwork(spec.parent, round_spec, loaded.network_id, [sim_identity(SEED, "validator", 0).node_id],
+                             [spec.parent / "keys" / "validator-0.key"], dict(loaded.group))
+    sim.schedule = Schedule.from_spec(loaded)
+    (work / "sim").mkdir()
+    sim._add_bootstrap()
+    sim._add_daemon("validator", 0, "honest")
+    for index in range(miners):
+        node = sim._add_daemon("miner", index, "honest")
+        config = tomllib.loads((node.directory / "config.toml").read_text(encoding="utf-8"))
+        config["miner"] = {"forward": "compressed"}
+        (node.directory / "config.toml").write_text(to_toml(config), encoding="utf-8")
+    peaks: dict[str, int] = {}
+    try:
+        sim.start()
+        reports = sim.wait_round(0, on_poll=lambda: peaks.update(_peaks(sim)))
+        heads = {name: (sim.get(name, "/status") or {}).get("head") for name in sim.nodes if name != "bootstrap"}
+        deadline = time.monotonic() + timing["merge_s"] + 60
+        while len(set(heads.values())) != 1 and time.monotonic() < deadline:
+            time.sleep(2)
+            heads = {name: (sim.get(name, "/status") or {}).get("head") for name in sim.nodes if name != "bootstrap"}
+        peaks.update(_peaks(sim))
+        entry = sim.round_entry(0, reports)
+    finally:
+        sim.close()
+    phases = entry["phase_seconds"]
+    return {"timing": timing, "start_delay_s": round(start_s, 1), "round": entry, "heads": heads,
+            "adopted_everywhere": len(set(heads.values())) == 1 and loaded.model.base_hash not in heads.values(),
+            "score_seconds_per_submission": round(phases.get("evaluate", 0.0) / miners, 2),
+            "reveal_seconds": phases.get("reveal"), "peak_rss_bytes": peaks}
+
+
+def _peaks(sim: Any) -> dict[str, int]:
+    """Each running node's peak RSS so far (VmHWM)."""
+    out: dict[str, int] = {}
+    for name, node in sim.nodes.items():
+        if node.proc is None or not node.alive:
+            continue
+        try:
+            status = Path(f"/proc/{node.proc.pid}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmHWM:"):
+                out[name] = int(line.split()[1]) * 1024
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    work = args.work or Path(tempfile.mkdtemp(prefix="tessera-real-size-"))
+    work.mkdir(parents=True, exist_ok=True)
+    checkpoint = args.checkpoint
+    if checkpoint is None:
+        from bench.real_size_fixture import write_fixture
+
+        checkpoint = work / "checkpoint"
+        write_fixture(checkpoint, args.layers, args.hidden_size)
+    checkpoint = checkpoint.resolve()
+    from training.checkpoint import stored_tensors
+
+    weight_bytes = sum(s.nbytes for s in stored_tensors(checkpoint).values())
+    config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
+    report: dict[str, Any] = {"checkpoint": str(checkpoint), "weight_bytes": weight_bytes,
+                              "layers": config["num_hidden_layers"], "hidden_size": config["hidden_size"],
+                              "experts": config["num_experts"], "top_d": 2, "seq_len": SEQ_LEN,
+                              "inner_steps": INNER_STEPS, "cpus": os.cpu_count()}
+    measured, spec, _ = commands(checkpoint, work, weight_bytes)
+    report.update(measured)
+    report["all_within_budget"] = all(run["within"] for run in measured["commands"].values())
+    emit(report, args.out)  # the commands' figures stand even if the network round fails
+    if not args.no_network:
+        report["network"] = network_round(spec, work, measured["commands"], args.miners)
+        emit(report, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,73 @@
+"""bench/real_size_fixture.py writes a hub checkpoint transformers loads as written, and bench/real_size.py runs
+every operator command and a one-round network on the smallest such checkpoint (integration: real processes)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from tests.bench.scripts import BENCH, load_bench, run_bench
+from training.checkpoint import checkpoint_hash, weight_files
+from training.model import load_checkpoint, meta_model, state_hash
+
+
+def test_the_fixture_is_a_sharded_hub_checkpoint_with_per_expert_keys(tmp_path: Path) -> None:
+    fixture = load_bench("real_size_fixture")
+    written = fixture.write_fixture(tmp_path / "ckpt", layers=2, hidden_size=32)
+    directory = Path(written["checkpoint"])
+    files = weight_files(directory)
+    assert [f.name for f in files] == [f"model-0000{n}-of-00003.safetensors" for n in (1, 2, 3)]
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    keys = set()
+    for path in files:
+        with safe_open(str(path), "pt") as handle:
+            keys |= set(handle.keys())
+            assert {index["weight_map"][k] for k in handle.keys()} == {path.name}
+    assert "model.layers.1.mlp.experts.63.gate_proj.weight" in keys and len(keys) == 3 + 2 * (9 + 64 * 3)
+    model = load_checkpoint(directory)
+    assert model.config.num_experts == 64 and model.config.num_experts_per_tok == 8
+    assert str(model.dtype) == "torch.bfloat16" and model.config.vocab_size == 50304
+    assert state_hash(model) == checkpoint_hash(directory)  # every weight came from the files, none from init
+    assert set(model.state_dict()) == set(meta_model(directory).state_dict())
+    assert written["weight_bytes"] == sum(t.numel() * 2 for t in model.state_dict().values())
+    assert (directory / "data" / "train.jsonl").is_file() and (directory / "tokenizer.json").is_file()
+    again = fixture.write_fixture(tmp_path / "again", layers=2, hidden_size=32)
+    assert checkpoint_hash(Path(again["checkpoint"])) == checkpoint_hash(directory)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--layers", "17"], "--layers must be 1 to 16"),
+    (["--hidden-size", "100"], "--hidden-size must be a multiple of 32"),
+])
+def test_the_fixture_refuses_bad_sizes_at_once(tmp_path: Path, args: list[str], message: str) -> None:
+    run = subprocess.run([sys.executable, str(BENCH / "real_size_fixture.py"), "--out", str(tmp_path / "x"), *args],
+                         capture_output=True, text=True, timeout=30)
+    assert run.returncode == 2 and message in run.stderr
+
+
+def test_the_benchmark_refuses_a_checkpoint_that_is_not_one(tmp_path: Path) -> None:
+    run = subprocess.run([sys.executable, str(BENCH / "real_size.py"), "--out", str(tmp_path / "r.json"),
+                          "--checkpoint", str(tmp_path)], capture_output=True, text=True, timeout=30)
+    assert run.returncode == 2 and "no config.json there" in run.stderr
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(1500)
+def test_every_command_and_one_round_at_the_smallest_size(tmp_path: Path) -> None:
+    report = run_bench("real_size", tmp_path / "report.json", "--layers", "1", "--hidden-size", "32",
+                       "--miners", "1", "--work", str(tmp_path / "work"), timeout=1400)
+    commands = report["commands"]
+    assert set(commands) == {"spec_new", "inspect", "eval_base", "train_experts", "train_pgrad", "eval_blob", "export"}
+    assert all(run["seconds"] > 0 and run["peak_rss_bytes"] > 0 for run in commands.values())
+    assert commands["inspect"]["printed"]["verdict"] == "ACCEPT"
+    assert commands["eval_blob"]["printed"]["loss"] != commands["eval_base"]["printed"]["loss"]
+    assert 0 < report["blob_bytes"]["pgrad"] < report["blob_bytes"]["experts"]
+    network = report["network"]
+    assert network["adopted_everywhere"], network["heads"]
+    assert set(network["peak_rss_bytes"]) == {"bootstrap", "validator-0", "miner-0"}
+    assert [m["verdict"] for m in network["round"]["miners"]] == ["accept"]
