@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from node.runtime.config import MinerSection
+from node.sim.warm import WarmProcess
 from protocol.spec import FAMILIES, TimingSpec, judge_settings
 
 # The simulation adversaries are every `miner.behaviour` but "honest".
@@ -136,9 +137,10 @@ class SimNode:
     kind: str
     node_id: str
     directory: Path
-    command: list[str]
+    args: list[str]
+    """What follows `tessera` on its command line: the role and `--config FILE`."""
     http_port: int | None
-    proc: subprocess.Popen[bytes] | None = None
+    proc: subprocess.Popen[bytes] | WarmProcess | None = None
     stopped_on_purpose: bool = False
     starts: int = 0
 
@@ -155,7 +157,14 @@ class SimNode:
         """Exited without being told to."""
         return self.proc is not None and self.proc.poll() is not None and not self.stopped_on_purpose
 
+    @property
+    def command(self) -> list[str]:
+        """The node as a program of its own: `python -m node.cli ARGS`."""
+        return [sys.executable, "-m", "node.cli", *self.args]
+
     def start(self) -> None:
+        """Start the node, forked from the warm fork server (node.sim.warm), or, where the environment
+        asks for a preloaded library (LD_PRELOAD, which only an exec applies), as a fresh interpreter."""
         assert not self.alive, f"{self.name} is already running"
         env = {k: v for k, v in os.environ.items() if not k.upper().startswith("TESSERA_")}
         # Many torch processes share few cores: one thread each avoids oversubscription.
@@ -163,8 +172,11 @@ class SimNode:
         with self.log_path.open("ab") as log:
             log.write(f"--- start {self.starts} at {datetime.now(UTC).isoformat()} ---\n".encode())
             log.flush()
-            self.proc = subprocess.Popen(self.command, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+            if env.get("LD_PRELOAD"):
+                self.proc = subprocess.Popen(self.command, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log,
+                                             stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent)
+            else:
+                self.proc = WarmProcess(self.args, str(self.log_path), env, str(ROOT))
         self.starts += 1
         self.stopped_on_purpose = False
 
@@ -208,7 +220,7 @@ def interrupts_noted() -> Iterator[list[int]]:
             signal.signal(signum, handler)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child: ask Linux to SIGTERM it if the simulator dies, so no node outlives it."""
     if sys.platform.startswith("linux"):
         import ctypes

@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import signal
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -35,6 +34,7 @@ from node.sim.process import (
     interrupts_noted,
     next_free_port,
 )
+from node.sim.warm import warm_up
 from node.store.db import Storage
 from node.store.records import PhaseRun
 from protocol.identity import save_identity
@@ -67,6 +67,7 @@ class Simulation:
             raise ValueError(f"{self.directory}: directory is not empty; remove it or choose another --dir")
         s = self.settings
         prepare_base(s.family)  # a cold cache pretrains first, so genesis is not already past
+        warm_up()  # and the nodes' fork server imports torch and the node before the clock starts
         genesis = (datetime.now(UTC) + timedelta(seconds=s.delay_s())).replace(microsecond=0)
         created = not self.directory.exists()
         try:
@@ -119,10 +120,9 @@ class Simulation:
         identity = sim_identity(self.settings.seed, "bootstrap", 0)
         directory = self._node_dir("bootstrap")
         p2p_port, _ = self._ports()
-        command = [sys.executable, "-m", "node.cli", "bootstrap", "--spec", str(self.network.spec_path),
-                   "--sim-key", str(self.settings.seed), "--data-dir", str(directory / "data"),
-                   "--port", str(p2p_port)]
-        self.nodes["bootstrap"] = SimNode("bootstrap", "bootstrap", "-", identity.node_id, directory, command, None)
+        args = ["bootstrap", "--spec", str(self.network.spec_path), "--sim-key", str(self.settings.seed),
+                "--data-dir", str(directory / "data"), "--port", str(p2p_port)]
+        self.nodes["bootstrap"] = SimNode("bootstrap", "bootstrap", "-", identity.node_id, directory, args, None)
         self._bootstrap = [f"/ip4/127.0.0.1/tcp/{p2p_port}/p2p/{peer_id_for(identity.node_id)}"]
 
     def _add_daemon(self, role: str, index: int, kind: str) -> SimNode:
@@ -156,8 +156,8 @@ class Simulation:
         if role == "validator" and index == 0:
             # A second way into the network, for nodes that start while the bootstrap is down.
             self._bootstrap.append(f"/ip4/127.0.0.1/tcp/{p2p_port}/p2p/{peer_id_for(identity.node_id)}")
-        command = [sys.executable, "-m", "node.cli", role, "--config", str(directory / "config.toml")]
-        node = SimNode(name, role, kind, identity.node_id, directory, command, http_port)
+        node = SimNode(name, role, kind, identity.node_id, directory, [role, "--config", str(directory / "config.toml")],
+                       http_port)
         self.nodes[name] = node
         return node
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -33,8 +34,9 @@ def stuck_sim(tmp_path: Path) -> Iterator[Simulation]:
     for i in range(3):
         directory = tmp_path / f"stuck-{i}"
         directory.mkdir()
-        node = SimNode(f"stuck-{i}", "miner", "honest", f"{i:064x}", directory, [sys.executable, "-c", STUCK], None)
-        node.start()
+        node = SimNode(f"stuck-{i}", "miner", "honest", f"{i:064x}", directory, ["miner"], None)
+        with node.log_path.open("ab") as log:
+            node.proc = subprocess.Popen([sys.executable, "-c", STUCK], stdout=log, stderr=subprocess.STDOUT)
         sim.nodes[node.name] = node
     deadline = time.monotonic() + 30
     while not all("ready" in n.log_path.read_text() for n in sim.nodes.values()):
