@@ -435,7 +435,8 @@ class _Loaded:
         general = None if general_file is None else load_sequences([general_file], tokenizer, spec.data.seq_len)
         section = ctx.config.validator
         check_device(section.device, model, section.batch_size, spec.data.seq_len)
-        scorer = Scorer(model, adapter, spec, heldout, tokenizer.pad_id, section.device, section.batch_size)
+        scorer = Scorer(model, adapter, spec, heldout, tokenizer.pad_id, section.device, section.batch_size,
+                        section.weights)
         genesis = GlobalExperts.genesis(spec, extract(model, adapter, spec.group))
         cap = submission_cap(spec, scorer.shapes)  # the format's own cap: a pgrad blob is far smaller
         return cls(scorer, general, genesis, cap)

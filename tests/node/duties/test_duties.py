@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 import torch
 
-from node.duties.validator import ValidatorDuties
+from node.duties.validator import ValidatorDuties, _Loaded
 from node.net.judge import GossipJudge
 from node.net.twin import MemoryHub
 from node.runtime.clock import ManualClock
@@ -34,6 +34,7 @@ from protocol.spec import apply_settings, load_spec
 from tests.node.twins import phase_done, write_network
 from training.blob import decode_header
 from training.data import file_sha256
+from training.device import Int8Linear
 from training.outer import average_states
 from training.state import GlobalExperts, decode_state_blob
 
@@ -281,6 +282,14 @@ def test_a_validator_holds_the_general_domain_file_exactly_where_the_spec_pins_o
         duties(pinned)
     with pytest.raises(ValueError, match=r"validator.general: .* hashes to .*, but the spec pins data.general_sha256"):
         duties(pinned, general=heldout)
+
+
+def test_a_validator_set_to_int8_weights_scores_with_its_frozen_layers_in_int8(tmp_path: Path) -> None:
+    spec_path = write_network(tmp_path / "net")
+    config = NodeConfig(node={"role": "validator", "spec": spec_path, "data_dir": tmp_path / "v"},
+                        validator={"heldout": tmp_path / "net" / "heldout.jsonl", "weights": "int8"})
+    loaded = _Loaded.create(SimpleNamespace(config=config, spec=load_spec(spec_path)))  # type: ignore[arg-type]
+    assert any(isinstance(module, Int8Linear) for module in loaded.scorer.model.modules())
 
 
 def averaging_network(tmp_path: Path) -> Net:
