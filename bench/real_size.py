@@ -14,7 +14,10 @@ libp2p, are checked, scored, merged and adopted on every node. Recorded: the sta
 adopted, each phase's longest handler run (REVEAL's includes the validator's blob transfers;
 EVALUATE's, divided by the submissions, is the seconds a submission takes to score), and every
 node's peak RSS (VmHWM before it stops). `--layers 2 --hidden-size 64` runs in seconds.
+`--miners` is a most: as many run as fit beside the validator in the memory available when the round starts
+(`miners_that_fit`); `--network-from REPORT` runs the round alone, on an earlier run's commands and spec.
 Usage: python bench/real_size.py --out FILE [--checkpoint DIR] [--layers N] [--hidden-size H] [--work DIR]
+                                 [--miners N] [--no-network | --network-from REPORT]
 """
 
 from __future__ import annotations
@@ -56,10 +59,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--work", type=Path, metavar="DIR", help="new directory for the run (default: a temporary one)")
     parser.add_argument("--miners", type=int, default=2, help="compressed miners in the network round (default 2)")
     parser.add_argument("--no-network", action="store_true", help="measure the commands only")
+    parser.add_argument("--network-from", type=Path, metavar="REPORT",
+                        help="run only the network round, on the commands and spec an earlier run of this --work "
+                             "measured (its REPORT)")
     args = parser.parse_args(argv)
+    if args.network_from is not None and (args.work is None or not (args.work / "network" / "spec.toml").is_file()):
+        parser.error("--network-from needs the --work directory of the run that wrote it")
     if args.checkpoint is not None and not (args.checkpoint / "config.json").is_file():
         parser.error(f"--checkpoint {args.checkpoint}: no config.json there; write one with bench/real_size_fixture.py")
-    if args.work is not None and args.work.exists() and (not args.work.is_dir() or any(args.work.iterdir())):
+    if args.network_from is None and args.work is not None and args.work.exists() and (
+            not args.work.is_dir() or any(args.work.iterdir())):
         parser.error(f"--work {args.work}: exists and is not an empty directory")
     if not 1 <= args.miners <= 8:
         parser.error(f"--miners must be 1 to 8, got {args.miners}")
@@ -218,8 +227,23 @@ def _peaks(sim: Any) -> dict[str, int]:
     return out
 
 
+def miners_that_fit(runs: dict[str, Any], wanted: int) -> int:
+    """How many of `wanted` compressed miners fit beside the validator in the memory available now (1 at least):
+    the validator takes what `eval` of a blob peaked at, each miner what `train` did, and 1 GiB is left over."""
+    meminfo = Path("/proc/meminfo").read_text(encoding="utf-8")
+    available = int(next(line for line in meminfo.splitlines() if line.startswith("MemAvailable:")).split()[1]) * 1024
+    room = available - int(runs["eval_blob"]["peak_rss_bytes"]) - (1 << 30)
+    return max(1, min(wanted, room // int(runs["train_experts"]["peak_rss_bytes"])))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.network_from is not None:
+        earlier: dict[str, Any] = json.loads(args.network_from.read_text(encoding="utf-8"))
+        miners = miners_that_fit(earlier["commands"], args.miners)
+        earlier["network"] = network_round(args.work / "network" / "spec.toml", args.work, earlier["commands"], miners)
+        emit(earlier, args.out)
+        return 0
     work = args.work or Path(tempfile.mkdtemp(prefix="tessera-real-size-"))
     work.mkdir(parents=True, exist_ok=True)
     checkpoint = args.checkpoint
@@ -242,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     report["all_within_budget"] = all(run["within"] for run in measured["commands"].values())
     emit(report, args.out)  # the commands' figures stand even if the network round fails
     if not args.no_network:
-        report["network"] = network_round(spec, work, measured["commands"], args.miners)
+        miners = miners_that_fit(measured["commands"], args.miners)
+        report["network"] = network_round(spec, work, measured["commands"], miners)
         emit(report, args.out)
     return 0
 
