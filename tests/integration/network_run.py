@@ -35,14 +35,11 @@ HONEST = 6
 VALIDATORS = ("validator-0", "validator-1", "validator-2")
 SETTINGS = SimSettings(validators=len(VALIDATORS), miners=HONEST + len(ADVERSARY_KINDS), adversaries=ADVERSARY_KINDS,
                        # Training stops after 30 steps, well before TRAIN ends, so a node restarted in
-                       # TRAIN is not starved of CPU by 11 training miners on 2 cores.
-                       # A node spends about 8 s of CPU importing torch and transformers before it listens:
-                       # on this 2-core machine the 16 took 83-94 s to start, and a node SIGKILLed and
-                       # restarted took 33-42 s to listen again: with 50 s rounds no validator of round 0
-                       # answered before the wait's deadline, and with 70 s rounds the validator killed in
-                       # round 0's EVALUATE came back too late to commit its seed in round 1.
-                       round_seconds=90, train_share=0.45, inner_steps=30,
-                       start_delay_s=100)
+                       # TRAIN is not starved of CPU by 11 training miners on 2 cores. Nodes fork from a
+                       # fork server that has imported torch and the node (node.sim.warm): the 16 listen
+                       # within seconds of their start, and a node SIGKILLed and restarted too.
+                       round_seconds=60, train_share=0.45, inner_steps=30,
+                       start_delay_s=40)
 # (round, phase) -> the nodes SIGKILLed at the start of that phase and restarted at once.
 KILLS: dict[tuple[int, Phase], tuple[str, ...]] = {
     (0, Phase.COMMIT): ("miner-1",),
