@@ -420,7 +420,7 @@ def main() -> int:
     except ValueError as exc:
         parser.error(f"--set: {exc}")
     if "training.inner_steps" in overrides:
-        parser.error("--set training.inner_steps: each network has its own H; give H as --inner-steps in --networks M@H")
+        parser.error("--set training.inner_steps: each network has its own H; give it in --networks M@H")
     settings, seeds, nets = args.domain or size.settings, args.seeds or size.seeds, args.networks or size.networks
     from node.sim.layout import default_cache_dir
 
