@@ -69,14 +69,16 @@ def patch_checkpoint(base: Path, tensors: Mapping[str, torch.Tensor], out: Path,
     parsed = {name: parse_name(name) for name in tensors}
     fused = expert_tensor_names(meta, adapter, sorted({layer for layer, _, _ in parsed.values()}))
     sources = model_sources(base)
-    writes: dict[Path, list[tuple[str, Stored]]] = {}
+    writes: dict[Path, list[tuple[str, int, Stored]]] = {}  # file -> (tensor, where in its bytes, piece)
     for name, (layer, expert, param) in sorted(parsed.items()):
         model_name = fused[layer, param]
         shape = tuple(meta.get_parameter(model_name).shape)
         if tuple(tensors[name].shape) != shape[1:]:
             raise ValueError(f"{name}: shape {tuple(tensors[name].shape)}, the checkpoint holds {shape[1:]}")
+        at = 0
         for piece in row_pieces(sources[model_name], shape, expert):
-            writes.setdefault(piece.path, []).append((name, piece))
+            writes.setdefault(piece.path, []).append((name, at, piece))
+            at += piece.nbytes
     with _staged(out) as staging:
         for path in weight_files(base):
             target = staging / path.name
@@ -88,17 +90,15 @@ def patch_checkpoint(base: Path, tensors: Mapping[str, torch.Tensor], out: Path,
         _finish(staging, tokenizer_dir, provenance)
 
 
-def _patch(target: Path, writes: list[tuple[str, Stored]], tensors: Mapping[str, torch.Tensor]) -> None:
-    """Overwrite, in the copied file `target`, each piece's bytes with its share of its tensor's bytes."""
-    done: dict[str, int] = {}  # tensor name -> bytes of it already written (a row may span pieces)
+def _patch(target: Path, writes: list[tuple[str, int, Stored]], tensors: Mapping[str, torch.Tensor]) -> None:
+    """Overwrite, in the copied file `target`, each piece's bytes with its share (from `start`) of its tensor's
+    bytes in the stored dtype."""
     with target.open("r+b") as handle:
-        for name, piece in writes:
+        for name, start, piece in writes:
             data = tensors[name].detach().to("cpu", getattr(torch, piece.dtype)).contiguous()
             flat = data.reshape(-1).view(torch.uint8).numpy()
-            start = done.get(name, 0)
             handle.seek(piece.offset)
             handle.write(flat[start : start + piece.nbytes].data)
-            done[name] = start + piece.nbytes
         handle.flush()
         os.fsync(handle.fileno())
 

@@ -1,5 +1,6 @@
-"""bench/real_size_fixture.py writes a hub checkpoint transformers loads as written, and bench/real_size.py runs
-every operator command and a one-round network on the smallest such checkpoint (integration: real processes)."""
+"""bench/real_size_fixture.py writes a hub checkpoint transformers loads as written, export patches its sharded
+bf16 rows in place, and bench/real_size.py runs every operator command and a one-round network on the smallest
+such checkpoint (integration: real processes)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from tests.bench.scripts import BENCH, load_bench, run_bench
+from training.adapters import adapter_for
 from training.checkpoint import checkpoint_hash, weight_files
+from training.experts import extract, insert
+from training.export import patch_checkpoint
 from training.model import load_checkpoint, meta_model, state_hash
 
 
@@ -71,3 +76,17 @@ def test_every_command_and_one_round_at_the_smallest_size(tmp_path: Path) -> Non
     assert network["adopted_everywhere"], network["heads"]
     assert set(network["peak_rss_bytes"]) == {"bootstrap", "validator-0", "miner-0"}
     assert [m["verdict"] for m in network["round"]["miners"]] == ["accept"]
+
+
+def test_export_patches_the_rows_of_a_sharded_bf16_checkpoint(tmp_path: Path) -> None:
+    directory = Path(load_bench("real_size_fixture").write_fixture(tmp_path / "ckpt", layers=2, hidden_size=32)[
+        "checkpoint"])
+    base = load_checkpoint(directory)
+    adapter = adapter_for("olmoe")
+    group = {0: [3, 63], 1: [5]}
+    generator = torch.Generator().manual_seed(1)
+    tensors = {name: torch.randn(t.shape, generator=generator) for name, t in extract(base, adapter, group).items()}
+    patch_checkpoint(directory, tensors, tmp_path / "out")
+    insert(base, adapter, tensors)
+    assert state_hash(load_checkpoint(tmp_path / "out")) == state_hash(base)
+    assert [f.name for f in weight_files(tmp_path / "out")] == [f.name for f in weight_files(directory)]
