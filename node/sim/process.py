@@ -62,7 +62,8 @@ class SimSettings:
     beat the state (docs/learning.md, "The simulation learns every round"). At 30 steps a round every round
     of a 6-round run gains more than the noise (bench/results/simulation.json)."""
     start_delay_s: float | None = None
-    """Seconds from writing the spec to genesis; None = 20 s + 4 s per node (torch loads slowly)."""
+    """Seconds from writing the spec to genesis; None = 10 s + 2 s per node. The nodes' fork server has
+    imported torch by then (node.sim.warm); each node still loads its model and starts libp2p."""
     base_port: int = 0
     """First TCP port (each node takes two: p2p, http); 0 picks free ports below the ephemeral range."""
     seed: int = 0
@@ -125,7 +126,7 @@ class SimSettings:
 
     def delay_s(self) -> float:
         nodes = 1 + self.validators + self.miners
-        return self.start_delay_s if self.start_delay_s is not None else 20.0 + 4.0 * nodes
+        return self.start_delay_s if self.start_delay_s is not None else 10.0 + 2.0 * nodes
 
 
 @dataclass
