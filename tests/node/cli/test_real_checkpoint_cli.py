@@ -146,7 +146,9 @@ def _refused(capsys: pytest.CaptureFixture[str], *argv: object, match: str) -> N
 def test_bad_checkpoints_are_refused_and_nothing_is_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     train, heldout = write_data(tmp_path)
     out = tmp_path / "spec.toml"
-    args = ("--train", train, "--heldout", heldout, "--validator", "ab" * 32, "--heldout-sequences", "1", "--out", out)
+    # a held-out file that fills a round's scored and gate rows, so that what is refused is the checkpoint
+    args = ("--train", train, "--heldout", heldout, "--validator", "ab" * 32, "--heldout-sequences", "1", "--seq-len", "32",
+            "--set", "data.gate_sequences=1", "--out", out)
     (tmp_path / "empty").mkdir()
     _refused(capsys, "spec", "new", "--checkpoint", tmp_path / "empty", *args, match="no config.json")
     no_weights = tmp_path / "no-weights"
@@ -157,9 +159,11 @@ def test_bad_checkpoints_are_refused_and_nothing_is_written(tmp_path: Path, caps
     dense = tmp_path / "dense"
     LlamaForCausalLM(LlamaConfig(vocab_size=260, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                  num_attention_heads=2)).save_pretrained(str(dense))
+    capsys.readouterr()  # transformers' progress bars while the checkpoint was written
     _refused(capsys, "spec", "new", "--checkpoint", dense, *args, match="dense model")
     wide = write_hub_checkpoint(tmp_path / "wide", "qwen3_moe")
     write_tokenizer(wide, vocab_size=400)
+    capsys.readouterr()
     _refused(capsys, "spec", "new", "--checkpoint", wide, *args, match="does not belong to this model")
     assert not out.exists()
 
