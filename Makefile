@@ -34,16 +34,18 @@ test-tools:
 # Two pytest workers, a test file to one worker, files in collection order (tests/conftest.py puts the
 # long ones first): the network simulation (tests/integration/test_network.py) spends most of its time
 # waiting for round phases, so it starts at once and the other files run beside it.
+# One torch thread a worker (OMP_NUM_THREADS=1, which the processes tests start inherit): two workers with two
+# OpenMP threads each, beside node processes, spin instead of working (a 1.3 s test took 164 s in the suite).
 test: $(STAMP) test-tools
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # The quick loop: lint, types, unit and in-memory twin tests, on two workers; no real node processes.
 check: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not integration"
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile -m "not integration"
 
 bench: $(STAMP)
 	mkdir -p .bench
