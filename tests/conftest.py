@@ -5,7 +5,7 @@ Identities come from fixed seeds: `make_identity(i)`; validators are identities 
 `make_spec_dict()` returns data shaped like decoded TOML, with made-up hashes.
 
 Collection puts the network simulation first and the files that start processes last
-(`pytest_collection_modifyitems`), for `make test`'s two workers.
+(`pytest_collection_modifyitems`), for `make test`'s workers.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from protocol.identity import Identity
 from protocol.spec import NetworkSpec, parse_spec
 
 GENESIS = datetime(2026, 1, 1, tzinfo=UTC)
-# `make test` hands files to its two pytest-xdist workers in collection order (--no-loadscope-reorder):
+# `make test` hands files to its pytest-xdist workers in collection order (--no-loadscope-reorder):
 # the network simulation, minutes of waiting on a round schedule, starts first, and while its sixteen
 # processes start the other worker runs in-process tests; the files that start processes of their own
 # (real nodes, benchmark scripts, commands) come last, so they do not crowd the network's start.
