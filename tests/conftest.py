@@ -24,7 +24,7 @@ from protocol.spec import NetworkSpec, parse_spec
 GENESIS = datetime(2026, 1, 1, tzinfo=UTC)
 # `make test` hands files to its pytest-xdist workers in collection order (--no-loadscope-reorder):
 # the network simulation, minutes of waiting on a round schedule, starts first, and while its sixteen
-# processes start the other worker runs in-process tests; the files that start processes of their own
+# processes start the other workers run in-process tests; the files that start processes of their own
 # (real nodes, benchmark scripts, commands) come last, so they do not crowd the network's start.
 FIRST = ("integration/test_network.py",)
 LAST = ("integration/", "bench/", "deploy/", "node/cli/")
