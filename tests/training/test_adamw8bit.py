@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.training.rows import assert_only_the_group_changed
 from training.trainer import TrainConfig, TrainResult, train_experts
 
 BATCH, LENGTH = 4, 32
@@ -24,18 +25,6 @@ def state_bytes(result: TrainResult) -> int:
                for v in moments.values() if isinstance(v, torch.Tensor))
 
 
-def check_only_the_group_changed(tiny: Any, before: dict[str, torch.Tensor]) -> None:
-    fused = {f"model.layers.{layer}.mlp.experts.{p}": layer for layer in tiny.group for p in ("gate_up_proj", "down_proj")}
-    for name, tensor in tiny.model.state_dict().items():
-        tensor = tensor.cpu()
-        if name not in fused:
-            assert torch.equal(tensor, before[name]), f"{name} changed"
-            continue
-        for expert in range(tensor.shape[0]):
-            same = torch.equal(tensor[expert], before[name][expert])
-            assert same != (expert in tiny.group[fused[name]]), f"{name}[{expert}] changed={not same}"
-
-
 @pytest.mark.parametrize("forward", ["full", "compressed"])
 def test_8bit_adamw_lowers_the_loss_and_changes_only_the_selected_rows(
     make_tiny: Callable[..., Any], pattern: Callable[..., torch.Tensor], forward: str
@@ -46,7 +35,7 @@ def test_8bit_adamw_lowers_the_loss_and_changes_only_the_selected_rows(
     cfg = TrainConfig(steps=8, lr=2e-2, batch_size=BATCH, forward=forward, optimizer="adamw8bit")  # type: ignore[arg-type]
     result = train_experts(tiny.model, tiny.adapter, tiny.group, batches(data), cfg)
     assert result.losses[-1] < result.losses[0] - 0.1, result.losses
-    check_only_the_group_changed(tiny, before)
+    assert_only_the_group_changed(tiny.model, tiny.group, before)
 
 
 def test_8bit_state_is_about_a_quarter_of_fp32_adamws_and_resumes_exactly(
@@ -76,4 +65,4 @@ def test_8bit_adamw_on_cuda_in_bf16_lowers_the_loss_and_changes_only_the_selecte
     cfg = TrainConfig(steps=8, lr=2e-2, batch_size=BATCH, forward="compressed", device="cuda", optimizer="adamw8bit")
     result = train_experts(tiny.model, tiny.adapter, tiny.group, batches(data), cfg)
     assert result.losses[-1] < result.losses[0], result.losses
-    check_only_the_group_changed(tiny, before)
+    assert_only_the_group_changed(tiny.model, tiny.group, before)
