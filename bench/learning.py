@@ -96,7 +96,7 @@ class Size:
 
 
 FULL = Size(train_docs=3000, heldout_docs=600, report_docs=200, general_docs=100, settings=tuple(SETTINGS),
-            networks=(Net(1, 20), Net(4, 20), Net(8, 20), Net(4, 20, 2), Net(4, 50)), seeds=(0, 1, 2), rounds=5,
+            networks=(Net(1, 20), Net(4, 20), Net(8, 20), Net(4, 20, 2), Net(4, 50)), seeds=(0, 1, 2), rounds=3,
             quick_base=False)
 SMALL = Size(train_docs=200, heldout_docs=120, report_docs=40, general_docs=20, settings=("arithmetic",),
              networks=(Net(2, 2), Net(2, 2, 1)), seeds=(0,), rounds=2, quick_base=True)
@@ -397,7 +397,7 @@ def main() -> int:
     parser.add_argument("--networks", type=networks,
                         help="networks, comma-separated M@H[/A]: M miners at H inner steps, A adversarial "
                              "(default 1@20,4@20,8@20,4@20/2,4@50)")
-    parser.add_argument("--rounds", type=int, help="rounds per run (default 5)")
+    parser.add_argument("--rounds", type=int, help="rounds per run (default 3)")
     parser.add_argument("--seeds", type=integers(0),
                         help="seeds of the miners' ids (their shards and batches) and of the round seeds (default 0,1,2)")
     parser.add_argument("--workers", type=int, default=2, help="processes, one setting and seed each (default 2)")

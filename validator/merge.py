@@ -234,11 +234,12 @@ def gate(
     return Adoption(adopted, list(holders), tensors, moment, losses, refused)
 
 
-def _within_budget(candidate: GateLoss, current: GateLoss, budget: float) -> bool:
-    """A finite gate loss, and no more than `budget` nats of general-domain loss over the current state's."""
+def _within_budget(candidate: GateLoss, current: GateLoss, budget: float | None) -> bool:
+    """A finite gate loss, and no more than `budget` nats of general-domain loss over the current state's
+    (where the spec sets a budget and both were measured)."""
     if not math.isfinite(candidate.loss):
         return False
-    if candidate.general is None or current.general is None:
+    if budget is None or candidate.general is None or current.general is None:
         return True
     return math.isfinite(candidate.general) and candidate.general - current.general <= budget
 

@@ -139,11 +139,6 @@ def _write_network(directory: Path, validators: int, family: str, genesis: datet
             "heldout_sequences": 32,
         },
         "training": {"inner_steps": 20},
-        # The outer step is the spec's default, plain averaging (protocol.spec.AggregationSpec). On this
-        # base honest miners starting from one state agree closely (cosine about 0.995 after 20 steps,
-        # docs/learning.md, "Defaults"), so a 0.99 copy threshold dropped all of them in round 0 and
-        # all but one in round 1; copied blobs are exact (cosine 1) and still caught.
-        "rewards": {"duplicate_cosine": 0.9999},
         "validators": [{"key": node_id, "weight": 1.0} for node_id in ids],
     }
     apply_settings(spec, [("submission.format", submission_format), *settings])

@@ -31,7 +31,7 @@ SECTIONS = {"timing": TimingSpec, "model": ModelSpec, "data": DataSpec, "trainin
             "validators.0": ValidatorEntry, "rewards": RewardSpec, "aggregation": AggregationSpec,
             "limits": LimitSpec, "submission": SubmissionSpec}
 FLOAT_FIELDS = [f"{section}.{name}" for section, model in SECTIONS.items()
-                for name, info in model.model_fields.items() if info.annotation is float]
+                for name, info in model.model_fields.items() if info.annotation in (float, float | None)]
 NOT_FINITE = [math.inf, -math.inf, math.nan]
 
 

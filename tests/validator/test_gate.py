@@ -67,8 +67,8 @@ def test_a_tie_keeps_the_current_state_and_a_non_finite_candidate_is_refused(spe
 
 
 def test_a_candidate_over_the_forgetting_budget_is_refused(spec: NetworkSpec) -> None:
-    budget = spec.aggregation.forgetting_budget
-    assert budget > 0
+    budget = 0.1
+    spec = spec.model_copy(update={"aggregation": spec.aggregation.model_copy(update={"forgetting_budget": budget})})
     losses = {"current": GateLoss(3.0, general=2.0),
               "merged": GateLoss(1.0, general=2.0 + 2 * budget),  # lowest on the target, forgets too much
               "best_single": GateLoss(1.5, general=2.0 + budget / 2)}
@@ -81,6 +81,15 @@ def test_a_candidate_over_the_forgetting_budget_is_refused(spec: NetworkSpec) ->
     everything_forgets = {name: GateLoss(1.0, general=2.0 + 2 * budget) for name in CANDIDATES[1:]}
     kept, _, _, _ = _gated(spec, {"current": GateLoss(3.0, general=2.0), **everything_forgets})
     assert kept.adopted == "current" and kept.refused == ("merged", "best_single") and not kept.changed
+
+
+def test_without_a_forgetting_budget_general_losses_are_reported_and_refuse_nothing(spec: NetworkSpec) -> None:
+    assert spec.aggregation.forgetting_budget is None
+    losses = {"current": GateLoss(3.0, general=2.0), "merged": GateLoss(1.0, general=9.0),
+              "best_single": GateLoss(1.5, general=2.1)}
+    adoption, _, _, _ = _gated(spec, losses)
+    assert adoption.adopted == "merged" and adoption.refused == ()
+    assert adoption.report()["general_losses"] == {n: losses[n].general for n in CANDIDATES}
 
 
 def test_a_round_that_merged_nothing_keeps_the_current_state_unmeasured(spec: NetworkSpec) -> None:
