@@ -3,13 +3,15 @@
 The loss is the mean next-token cross-entropy over every target that is not padding: summed token
 losses divided by the token count. Each batch's sum is taken in fp32 from fp32 logits; batch sums
 are added in a fixed order in float64, so the same model, data and batch size give the same
-number. Evaluation runs under no_grad with the model in eval mode. This module knows nothing about
+number. Evaluation runs under no_grad with the model in eval mode; on a CPU a model stored in bf16
+or fp16 computes in fp32 (training.cpu_compute). This module knows nothing about
 where sequences come from or what a validator does with the loss.
 """
 
 from __future__ import annotations
 
 import sys
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from training.adapters import MoEAdapter, tensor_attr
+from training.cpu_compute import fp32_compute, holds_narrow_weights
 from training.data import not_padding
 from training.experts import ExpertGroup, Tensors, check_group, expert_names, insert, parse_name
 
@@ -66,6 +69,7 @@ def heldout_loss(
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     input_device = place(model, device)
+    wide = input_device.type == "cpu" and holds_narrow_weights(model)  # training.cpu_compute
     was_training = model.training
     model.eval()
     total, tokens = 0.0, 0
@@ -73,7 +77,8 @@ def heldout_loss(
         starts = range(0, sequences.shape[0], batch_size)
         for start in tqdm(starts, desc="eval", unit="batch", disable=not (progress and sys.stderr.isatty())):
             ids_BL = sequences[start : start + batch_size].to(input_device)
-            total += float(token_loss_sum(model, ids_BL, pad_id))
+            with fp32_compute() if wide else nullcontext():
+                total += float(token_loss_sum(model, ids_BL, pad_id))
             tokens += int(not_padding(ids_BL, pad_id)[:, 1:].sum())
     finally:
         model.train(was_training)

@@ -66,16 +66,31 @@ def layer_copies(module: torch.nn.Module, layer: int, rows: list[int], ids: list
 
 @contextmanager
 def trainable_experts(copies: LayerCopies) -> Iterator[None]:
-    """Dispatch the layer's experts module to `tessera_trainable` (on its own config copy) with `copies`."""
+    """Dispatch the layer's experts module to `tessera_trainable` (on its own config copy) with `copies`; on
+    leaving, the copies are written back into the fused tensors.
+
+    Where the copies hold every row of the fused tensors (a compressed layer) and the maths is eager, the
+    fused tensors' storage is released inside, since nothing reads them there: a compressed miner holds its
+    trained experts once in fp32, not also in the checkpoint's dtype."""
     module = copies.experts
     original = module.config
     module.config = copy.copy(original)
     cast(PretrainedConfig, module.config)._experts_implementation = IMPLEMENTATION
     # torch types Module attributes as tensors or modules; any value may be set.
     module.tessera_copies = copies  # type: ignore[assignment]
+    fused = [tensor_attr(module, name) for name in ("gate_up_proj", "down_proj")]
+    shapes = [t.shape for t in fused]
+    release = not copies.grouped and len(copies.rows) == shapes[0][0]
+    if release:
+        for tensor in fused:
+            tensor.data = tensor.data.new_empty(0)
     try:
         yield
     finally:
+        if release:
+            for tensor, shape in zip(fused, shapes, strict=True):
+                tensor.data = tensor.data.new_empty(shape)
+        copies.write_back()
         del module.tessera_copies
         module.config = original
 
@@ -83,7 +98,8 @@ def trainable_experts(copies: LayerCopies) -> Iterator[None]:
 def _trainable_forward(
     module: torch.nn.Module, hidden_TH: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """Experts forward reading selected experts from the fp32 copies and the rest from the frozen rows."""
+    """Experts forward reading selected experts from the fp32 copies (in the activations' dtype) and the rest
+    from the frozen rows."""
     copies = cast(LayerCopies, module.tessera_copies)
     if copies.grouped:
         return _grouped_forward(module, copies, hidden_TH, top_k_index, top_k_weights)
@@ -94,8 +110,8 @@ def _trainable_forward(
     for expert in torch.unique(top_k_index).tolist():
         token, slot = torch.where(top_k_index == expert)
         if expert in slot_of:
-            w_gu = copies.w_gu_SIH[slot_of[expert]].to(gate_up_EIH.dtype)
-            w_down = copies.w_down_SHI[slot_of[expert]].to(down_EHI.dtype)
+            w_gu = copies.w_gu_SIH[slot_of[expert]].to(hidden_TH.dtype)
+            w_down = copies.w_down_SHI[slot_of[expert]].to(hidden_TH.dtype)
         else:
             w_gu, w_down = gate_up_EIH[expert], down_EHI[expert]
         gate, up = F.linear(hidden_TH[token], w_gu).chunk(2, dim=-1)

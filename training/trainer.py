@@ -26,7 +26,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from training.adapters import MoEAdapter, decoder_layers
 from training.compressed import CompressedModel, compress
+from training.cpu_compute import fp32_compute, holds_narrow_weights
 from training.data import not_padding
 from training.evaluate import token_loss_sum
 from training.experts import ExpertGroup, check_group, insert, tensor_name
@@ -138,6 +139,7 @@ def train_experts(
     """
     device = torch.device(cfg.device)
     net, copies = _prepare(model, adapter, group, cfg, device)
+    wide = device.type == "cpu" and holds_narrow_weights(net)  # training.cpu_compute: a CPU's bf16 matmul is slow
     params = [p for c in copies for p in (c.w_gu_SIH, c.w_down_SHI)]
     optimizer = inner_adamw(params, cfg)
     if optimizer_state is not None:
@@ -154,13 +156,13 @@ def train_experts(
         for c in copies:
             stack.enter_context(trainable_experts(c))
         for _, ids_BL in zip(range(cfg.steps), batches, strict=False):
-            loss, tokens = _step(net, ids_BL, cfg, device, optimizer, params)
-            for c in copies:
-                c.write_back()
+            loss, tokens = _step(net, ids_BL, cfg, device, optimizer, params, wide)
             result.losses.append(loss)
             result.tokens += tokens
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}")
+        for p in params:  # before the fused rows come back (trainable_experts): the last step's gradients
+            p.grad = None
     if not result.losses:
         raise ValueError("the batch iterator gave no batches; there is nothing to train on")
     result.seconds = time.perf_counter() - started
@@ -255,7 +257,9 @@ def _step(
     device: torch.device,
     optimizer: torch.optim.Optimizer,
     params: list[torch.nn.Parameter],
+    wide: bool,
 ) -> tuple[float, int]:
+    """One optimizer step on `ids_BL`; `wide`: compute in fp32 over narrow weights (training.cpu_compute)."""
     if ids_BL.ndim != 2 or ids_BL.shape[0] != cfg.batch_size or ids_BL.dtype != torch.long:
         raise ValueError(
             f"expected a LongTensor batch of shape [{cfg.batch_size}, L], got "
@@ -269,7 +273,8 @@ def _step(
     total = 0.0
     micro = cfg.micro_batch_size or cfg.batch_size
     for start in range(0, ids_BL.shape[0], micro):
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and cfg.autocast):
+        with (torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and cfg.autocast),
+              fp32_compute() if wide else nullcontext()):
             loss_sum = token_loss_sum(model, ids_BL[start : start + micro], cfg.pad_id)
         if loss_sum.requires_grad:  # else no token of this micro-batch reached the group: no gradient
             (loss_sum / tokens).backward()  # type: ignore[no-untyped-call]  # unannotated in torch
@@ -280,11 +285,13 @@ def _step(
 
 
 def _named_tensors(copies: list[LayerCopies]) -> dict[str, torch.Tensor]:
+    """The trained rows by name, on the CPU: views of the copies there (nothing trains them after this), so the
+    trained experts are not held twice."""
     out: dict[str, torch.Tensor] = {}
     for c in copies:
         for slot, expert in enumerate(c.ids):
-            out[tensor_name(c.layer, expert, "gate_up_proj")] = c.w_gu_SIH[slot].detach().cpu().clone()
-            out[tensor_name(c.layer, expert, "down_proj")] = c.w_down_SHI[slot].detach().cpu().clone()
+            out[tensor_name(c.layer, expert, "gate_up_proj")] = c.w_gu_SIH[slot].detach().cpu()
+            out[tensor_name(c.layer, expert, "down_proj")] = c.w_down_SHI[slot].detach().cpu()
     return dict(sorted(out.items()))
 
 
