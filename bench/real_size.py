@@ -135,6 +135,7 @@ def commands(checkpoint: Path, work: Path, weight_bytes: int) -> tuple[dict[str,
         "--heldout", str(data / "heldout.jsonl"), "--validator", validator.node_id, "--top-d", "2",
         "--seq-len", str(SEQ_LEN), "--heldout-sequences", str(HELDOUT_SEQUENCES), "--max-sequences", "16",
         "--timing", "sim", "--set", f"training.inner_steps={INNER_STEPS}", "--set", f"training.batch_size={BATCH}",
+        "--set", f"data.gate_sequences={HELDOUT_SEQUENCES}",
         "--out", str(spec)], work, weight_bytes)
     pgrad = derived_spec(spec, network / "spec-pgrad.toml", {"submission": {"format": "pgrad"}})
     heldout = str(network / "data" / "heldout.jsonl")
@@ -161,7 +162,6 @@ def network_round(spec: Path, work: Path, runs: dict[str, Any], miners: int) -> 
     from node.sim.layout import SimNetwork, sim_identity, to_toml
     from node.sim.process import SimSettings
     from node.sim.run import Simulation
-    from protocol.rounds import Schedule
     from protocol.spec import load_spec
 
     load_s = max(runs["eval_base"]["seconds"], runs["train_experts"]["seconds"])
@@ -169,26 +169,23 @@ def network_round(spec: Path, work: Path, runs: dict[str, Any], miners: int) -> 
     train_s = trained["tokens"] / trained["tokens_per_s"]
     forward_s = runs["eval_base"]["printed"]["seconds"]
     blob = runs["train_experts"]["printed"]["bytes"]
-    # Nodes hash and load side by side on shared cores; transfers are taken at 10 MB/s or better.
+    # Nodes hash and load side by side on shared cores; transfers are taken at 10 MB/s or better. MERGE's gate
+    # reads three candidates on as many rows as a submission's score (data.gate_sequences), each thrice slack.
     # The floors are a small network's windows (a simulation's); at real size the measured terms decide.
     start_s = load_s * (1 + miners) / 2 + 30
     timing = {"train_s": round(max(20.0, 4 * train_s), 1), "commit_s": 6.0,
               "reveal_s": round(max(10.0, 8 + miners * blob / 10e6), 1),
               "evaluate_s": round(max(12.0, 10 + 3 * (1 + miners) * forward_s), 1),
-              "merge_s": round(max(12.0, 10 + 4 * blob / 10e6), 1), "clock_skew_s": 2.0}
+              "merge_s": round(max(12.0, 10 + 4 * blob / 10e6 + 3 * 3 * forward_s), 1), "clock_skew_s": 2.0}
     genesis = (datetime.now(UTC) + timedelta(seconds=start_s)).replace(microsecond=0)
     round_spec = derived_spec(spec, spec.parent / "spec-round.toml", {"timing": timing, "genesis": genesis})
     loaded = load_spec(round_spec)
     sim = Simulation(work / "sim", SimSettings(validators=1, miners=miners, seed=SEED, round_seconds=sum(
         v for k, v in timing.items() if k != "clock_skew_s"), train_share=0.5))
-    sim.network = SimNetwork(spec.parent, round_spec, loaded.network_id, [sim_identity(SEED, "validator", 0).node_id],
-                             [spec.parent / "keys" / "validator-0.key"], dict(loaded.group))
-    sim.schedule = Schedule.from_spec(loaded)
     (work / "sim").mkdir()
-    sim._add_bootstrap()
-    sim._add_daemon("validator", 0, "honest")
-    for index in range(miners):
-        node = sim._add_daemon("miner", index, "honest")
+    sim.use_network(SimNetwork(spec.parent, round_spec, loaded.network_id, [sim_identity(SEED, "validator", 0).node_id],
+                               [spec.parent / "keys" / "validator-0.key"], dict(loaded.group)))
+    for node in (n for n in sim.nodes.values() if n.role == "miner"):
         config = tomllib.loads((node.directory / "config.toml").read_text(encoding="utf-8"))
         config["miner"] = {"forward": "compressed"}
         (node.directory / "config.toml").write_text(to_toml(config), encoding="utf-8")

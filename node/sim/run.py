@@ -84,12 +84,17 @@ class Simulation:
                                         genesis=genesis, timing=s.timing(), seed=s.seed,
                                         submission_format=s.submission_format,
                                         settings=[("training.inner_steps", s.inner_steps), *s.spec_settings])
-        spec = load_spec(self.network.spec_path)
-        self.schedule = Schedule.from_spec(spec)
+        self.use_network(self.network)
+
+    def use_network(self, network: SimNetwork) -> None:
+        """Run `network` (a spec, its data and validator keys written by `make_sim_network` or by hand): the
+        bootstrap, validators and miners the settings ask for are added, not started (`start`)."""
+        self.network = network
+        self.schedule = Schedule.from_spec(load_spec(network.spec_path))
         self._add_bootstrap()
-        for i in range(s.validators):
+        for i in range(self.settings.validators):
             self._add_daemon("validator", i, "honest")
-        for j, kind in enumerate(s.miner_kinds()):
+        for j, kind in enumerate(self.settings.miner_kinds()):
             self._add_daemon("miner", j, kind)
 
     def start(self) -> None:
