@@ -22,7 +22,9 @@ the last adopted state's loss on a general-domain report set over the base's). `
 seed, H and M, from the same base and batches at the same tokens: single-node expert tuning (ESFT: the
 miners' own training code over every miner's batches in turn, one AdamW run) and the data-parallel
 ceiling (one AdamW run whose every step takes the M miners' batches of that step together), each read
-after every round's tokens, and ESFT's forgetting.
+after every round's tokens, and ESFT's forgetting. `summary` reads the issue's questions off them per run
+(`summarise`): the rounds the adopted loss rose, whether it fell, the rounds it read above the best single
+submission, its share of the ceiling's drop, 8 miners against 4 and forgetting against ESFT's.
 Usage: python bench/learning.py [--domain S,...] [--networks M@H[/A],...] [--rounds R] [--seeds S,...]
        [--workers W] [--keep-optimizer] [--set SECTION.FIELD=VALUE]... [--small] [--cache DIR] [--out FILE.json]
 """
@@ -343,6 +345,38 @@ def run_task(setting: str, seed: int, size: Size, networks: tuple[Net, ...], rou
     return runs, baselines
 
 
+def summarise(runs: list[dict[str, Any]], baselines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per run, the issue's questions read off its losses, with 2 x its noise as the band: `rose_in` (rounds whose
+    adopted loss rose over the previous round's, or round 0's over the base's, by more than the band), `fell`
+    (the last adopted loss below the base's), `worse_than_best_in` (rounds whose adopted state read above the
+    best single submission by more than the band), `dp_share` (the share of the data-parallel ceiling's drop at
+    equal tokens), `vs_4_miners` (an 8-miner run's last loss minus the 4-miner run's at the same H and seed) and
+    `forgetting_vs_esft` (the run's forgetting minus ESFT's at the same tokens)."""
+    base_of_run = {(b["domain"], b["seed"], b["inner_steps"], b["miners"]): b for b in baselines}
+    last = {(r["domain"], r["seed"], r["inner_steps"], r["miners"], r["adversaries"]): r["adopted_losses"][-1]
+            for r in runs}
+    out = []
+    for r in runs:
+        band, adopted = 2 * r["noise"], r["adopted_losses"]
+        previous = [r["base_loss"], *adopted[:-1]]
+        entry: dict[str, Any] = {key: r[key] for key in ("domain", "seed", "inner_steps", "miners", "adversaries")}
+        entry["band"] = round(band, 4)
+        entry["rose_in"] = [i for i, (a, b) in enumerate(zip(previous, adopted, strict=True)) if b - a > band]
+        entry["fell"] = adopted[-1] < r["base_loss"]
+        entry["worse_than_best_in"] = [i for i, (a, b) in enumerate(zip(adopted, r["best_single_losses"], strict=True))
+                                       if b is not None and a - b > band]
+        baseline = base_of_run.get((r["domain"], r["seed"], r["inner_steps"], r["miners"]))
+        if baseline is not None:
+            drop = r["base_loss"] - baseline["dp_ceiling_loss"]
+            entry["dp_share"] = round((r["base_loss"] - adopted[-1]) / drop, 4) if drop > 0 else None
+            entry["forgetting_vs_esft"] = round(r["forgetting"] - baseline["esft_forgetting"], 4)
+        four = last.get((r["domain"], r["seed"], r["inner_steps"], 4, r["adversaries"]))
+        if r["miners"] == 8 and four is not None:
+            entry["vs_4_miners"] = round(adopted[-1] - four, 4)
+        out.append(entry)
+    return out
+
+
 def pretrain(setting: str, size: Size, cache: Path) -> None:
     """Train and cache the setting's base (once per cache directory)."""
     from training.pretrain import pretrained_base
@@ -444,7 +478,8 @@ def main() -> int:
                 runs += part[0]
                 baselines += part[1]
     emit({"seconds": round(time.perf_counter() - started, 1), "spec_overrides": overrides, "rounds": rounds,
-          "keep_optimizer": args.keep_optimizer, "small": args.small, "runs": runs, "baselines": baselines}, args.out)
+          "keep_optimizer": args.keep_optimizer, "small": args.small, "runs": runs, "baselines": baselines,
+          "summary": summarise(runs, baselines)}, args.out)
     return 0
 
 

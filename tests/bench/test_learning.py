@@ -46,3 +46,14 @@ def test_the_small_learning_benchmark_records_every_rounds_adopted_loss_and_gate
             # the adopted state moves exactly in the rounds whose gate adopted a change (the spec keeps no average)
             assert (after != before) == (gate["adopted"] != "current")
         assert adopted[-1] < base
+    summary = {(entry["adversaries"]): entry for entry in report["summary"]}
+    assert set(summary) == {0, 1}
+    for network in (honest, adversarial):
+        entry = summary[network["adversaries"]]
+        assert entry["band"] == round(2 * network["noise"], 4) and entry["fell"]
+        rose = [r for r, (a, b) in enumerate(zip([base, *network["adopted_losses"]], network["adopted_losses"],
+                                                 strict=False)) if b - a > entry["band"]]
+        assert entry["rose_in"] == rose
+        share = (base - network["adopted_losses"][-1]) / (base - baseline["dp_ceiling_loss"])
+        assert entry["dp_share"] == round(share, 4)
+        assert entry["forgetting_vs_esft"] == round(network["forgetting"] - baseline["esft_forgetting"], 4)
