@@ -154,11 +154,6 @@ class AggregationSpec(_Strict):
 
     top_g: int = Field(default=3, ge=1, description="How many top-ranked miners are merged.")
     outer_lr: float = Field(default=1.0, gt=0, description="Nesterov SGD learning rate.")
-    outer_lr_scale: Literal["fixed", "merged"] = Field(
-        default="fixed",
-        description="'fixed': each step takes outer_lr; 'merged': outer_lr times the number of updates merged "
-        "that round, so a merged update moves the state about as far as it moved its miner however many pass "
-        "Proof-of-Loss (docs/learning.md, \"Outer lrs that adapt\").")
     momentum: float = Field(default=0.0, ge=0, lt=1, description="Nesterov momentum.")
     weighting: Literal["uniform", "utility"] = Field(default="uniform", description="How merged updates are weighted.")
     clip_to_median: bool = Field(default=True, description="Clip each pseudo-gradient to the median norm.")

@@ -54,9 +54,6 @@ class OuterConfig:
     """Scale each pseudo-gradient down to the median norm of the set."""
     weighting: Literal["uniform", "utility"] = "uniform"
     """Merge weights: equal, or proportional to each miner's utility."""
-    lr_per_update: bool = False
-    """The step's lr is `lr` times the number of miners merged (the spec's `aggregation.outer_lr_scale =
-    "merged"`), so each merged update moves the state about as far as it moved its miner."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -90,7 +87,6 @@ def outer_step(
     scales = _clip_scales(grads) if cfg.clip_to_median else [1.0] * len(grads)
     weights = _weights(utilities, cfg)
     coefficients = [a * s for a, s in zip(weights, scales, strict=True)]
-    lr = cfg.lr * len(miner_tensors) if cfg.lr_per_update else cfg.lr
     names = sorted(global_tensors)
     if momentum is not None:
         check_same_names(global_tensors, momentum, "momentum")
@@ -107,7 +103,7 @@ def outer_step(
             m_prev = torch.zeros_like(phi) if momentum is None else _fp32(momentum[name], phi.shape, f"momentum {name}")
             m = m_prev * cfg.momentum + g
             new_momentum[name] = m
-            new_global[name] = phi - (g + m * cfg.momentum) * lr
+            new_global[name] = phi - (g + m * cfg.momentum) * cfg.lr
     return new_global, new_momentum
 
 

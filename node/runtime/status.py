@@ -229,7 +229,6 @@ def learning_settings(spec: NetworkSpec, config: NodeConfig) -> dict[str, Any]:
         "keep_optimizer": config.miner.keep_optimizer if config.node.role == "miner" else None,
         "top_g": aggregation.top_g,
         "outer_lr": aggregation.outer_lr,
-        "outer_lr_scale": aggregation.outer_lr_scale,
         "momentum": aggregation.momentum,
         "weighting": aggregation.weighting,
         "average_decay": aggregation.average_decay,

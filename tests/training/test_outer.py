@@ -49,15 +49,6 @@ def test_step_with_momentum_and_utility_weights() -> None:
     close(new, {"a": [0.1005, 0.768], "b": [-0.83]})
 
 
-def test_an_lr_per_update_takes_the_lr_once_for_each_miner_merged() -> None:
-    cfg = OuterConfig(lr=0.5, momentum=0.0, lr_per_update=True)
-    new, _ = outer_step(GLOBAL, MINERS, [1.0, 1.0, 1.0], None, cfg)
-    # G = (a [1/3, 2/3], b [2/3]) as in the first test; three miners merged: Φ' = Φ - 1.5 G.
-    close(new, {"a": [0.5, 1.0], "b": [-0.5]})
-    one, _ = outer_step(GLOBAL, MINERS[:1], [1.0], None, cfg)
-    close(one, {"a": [0.5, 2.0], "b": [0.5]})  # one miner: Φ - 0.5 G1, G1 = (a [1, 0], b [0])
-
-
 def test_no_clipping_keeps_large_updates() -> None:
     cfg = OuterConfig(lr=1.0, momentum=0.0, clip_to_median=False)
     new, _ = outer_step(GLOBAL, MINERS, [1.0, 1.0, 1.0], None, cfg)
