@@ -106,11 +106,6 @@ class TrainingSpec(_Strict):
 
     inner_steps: int = Field(default=20, ge=1, description="H: local AdamW steps per round.")
     lr: float = Field(default=1e-3, gt=0, description="Inner AdamW learning rate.")
-    beta1: float = Field(
-        default=0.9, ge=0, lt=1,
-        description="Inner AdamW beta1, the first moment's decay. AdamW's 0.9 by default; a network that "
-        "merges after every step at outer lr M may set 0.9^M, so the moment spans about ten of the merged "
-        "state's steps (docs/learning.md).")
     weight_decay: float = Field(default=0.0, ge=0, description="Inner AdamW weight decay.")
     batch_size: int = Field(default=8, ge=1, description="Sequences per inner step.")
     grad_clip: float = Field(default=1.0, gt=0, description="Global gradient-norm clip.")

@@ -224,7 +224,6 @@ def learning_settings(spec: NetworkSpec, config: NodeConfig) -> dict[str, Any]:
         "experts": sum(len(ids) for ids in spec.group.values()),
         "inner_steps": training.inner_steps,
         "inner_lr": training.lr,
-        "inner_beta1": training.beta1,
         "batch_size": training.batch_size,
         "keep_optimizer": config.miner.keep_optimizer if config.node.role == "miner" else None,
         "top_g": aggregation.top_g,

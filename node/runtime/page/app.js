@@ -54,7 +54,7 @@ function learningLine(l) {
   const kept = l.keep_optimizer === null ? "" : l.keep_optimizer
     ? ", keeping its AdamW state, rewound and its lr halved after a round that merges nothing" : ", AdamW from zero";
   return `${l.experts} experts · ${l.inner_steps} AdamW steps a round ` +
-    `(lr ${l.inner_lr}, beta1 ${l.inner_beta1}, batch ${l.batch_size}${kept}) · ` +
+    `(lr ${l.inner_lr}, batch ${l.batch_size}${kept}) · ` +
     `miners send ${sent} · top ${l.top_g} merged, outer lr ${l.outer_lr}, momentum ${l.momentum}, ` +
     `${l.weighting} weights` +
     (l.average_decay ? ` · offers the average of its merged states (decay ${l.average_decay})` : "");

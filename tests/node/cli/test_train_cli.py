@@ -77,20 +77,6 @@ async def test_a_miner_that_keeps_its_optimizer_trains_each_round_on_from_the_la
     assert fresh != duty_blobs[1]
 
 
-def test_a_miner_trains_at_the_specs_adamw_beta1(tmp_path: Path) -> None:
-    net = Twins(tmp_path)
-    me, base = identity("miner-0").node_id, net.spec.model.base_hash
-    blobs, betas = {}, {}
-    for beta1 in (0.9, 0.5):
-        spec = net.spec.model_copy(update={"training": net.spec.training.model_copy(update={"beta1": beta1})})
-        model, carried = MinerModel.load(spec, net.spec_path), InnerOptimizer()
-        blobs[beta1], _ = build_submission(model, me, 0, base, model.genesis.tensors, MinerSettings(),
-                                           optimizer=carried)
-        assert carried.state is not None
-        betas[beta1] = carried.state["param_groups"][0]["betas"]
-    assert betas == {0.9: (0.9, 0.999), 0.5: (0.5, 0.999)} and blobs[0.9] != blobs[0.5]
-
-
 def test_tessera_train_refuses_a_global_blob_that_is_not_a_state(tmp_path: Path, capsys) -> None:
     net = Twins(tmp_path)
     save_identity(identity("miner-0"), tmp_path / "miner.key")

@@ -180,7 +180,7 @@ async def test_a_validators_own_report_wins(storage: Storage, spec: NetworkSpec,
 
 def test_status_says_how_the_network_learns(spec_dict: dict[str, Any], tmp_path: Path) -> None:
     spec_dict["submission"] = {"format": "pgrad", "chunk": 128, "topk": 16, "quant": "int8", "partitions": 4}
-    spec_dict["training"] = {"inner_steps": 5, "lr": 2e-3, "beta1": 0.656, "batch_size": 4}
+    spec_dict["training"] = {"inner_steps": 5, "lr": 2e-3, "batch_size": 4}
     spec_dict["aggregation"] = {"top_g": 8, "outer_lr": 2.5, "momentum": 0.0,
                                 "average_decay": 0.9}
     pgrad = parse_spec(spec_dict)
@@ -188,7 +188,7 @@ def test_status_says_how_the_network_learns(spec_dict: dict[str, Any], tmp_path:
     assert learning_settings(pgrad, miner) == {
         "format": "pgrad", "pgrad": {"chunk": 128, "topk": 16, "quant": "int8", "partitions": 4},
         "experts": 3,  # the group is {0: [1, 3], 1: [0]}
-        "inner_steps": 5, "inner_lr": 2e-3, "inner_beta1": 0.656, "batch_size": 4, "keep_optimizer": True,
+        "inner_steps": 5, "inner_lr": 2e-3, "batch_size": 4, "keep_optimizer": True,
         "top_g": 8, "outer_lr": 2.5, "momentum": 0.0, "weighting": "uniform",
         "average_decay": 0.9}
     validator = NodeConfig(node={"role": "validator", "spec": tmp_path / "spec.toml"},
