@@ -13,10 +13,10 @@ honest miner trains from the adopted state and builds its blob with the honest b
 (`validator.scoring.gate_measure`, with the forgetting budget on the general-domain file the spec pins).
 This file has no round logic of its own: it changes only the inputs.
 Read on held-out documents the validators never score (the report set), per run: `base_loss`,
-`adopted_losses` (the state adopted at the end of each round: the average of the merged states where the
-spec keeps one), `best_single_losses` (the lowest single accepted submission of the round), `gates` (the
-gate's verdict each round: the candidate adopted, every candidate's gate and general-domain losses, those
-refused, and how many updates were merged and are in the adopted state), `noise` (the mean over the run's states of half the gap between their losses on
+`adopted_losses` (the state adopted at the end of each round), `best_single_losses` (the lowest single
+accepted submission of the round), `gates` (the gate's verdict each round: the candidate adopted, every
+candidate's gate and general-domain losses, those refused, and how many updates were merged and are in
+the adopted state), `noise` (the mean over the run's states of half the gap between their losses on
 the two halves of the report set: the sampling noise of one held-out subset) and `forgetting` (the rise of
 the last adopted state's loss on a general-domain report set over the base's). `baselines`, per setting,
 seed, H and M, from the same base and batches at the same tokens: single-node expert tuning (ESFT: the
@@ -223,7 +223,7 @@ class Network:
         feedback = {m: ErrorFeedback() if self.spec.submission.format == "pgrad" else None for m in ids}
         optimizers = {m: InnerOptimizer() if keep_optimizer else None for m in ids}
         state = self.genesis
-        adopted, best, picks, noise = [], [], [], [self.noise(state.offered)]
+        adopted, best, picks, noise = [], [], [], [self.noise(state.tensors)]
         for r in range(rounds):
             blobs: dict[str, bytes] = {}
             for m in ids:
@@ -234,14 +234,14 @@ class Network:
                 except Diverged as exc:
                     print(f"round {r}: miner {m[:8]}: {exc}", file=sys.stderr)
             state, pick, accepted = self.round(r, seed, state, blobs)
-            adopted.append(self.loss(state.offered))
+            adopted.append(self.loss(state.tensors))
             best.append(min((self.loss(t) for t in accepted.values()), default=None))
             picks.append(pick)
-            noise.append(self.noise(state.offered))
-        base_general = self.loss(self.genesis.offered, self.general_report)
-        return {"base_loss": self.loss(self.genesis.offered), "adopted_losses": adopted, "best_single_losses": best,
+            noise.append(self.noise(state.tensors))
+        base_general = self.loss(self.genesis.tensors, self.general_report)
+        return {"base_loss": self.loss(self.genesis.tensors), "adopted_losses": adopted, "best_single_losses": best,
                 "gates": picks, "noise": round(sum(noise) / len(noise), 4),
-                "forgetting": round(self.loss(state.offered, self.general_report) - base_general, 4)}
+                "forgetting": round(self.loss(state.tensors, self.general_report) - base_general, 4)}
 
     def adversary(self, miner: str, round: int, state: GlobalExperts) -> bytes:
         """The simulation's noise adversary's blob (`node.sim.adversaries.Noise`)."""
@@ -277,7 +277,7 @@ class Network:
         tensors, momentum = dict(state.tensors), dict(state.momentum)
         result = merge_round(reports, assignment, revealed, accepted, tensors, momentum, self.spec, state.hash)
         adoption = gate(result, accepted, tensors, momentum, self.spec, gate_measure(self.scorer, seed_r, self.general))
-        if adoption.changed or state.average is not None:  # as the validator duty: an average moves every round
+        if adoption.changed:
             state = state.child(round, adoption.new_global, adoption.new_momentum)
         verdict = {**adoption.report(), "merged": len(result.contributors), "in_adopted": len(adoption.contributors)}
         return state, verdict, accepted
@@ -312,7 +312,7 @@ class Network:
             trained = train_experts(model, self.miners.adapter, self.spec.group, together, cfg, optimizer)
             dp, optimizer = trained.tensors, trained.optimizer_state
             dp_losses.append(self.loss(dp))
-        base_general = self.loss(self.genesis.offered, self.general_report)
+        base_general = self.loss(self.genesis.tensors, self.general_report)
         dp_losses = dp_losses or esft_losses
         return {"esft_losses": esft_losses, "esft_loss": esft_losses[-1], "dp_ceiling_losses": dp_losses,
                 "dp_ceiling_loss": dp_losses[-1],

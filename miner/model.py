@@ -118,8 +118,8 @@ class MinerModel:
 
 
 def _genesis(spec: NetworkSpec, experts: Mapping[str, torch.Tensor]) -> GlobalExperts:
-    """A miner's view of the genesis state: the base's experts without their average (a miner trains from the
-    merged state) and with a momentum it never reads, zero-strided views of one zero (no memory)."""
+    """A miner's view of the genesis state: the base's experts, with a momentum it never reads, zero-strided
+    views of one zero (no memory)."""
     zeros = {name: torch.zeros((), dtype=torch.float32).expand(t.shape) for name, t in experts.items()}
     return GlobalExperts(spec=spec, round=GENESIS_ROUND, parent="", tensors=dict(experts), momentum=zeros)
 

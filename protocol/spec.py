@@ -152,12 +152,6 @@ class AggregationSpec(_Strict):
     momentum: float = Field(default=0.0, ge=0, lt=1, description="Nesterov momentum.")
     weighting: Literal["uniform", "utility"] = Field(default="uniform", description="How merged updates are weighted.")
     clip_to_median: bool = Field(default=True, description="Clip each pseudo-gradient to the median norm.")
-    average_decay: float = Field(
-        default=0.0, ge=0, lt=1,
-        description="0: the network offers the merged state. Above 0: it also keeps the average of its merged "
-        "states, which moves (1 - average_decay) of the way to the merged state every round; that average is "
-        "the model the network reports and exports, while miners train from the merged state "
-        "(docs/learning.md, \"Reporting the average of the merged states\").")
     forgetting_budget: float | None = Field(
         default=None, ge=0,
         description="Where the spec pins a general-domain held-out file (data.general_sha256): the most a candidate "

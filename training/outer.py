@@ -20,8 +20,6 @@ lazy (unchanged) submissions are never flagged as each other's copies here. With
 cosine is taken over the blocks both miners cover: two identities sending one run's update, each
 on its own drawn chunks, agree exactly where their draws overlap and nowhere else, so their cosine
 over whole tensors is only about the overlap's share.
-`average_states` keeps the average of the merged states a network reports when its spec sets
-`aggregation.average_decay` (training.state folds it into every state it makes).
 This module knows nothing about ranking, rewards or where tensors come from.
 """
 
@@ -105,23 +103,6 @@ def outer_step(
             new_momentum[name] = m
             new_global[name] = phi - (g + m * cfg.momentum) * cfg.lr
     return new_global, new_momentum
-
-
-def average_states(averaged: Tensors, state: Tensors, decay: float) -> dict[str, torch.Tensor]:
-    """`averaged` moved (1 - `decay`) of the way to `state`, name by name; at decay 0, `state` itself.
-
-    An exponential average of the states a run passes through (Polyak averaging): one step's gradient noise
-    moves the state back and forth, and the average keeps the part of each move that the next ones repeat.
-    Each entry is `decay * a + (1 - decay) * s`, three rounded operations, so the same inputs give the same
-    bytes on every validator (the module doc's determinism).
-    """
-    if not 0.0 <= decay < 1.0:
-        raise ValueError(f"an average's decay is in [0, 1), got {decay}")
-    if not decay:
-        return dict(state)
-    check_same_names(state, averaged, "averaged")
-    with torch.no_grad():
-        return {name: decay * averaged[name] + (1.0 - decay) * state[name] for name in sorted(state)}
 
 
 def norm(tensors: Tensors) -> float:

@@ -85,7 +85,7 @@ def run_train(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise ValueError(f"{args.global_blob}: cannot read the global state: {exc.strerror}") from exc
         try:
-            _, base, _ = decode_state(data, spec, model.shapes)  # miners train from the merged tensors
+            _, base = decode_state(data, spec, model.shapes)
         except SyncError as exc:
             raise ValueError(f"{args.global_blob}: {exc}") from exc
         head = sha256_hex(data)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.outer import OuterConfig, average_states, cosine, near_duplicates, norm, outer_step
+from training.outer import OuterConfig, cosine, near_duplicates, norm, outer_step
 
 ROOT = Path(__file__).resolve().parents[2]
 GLOBAL = {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([0.5])}
@@ -255,14 +255,3 @@ def test_near_duplicates_sum_in_sorted_name_order() -> None:
     plain = {"a": torch.tensor([1.0]), **{n: torch.zeros(2) for n in "bcde"}}
     for first in (forward, dict(reversed(forward.items()))):
         assert near_duplicates({"m1": first, "m2": plain}, 1.0) == {"m1", "m2"}
-
-
-def test_the_average_moves_a_tenth_of_the_way_at_decay_0_9_and_is_the_state_at_decay_0() -> None:
-    old, new = {"w": torch.tensor([0.0, 10.0])}, {"w": torch.tensor([10.0, 0.0])}
-    assert torch.equal(average_states(old, new, 0.9)["w"], torch.tensor([1.0, 9.0]))
-    assert average_states(old, new, 0.0)["w"] is new["w"]  # no average: the merged state itself
-    for bad in (-0.1, 1.0):
-        with pytest.raises(ValueError, match="decay is in \\[0, 1\\)"):
-            average_states(old, new, bad)
-    with pytest.raises(ValueError):
-        average_states({"v": torch.zeros(2)}, new, 0.5)

@@ -56,8 +56,7 @@ function learningLine(l) {
   return `${l.experts} experts · ${l.inner_steps} AdamW steps a round ` +
     `(lr ${l.inner_lr}, batch ${l.batch_size}${kept}) · ` +
     `miners send ${sent} · top ${l.top_g} merged, outer lr ${l.outer_lr}, momentum ${l.momentum}, ` +
-    `${l.weighting} weights` +
-    (l.average_decay ? ` · offers the average of its merged states (decay ${l.average_decay})` : "");
+    `${l.weighting} weights`;
 }
 
 function renderGlance(status) {

@@ -67,7 +67,7 @@ async def test_a_miner_that_keeps_its_optimizer_trains_each_round_on_from_the_la
     finally:
         await net.close()
     model = MinerModel.load(net.spec, net.spec_path)
-    _, head_tensors, _ = decode_state(state, net.spec, model.shapes)
+    _, head_tensors = decode_state(state, net.spec, model.shapes)
     me, carried = identity("miner-0").node_id, InnerOptimizer()
     builds = [build_submission(model, me, 0, net.spec.model.base_hash, model.genesis.tensors, MinerSettings(),
                                optimizer=carried)[0],

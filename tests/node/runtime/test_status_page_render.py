@@ -28,7 +28,7 @@ ROUNDS = [{"round": 0, "source": "validator", "base": "dd" * 32, "base_loss": 3.
 LEARNING = {"format": "pgrad", "pgrad": {"chunk": 256, "topk": 40, "quant": "2bit", "partitions": 2}, "experts": 4,
             "inner_steps": 5, "inner_lr": 0.001, "batch_size": 8,
             "keep_optimizer": None, "top_g": 8, "outer_lr": 2.5, "momentum": 0.0,
-            "weighting": "uniform", "average_decay": 0.9}
+            "weighting": "uniform"}
 
 
 class FakeValidator:
@@ -105,8 +105,7 @@ def test_the_page_renders_peer_text_as_text(browser: Any, served: tuple[HttpApi,
     assert page.locator("#learning").inner_text() == (
         "4 experts · 5 AdamW steps a round (lr 0.001, batch 8) · miners send compressed "
         "pseudo-gradients (40 of 256 entries a chunk, 2bit, 1/2 of the chunks) · top 8 merged, "
-        "outer lr 2.5, momentum 0, uniform weights · offers the average of its merged states "
-        "(decay 0.9)")
+        "outer lr 2.5, momentum 0, uniform weights")
 
     page.locator(f"table.leaderboard tr[data-miner='{B}']").click()  # a miner's history on a validator
     page.wait_for_selector("#me:not([hidden]) tr.my-round[data-round='0']")
