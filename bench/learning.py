@@ -24,7 +24,7 @@ miners' own training code over every miner's batches in turn, one AdamW run) and
 ceiling (one AdamW run whose every step takes the M miners' batches of that step together), each read
 after every round's tokens, and ESFT's forgetting.
 Usage: python bench/learning.py [--domain S,...] [--networks M@H[/A],...] [--rounds R] [--seeds S,...]
-       [--workers W] [--keep-optimizer] [--set SECTION.FIELD=VALUE]... [--small] [--cache DIR] [--out FILE.json]
+       [--workers W] [--set SECTION.FIELD=VALUE]... [--small] [--cache DIR] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -212,16 +212,13 @@ class Network:
         half = self.report.shape[0] // 2
         return abs(self.loss(tensors, self.report[:half]) - self.loss(tensors, self.report[half:])) / 2
 
-    def run(self, net: Net, rounds: int, seed: int, keep_optimizer: bool) -> dict[str, Any]:
-        """`rounds` rounds of `net` from genesis: the losses after each, the gate's picks, the noise, the forgetting.
-        `keep_optimizer`: honest miners carry their AdamW state between rounds, as `[miner] keep_optimizer` does."""
-        from miner.optimizer import InnerOptimizer
+    def run(self, net: Net, rounds: int, seed: int) -> dict[str, Any]:
+        """`rounds` rounds of `net` from genesis: the losses after each, the gate's picks, the noise, the forgetting."""
         from miner.submission import Diverged, ErrorFeedback, build_submission
 
         ids = [identity("miner", i, seed).node_id for i in range(net.miners)]
         adversaries = set(ids[net.miners - net.adversaries:])
         feedback = {m: ErrorFeedback() if self.spec.submission.format == "pgrad" else None for m in ids}
-        optimizers = {m: InnerOptimizer() if keep_optimizer else None for m in ids}
         state = self.genesis
         adopted, best, picks, noise = [], [], [], [self.noise(state.tensors)]
         for r in range(rounds):
@@ -229,8 +226,7 @@ class Network:
             for m in ids:
                 try:
                     blobs[m] = self.adversary(m, r, state) if m in adversaries else build_submission(
-                        self.miners, m, r, state.hash, state.tensors, self.settings, feedback=feedback[m],
-                        optimizer=optimizers[m])[0]
+                        self.miners, m, r, state.hash, state.tensors, self.settings, feedback=feedback[m])[0]
                 except Diverged as exc:
                     print(f"round {r}: miner {m[:8]}: {exc}", file=sys.stderr)
             state, pick, accepted = self.round(r, seed, state, blobs)
@@ -320,7 +316,7 @@ class Network:
 
 
 def run_task(setting: str, seed: int, size: Size, networks: tuple[Net, ...], rounds: int, cache: Path,
-             settings: list[tuple[str, Any]], keep_optimizer: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+             settings: list[tuple[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Every network and baseline of one setting and seed (one process's share of the benchmark)."""
     import torch
 
@@ -332,7 +328,7 @@ def run_task(setting: str, seed: int, size: Size, networks: tuple[Net, ...], rou
             for net in (n for n in networks if n.inner_steps == h):
                 started = time.perf_counter()
                 key = {"domain": setting, "seed": seed, "inner_steps": h, "miners": net.miners}
-                runs.append({**key, "adversaries": net.adversaries, **network.run(net, rounds, seed, keep_optimizer)})
+                runs.append({**key, "adversaries": net.adversaries, **network.run(net, rounds, seed)})
                 print(f"{setting} seed {seed} M={net.miners} A={net.adversaries} H={h}: adopted "
                       f"{runs[-1]['adopted_losses']} ({[g['adopted'] for g in runs[-1]['gates']]}, "
                       f"{time.perf_counter() - started:.0f} s)",
@@ -401,8 +397,6 @@ def main() -> int:
     parser.add_argument("--seeds", type=integers(0),
                         help="seeds of the miners' ids (their shards and batches) and of the round seeds (default 0,1,2)")
     parser.add_argument("--workers", type=int, default=2, help="processes, one setting and seed each (default 2)")
-    parser.add_argument("--keep-optimizer", action="store_true",
-                        help="honest miners keep their AdamW state between rounds, as `[miner] keep_optimizer` does")
     add_spec_settings(parser, "the spec's defaults and each network's H")
     parser.add_argument("--small", action="store_true",
                         help="a base trained for 30 steps, little data, and unless given arithmetic, seed 0, "
@@ -430,7 +424,7 @@ def main() -> int:
     runs, baselines = [], []
     if len(tasks) == 1 or args.workers == 1:
         for setting, seed in tasks:
-            part = run_task(setting, seed, size, nets, rounds, cache, args.spec_settings, args.keep_optimizer)
+            part = run_task(setting, seed, size, nets, rounds, cache, args.spec_settings)
             runs += part[0]
             baselines += part[1]
     else:
@@ -439,12 +433,12 @@ def main() -> int:
         bases = sorted({SETTINGS[s][0] if SETTINGS[s][1] else "general": s for s in settings}.values())
         with ProcessPoolExecutor(min(args.workers, len(tasks)), mp_context=multiprocessing.get_context("spawn")) as pool:
             list(pool.map(pretrain, bases, [size] * len(bases), [cache] * len(bases)))  # each base once
-            jobs = [(s, seed, size, nets, rounds, cache, args.spec_settings, args.keep_optimizer) for s, seed in tasks]
+            jobs = [(s, seed, size, nets, rounds, cache, args.spec_settings) for s, seed in tasks]
             for part in pool.map(run_task, *zip(*jobs, strict=True)):
                 runs += part[0]
                 baselines += part[1]
     emit({"seconds": round(time.perf_counter() - started, 1), "spec_overrides": overrides, "rounds": rounds,
-          "keep_optimizer": args.keep_optimizer, "small": args.small, "runs": runs, "baselines": baselines}, args.out)
+          "small": args.small, "runs": runs, "baselines": baselines}, args.out)
     return 0
 
 

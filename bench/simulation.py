@@ -26,7 +26,7 @@ stored round seed; they match, which shows the per-sequence losses are the valid
 and, in `noise_by_subset_size`, which rounds would beat the noise at other subset sizes.
 This script knows nothing about how the nodes train, score or merge; it reads what they stored.
 Usage: python bench/simulation.py [--rounds 6] [--dir DIR] [--subsets 200] [--out FILE.json]
-       [--inner-steps H] [--format pgrad] [--set SECTION.FIELD=VALUE ...] [--keep-optimizer]
+       [--inner-steps H] [--format pgrad] [--set SECTION.FIELD=VALUE ...]
        [--adversaries KIND,...]
        python bench/simulation.py --reuse DIR [--out FILE.json]   (evaluate an earlier run's DIR again)
 """
@@ -305,8 +305,6 @@ def main() -> int:
                         help="what miners submit, as simulate's --format (default experts)")
     parser.add_argument("--set", action="append", default=[], type=spec_setting, metavar="SECTION.FIELD=VALUE",
                         dest="spec_settings", help="a spec value, as simulate's --set (repeatable)")
-    parser.add_argument("--keep-optimizer", action="store_true",
-                        help="miners keep their AdamW state from round to round, as simulate's --keep-optimizer")
     parser.add_argument("--adversaries", type=comma_list, default=(), metavar="KIND,...",
                         help="make that many of the miners adversaries, as simulate's --adversaries")
     parser.add_argument("--dir", type=Path, help="simulation directory, must not exist (default: a new temporary one)")
@@ -328,8 +326,7 @@ def main() -> int:
             settings = SimSettings(validators=args.validators, miners=args.miners, adversaries=args.adversaries,
                                    round_seconds=args.round_seconds,
                                    train_share=args.train_share, inner_steps=args.inner_steps, seed=args.seed,
-                                   submission_format=args.format, spec_settings=tuple(args.spec_settings),
-                                   keep_optimizer=args.keep_optimizer)
+                                   submission_format=args.format, spec_settings=tuple(args.spec_settings))
         except ValueError as exc:
             parser.error(str(exc))
         directory = (args.dir or Path(tempfile.mkdtemp(prefix="tessera-simlearn-"))).resolve()

@@ -127,8 +127,8 @@ def train_experts(
 
     `model` is the full model, or (in `compressed` mode) an already compressed one for `group`.
     `optimizer_state`: an earlier run's `TrainResult.optimizer_state` on the same group, so AdamW's
-    moments go on from where that run left them (a DiLoCo worker keeps its inner optimizer across
-    rounds); None starts them at zero. `cfg`'s lr and weight decay apply either way.
+    moments go on from where that run left them (one continuous AdamW run in pieces, as the learning
+    benchmark's single-node baselines are); None starts them at zero. `cfg`'s lr and weight decay apply either way.
     """
     device = torch.device(cfg.device)
     net, copies = _prepare(model, adapter, group, cfg, device)
@@ -177,19 +177,6 @@ def inner_adamw(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.opt
         eight_bit = AdamW8bit(params, lr=cfg.lr, weight_decay=cfg.weight_decay)  # type: ignore[no-untyped-call]
         return cast(torch.optim.Optimizer, eight_bit)
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
-
-
-BACKTRACK_FLOOR = 1 / 64
-"""The smallest fraction of its lr that backtracking (`backtracked`) leaves a miner's inner AdamW."""
-
-
-def backtracked(scale: float, merged: bool) -> float:
-    """The fraction of its lr a backtracking miner trains the next round at, from this round's `scale`: back to 1
-    after a round that merged an update, else half of `scale`, down to `BACKTRACK_FLOOR` (docs/learning.md,
-    "Backtracking the miners' lr after a level round")."""
-    if not 0 < scale <= 1:
-        raise ValueError(f"an lr scale is in (0, 1], got {scale}")
-    return 1.0 if merged else max(scale / 2, BACKTRACK_FLOOR)
 
 
 def _resume(

@@ -25,7 +25,6 @@ from protocol.ranking import update_standing
 from protocol.rounds import PHASES
 
 if TYPE_CHECKING:
-    from node.runtime.config import NodeConfig
     from node.runtime.daemon import Node
     from node.store.records import GlobalStateRecord
     from protocol.spec import NetworkSpec
@@ -209,10 +208,8 @@ class StatusViews:
                 "voted": voted / total if total else 0.0, "states": len(tally)}
 
 
-def learning_settings(spec: NetworkSpec, config: NodeConfig) -> dict[str, Any]:
-    """How this network learns, as /status shows it: what miners send, how they train, how the state is merged.
-
-    All from the spec but `keep_optimizer`, a miner's own setting (None on a validator)."""
+def learning_settings(spec: NetworkSpec) -> dict[str, Any]:
+    """How this network learns, as /status shows it: what miners send, how they train, how the state is merged."""
     submission, training, aggregation = spec.submission, spec.training, spec.aggregation
     return {
         "format": submission.format,
@@ -221,7 +218,6 @@ def learning_settings(spec: NetworkSpec, config: NodeConfig) -> dict[str, Any]:
         "inner_steps": training.inner_steps,
         "inner_lr": training.lr,
         "batch_size": training.batch_size,
-        "keep_optimizer": config.miner.keep_optimizer if config.node.role == "miner" else None,
         "top_g": aggregation.top_g,
         "outer_lr": aggregation.outer_lr,
         "momentum": aggregation.momentum,

@@ -26,8 +26,7 @@ ROUNDS = [{"round": 0, "source": "validator", "base": "dd" * 32, "base_loss": 3.
                                           {"id": B, **ENTRY}]}]
 
 LEARNING = {"format": "pgrad", "pgrad": {"chunk": 256, "topk": 40, "quant": "2bit", "partitions": 2}, "experts": 4,
-            "inner_steps": 5, "inner_lr": 0.001, "batch_size": 8,
-            "keep_optimizer": None, "top_g": 8, "outer_lr": 2.5, "momentum": 0.0,
+            "inner_steps": 5, "inner_lr": 0.001, "batch_size": 8, "top_g": 8, "outer_lr": 2.5, "momentum": 0.0,
             "weighting": "uniform"}
 
 
@@ -174,20 +173,6 @@ def test_leaderboards_go_when_no_round_shown_has_miners(browser: Any, served: tu
     page.wait_for_selector("#leaderboards > p.muted", timeout=10_000)
     assert page.locator("table.leaderboard").count() == 0
     assert page.locator("#leaderboards").inner_text() == "no scored round yet"
-    page.close()
-
-
-@pytest.mark.parametrize(("keep", "says"), [
-    (True, ", keeping its AdamW state, rewound and its lr halved after a round that merges nothing)"),
-    (False, ", AdamW from zero)")])
-def test_the_header_says_whether_a_miner_keeps_and_rewinds_its_adamw_state(
-        browser: Any, served: tuple[HttpApi, FakeValidator], keep: bool, says: str) -> None:
-    api, node = served
-    node.learning = {**LEARNING, "keep_optimizer": keep}
-    page = browser.new_page()
-    _ready(page, api.url)
-    assert page.locator("#learning").inner_text().startswith(
-        f"4 experts · 5 AdamW steps a round (lr 0.001, batch 8{says} · miners send")
     page.close()
 
 
