@@ -13,10 +13,10 @@ honest miner trains from the adopted state and builds its blob with the honest b
 (`validator.scoring.gate_measure`, with the forgetting budget on the general-domain file the spec pins).
 This file has no round logic of its own: it changes only the inputs.
 Read on held-out documents the validators never score (the report set), per run: `base_loss`,
-`adopted_losses` (the state adopted at the end of each round: the average of the merged states where the
-spec keeps one), `best_single_losses` (the lowest single accepted submission of the round), `gates` (the
-gate's verdict each round: the candidate adopted, every candidate's gate and general-domain losses, those
-refused, and how many updates were merged and are in the adopted state), `noise` (the mean over the run's states of half the gap between their losses on
+`adopted_losses` (the state adopted at the end of each round), `best_single_losses` (the lowest single
+accepted submission of the round), `gates` (the gate's verdict each round: the candidate adopted, every
+candidate's gate and general-domain losses, those refused, and how many updates were merged and are in
+the adopted state), `noise` (the mean over the run's states of half the gap between their losses on
 the two halves of the report set: the sampling noise of one held-out subset) and `forgetting` (the rise of
 the last adopted state's loss on a general-domain report set over the base's). `baselines`, per setting,
 seed, H and M, from the same base and batches at the same tokens: single-node expert tuning (ESFT: the
@@ -26,7 +26,7 @@ after every round's tokens, and ESFT's forgetting. `summary` reads the issue's q
 (`summarise`): the rounds the adopted loss rose, whether it fell, the rounds it read above the best single
 submission, its share of the ceiling's drop, 8 miners against 4 and forgetting against ESFT's.
 Usage: python bench/learning.py [--domain S,...] [--networks M@H[/A],...] [--rounds R] [--seeds S,...]
-       [--workers W] [--keep-optimizer] [--set SECTION.FIELD=VALUE]... [--small] [--cache DIR] [--out FILE.json]
+       [--workers W] [--set SECTION.FIELD=VALUE]... [--small] [--cache DIR] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -214,36 +214,32 @@ class Network:
         half = self.report.shape[0] // 2
         return abs(self.loss(tensors, self.report[:half]) - self.loss(tensors, self.report[half:])) / 2
 
-    def run(self, net: Net, rounds: int, seed: int, keep_optimizer: bool) -> dict[str, Any]:
-        """`rounds` rounds of `net` from genesis: the losses after each, the gate's picks, the noise, the forgetting.
-        `keep_optimizer`: honest miners carry their AdamW state between rounds, as `[miner] keep_optimizer` does."""
-        from miner.optimizer import InnerOptimizer
+    def run(self, net: Net, rounds: int, seed: int) -> dict[str, Any]:
+        """`rounds` rounds of `net` from genesis: the losses after each, the gate's picks, the noise, the forgetting."""
         from miner.submission import Diverged, ErrorFeedback, build_submission
 
         ids = [identity("miner", i, seed).node_id for i in range(net.miners)]
         adversaries = set(ids[net.miners - net.adversaries:])
         feedback = {m: ErrorFeedback() if self.spec.submission.format == "pgrad" else None for m in ids}
-        optimizers = {m: InnerOptimizer() if keep_optimizer else None for m in ids}
         state = self.genesis
-        adopted, best, picks, noise = [], [], [], [self.noise(state.offered)]
+        adopted, best, picks, noise = [], [], [], [self.noise(state.tensors)]
         for r in range(rounds):
             blobs: dict[str, bytes] = {}
             for m in ids:
                 try:
                     blobs[m] = self.adversary(m, r, state) if m in adversaries else build_submission(
-                        self.miners, m, r, state.hash, state.tensors, self.settings, feedback=feedback[m],
-                        optimizer=optimizers[m])[0]
+                        self.miners, m, r, state.hash, state.tensors, self.settings, feedback=feedback[m])[0]
                 except Diverged as exc:
                     print(f"round {r}: miner {m[:8]}: {exc}", file=sys.stderr)
             state, pick, accepted = self.round(r, seed, state, blobs)
-            adopted.append(self.loss(state.offered))
+            adopted.append(self.loss(state.tensors))
             best.append(min((self.loss(t) for t in accepted.values()), default=None))
             picks.append(pick)
-            noise.append(self.noise(state.offered))
-        base_general = self.loss(self.genesis.offered, self.general_report)
-        return {"base_loss": self.loss(self.genesis.offered), "adopted_losses": adopted, "best_single_losses": best,
+            noise.append(self.noise(state.tensors))
+        base_general = self.loss(self.genesis.tensors, self.general_report)
+        return {"base_loss": self.loss(self.genesis.tensors), "adopted_losses": adopted, "best_single_losses": best,
                 "gates": picks, "noise": round(sum(noise) / len(noise), 4),
-                "forgetting": round(self.loss(state.offered, self.general_report) - base_general, 4)}
+                "forgetting": round(self.loss(state.tensors, self.general_report) - base_general, 4)}
 
     def adversary(self, miner: str, round: int, state: GlobalExperts) -> bytes:
         """The simulation's noise adversary's blob (`node.sim.adversaries.Noise`)."""
@@ -279,7 +275,7 @@ class Network:
         tensors, momentum = dict(state.tensors), dict(state.momentum)
         result = merge_round(reports, assignment, revealed, accepted, tensors, momentum, self.spec, state.hash)
         adoption = gate(result, accepted, tensors, momentum, self.spec, gate_measure(self.scorer, seed_r, self.general))
-        if adoption.changed or state.average is not None:  # as the validator duty: an average moves every round
+        if adoption.changed:
             state = state.child(round, adoption.new_global, adoption.new_momentum)
         verdict = {**adoption.report(), "merged": len(result.contributors), "in_adopted": len(adoption.contributors)}
         return state, verdict, accepted
@@ -304,7 +300,7 @@ class Network:
             esft_losses.append(self.loss(esft))
         dp, dp_losses, inner, model = self.genesis.tensors, [], self.spec.training, self.miners.model
         assert isinstance(model, torch.nn.Module), "the miners' model is loaded whole (`full` forward)"
-        cfg = TrainConfig(steps=inner.inner_steps, lr=inner.lr, beta1=inner.beta1, weight_decay=inner.weight_decay,
+        cfg = TrainConfig(steps=inner.inner_steps, lr=inner.lr, weight_decay=inner.weight_decay,
                           batch_size=inner.batch_size * miners, grad_clip=inner.grad_clip, pad_id=self.miners.pad_id)
         optimizer = None
         for r in range(rounds if miners > 1 else 0):  # one miner's ceiling is ESFT itself
@@ -314,7 +310,7 @@ class Network:
             trained = train_experts(model, self.miners.adapter, self.spec.group, together, cfg, optimizer)
             dp, optimizer = trained.tensors, trained.optimizer_state
             dp_losses.append(self.loss(dp))
-        base_general = self.loss(self.genesis.offered, self.general_report)
+        base_general = self.loss(self.genesis.tensors, self.general_report)
         dp_losses = dp_losses or esft_losses
         return {"esft_losses": esft_losses, "esft_loss": esft_losses[-1], "dp_ceiling_losses": dp_losses,
                 "dp_ceiling_loss": dp_losses[-1],
@@ -322,7 +318,7 @@ class Network:
 
 
 def run_task(setting: str, seed: int, size: Size, networks: tuple[Net, ...], rounds: int, cache: Path,
-             settings: list[tuple[str, Any]], keep_optimizer: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+             settings: list[tuple[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Every network and baseline of one setting and seed (one process's share of the benchmark)."""
     import torch
 
@@ -334,7 +330,7 @@ def run_task(setting: str, seed: int, size: Size, networks: tuple[Net, ...], rou
             for net in (n for n in networks if n.inner_steps == h):
                 started = time.perf_counter()
                 key = {"domain": setting, "seed": seed, "inner_steps": h, "miners": net.miners}
-                runs.append({**key, "adversaries": net.adversaries, **network.run(net, rounds, seed, keep_optimizer)})
+                runs.append({**key, "adversaries": net.adversaries, **network.run(net, rounds, seed)})
                 print(f"{setting} seed {seed} M={net.miners} A={net.adversaries} H={h}: adopted "
                       f"{runs[-1]['adopted_losses']} ({[g['adopted'] for g in runs[-1]['gates']]}, "
                       f"{time.perf_counter() - started:.0f} s)",
@@ -435,8 +431,6 @@ def main() -> int:
     parser.add_argument("--seeds", type=integers(0),
                         help="seeds of the miners' ids (their shards and batches) and of the round seeds (default 0,1,2)")
     parser.add_argument("--workers", type=int, default=2, help="processes, one setting and seed each (default 2)")
-    parser.add_argument("--keep-optimizer", action="store_true",
-                        help="honest miners keep their AdamW state between rounds, as `[miner] keep_optimizer` does")
     add_spec_settings(parser, "the spec's defaults and each network's H")
     parser.add_argument("--small", action="store_true",
                         help="a base trained for 30 steps, little data, and unless given arithmetic, seed 0, "
@@ -464,7 +458,7 @@ def main() -> int:
     runs, baselines = [], []
     if len(tasks) == 1 or args.workers == 1:
         for setting, seed in tasks:
-            part = run_task(setting, seed, size, nets, rounds, cache, args.spec_settings, args.keep_optimizer)
+            part = run_task(setting, seed, size, nets, rounds, cache, args.spec_settings)
             runs += part[0]
             baselines += part[1]
     else:
@@ -473,13 +467,12 @@ def main() -> int:
         bases = sorted({SETTINGS[s][0] if SETTINGS[s][1] else "general": s for s in settings}.values())
         with ProcessPoolExecutor(min(args.workers, len(tasks)), mp_context=multiprocessing.get_context("spawn")) as pool:
             list(pool.map(pretrain, bases, [size] * len(bases), [cache] * len(bases)))  # each base once
-            jobs = [(s, seed, size, nets, rounds, cache, args.spec_settings, args.keep_optimizer) for s, seed in tasks]
+            jobs = [(s, seed, size, nets, rounds, cache, args.spec_settings) for s, seed in tasks]
             for part in pool.map(run_task, *zip(*jobs, strict=True)):
                 runs += part[0]
                 baselines += part[1]
     emit({"seconds": round(time.perf_counter() - started, 1), "spec_overrides": overrides, "rounds": rounds,
-          "keep_optimizer": args.keep_optimizer, "small": args.small, "runs": runs, "baselines": baselines,
-          "summary": summarise(runs, baselines)}, args.out)
+          "small": args.small, "runs": runs, "baselines": baselines, "summary": summarise(runs, baselines)}, args.out)
     return 0
 
 

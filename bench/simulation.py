@@ -22,13 +22,11 @@ round_to_round_std of the two states compared (`beats_noise`); the looser readin
 subset_std, is `beats_2_subset_std`. Per round it also reports the paired drop
 loss(previous, S) - loss(adopted, S) over the same subsets (mean, std, min), the validators' own
 base_loss/global_loss next to this benchmark's recomputation on the round's actual subset (from the
-stored round seed; they match, which shows the per-sequence losses are the validators' numbers; where
-the spec keeps an average of the merged states, a state's loss here is its average's, which is what
-the validators' global_loss reports, while their base_loss is the merged state's),
+stored round seed; they match, which shows the per-sequence losses are the validators' numbers),
 and, in `noise_by_subset_size`, which rounds would beat the noise at other subset sizes.
 This script knows nothing about how the nodes train, score or merge; it reads what they stored.
 Usage: python bench/simulation.py [--rounds 6] [--dir DIR] [--subsets 200] [--out FILE.json]
-       [--inner-steps H] [--format pgrad] [--set SECTION.FIELD=VALUE ...] [--keep-optimizer]
+       [--inner-steps H] [--format pgrad] [--set SECTION.FIELD=VALUE ...]
        [--adversaries KIND,...]
        python bench/simulation.py --reuse DIR [--out FILE.json]   (evaluate an earlier run's DIR again)
 """
@@ -195,15 +193,8 @@ def sequence_losses(model: torch.nn.Module, sequences_NL: torch.Tensor, pad_id: 
     return torch.tensor(sums, dtype=torch.float64), counts
 
 
-def offered(decoded: tuple[Any, dict[str, torch.Tensor], dict[str, torch.Tensor] | None]) -> dict[str, torch.Tensor]:
-    """The experts a decoded state offers: its average where the network keeps one, else its merged tensors."""
-    _, merged, average = decoded
-    return merged if average is None else average
-
-
 def evaluate_states(directory: Path, hashes: list[str], states: Path) -> dict[str, Any]:
-    """Per-sequence losses of the base and of each state in `hashes` (the experts it offers: `offered`) on the
-    whole held-out file."""
+    """Per-sequence losses of the base and of each state in `hashes` on the whole held-out file."""
     spec_path = directory / "network" / "spec.toml"
     spec = load_spec(spec_path)
     model, adapter = load_base(spec, spec_path)
@@ -216,8 +207,7 @@ def evaluate_states(directory: Path, hashes: list[str], states: Path) -> dict[st
     for h in [spec.model.base_hash, *hashes]:
         if h in per_state:
             continue
-        tensors = base if h == spec.model.base_hash else offered(decode_state_blob((states / h).read_bytes(), spec,
-                                                                                   shapes))
+        tensors = base if h == spec.model.base_hash else decode_state_blob((states / h).read_bytes(), spec, shapes)[1]
         insert(model, adapter, tensors)
         per_state[h] = sequence_losses(model, heldout, tokenizer.pad_id)
         reference = heldout_loss(model, heldout, pad_id=tokenizer.pad_id).loss
@@ -315,8 +305,6 @@ def main() -> int:
                         help="what miners submit, as simulate's --format (default experts)")
     parser.add_argument("--set", action="append", default=[], type=spec_setting, metavar="SECTION.FIELD=VALUE",
                         dest="spec_settings", help="a spec value, as simulate's --set (repeatable)")
-    parser.add_argument("--keep-optimizer", action="store_true",
-                        help="miners keep their AdamW state from round to round, as simulate's --keep-optimizer")
     parser.add_argument("--adversaries", type=comma_list, default=(), metavar="KIND,...",
                         help="make that many of the miners adversaries, as simulate's --adversaries")
     parser.add_argument("--dir", type=Path, help="simulation directory, must not exist (default: a new temporary one)")
@@ -338,8 +326,7 @@ def main() -> int:
             settings = SimSettings(validators=args.validators, miners=args.miners, adversaries=args.adversaries,
                                    round_seconds=args.round_seconds,
                                    train_share=args.train_share, inner_steps=args.inner_steps, seed=args.seed,
-                                   submission_format=args.format, spec_settings=tuple(args.spec_settings),
-                                   keep_optimizer=args.keep_optimizer)
+                                   submission_format=args.format, spec_settings=tuple(args.spec_settings))
         except ValueError as exc:
             parser.error(str(exc))
         directory = (args.dir or Path(tempfile.mkdtemp(prefix="tessera-simlearn-"))).resolve()

@@ -1,8 +1,7 @@
-"""The miner's work, synchronous: load its model, train a round, keep its AdamW state, build the blob it submits.
+"""The miner's work, synchronous: load its model, train a round, build the blob it submits.
 
 `miner.model` loads the base model (full or compressed to the group), the genesis state and the
-training sequences, and trains one round on the miner's shard; `miner.optimizer` carries the inner
-AdamW state from round to round; `miner.submission` encodes what was trained into the blob the miner
+training sequences, and trains one round on the miner's shard; `miner.submission` encodes what was trained into the blob the miner
 commits to. The daemon's duty (node.duties.miner) and the offline `tessera train` both drive these.
 This package knows nothing about networking, asyncio, rounds' phases, scoring or merging, and never
 imports `node` or `validator`.

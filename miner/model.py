@@ -4,8 +4,8 @@
 genesis state a miner trains from and the packed training sequences; `MinerModel.train` puts a state's
 experts into the model and runs the inner AdamW steps on this miner's shard of the sequences, in the
 batch order `miner_seed` draws. How it trains on this machine (device, forward mode, micro-batches,
-checkpointing, autocast, optimizer) is a `MinerSettings`. This module knows nothing about the network, the
-blob a round submits, or how the AdamW state is carried between rounds (miner.optimizer).
+checkpointing, autocast, optimizer) is a `MinerSettings`. This module knows nothing about the network or the
+blob a round submits.
 """
 
 from __future__ import annotations
@@ -94,18 +94,18 @@ class MinerModel:
 
     def train(self, miner: str, round: int, base: Mapping[str, torch.Tensor], settings: MinerSettings,
               keep_going: Callable[[], bool], steps: int | None = None, progress: bool = False,
-              optimizer_state: dict[str, Any] | None = None, lr_scale: float = 1.0) -> TrainResult:
+              optimizer_state: dict[str, Any] | None = None) -> TrainResult:
         """H inner steps (or `steps`) from `base` on this miner's shard; fewer when `keep_going` turns False.
 
         `progress`: a tqdm bar on a terminal (the `tessera train` command; the daemon logs instead).
-        `optimizer_state`: the AdamW state to go on from (None: start at zero); the new one is in the result.
-        `lr_scale`: the fraction of the spec's inner lr to train at."""
+        `optimizer_state`: the AdamW state to go on from (None: start at zero, as a miner does); the new one is
+        in the result."""
         inner = self.spec.training
         if isinstance(self.model, CompressedModel):
             self.model.load(dict(base))
         else:
             insert(self.model, self.adapter, dict(base))
-        cfg = TrainConfig(steps=steps or inner.inner_steps, lr=inner.lr * lr_scale, beta1=inner.beta1,
+        cfg = TrainConfig(steps=steps or inner.inner_steps, lr=inner.lr,
                           weight_decay=inner.weight_decay, batch_size=inner.batch_size,
                           micro_batch_size=settings.micro_batch_size, grad_clip=inner.grad_clip,
                           forward=settings.forward, device=settings.device,
@@ -118,8 +118,8 @@ class MinerModel:
 
 
 def _genesis(spec: NetworkSpec, experts: Mapping[str, torch.Tensor]) -> GlobalExperts:
-    """A miner's view of the genesis state: the base's experts without their average (a miner trains from the
-    merged state) and with a momentum it never reads, zero-strided views of one zero (no memory)."""
+    """A miner's view of the genesis state: the base's experts, with a momentum it never reads, zero-strided
+    views of one zero (no memory)."""
     zeros = {name: torch.zeros((), dtype=torch.float32).expand(t.shape) for name, t in experts.items()}
     return GlobalExperts(spec=spec, round=GENESIS_ROUND, parent="", tensors=dict(experts), momentum=zeros)
 

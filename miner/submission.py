@@ -5,29 +5,24 @@
 `[submission] format = "pgrad"` gets compressed pseudo-gradients (training.pgrad): G = Φ_t − Φ_i in
 fp32 plus the miner's error-feedback buffer (`ErrorFeedback`), top-k per chunk and quantised; what
 was left unsent becomes the new buffer. A round whose training diverged (NaN or Inf in the trained
-experts) has no submission (`Diverged`): nothing is encoded, the buffer stays as it was and a kept
-AdamW state is dropped. This module knows nothing about where the buffer is stored, nor about the
+experts) has no submission (`Diverged`): nothing is encoded and the buffer stays as it was. This module knows nothing about where the buffer is stored, nor about the
 network, scoring or merging.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from miner.model import MinerModel, MinerSettings
-from miner.optimizer import InnerOptimizer
 from protocol.spec import NetworkSpec
 from training.blob import BLOB_FORMAT, PGRAD_FORMAT, BlobMeta, encode_blob
 from training.experts import pseudo_gradient
 from training.pgrad import chunk_draw, pgrad_config
 from training.pgrad import encode as encode_pgrad
 from training.trainer import TrainResult
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -72,34 +67,16 @@ def encode_submission(spec: NetworkSpec, round: int, miner: str, head: str, tens
 def build_submission(model: MinerModel, miner: str, round: int, head: str, base: Mapping[str, torch.Tensor],
                      settings: MinerSettings, keep_going: Callable[[], bool] = lambda: True,
                      steps: int | None = None, progress: bool = False,
-                     feedback: ErrorFeedback | None = None,
-                     optimizer: InnerOptimizer | None = None) -> tuple[bytes, TrainResult]:
-    """An honest miner's blob for `round`, trained from the state `head` (whose tensors are `base`);
-    a pgrad network's blob carries `feedback`'s buffer in and leaves the new one there, and a miner that
-    keeps its optimizer (`[miner] keep_optimizer`) goes on from `optimizer`'s state (rewound and at a
-    backtracked lr after a round that merged nothing, `InnerOptimizer.start`) and leaves the new one.
+                     feedback: ErrorFeedback | None = None) -> tuple[bytes, TrainResult]:
+    """An honest miner's blob for `round`, trained from the state `head` (whose tensors are `base`) with
+    AdamW from zero; a pgrad network's blob carries `feedback`'s buffer in and leaves the new one there.
 
     ValueError when `keep_going` is already False: the TRAIN deadline passed before training began.
-    Diverged when training did: `feedback` is left as it was, and `optimizer`'s state is dropped."""
+    Diverged when training did: `feedback` is left as it was."""
     if not keep_going():  # the trainer would get no batch and blame the data
         raise ValueError("no time left to train: the TRAIN deadline had already passed when training would start")
-    if optimizer is not None:
-        optimizer.start(base, round)
-    result = model.train(miner, round, base, settings, keep_going, steps, progress,
-                         None if optimizer is None else optimizer.state,
-                         1.0 if optimizer is None else optimizer.lr_scale)
-    if optimizer is not None:
-        optimizer.state = result.optimizer_state
-    try:
-        return encode_submission(model.spec, round, miner, head, result.tensors, base, feedback), result
-    except Diverged:
-        # The diverged steps updated the kept AdamW moments in place (torch loads a state without copying
-        # it). The host copy from before this round is finite, but its moments led here: the next round
-        # starts AdamW at zero, with nothing to rewind to.
-        if optimizer is not None:
-            optimizer.drop()
-            log.warning("round %d: training diverged; dropping the kept optimizer state", round)
-        raise
+    result = model.train(miner, round, base, settings, keep_going, steps, progress)
+    return encode_submission(model.spec, round, miner, head, result.tensors, base, feedback), result
 
 
 def _check_finite(tensors: Mapping[str, torch.Tensor]) -> None:

@@ -106,11 +106,6 @@ class TrainingSpec(_Strict):
 
     inner_steps: int = Field(default=20, ge=1, description="H: local AdamW steps per round.")
     lr: float = Field(default=1e-3, gt=0, description="Inner AdamW learning rate.")
-    beta1: float = Field(
-        default=0.9, ge=0, lt=1,
-        description="Inner AdamW beta1, the first moment's decay. AdamW's 0.9 by default; a network that "
-        "merges after every step at outer lr M may set 0.9^M, so the moment spans about ten of the merged "
-        "state's steps (docs/learning.md).")
     weight_decay: float = Field(default=0.0, ge=0, description="Inner AdamW weight decay.")
     batch_size: int = Field(default=8, ge=1, description="Sequences per inner step.")
     grad_clip: float = Field(default=1.0, gt=0, description="Global gradient-norm clip.")
@@ -154,20 +149,9 @@ class AggregationSpec(_Strict):
 
     top_g: int = Field(default=3, ge=1, description="How many top-ranked miners are merged.")
     outer_lr: float = Field(default=1.0, gt=0, description="Nesterov SGD learning rate.")
-    outer_lr_scale: Literal["fixed", "merged"] = Field(
-        default="fixed",
-        description="'fixed': each step takes outer_lr; 'merged': outer_lr times the number of updates merged "
-        "that round, so a merged update moves the state about as far as it moved its miner however many pass "
-        "Proof-of-Loss (docs/learning.md, \"Outer lrs that adapt\").")
     momentum: float = Field(default=0.0, ge=0, lt=1, description="Nesterov momentum.")
     weighting: Literal["uniform", "utility"] = Field(default="uniform", description="How merged updates are weighted.")
     clip_to_median: bool = Field(default=True, description="Clip each pseudo-gradient to the median norm.")
-    average_decay: float = Field(
-        default=0.0, ge=0, lt=1,
-        description="0: the network offers the merged state. Above 0: it also keeps the average of its merged "
-        "states, which moves (1 - average_decay) of the way to the merged state every round; that average is "
-        "the model the network reports and exports, while miners train from the merged state "
-        "(docs/learning.md, \"Reporting the average of the merged states\").")
     forgetting_budget: float | None = Field(
         default=None, ge=0,
         description="Where the spec pins a general-domain held-out file (data.general_sha256): the most a candidate "

@@ -20,8 +20,6 @@ lazy (unchanged) submissions are never flagged as each other's copies here. With
 cosine is taken over the blocks both miners cover: two identities sending one run's update, each
 on its own drawn chunks, agree exactly where their draws overlap and nowhere else, so their cosine
 over whole tensors is only about the overlap's share.
-`average_states` keeps the average of the merged states a network reports when its spec sets
-`aggregation.average_decay` (training.state folds it into every state it makes).
 This module knows nothing about ranking, rewards or where tensors come from.
 """
 
@@ -54,9 +52,6 @@ class OuterConfig:
     """Scale each pseudo-gradient down to the median norm of the set."""
     weighting: Literal["uniform", "utility"] = "uniform"
     """Merge weights: equal, or proportional to each miner's utility."""
-    lr_per_update: bool = False
-    """The step's lr is `lr` times the number of miners merged (the spec's `aggregation.outer_lr_scale =
-    "merged"`), so each merged update moves the state about as far as it moved its miner."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -90,7 +85,6 @@ def outer_step(
     scales = _clip_scales(grads) if cfg.clip_to_median else [1.0] * len(grads)
     weights = _weights(utilities, cfg)
     coefficients = [a * s for a, s in zip(weights, scales, strict=True)]
-    lr = cfg.lr * len(miner_tensors) if cfg.lr_per_update else cfg.lr
     names = sorted(global_tensors)
     if momentum is not None:
         check_same_names(global_tensors, momentum, "momentum")
@@ -107,25 +101,8 @@ def outer_step(
             m_prev = torch.zeros_like(phi) if momentum is None else _fp32(momentum[name], phi.shape, f"momentum {name}")
             m = m_prev * cfg.momentum + g
             new_momentum[name] = m
-            new_global[name] = phi - (g + m * cfg.momentum) * lr
+            new_global[name] = phi - (g + m * cfg.momentum) * cfg.lr
     return new_global, new_momentum
-
-
-def average_states(averaged: Tensors, state: Tensors, decay: float) -> dict[str, torch.Tensor]:
-    """`averaged` moved (1 - `decay`) of the way to `state`, name by name; at decay 0, `state` itself.
-
-    An exponential average of the states a run passes through (Polyak averaging): one step's gradient noise
-    moves the state back and forth, and the average keeps the part of each move that the next ones repeat.
-    Each entry is `decay * a + (1 - decay) * s`, three rounded operations, so the same inputs give the same
-    bytes on every validator (the module doc's determinism).
-    """
-    if not 0.0 <= decay < 1.0:
-        raise ValueError(f"an average's decay is in [0, 1), got {decay}")
-    if not decay:
-        return dict(state)
-    check_same_names(state, averaged, "averaged")
-    with torch.no_grad():
-        return {name: decay * averaged[name] + (1.0 - decay) * state[name] for name in sorted(state)}
 
 
 def norm(tensors: Tensors) -> float:

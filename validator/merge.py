@@ -16,10 +16,9 @@ The steps:
    by two identities on their own draws is caught.) Lazy miners never reach this step: an unchanged
    blob scores exactly its validator's L_base, so u_i = 0 and their zero update is never compared.
 3. Rank again with the flags (`protocol.ranking`), which gives points; the top-G ranked miners are
-   merged by `training.outer.outer_step` with the spec's aggregation settings (the outer lr times the
-   number merged under `outer_lr_scale = "merged"`). In a pgrad network with partitions, each entry
-   averages over the contributors that drew its chunk (`training.pgrad.coverage`; a miner's chunks are
-   drawn from the reports' round and its id).
+   merged by `training.outer.outer_step` with the spec's aggregation settings. In a pgrad network
+   with partitions, each entry averages over the contributors that drew its chunk
+   (`training.pgrad.coverage`; a miner's chunks are drawn from the reports' round and its id).
    A step whose state or momentum would hold an Inf or a NaN (finite updates near fp32's range, in
    experts the held-out subset never routes to, scaled by a large outer lr) is not taken: the round
    is ranked and rewarded, and the state stays.
@@ -136,7 +135,7 @@ def outer_config(spec: NetworkSpec) -> OuterConfig:
     """The outer optimizer settings a spec fixes."""
     agg = spec.aggregation
     return OuterConfig(lr=agg.outer_lr, momentum=agg.momentum, clip_to_median=agg.clip_to_median,
-                       weighting=agg.weighting, lr_per_update=agg.outer_lr_scale == "merged")
+                       weighting=agg.weighting)
 
 
 def counted_reports(reports: Mapping[str, ScoreReport], head: str) -> dict[str, ScoreReport]:

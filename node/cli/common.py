@@ -46,21 +46,6 @@ def decode_network_blob(path: Path, data: bytes, spec: Any) -> tuple[Any, dict[s
     return meta, tensors
 
 
-def offered_experts(path: Path, meta: Any, tensors: dict[str, Any], spec: Any) -> tuple[dict[str, Any], bool]:
-    """The experts a decoded blob offers, and whether they are an average: a global state's average of its merged
-    states where the spec keeps one (`aggregation.average_decay`), else the blob's tensors."""
-    from training.state import GLOBAL_FORMAT, split_average
-
-    if meta.format != GLOBAL_FORMAT:
-        return tensors, False
-    merged, average = split_average(spec, tensors)
-    if average is None:
-        return merged, False
-    if set(average) != set(merged):
-        raise ValueError(f"{path}: the state's average does not hold the same experts as its merged state")
-    return average, True
-
-
 def heldout_sequences(heldout: Path | None, spec_path: Path, spec: Any, tokenizer: Any,
                       seed: str) -> torch.Tensor:
     """The held-out subset `seed` picks from `heldout` (default: the simulation layout's data/heldout.jsonl)."""

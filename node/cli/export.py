@@ -5,8 +5,6 @@
 
 `--state` names a global state in a node's blob store (`DIR/blobs`, the node's `data_dir`);
 `--blob` names any canonical blob file of this network (a global state or a miner's full-expert submission).
-Of a global state, the experts the network offers are written: the average of its merged states where the
-spec keeps one (`aggregation.average_decay`), else the merged state.
 Without `--experts-only` a checkpoint base is checked against the spec's hash and copied shard by
 shard with the blob's experts written over the base's (`training.export.patch_checkpoint`: no shard
 is ever held in memory); a tiny simulation base is built, the experts inserted and saved
@@ -56,7 +54,7 @@ def run_export(args: argparse.Namespace) -> int:
 
     check_out_dir(args.out)
     spec = load_spec(args.spec)
-    data, meta, tensors, averaged = _read_state(args, spec)
+    data, meta, tensors = _read_state(args, spec)
     state = hashlib.sha256(data).hexdigest()
     provenance = _provenance(args, spec, state, meta)
     loss = None if args.heldout is None else _heldout_loss(spec, args, tensors)
@@ -64,7 +62,7 @@ def run_export(args: argparse.Namespace) -> int:
     if args.experts_only:
         write_expert_pack(tensors, {"network": spec.network_id, "round": meta.round, "group": dict(spec.group),
                                     "base_hash": spec.model.base_hash, "state": state, "heldout_loss": loss,
-                                    "average": averaged, "family": spec.model.family}, args.out, provenance)
+                                    "family": spec.model.family}, args.out, provenance)
     elif spec.model.checkpoint is not None:
         from training.model import checked_checkpoint
 
@@ -77,13 +75,13 @@ def run_export(args: argparse.Namespace) -> int:
         insert(model, adapter, tensors)
         export_checkpoint(model, args.out, tokenizer, provenance)
     print(json.dumps({"out": str(args.out), "state": state, "round": meta.round, "heldout_loss": loss,
-                      "experts_only": args.experts_only, "average": averaged}, indent=2, sort_keys=True))
+                      "experts_only": args.experts_only}, indent=2, sort_keys=True))
     return 0
 
 
-def _read_state(args: argparse.Namespace, spec: Any) -> tuple[bytes, Any, dict[str, Any], bool]:
-    """The blob's bytes, metadata and the experts to write; True when those are a global state's average."""
-    from node.cli.common import decode_network_blob, offered_experts
+def _read_state(args: argparse.Namespace, spec: Any) -> tuple[bytes, Any, dict[str, Any]]:
+    """The blob's bytes, metadata and the experts to write."""
+    from node.cli.common import decode_network_blob
     from protocol.encoding import is_hex_digest
     from training.blob import BLOB_FORMAT
     from training.state import GLOBAL_FORMAT
@@ -104,7 +102,7 @@ def _read_state(args: argparse.Namespace, spec: Any) -> tuple[bytes, Any, dict[s
     if meta.format not in (BLOB_FORMAT, GLOBAL_FORMAT):  # a pgrad submission or momentum holds no weights
         raise ValueError(f"{path}: the blob is a {meta.format} blob, not expert weights; export a global state "
                          f"({GLOBAL_FORMAT}) or a miner's full-expert submission ({BLOB_FORMAT})")
-    return (data, meta, *offered_experts(path, meta, tensors, spec))
+    return data, meta, tensors
 
 
 def _heldout_loss(spec: Any, args: argparse.Namespace, tensors: dict[str, Any]) -> float:

@@ -73,7 +73,7 @@ def run_spec_init(args: argparse.Namespace) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from node.cli.common import decode_network_blob, heldout_sequences, load_spec_model, offered_experts
+    from node.cli.common import decode_network_blob, heldout_sequences, load_spec_model
     from training.evaluate import heldout_loss, loss_with_experts
 
     spec, model, adapter, tokenizer = load_spec_model(args.spec)
@@ -86,8 +86,7 @@ def run_eval(args: argparse.Namespace) -> int:
             data = args.blob.read_bytes()
         except OSError as exc:
             raise ValueError(f"{args.blob}: cannot read blob: {exc.strerror}") from exc
-        meta, tensors = decode_network_blob(args.blob, data, spec)
-        tensors, _ = offered_experts(args.blob, meta, tensors, spec)  # a global state: the experts it offers
+        _, tensors = decode_network_blob(args.blob, data, spec)
         result = loss_with_experts(model, adapter, tensors, sequences, batch_size=EVAL_BATCH,
                                    pad_id=tokenizer.pad_id, progress=True)
     _print_json({"loss": result.loss, "tokens": result.tokens, "seconds": time.perf_counter() - started})

@@ -48,8 +48,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                      help="model family of the tiny pretrained base: qwen3_moe, qwen2_moe, olmoe, mixtral, deepseek_v2 "
                           "or deepseek_v3 (default qwen3_moe)")
     add_spec_settings(sim, "--round-seconds, --train-share, --inner-steps and --format")
-    sim.add_argument("--keep-optimizer", action="store_true",
-                     help="miners keep their AdamW state from round to round ([miner] keep_optimizer)")
     sim.set_defaults(run=run_simulate)
 
 
@@ -64,7 +62,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                            round_seconds=args.round_seconds, train_share=args.train_share,
                            start_delay_s=args.start_delay, base_port=args.base_port, seed=args.seed,
                            inner_steps=args.inner_steps, submission_format=args.format, family=args.family,
-                           spec_settings=tuple(args.spec_settings), keep_optimizer=args.keep_optimizer)
+                           spec_settings=tuple(args.spec_settings))
     if args.force and args.dir.exists():
         if any(args.dir.iterdir()) and not (args.dir / "network" / "spec.toml").exists():
             raise ValueError(f"{args.dir}: --force only replaces an earlier simulation directory, and this "

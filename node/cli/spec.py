@@ -185,14 +185,12 @@ def check_header_cap(spec: NetworkSpec, shapes: Mapping[str, tuple[int, ...]]) -
 
 def state_header_bytes(spec: NetworkSpec, shapes: Mapping[str, tuple[int, ...]]) -> int:
     """The most bytes the header of a global state or momentum blob can take, as `training.state` writes
-    them (fp32 tensors of the group's shapes, and a state's average where the spec keeps one; no miner) in
-    round 999999999; it reads no weights."""
+    them (fp32 tensors of the group's shapes; no miner) in round 999999999; it reads no weights."""
     from training.blob import BlobMeta, header_size
-    from training.state import GLOBAL_FORMAT, MOMENTUM_FORMAT, STATE_MINER, state_shapes
+    from training.state import GLOBAL_FORMAT, MOMENTUM_FORMAT, STATE_MINER
 
     group = {layer: list(ids) for layer, ids in spec.group.items()}
-    held = {GLOBAL_FORMAT: state_shapes(spec, shapes), MOMENTUM_FORMAT: shapes}
-    return max(header_size({name: ("F32", tuple(shape)) for name, shape in held[fmt].items()},
+    return max(header_size({name: ("F32", tuple(shape)) for name, shape in shapes.items()},
                            BlobMeta(network=spec.network_id, round=999_999_999, miner=STATE_MINER, base="f" * 64,
                                     group=group, format=fmt))
                for fmt in (GLOBAL_FORMAT, MOMENTUM_FORMAT))

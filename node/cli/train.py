@@ -15,9 +15,8 @@ pgrad network `--feedback` is the miner's error-feedback buffer (the fp32 safete
 blob or expert weights, is refused and left as it was), and atomically replaced by what the round left
 unsent once the blob is written. `--out` is never overwritten, nor the same file as `--feedback`; both
 paths are checked writable before the model loads. Without it the build starts from an empty buffer and
-keeps nothing. Its AdamW state always starts at zero, as a miner's does unless `[miner] keep_optimizer`
-carries it from round to round (then only the first round after the miner starts is the same). This
-module knows nothing about the network.
+keeps nothing. Its AdamW state starts at zero, as a miner's does every round. This module knows nothing
+about the network.
 """
 
 from __future__ import annotations
@@ -85,7 +84,7 @@ def run_train(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise ValueError(f"{args.global_blob}: cannot read the global state: {exc.strerror}") from exc
         try:
-            _, base, _ = decode_state(data, spec, model.shapes)  # miners train from the merged tensors
+            _, base = decode_state(data, spec, model.shapes)
         except SyncError as exc:
             raise ValueError(f"{args.global_blob}: {exc}") from exc
         head = sha256_hex(data)

@@ -6,9 +6,8 @@ votes from storage and adopts the hash endorsed by a strict majority of validato
 r-1's history (votes gossip missed while it restarted or before the mesh took it in), and with still
 none the head stays. Adopting means holding the state blob
 (fetched from validators that voted for it when missing) after checking it: its hash (the fetch
-verifies it), that it is a global state of this network and expert group with finite values (holding,
-where the spec keeps one, the average of the merged states: `training.state`), and that it is a state
-of the round being settled. A vote counts for the hash it names, whatever parent it claims:
+verifies it), that it is a global state of this network and expert group with finite values, and that
+it is a state of the round being settled. A vote counts for the hash it names, whatever parent it claims:
 the hash binds the blob's own parent, while the stored row keeps the parent of the first vote for that
 hash, which any one validator can write; adopting rewrites the row with the parent the checked blob
 names. Validators also need the outer momentum: its hash rides in GlobalState (`momentum`), is
@@ -47,8 +46,6 @@ from training.state import (
     GlobalExperts,
     StateError,
     adopt,
-    split_average,
-    state_shapes,
 )
 
 log = logging.getLogger(__name__)
@@ -63,8 +60,6 @@ class Decoded(NamedTuple):
 
     meta: BlobMeta
     tensors: Tensors
-    average: Tensors | None
-    """The average of the merged states, where the spec keeps one (`training.state`)."""
 
 
 class SyncError(ValueError):
@@ -80,9 +75,8 @@ class LoadedState:
 
 
 def decode_state(data: bytes, spec: NetworkSpec, shapes: Shapes) -> Decoded:
-    """Check a global state blob of this network and group (`shapes`: the group's); its metadata, merged
-    tensors and average (None where the spec keeps none, `training.state`). SyncError names what does not
-    fit."""
+    """Check a global state blob of this network and group (`shapes`: the group's); its metadata and
+    tensors. SyncError names what does not fit."""
     try:
         meta, tensors = decode_blob(data, spec.limits.max_header_bytes)
     except BlobError as exc:
@@ -94,21 +88,19 @@ def decode_state(data: bytes, spec: NetworkSpec, shapes: Shapes) -> Decoded:
         raise SyncError("state blob is for another network")
     if meta.group != {layer: sorted(ids) for layer, ids in spec.group.items()}:
         raise SyncError("state blob is for another expert group")
-    if {name: tuple(t.shape) for name, t in tensors.items()} != state_shapes(spec, shapes):
-        raise SyncError("state blob tensors do not match the expert group's names and shapes"
-                        + (" (with their average, which this network keeps)" if spec.aggregation.average_decay
-                           else ""))
+    if {name: tuple(t.shape) for name, t in tensors.items()} != {name: tuple(s) for name, s in shapes.items()}:
+        raise SyncError("state blob tensors do not match the expert group's names and shapes")
     if not all(bool(torch.isfinite(t).all()) for t in tensors.values()):
         raise SyncError("state blob holds non-finite values")
-    return Decoded(meta, *split_average(spec, tensors))
+    return Decoded(meta, tensors)
 
 
-def _without_momentum(spec: NetworkSpec, decoded: Decoded, held_average: bool) -> GlobalExperts:
-    """A checked state with zero momentum: a validator's before it syncs the momentum, or (`held_average`
-    False) a miner's view, which trains from the merged tensors and leaves out their average."""
+def _without_momentum(spec: NetworkSpec, decoded: Decoded) -> GlobalExperts:
+    """A checked state with zero momentum: a validator's before it syncs the momentum, or a miner's, which
+    never reads it."""
     zeros = {name: torch.zeros(t.shape, dtype=torch.float32) for name, t in decoded.tensors.items()}
     return GlobalExperts(spec=spec, round=decoded.meta.round, parent=decoded.meta.base, tensors=decoded.tensors,
-                         momentum=zeros, average=decoded.average if held_average else None)
+                         momentum=zeros)
 
 
 async def wait_until(clock: Clock, arrivals: asyncio.Event, ready: Callable[[], Awaitable[bool]],
@@ -140,8 +132,8 @@ class Consensus:
         self._adopted: tuple[str, LoadedState] | None = None
 
     def state_cap(self, shapes: Shapes) -> int:
-        """The largest a state or momentum blob can be (both are fp32; a state may hold an average too)."""
-        return max_blob_bytes(state_shapes(self.ctx.spec, shapes), "float32", self.ctx.spec.limits.max_header_bytes)
+        """The largest a state or momentum blob can be (both are fp32)."""
+        return max_blob_bytes(shapes, "float32", self.ctx.spec.limits.max_header_bytes)
 
     async def on_message(self, envelope: Envelope, message: Message) -> None:
         """Remember the momentum hash a GlobalState or a validator's Heartbeat announces; wake a tally
@@ -257,7 +249,7 @@ class Consensus:
                 log.warning("momentum %s does not belong to head %s (%s); not in sync", momentum[:12],
                             head[:12], exc)
         decoded = await asyncio.to_thread(decode_state, data, self.ctx.spec, shapes)
-        return LoadedState(_without_momentum(self.ctx.spec, decoded, self.need_momentum), not self.need_momentum)
+        return LoadedState(_without_momentum(self.ctx.spec, decoded), not self.need_momentum)
 
     async def _refetch(self, head: str, shapes: Shapes) -> bytes:
         """The head's blob, missing or corrupt here, fetched again from the validators that voted for it."""
@@ -308,7 +300,7 @@ class Consensus:
 
     async def _take(self, round: int, winner: GlobalStateRecord, decoded: Decoded, shapes: Shapes) -> None:
         """Hold the decoded head `winner` names (a validator: with the momentum one of its voters announced)."""
-        loaded = LoadedState(_without_momentum(self.ctx.spec, decoded, self.need_momentum), not self.need_momentum)
+        loaded = LoadedState(_without_momentum(self.ctx.spec, decoded), not self.need_momentum)
         if self.need_momentum:
             try:
                 loaded = LoadedState(await self._sync_momentum(winner, decoded, shapes), True)
@@ -356,7 +348,7 @@ class Consensus:
                 path = await self.ctx.network.fetch(momentum, [voter, *winner.voters], self.state_cap(shapes))
                 data = await asyncio.to_thread(path.read_bytes)
                 state = await asyncio.to_thread(GlobalExperts.with_momentum, winner.hash, decoded.meta,
-                                                decoded.tensors, data, self.ctx.spec, shapes, decoded.average)
+                                                decoded.tensors, data, self.ctx.spec, shapes)
             except (NetworkError, OSError, StateError) as exc:
                 log.warning("momentum %s from %s: %s", momentum[:12], voter[:12], exc)
                 continue

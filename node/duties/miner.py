@@ -8,8 +8,7 @@ COMMIT: publish Commit(r, c). REVEAL: serve the blob (never earlier) and publish
 TRAIN the miner also ranks the settled round from the public score reports (node.duties.results), so it
 knows its loss, rank and reward. Each step checks storage first, so a restarted miner never trains,
 commits or reveals twice in a round, and from REVEAL on a restarted miner serves the blob it revealed
-again, so its reveal stands. A miner with `[miner] keep_optimizer` carries its AdamW state across rounds
-in memory (miner.optimizer.InnerOptimizer).
+again, so its reveal stands.
 
 What the miner submits and when is a `MinerStrategy`: `HonestStrategy` here; the simulation's
 adversaries (node.sim.adversaries) are other strategies injected through `MinerDuties.factory`. This
@@ -28,7 +27,6 @@ from pathlib import Path
 import torch
 
 from miner.model import MinerModel, MinerSettings, miner_seed, training_files
-from miner.optimizer import InnerOptimizer
 from miner.submission import ErrorFeedback, build_submission, encode_submission
 from node.duties.consensus import Consensus
 from node.duties.feedback import keep_feedback, load_feedback
@@ -71,8 +69,6 @@ class Job:
     metrics: NodeMetrics
     feedback: ErrorFeedback | None = None
     """A pgrad network's error-feedback buffer (None: full experts); honest builds update it."""
-    optimizer: InnerOptimizer | None = None
-    """The inner AdamW state carried from round to round (None: `keep_optimizer` is off); honest builds update it."""
 
     @property
     def seed(self) -> int:
@@ -93,7 +89,7 @@ class HonestStrategy:
     def build(self, job: Job) -> bytes:
         """The submission's bytes (runs in a worker thread: torch)."""
         data, result = build_submission(job.model, job.miner, job.round, job.head, job.base.tensors,
-                                        job.settings, job.keep_going, feedback=job.feedback, optimizer=job.optimizer)
+                                        job.settings, job.keep_going, feedback=job.feedback)
         tokens_s = result.tokens / result.seconds if result.seconds > 0 else 0.0
         log.info("round %d: trained %d steps at lr %g in %.1f s (%.0f tokens/s), loss %.4f -> %.4f", job.round,
                  len(result.losses), result.lr, result.seconds, tokens_s, result.losses[0], result.losses[-1])
@@ -143,7 +139,6 @@ class MinerDuties:
                                                        [section.data] if section.data else [],
                                                        forward=section.forward))
         self._served: str | None = None
-        self.optimizer = InnerOptimizer() if section.keep_optimizer else None
 
     @staticmethod
     def factory(strategy: HonestStrategy | None = None) -> DutiesFactory:
@@ -195,7 +190,7 @@ class MinerDuties:
         stopping = threading.Event()
         job = Job(model, self.me, round, head, base, miner_settings(self.ctx.config.miner),
                   lambda: not stopping.is_set() and self.ctx.clock.now() < deadline,
-                  self.ctx.metrics, feedback, self.optimizer)
+                  self.ctx.metrics, feedback)
         try:
             data = await asyncio.to_thread(self.strategy.build, job)
         except ValueError as exc:

@@ -19,12 +19,9 @@ the merge used are fixed in storage before anything follows from it, so a merge 
 restart ranks, rewards and proposes from the same reports (not from any that came in since), and the
 ledger, leaderboard, round report and vote agree. Rewards and their mark are one storage write; the new
 state and momentum are recorded as our proposal, served (again after any restart) and announced in
-GlobalState. A round that merges nothing proposes no state, unless the spec keeps an average of the
-merged states (`aggregation.average_decay`), which moves every round. The round report, with the gate's
+GlobalState. A round that merges nothing proposes no state. The round report, with the gate's
 candidates' losses (node.duties.report), and the leaderboard (node.duties.results) are stored; the loss of
-the ADOPTED state
-(the model it offers: its average, where the spec keeps one) on round r's held-out subset is filled
-in once round r+1 has settled it. Each step checks storage first, so a restarted validator resumes
+the ADOPTED state on round r's held-out subset is filled in once round r+1 has settled it. Each step checks storage first, so a restarted validator resumes
 without publishing anything twice.
 This module knows nothing about libp2p; torch work runs in worker threads.
 """
@@ -293,9 +290,7 @@ class ValidatorDuties:
         await self.ctx.storage.fix_merged_from(round, reports)
         await self._record_rewards(round, result)
         await self.ctx.storage.set_round_results(round, leaderboard(round, head, result.ranking, reports, exact=True))
-        # A network that keeps an average of its merged states moves it every round, merged or not.
-        moves = adoption.changed or (self.state is not None and self.state.average is not None)
-        proposed = await self._propose(round, adoption, head) if moves else None
+        proposed = await self._propose(round, adoption, head) if adoption.changed else None
         await self._write_report(round, plan, head, result.ranking, proposed, adoption)
 
     async def _merge_result(self, round: int, plan: RoundPlan, head: str, loaded: _Loaded,
@@ -378,7 +373,7 @@ class ValidatorDuties:
         if report is None or plan is None or report["global_hash"] == head or self.state is None:
             return
         report["global_hash"] = head
-        report["global_loss"] = await asyncio.to_thread(loaded.loss, dict(self.state.offered), plan.seed)
+        report["global_loss"] = await asyncio.to_thread(loaded.loss, dict(self.state.tensors), plan.seed)
         await self.ctx.storage.set_round_report(round, report)
 
     # -- helpers ------------------------------------------------------------------------------

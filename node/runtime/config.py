@@ -100,13 +100,6 @@ class MinerSection(_Section):
         default=None, gt=0, description="GiB of the CUDA device training may use; unset: its free memory at start. "
         "A miner whose traced plan (`tessera plan`) needs more refuses to start."
     )
-    keep_optimizer: bool = Field(
-        default=False,
-        description="Go on from the inner AdamW state of the last round trained, as DiLoCo's workers do, instead of "
-        "starting it at zero each round; held in memory (a restart starts at zero). After a round that merged "
-        "nothing (the merged experts are the same) the state goes back to what it was before that round (a copy in "
-        "host memory) and the inner lr is halved (down to 1/64 of the spec's) until an update is merged.",
-    )
     data: ConfigPath | None = Field(default=None, description="Local training file overriding the spec's train files.")
     behaviour: Literal["honest", "lazy", "noise", "copier", "late", "garbage"] = Field(
         default="honest", description="Exists for simulations: anything but 'honest' plays an adversary."

@@ -316,7 +316,7 @@ class Node:
             "listen": ctx.network.listen_addrs,
             "head": await ctx.storage.head(),
             "base": ctx.spec.model.base_hash,
-            "learning": learning_settings(ctx.spec, ctx.config),
+            "learning": learning_settings(ctx.spec),
             "last_run": None if not self.scheduler.runs else _run_dict(self.scheduler.runs[-1]),
             "key_used_elsewhere": self.key_elsewhere,
             "clock_behind": clock_behind(ctx.network.stats, clock_suspects(ctx.spec, ctx.identity.node_id)),

@@ -69,8 +69,7 @@ class NodeMetrics:
         self.train_tokens_per_s = Gauge("tessera_train_tokens_per_second", "Training throughput of the last round.",
                                         registry=r)
         self.train_loss = Gauge("tessera_train_loss", "Last inner training loss of the last round.", registry=r)
-        self.train_lr = Gauge("tessera_train_lr", "Inner AdamW lr of the last round's training: the spec's, or less "
-                              "while a miner backtracks after rounds that merged nothing.", registry=r)
+        self.train_lr = Gauge("tessera_train_lr", "Inner AdamW lr of the last round's training.", registry=r)
         self.eval_seconds = Histogram("tessera_eval_seconds", "Seconds to check and score one submission.",
                                       buckets=_EVAL_BUCKETS, registry=r)
         self.scored = Counter("tessera_scored", "Submissions this validator scored, by verdict and reason.",

@@ -5,8 +5,7 @@ wrote one (a validator: it also lists miners that never committed), else from th
 node stores once the round settled (`storage.round_results`, ranked from the public score reports
 by node.duties.results), plus miners that committed without revealing. Each miner row carries every
 validator's score. The held-out loss of the state adopted after round r is the validator's report
-of it, else the median base loss of round r+1's score reports (measured against that state; not
-shown where the spec keeps an average of the merged states, the model such a network offers): so on a
+of it, else the median base loss of round r+1's score reports (measured against that state): so on a
 miner a round's adopted loss shows once the next round's reports are in, also for a round it could not
 rank (then without miner rows). A validator's rounds also carry its merge gate's verdict (`gate`: the
 candidate adopted, each one's loss). At each scrape, `refresh_metrics` copies the same numbers into the
@@ -26,7 +25,6 @@ from protocol.ranking import update_standing
 from protocol.rounds import PHASES
 
 if TYPE_CHECKING:
-    from node.runtime.config import NodeConfig
     from node.runtime.daemon import Node
     from node.store.records import GlobalStateRecord
     from protocol.spec import NetworkSpec
@@ -161,10 +159,7 @@ class StatusViews:
             reports = await storage.score_reports(round)
         own = await self.node.round_report(round)
         results = await storage.round_results(round)
-        # Round r+1's base losses are the merged state's; a network that keeps an average offers that instead,
-        # whose loss only validators measure (their own reports).
-        public_loss = None if self.ctx.spec.aggregation.average_decay else _median(
-            [rep.base_loss for rep in next_reports.values()])
+        public_loss = _median([rep.base_loss for rep in next_reports.values()])  # round r+1's base: this state
         scores = _scores_by_miner(reports)
         if own is not None:
             miners = [{**m, "scores": scores.get(m["id"], {})} for m in own.get("miners", [])]
@@ -213,10 +208,8 @@ class StatusViews:
                 "voted": voted / total if total else 0.0, "states": len(tally)}
 
 
-def learning_settings(spec: NetworkSpec, config: NodeConfig) -> dict[str, Any]:
-    """How this network learns, as /status shows it: what miners send, how they train, how the state is merged.
-
-    All from the spec but `keep_optimizer`, a miner's own setting (None on a validator)."""
+def learning_settings(spec: NetworkSpec) -> dict[str, Any]:
+    """How this network learns, as /status shows it: what miners send, how they train, how the state is merged."""
     submission, training, aggregation = spec.submission, spec.training, spec.aggregation
     return {
         "format": submission.format,
@@ -224,15 +217,11 @@ def learning_settings(spec: NetworkSpec, config: NodeConfig) -> dict[str, Any]:
         "experts": sum(len(ids) for ids in spec.group.values()),
         "inner_steps": training.inner_steps,
         "inner_lr": training.lr,
-        "inner_beta1": training.beta1,
         "batch_size": training.batch_size,
-        "keep_optimizer": config.miner.keep_optimizer if config.node.role == "miner" else None,
         "top_g": aggregation.top_g,
         "outer_lr": aggregation.outer_lr,
-        "outer_lr_scale": aggregation.outer_lr_scale,
         "momentum": aggregation.momentum,
         "weighting": aggregation.weighting,
-        "average_decay": aggregation.average_decay,
     }
 
 

@@ -76,8 +76,6 @@ class SimSettings:
     """(`section.field`, value) pairs written into the spec after everything else (timing, inner_steps, the
     format), in the spec's settable sections; judged by `protocol.spec.judge_settings` (`parse_setting` reads
     them from a command line)."""
-    keep_optimizer: bool = False
-    """Miners keep their AdamW state from round to round (`[miner] keep_optimizer` in their configs)."""
     stop_timeout_s: float = 20.0
     """How long a node may take to stop after SIGTERM before it gets SIGKILL."""
 

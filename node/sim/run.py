@@ -155,8 +155,6 @@ class Simulation:
             config["validator"] = {"heldout": _rel(network / "data" / "heldout.jsonl", directory)}
         if role == "miner" and kind != "honest":
             config["miner"] = {"behaviour": kind}
-        if role == "miner" and self.settings.keep_optimizer:
-            config.setdefault("miner", {})["keep_optimizer"] = True
         (directory / "config.toml").write_text(to_toml(config), encoding="utf-8")
         if role == "validator" and index == 0:
             # A second way into the network, for nodes that start while the bootstrap is down.

@@ -43,7 +43,7 @@ def test_the_small_learning_benchmark_records_every_rounds_adopted_loss_and_gate
             allowed = [name for name in gate["losses"] if name not in gate["refused"]]
             assert gate["losses"][gate["adopted"]] == min(gate["losses"][name] for name in allowed)
             assert gate["general_losses"] is not None  # the spec pins a general-domain file: forgetting is checked
-            # the adopted state moves exactly in the rounds whose gate adopted a change (the spec keeps no average)
+            # the adopted state moves exactly in the rounds whose gate adopted a change
             assert (after != before) == (gate["adopted"] != "current")
         assert adopted[-1] < base
     summary = {(entry["adversaries"]): entry for entry in report["summary"]}

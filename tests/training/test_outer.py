@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.outer import OuterConfig, average_states, cosine, near_duplicates, norm, outer_step
+from training.outer import OuterConfig, cosine, near_duplicates, norm, outer_step
 
 ROOT = Path(__file__).resolve().parents[2]
 GLOBAL = {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([0.5])}
@@ -47,15 +47,6 @@ def test_step_with_momentum_and_utility_weights() -> None:
     close(momentum, {"a": [1.15, 1.4], "b": [1.0]})
     # Φ' = Φ - 0.7 (G + 0.9 m): a0 = 1 - 0.7 * 1.285, a1 = 2 - 0.7 * 1.76, b = 0.5 - 0.7 * 1.9.
     close(new, {"a": [0.1005, 0.768], "b": [-0.83]})
-
-
-def test_an_lr_per_update_takes_the_lr_once_for_each_miner_merged() -> None:
-    cfg = OuterConfig(lr=0.5, momentum=0.0, lr_per_update=True)
-    new, _ = outer_step(GLOBAL, MINERS, [1.0, 1.0, 1.0], None, cfg)
-    # G = (a [1/3, 2/3], b [2/3]) as in the first test; three miners merged: Φ' = Φ - 1.5 G.
-    close(new, {"a": [0.5, 1.0], "b": [-0.5]})
-    one, _ = outer_step(GLOBAL, MINERS[:1], [1.0], None, cfg)
-    close(one, {"a": [0.5, 2.0], "b": [0.5]})  # one miner: Φ - 0.5 G1, G1 = (a [1, 0], b [0])
 
 
 def test_no_clipping_keeps_large_updates() -> None:
@@ -264,14 +255,3 @@ def test_near_duplicates_sum_in_sorted_name_order() -> None:
     plain = {"a": torch.tensor([1.0]), **{n: torch.zeros(2) for n in "bcde"}}
     for first in (forward, dict(reversed(forward.items()))):
         assert near_duplicates({"m1": first, "m2": plain}, 1.0) == {"m1", "m2"}
-
-
-def test_the_average_moves_a_tenth_of_the_way_at_decay_0_9_and_is_the_state_at_decay_0() -> None:
-    old, new = {"w": torch.tensor([0.0, 10.0])}, {"w": torch.tensor([10.0, 0.0])}
-    assert torch.equal(average_states(old, new, 0.9)["w"], torch.tensor([1.0, 9.0]))
-    assert average_states(old, new, 0.0)["w"] is new["w"]  # no average: the merged state itself
-    for bad in (-0.1, 1.0):
-        with pytest.raises(ValueError, match="decay is in \\[0, 1\\)"):
-            average_states(old, new, bad)
-    with pytest.raises(ValueError):
-        average_states({"v": torch.zeros(2)}, new, 0.5)

@@ -216,28 +216,6 @@ def test_outer_config_takes_every_aggregation_setting_from_the_spec() -> None:
         assert outer_config(spec) == OuterConfig(lr=0.7, momentum=0.9, clip_to_median=clip, weighting="utility")
 
 
-def test_an_outer_lr_scaled_by_the_updates_merged_steps_as_the_fixed_lr_that_many_times_larger(
-        spec: NetworkSpec) -> None:
-    a, b, c, worse = _miners(4)
-    glob = _global(spec)
-    blobs = {a: _moved(glob, 1), b: _moved(glob, 2), c: _moved(glob, 3), worse: _moved(glob, 4)}
-    losses = {a: 2.5, b: 2.0, c: 2.8, worse: 3.5}  # `worse` raises the loss: three are merged
-
-    def merged(**aggregation: object) -> dict[str, torch.Tensor]:
-        changed = spec.model_copy(update={"aggregation": spec.aggregation.model_copy(update=aggregation)})
-        result = Round(changed, blobs, losses).merge()
-        assert result.contributors == [b, a, c]
-        return result.new_global
-
-    scaled = merged(outer_lr=0.5, outer_lr_scale="merged")
-    fixed = merged(outer_lr=1.5)
-    assert all(torch.equal(scaled[name], fixed[name]) for name in glob)
-    assert not all(torch.equal(scaled[name], merged(outer_lr=0.5)[name]) for name in glob)
-    lone = spec.model_copy(update={"aggregation": spec.aggregation.model_copy(
-        update={"outer_lr": 0.5, "outer_lr_scale": "merged"})})
-    assert outer_config(lone) == OuterConfig(lr=0.5, lr_per_update=True)
-
-
 def _partitioned(**aggregation: object) -> NetworkSpec:
     submission = {"format": "pgrad", "chunk": 32, "topk": 4, "quant": "int8", "partitions": 2}
     return parse_spec({**make_spec_dict(), "submission": submission, "aggregation": aggregation})

@@ -44,21 +44,17 @@ function card(label, value, id) {
   return box;
 }
 
-// One line on how the network learns (the spec's submission, training and aggregation; a miner's own AdamW choice).
+// One line on how the network learns (the spec's submission, training and aggregation).
 function learningLine(l) {
   if (!l) return "";
   const sent = l.format === "pgrad"
     ? `compressed pseudo-gradients (${l.pgrad.topk} of ${l.pgrad.chunk} entries a chunk, ${l.pgrad.quant}` +
       `${l.pgrad.partitions > 1 ? `, 1/${l.pgrad.partitions} of the chunks` : ""})`
     : "full experts";
-  const perUpdate = l.outer_lr_scale === "merged" ? " × updates merged" : "";
-  const kept = l.keep_optimizer === null ? "" : l.keep_optimizer
-    ? ", keeping its AdamW state, rewound and its lr halved after a round that merges nothing" : ", AdamW from zero";
   return `${l.experts} experts · ${l.inner_steps} AdamW steps a round ` +
-    `(lr ${l.inner_lr}, beta1 ${l.inner_beta1}, batch ${l.batch_size}${kept}) · ` +
-    `miners send ${sent} · top ${l.top_g} merged, outer lr ${l.outer_lr}${perUpdate}, momentum ${l.momentum}, ` +
-    `${l.weighting} weights` +
-    (l.average_decay ? ` · offers the average of its merged states (decay ${l.average_decay})` : "");
+    `(lr ${l.inner_lr}, batch ${l.batch_size}) · ` +
+    `miners send ${sent} · top ${l.top_g} merged, outer lr ${l.outer_lr}, momentum ${l.momentum}, ` +
+    `${l.weighting} weights`;
 }
 
 function renderGlance(status) {

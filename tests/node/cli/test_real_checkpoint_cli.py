@@ -102,13 +102,13 @@ def test_spec_new_to_export(tmp_path: Path, capsys: pytest.CaptureFixture[str], 
     assert packed.keys() == tensors.keys() and all(torch.equal(packed[n], tensors[n]) for n in tensors)
 
 
-def test_export_writes_the_average_a_network_offers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_export_and_eval_of_a_global_state_read_its_experts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     checkpoint = write_hub_checkpoint(tmp_path / "ckpt", "qwen3_moe")
     train, heldout = write_data(tmp_path)
     spec_path = tmp_path / "net" / "spec.toml"
     code, _, err = run(capsys, "spec", "new", "--checkpoint", checkpoint, "--train", train, "--heldout", heldout,
                        "--validator", "ab" * 32, "--timing", "sim", "--seq-len", "32", "--max-sequences", "64",
-                       "--set", "aggregation.average_decay=0.9", "--out", spec_path)
+                       "--out", spec_path)
     assert code == 0, err
     spec = load_spec(spec_path)
     model, adapter = load_base(spec, spec_path)
@@ -123,19 +123,17 @@ def test_export_writes_the_average_a_network_offers(tmp_path: Path, capsys: pyte
     code, out, err = run(capsys, "export", "--spec", spec_path, "--state", state.hash, "--data-dir", tmp_path / "node",
                          "--experts-only", "--heldout", heldout, "--out", pack)
     assert code == 0, err
-    assert json.loads(out)["average"] is True
     code, evaluated, err = run(capsys, "eval", "--spec", spec_path, "--heldout", heldout, "--blob", stored)
-    assert code == 0, err  # `eval` of a state reads the experts it offers, as `export` writes them
+    assert code == 0, err  # `eval` of a state reads the experts `export` writes
     assert json.loads(evaluated)["loss"] == pytest.approx(json.loads(out)["heldout_loss"], abs=1e-6)
     manifest, packed = read_expert_pack(pack)
-    assert manifest["average"] is True and manifest["state"] == state.hash
-    assert state.average is not None and all(torch.equal(packed[n], state.average[n]) for n in base)
-    assert not any(torch.equal(packed[n], merged[n]) for n in base)  # a tenth of the way there, not the merged state
+    assert manifest["state"] == state.hash
+    assert all(torch.equal(packed[n], merged[n]) for n in base)
     code, _, err = run(capsys, "export", "--spec", spec_path, "--state", state.hash, "--data-dir", tmp_path / "node",
                        "--out", exported)
     assert code == 0, err
     written = extract(AutoModelForCausalLM.from_pretrained(str(exported)), adapter, spec.group)
-    assert all(torch.equal(written[n], state.average[n]) for n in base)
+    assert all(torch.equal(written[n], merged[n]) for n in base)
 
 
 def _refused(capsys: pytest.CaptureFixture[str], *argv: object, match: str) -> None:

@@ -14,10 +14,8 @@ import safetensors.torch
 import torch
 
 from miner.model import MinerModel, MinerSettings
-from miner.optimizer import InnerOptimizer
 from miner.submission import ErrorFeedback, build_submission, encode_submission
 from node.cli.main import main
-from node.duties.consensus import decode_state
 from protocol.identity import save_identity
 from tests.node.twins import Twins, identity
 from training.blob import BlobMeta, encode_blob
@@ -48,47 +46,6 @@ async def test_tessera_train_writes_the_blob_the_miner_duty_commits_to(tmp_path:
                      *extra]) == 0
         assert out.read_bytes() == duty_blobs[r], f"round {r}: tessera train and the miner duty differ"
     capsys.readouterr()
-
-
-async def test_a_miner_that_keeps_its_optimizer_trains_each_round_on_from_the_last_rounds_adamw_state(
-    tmp_path: Path,
-) -> None:
-    net = Twins(tmp_path)
-    try:
-        for name in ("validator-0", "validator-1"):
-            await net.start(name)
-        miner = await net.start("miner-0", miner={"keep_optimizer": True})
-        await net.rounds(0, 0)  # round 1's TRAIN trains from round 0's state
-        head = await miner.ctx.storage.head()
-        submissions = [await miner.ctx.storage.submission(r) for r in (0, 1)]
-        duty_blobs = [miner.ctx.blobs.path(s.hash).read_bytes() for s in submissions if s is not None]
-        assert head is not None and len(duty_blobs) == 2
-        state = miner.ctx.blobs.path(head).read_bytes()
-    finally:
-        await net.close()
-    model = MinerModel.load(net.spec, net.spec_path)
-    _, head_tensors, _ = decode_state(state, net.spec, model.shapes)
-    me, carried = identity("miner-0").node_id, InnerOptimizer()
-    builds = [build_submission(model, me, 0, net.spec.model.base_hash, model.genesis.tensors, MinerSettings(),
-                               optimizer=carried)[0],
-              build_submission(model, me, 1, head, head_tensors, MinerSettings(), optimizer=carried)[0]]
-    assert builds == duty_blobs and carried.state is not None
-    fresh, _ = build_submission(model, me, 1, head, head_tensors, MinerSettings())  # AdamW from zero
-    assert fresh != duty_blobs[1]
-
-
-def test_a_miner_trains_at_the_specs_adamw_beta1(tmp_path: Path) -> None:
-    net = Twins(tmp_path)
-    me, base = identity("miner-0").node_id, net.spec.model.base_hash
-    blobs, betas = {}, {}
-    for beta1 in (0.9, 0.5):
-        spec = net.spec.model_copy(update={"training": net.spec.training.model_copy(update={"beta1": beta1})})
-        model, carried = MinerModel.load(spec, net.spec_path), InnerOptimizer()
-        blobs[beta1], _ = build_submission(model, me, 0, base, model.genesis.tensors, MinerSettings(),
-                                           optimizer=carried)
-        assert carried.state is not None
-        betas[beta1] = carried.state["param_groups"][0]["betas"]
-    assert betas == {0.9: (0.9, 0.999), 0.5: (0.5, 0.999)} and blobs[0.9] != blobs[0.5]
 
 
 def test_tessera_train_refuses_a_global_blob_that_is_not_a_state(tmp_path: Path, capsys) -> None:

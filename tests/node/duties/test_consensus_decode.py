@@ -12,7 +12,7 @@ from node.duties.consensus import SyncError, decode_state
 from protocol.spec import parse_spec
 from tests.conftest import make_spec_dict
 from training.blob import BlobMeta, encode_blob
-from training.state import AVERAGE_PREFIX, GLOBAL_FORMAT, MOMENTUM_FORMAT, STATE_MINER
+from training.state import GLOBAL_FORMAT, MOMENTUM_FORMAT, STATE_MINER
 
 SPEC = parse_spec(make_spec_dict())
 SHAPES = {"w": (2, 2)}
@@ -22,25 +22,9 @@ TENSORS = {"w": torch.arange(4, dtype=torch.float32).reshape(2, 2)}
 
 
 def test_a_global_state_of_this_network_and_group_decodes() -> None:
-    meta, tensors, average = decode_state(encode_blob(TENSORS, META), SPEC, SHAPES)
-    assert meta == META and average is None  # the spec keeps no average of its merged states
+    meta, tensors = decode_state(encode_blob(TENSORS, META), SPEC, SHAPES)
+    assert meta == META
     torch.testing.assert_close(tensors["w"], TENSORS["w"], rtol=0, atol=0)
-
-
-def test_where_the_spec_keeps_an_average_a_state_blob_carries_it_and_without_it_is_refused() -> None:
-    spec = SPEC.model_copy(update={"aggregation": SPEC.aggregation.model_copy(update={"average_decay": 0.9})})
-    meta = replace(META, network=spec.network_id)
-    held = {**TENSORS, AVERAGE_PREFIX + "w": torch.ones(2, 2)}
-    decoded, tensors, average = decode_state(encode_blob(held, meta), spec, SHAPES)
-    assert decoded == meta and set(tensors) == {"w"} and average is not None
-    torch.testing.assert_close(average["w"], torch.ones(2, 2), rtol=0, atol=0)
-    with pytest.raises(SyncError, match="with their average, which this network keeps"):
-        decode_state(encode_blob(TENSORS, meta), spec, SHAPES)
-    with pytest.raises(SyncError, match="non-finite"):
-        decode_state(encode_blob({**held, AVERAGE_PREFIX + "w": torch.full((2, 2), float("nan"))}, meta), spec,
-                     SHAPES)
-    with pytest.raises(SyncError, match="names and shapes"):  # and a plain network refuses one that carries it
-        decode_state(encode_blob(held, META), SPEC, SHAPES)
 
 
 @pytest.mark.parametrize(("meta", "tensors", "message"), [
@@ -50,6 +34,7 @@ def test_where_the_spec_keeps_an_average_a_state_blob_carries_it_and_without_it_
     (replace(META, group={0: [1], 1: [0]}), TENSORS, "for another expert group"),
     (META, {"w": torch.zeros(4)}, "do not match the expert group's names and shapes"),
     (META, {"v": torch.zeros(2, 2)}, "do not match the expert group's names and shapes"),
+    (META, {**TENSORS, "v": torch.zeros(2, 2)}, "do not match the expert group's names and shapes"),
     (META, {"w": torch.tensor([[0.0, float("nan")], [0.0, 0.0]])}, "non-finite"),
     (META, {"w": torch.tensor([[0.0, float("inf")], [0.0, 0.0]])}, "non-finite"),
 ])

@@ -35,8 +35,7 @@ from tests.node.twins import phase_done, write_network
 from training.blob import decode_header
 from training.data import file_sha256
 from training.device import Int8Linear
-from training.outer import average_states
-from training.state import GlobalExperts, decode_state_blob
+from training.state import GlobalExperts
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -290,71 +289,3 @@ def test_a_validator_set_to_int8_weights_scores_with_its_frozen_layers_in_int8(t
                         validator={"heldout": tmp_path / "net" / "heldout.jsonl", "weights": "int8"})
     loaded = _Loaded.create(SimpleNamespace(config=config, spec=load_spec(spec_path)))  # type: ignore[arg-type]
     assert any(isinstance(module, Int8Linear) for module in loaded.scorer.model.modules())
-
-
-def averaging_network(tmp_path: Path) -> Net:
-    sim = make_sim_network(tmp_path / "sim", validators=2, genesis=GENESIS)
-    spec = tomllib.loads(sim.spec_path.read_text(encoding="utf-8"))
-    apply_settings(spec, [("aggregation.average_decay", 0.9)])
-    sim.spec_path.write_text(to_toml(spec), encoding="utf-8")
-    return Net(sim, tmp_path)
-
-
-async def test_a_network_that_keeps_an_average_agrees_on_it_reports_its_loss_and_miners_train_from_the_merge(
-        tmp_path: Path) -> None:
-    net = averaging_network(tmp_path)
-    try:
-        v0, v1 = await net.add("validator-0"), await net.add("validator-1")
-        await net.add("miner-0")
-        await net.add("miner-1", "lazy")
-        net.launch()
-        await net.rounds(2)
-        await net.phase(2, Phase.TRAIN)  # settles round 1
-
-        held = []
-        for r in (0, 1):
-            [state] = await v0.ctx.storage.global_states(r)
-            assert sorted(state.voters) == sorted(net.sim.validator_ids) and len(state.contributors) == 1
-            first, second = await report(v0, r), await report(v1, r)
-            assert first["global_hash"] == second["global_hash"] == state.hash
-            assert first["global_loss"] == second["global_loss"]
-            data = v0.ctx.blobs.path(state.hash).read_bytes()
-            shapes = {name: tuple(t.shape) for name, t in v0.duties.state.tensors.items()}
-            held.append(decode_state_blob(data, net.spec, shapes))
-        (_, _, average0), (meta1, merged1, average1) = held
-        assert meta1.base == (await v0.ctx.storage.global_states(0))[0].hash and average0 and average1
-        assert all(torch.equal(average1[n], t) for n, t in average_states(average0, merged1, 0.9).items())
-        losses = [(await report(v0, r))["global_loss"] for r in (0, 1)]
-        assert (await report(v0, 0))["base_loss"] > losses[0] > losses[1]  # the average falls round by round
-        adopted = v0.duties.state
-        assert adopted.round == 1 and v1.duties.state.hash == adopted.hash
-        for node in net.nodes.values():
-            assert await node.ctx.storage.head() == adopted.hash
-        # round 1 was scored against round 0's merged tensors, which lie well below their average
-        assert (await report(v0, 1))["base_loss"] < (await report(v0, 0))["global_loss"]
-    finally:
-        await net.stop()
-
-
-async def test_a_round_that_merges_nothing_still_adopts_a_state_that_folds_the_average(tmp_path: Path) -> None:
-    net = averaging_network(tmp_path)
-    try:
-        v0 = await net.add("validator-0")
-        await net.add("validator-1")
-        await net.add("miner-0", "lazy")  # an unchanged state has no utility: nothing is merged
-        net.launch()
-        await net.phase(0, Phase.TRAIN)
-        genesis = v0.duties.state
-        assert isinstance(genesis, GlobalExperts) and genesis.is_genesis
-        await net.rounds(1)
-        await net.phase(1, Phase.TRAIN)
-        [state] = await v0.ctx.storage.global_states(0)
-        assert state.contributors == () and sorted(state.voters) == sorted(net.sim.validator_ids)
-        adopted = v0.duties.state
-        assert adopted.hash == state.hash == await v0.ctx.storage.head() and adopted.parent == genesis.hash
-        assert all(torch.equal(adopted.tensors[n], t) for n, t in genesis.tensors.items())
-        assert genesis.average is not None and adopted.average is not None  # folded once more, merged or not
-        folded = average_states(genesis.average, genesis.tensors, 0.9)
-        assert all(torch.equal(adopted.average[n], t) for n, t in folded.items())
-    finally:
-        await net.stop()

@@ -95,7 +95,7 @@ async def test_pgrad_rounds_score_merge_agree_and_keep_the_error_buffer_across_a
         head0 = decode_header(round1, net.spec.limits.max_header_bytes).meta.base
         state = net.nodes["miner-0"].ctx.blobs.read_checked(head0)
         assert state is not None
-        _, base, _ = decode_state(state, net.spec, model.shapes)
+        _, base = decode_state(state, net.spec, model.shapes)
         feedback = ErrorFeedback(load_error(error0_data, model.shapes))
         kept, _ = build_submission(model, net.id("miner-0"), 1, head0, base, MinerSettings(), feedback=feedback)
         fresh, _ = build_submission(model, net.id("miner-0"), 1, head0, base, MinerSettings(), feedback=ErrorFeedback())
@@ -144,7 +144,7 @@ async def test_a_partitioned_network_moves_each_entry_by_the_miners_that_sent_it
         assert all(m["reward"] > 0 for m in report["miners"]) and net.spec.aggregation.top_g >= 3  # all merged
         state = net.nodes["validator-0"].ctx.blobs.read_checked(heads.pop())
         assert state is not None
-        _, merged, _ = decode_state(state, net.spec, model.shapes)
+        _, merged = decode_state(state, net.spec, model.shapes)
 
         # First outer step: Φ' = Φ − lr (1 + μ) g, with each G_i clipped to the median norm first.
         outer = outer_config(net.spec)

@@ -30,7 +30,7 @@ def test_train_progress_counts_steps_and_tokens_and_sets_throughput() -> None:
     assert got[("tessera_train_tokens_total", ())] == 5000
     assert got[("tessera_train_tokens_per_second", ())] == 2000.0  # the last round's rate
     assert got[("tessera_train_loss", ())] == 3.5  # kept when a round reports no loss
-    assert got[("tessera_train_lr", ())] == 2.5e-4  # the last round's: a backtracking miner's falls
+    assert got[("tessera_train_lr", ())] == 2.5e-4  # the last round's
 
 
 def test_submissions_scored_observes_seconds_per_submission_and_counts_verdicts() -> None:

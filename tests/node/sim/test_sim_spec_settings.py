@@ -1,8 +1,8 @@
-"""`tessera simulate --set SECTION.FIELD=VALUE`, `--family` and `--keep-optimizer`: a simulation of any
-spec field it does not derive from its files (the short rounds of docs/learning.md) without editing files by hand.
+"""`tessera simulate --set SECTION.FIELD=VALUE` and `--family`: a simulation of any spec field it does not
+derive from its files (the short rounds of docs/learning.md) without editing files by hand.
 
 A setting is read as TOML, judged by the spec's own section model before anything is written, and
-lands in the prepared network's spec (nothing is started); `--keep-optimizer` lands in every miner's
+lands in the prepared network's spec (nothing is started); an adversary's kind lands in its miner's
 config and no validator's; `--adversaries` is read as comma-separated kinds."""
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ def test_a_bad_setting_is_refused_naming_it(setting: tuple[str, object], reason:
         SimSettings(spec_settings=(setting,))
 
 
-def test_settings_land_in_the_spec_and_kept_state_in_every_miner_config(tmp_path: Path) -> None:
-    settings = SimSettings(validators=1, miners=2, adversaries=("noise",), inner_steps=5, keep_optimizer=True,
+def test_settings_land_in_the_spec_and_adversaries_in_their_miner_configs(tmp_path: Path) -> None:
+    settings = SimSettings(validators=1, miners=2, adversaries=("noise",), inner_steps=5,
                            spec_settings=(("aggregation.outer_lr", 2.5), ("aggregation.top_g", 8),
                                           ("training.inner_steps", 7)))
     sim = Simulation(tmp_path / "sim", settings)
@@ -70,9 +70,7 @@ def test_settings_land_in_the_spec_and_kept_state_in_every_miner_config(tmp_path
     miners = [n for n in sim.nodes.values() if n.role == "miner"]
     assert [n.kind for n in miners] == ["honest", "noise"]
     for n in miners:
-        config = load_config(n.directory / "config.toml")
-        assert config.miner.keep_optimizer is True
-        assert config.miner.behaviour == n.kind
+        assert load_config(n.directory / "config.toml").miner.behaviour == n.kind
     for n in sim.nodes.values():
         if n.role == "validator":
             assert "miner" not in tomllib.loads((n.directory / "config.toml").read_text())
@@ -93,16 +91,14 @@ def test_timing_model_and_data_settings_land_in_the_spec_and_its_network_id(tmp_
     assert sim.network.network_id == spec.network_id
 
 
-def test_simulate_set_and_keep_optimizer_reach_the_settings(tmp_path: Path, simulate_settings: list[SimSettings],
-                                                            capsys) -> None:
+def test_simulate_set_reaches_the_settings(tmp_path: Path, simulate_settings: list[SimSettings], capsys) -> None:
     argv = ["simulate", "--dir", str(tmp_path / "sim"), "--set", "aggregation.outer_lr=2.5",
-            "--set", "submission.format=pgrad", "--keep-optimizer"]
+            "--set", "submission.format=pgrad"]
     assert main(argv) == 1
     [settings] = simulate_settings
     assert settings.spec_settings == (("aggregation.outer_lr", 2.5), ("submission.format", "pgrad"))
-    assert settings.keep_optimizer is True
     assert main(["simulate", "--dir", str(tmp_path / "sim")]) == 1
-    assert (simulate_settings[-1].spec_settings, simulate_settings[-1].keep_optimizer) == ((), False)
+    assert simulate_settings[-1].spec_settings == ()
     assert "stopped before writing anything" in capsys.readouterr().err
 
 
