@@ -300,7 +300,7 @@ class Network:
             esft_losses.append(self.loss(esft))
         dp, dp_losses, inner, model = self.genesis.tensors, [], self.spec.training, self.miners.model
         assert isinstance(model, torch.nn.Module), "the miners' model is loaded whole (`full` forward)"
-        cfg = TrainConfig(steps=inner.inner_steps, lr=inner.lr, weight_decay=inner.weight_decay,
+        cfg = TrainConfig(steps=inner.inner_steps, lr=inner.lr, beta1=inner.beta1, weight_decay=inner.weight_decay,
                           batch_size=inner.batch_size * miners, grad_clip=inner.grad_clip, pad_id=self.miners.pad_id)
         optimizer = None
         for r in range(rounds if miners > 1 else 0):  # one miner's ceiling is ESFT itself

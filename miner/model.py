@@ -105,7 +105,7 @@ class MinerModel:
             self.model.load(dict(base))
         else:
             insert(self.model, self.adapter, dict(base))
-        cfg = TrainConfig(steps=steps or inner.inner_steps, lr=inner.lr,
+        cfg = TrainConfig(steps=steps or inner.inner_steps, lr=inner.lr, beta1=inner.beta1,
                           weight_decay=inner.weight_decay, batch_size=inner.batch_size,
                           micro_batch_size=settings.micro_batch_size, grad_clip=inner.grad_clip,
                           forward=settings.forward, device=settings.device,

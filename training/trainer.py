@@ -55,6 +55,10 @@ class TrainConfig:
     """Inner AdamW learning rate."""
     weight_decay: float = 0.0
     """Inner AdamW decoupled weight decay, applied to the selected experts only."""
+    beta1: float = 0.9
+    """Inner AdamW first-moment decay (AdamW's default). The moment's horizon is counted in this optimizer's
+    steps; where each of them moves a merged state several steps (an outer lr above 1), a smaller beta1
+    keeps the horizon in the state's steps (docs/learning.md, "Merging every step")."""
     batch_size: int = 8
     """Sequences per optimizer step; every batch from the iterator must have this many."""
     micro_batch_size: int | None = None
@@ -84,6 +88,8 @@ class TrainConfig:
             raise ValueError(f"steps must be at least 1, got {self.steps}")
         if self.lr <= 0 or self.weight_decay < 0 or self.grad_clip <= 0:
             raise ValueError("lr and grad_clip must be positive and weight_decay non-negative")
+        if not 0 <= self.beta1 < 1:
+            raise ValueError(f"beta1 must be in [0, 1), got {self.beta1}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {self.batch_size}")
         if self.micro_batch_size is not None and not 1 <= self.micro_batch_size <= self.batch_size:
@@ -129,7 +135,8 @@ def train_experts(
     `model` is the full model, or (in `compressed` mode) an already compressed one for `group`.
     `optimizer_state`: an earlier run's `TrainResult.optimizer_state` on the same group, so AdamW's
     moments go on from where that run left them (one continuous AdamW run in pieces, as the learning
-    benchmark's single-node baselines are); None starts them at zero. `cfg`'s lr and weight decay apply either way.
+    benchmark's single-node baselines are); None starts them at zero. `cfg`'s lr, weight decay and beta1 apply
+    either way.
     """
     device = torch.device(cfg.device)
     net, copies = _prepare(model, adapter, group, cfg, device)
@@ -171,14 +178,15 @@ def inner_adamw(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.opt
     """`cfg.optimizer` over `params`. Torch's AdamW runs fused, on every device torch fuses it for (CPU and CUDA
     among them): the multi-tensor (foreach) step it replaces holds temporaries the size of the trainable
     experts in fp32 at the step, on CUDA, where it is torch's default."""
+    betas = (cfg.beta1, 0.999)
     if cfg.optimizer == "adamw8bit":
         # imported only when asked for: it takes seconds (it imports torch.compile's machinery)
         from bitsandbytes.optim.adamw import AdamW8bit
 
         # bitsandbytes leaves its optimizers unannotated
-        eight_bit = AdamW8bit(params, lr=cfg.lr, weight_decay=cfg.weight_decay)  # type: ignore[no-untyped-call]
+        eight_bit = AdamW8bit(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=betas)  # type: ignore[no-untyped-call]
         return cast(torch.optim.Optimizer, eight_bit)
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=betas, fused=True)
 
 
 def _resume(
@@ -197,6 +205,7 @@ def _resume(
     optimizer.load_state_dict(state)
     for group in optimizer.param_groups:
         group["lr"], group["weight_decay"] = cfg.lr, cfg.weight_decay
+        group["betas"] = (cfg.beta1, group["betas"][1])
 
 
 def _prepare(

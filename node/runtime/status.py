@@ -217,6 +217,7 @@ def learning_settings(spec: NetworkSpec) -> dict[str, Any]:
         "experts": sum(len(ids) for ids in spec.group.values()),
         "inner_steps": training.inner_steps,
         "inner_lr": training.lr,
+        "inner_beta1": training.beta1,
         "batch_size": training.batch_size,
         "top_g": aggregation.top_g,
         "outer_lr": aggregation.outer_lr,

@@ -71,7 +71,7 @@ CHANGES: dict[str, tuple[dict[str, object], object]] = {
     "data.train": ({}, ["train.txt", "more.txt"]), "data.heldout_sha256": ({}, "ee" * 32),
     "data.tokenizer": ({}, "tok"), "data.seq_len": ({}, 64), "data.heldout_sequences": ({}, 16),
     "data.gate_sequences": ({}, 16), "data.general_sha256": ({}, "dd" * 32),
-    "training.inner_steps": ({}, 21), "training.lr": ({}, 2e-3),
+    "training.inner_steps": ({}, 21), "training.lr": ({}, 2e-3), "training.beta1": ({}, 0.656),
     "training.weight_decay": ({}, 0.1), "training.batch_size": ({}, 4), "training.grad_clip": ({}, 0.5),
     "validators[].key": ({}, make_identity(99).node_id), "validators[].weight": ({}, 2.0),
     "rewards.replication": ({}, 1), "rewards.top_k": ({}, 4), "rewards.ema_alpha": ({}, 0.5),
@@ -138,6 +138,8 @@ def _set(data: dict, dotted: str, value: object) -> dict:
         ("group", {"0": []}),
         ("unknown_field", 1),
         ("model.checkpoint", "ckpt"),
+        ("training.beta1", 1.0),
+        ("training.beta1", -0.1),
     ],
 )
 def test_malformed_spec_names_the_field(spec_dict, field: str, value: object) -> None:

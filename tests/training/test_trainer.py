@@ -237,6 +237,9 @@ def test_bad_batches_and_configs_are_refused(make_tiny: Callable[..., Any]) -> N
         TrainConfig(batch_size=4, micro_batch_size=8)
     with pytest.raises(ValueError, match="forward"):
         TrainConfig(forward="sparse")  # type: ignore[arg-type]
+    for beta1 in (1.0, -0.1):
+        with pytest.raises(ValueError, match="beta1 must be in"):
+            TrainConfig(beta1=beta1)
 
 
 def test_a_run_that_goes_on_from_the_last_ones_optimizer_state_is_that_run_continued(
@@ -261,3 +264,19 @@ def test_a_run_that_goes_on_from_the_last_ones_optimizer_state_is_that_run_conti
     other = {layer: ids[:1] for layer, ids in split.group.items()}
     with pytest.raises(ValueError, match="other expert tensors"):
         train_experts(split.model, split.adapter, other, batches(data), half, first.optimizer_state)
+
+
+def test_beta1_sets_the_first_moments_decay_and_a_resumed_run_takes_the_new_one(
+    make_tiny: Callable[..., Any], pattern: Callable[..., torch.Tensor]
+) -> None:
+    data = pattern(16, LENGTH, 6)
+    runs = {}
+    for beta1 in (0.9, 0.5):
+        tiny = make_tiny("qwen3_moe")
+        cfg = TrainConfig(steps=4, lr=1e-2, batch_size=BATCH, beta1=beta1)
+        runs[beta1] = train_experts(tiny.model, tiny.adapter, tiny.group, batches(data), cfg)
+        assert runs[beta1].optimizer_state["param_groups"][0]["betas"] == (beta1, 0.999)
+    assert not all(torch.equal(runs[0.9].tensors[n], runs[0.5].tensors[n]) for n in runs[0.9].tensors)
+    resumed = train_experts(tiny.model, tiny.adapter, tiny.group, batches(data), TrainConfig(
+        steps=1, lr=1e-2, batch_size=BATCH, beta1=0.3), runs[0.5].optimizer_state)
+    assert resumed.optimizer_state["param_groups"][0]["betas"] == (0.3, 0.999)

@@ -52,7 +52,7 @@ function learningLine(l) {
       `${l.pgrad.partitions > 1 ? `, 1/${l.pgrad.partitions} of the chunks` : ""})`
     : "full experts";
   return `${l.experts} experts · ${l.inner_steps} AdamW steps a round ` +
-    `(lr ${l.inner_lr}, batch ${l.batch_size}) · ` +
+    `(lr ${l.inner_lr}, beta1 ${l.inner_beta1}, batch ${l.batch_size}) · ` +
     `miners send ${sent} · top ${l.top_g} merged, outer lr ${l.outer_lr}, momentum ${l.momentum}, ` +
     `${l.weighting} weights`;
 }

@@ -48,6 +48,7 @@ def data(tmp_path: Path) -> tuple[Path, Path]:
     (["--set", "aggregation.outer_lr=inf"], "spec setting aggregation.outer_lr: Input should be a finite number"),
     (["--set", "training.lr=nan"], "spec setting training.lr: Input should be a finite number"),
     (["--set", "aggregation.momentum=1"], "spec setting aggregation.momentum: Input should be less than 1"),
+    (["--set", "training.beta1=1"], "spec setting training.beta1: Input should be less than 1"),
     (["--set", "timing.merge_s=0"], "spec setting timing.merge_s: Input should be greater than or equal to 0.001"),
     (["--set", "model.dtype=int8"], "spec setting model.dtype: Input should be 'float32', 'bfloat16' or 'float16'"),
     (["--set", "data.seq_len=100000"], "spec setting data.seq_len: Input should be less than or equal to 65536"),

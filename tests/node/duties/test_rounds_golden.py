@@ -7,8 +7,8 @@ instead of the OS. Every loss, rank, reward, submission and state hash is compar
 `golden_rounds.json`, first captured before the one-pass redesign (commit 7069fea) and recorded again
 once when every spec field entered the network id and tiny models stopped patching torch's init, and
 once more when MERGE went through the merge gate (its new spec fields changed the network id, and the gate
-adopts the best single submission in every round here), and once when four learning settings left the spec
-(the network id changed; every loss, rank and reward stayed).
+adopts the best single submission in every round here), and once when two learning settings left the spec
+and two defaults changed (the network id changed; every loss, rank and reward stayed).
 Regenerate only when a change of behaviour is intended:
     .venv/bin/python -c "import asyncio, pathlib, tempfile, json; \
 from tests.node.duties.test_rounds_golden import scenario; \

@@ -26,7 +26,7 @@ ROUNDS = [{"round": 0, "source": "validator", "base": "dd" * 32, "base_loss": 3.
                                           {"id": B, **ENTRY}]}]
 
 LEARNING = {"format": "pgrad", "pgrad": {"chunk": 256, "topk": 40, "quant": "2bit", "partitions": 2}, "experts": 4,
-            "inner_steps": 5, "inner_lr": 0.001, "batch_size": 8, "top_g": 8, "outer_lr": 2.5, "momentum": 0.0,
+            "inner_steps": 5, "inner_lr": 0.001, "inner_beta1": 0.656, "batch_size": 8, "top_g": 8, "outer_lr": 2.5, "momentum": 0.0,
             "weighting": "uniform"}
 
 
@@ -102,7 +102,7 @@ def test_the_page_renders_peer_text_as_text(browser: Any, served: tuple[HttpApi,
     assert page.locator("#countdown").inner_text().startswith("commit of round 1 in 1:0")
     assert page.locator("#me").is_hidden()
     assert page.locator("#learning").inner_text() == (
-        "4 experts · 5 AdamW steps a round (lr 0.001, batch 8) · miners send compressed "
+        "4 experts · 5 AdamW steps a round (lr 0.001, beta1 0.656, batch 8) · miners send compressed "
         "pseudo-gradients (40 of 256 entries a chunk, 2bit, 1/2 of the chunks) · top 8 merged, "
         "outer lr 2.5, momentum 0, uniform weights")
 

@@ -164,13 +164,13 @@ async def test_a_validators_own_report_wins(storage: Storage, spec: NetworkSpec,
 
 def test_status_says_how_the_network_learns(spec_dict: dict[str, Any]) -> None:
     spec_dict["submission"] = {"format": "pgrad", "chunk": 128, "topk": 16, "quant": "int8", "partitions": 4}
-    spec_dict["training"] = {"inner_steps": 5, "lr": 2e-3, "batch_size": 4}
+    spec_dict["training"] = {"inner_steps": 5, "lr": 2e-3, "beta1": 0.656, "batch_size": 4}
     spec_dict["aggregation"] = {"top_g": 8, "outer_lr": 2.5, "momentum": 0.0}
     pgrad = parse_spec(spec_dict)
     assert learning_settings(pgrad) == {
         "format": "pgrad", "pgrad": {"chunk": 128, "topk": 16, "quant": "int8", "partitions": 4},
         "experts": 3,  # the group is {0: [1, 3], 1: [0]}
-        "inner_steps": 5, "inner_lr": 2e-3, "batch_size": 4,
+        "inner_steps": 5, "inner_lr": 2e-3, "inner_beta1": 0.656, "batch_size": 4,
         "top_g": 8, "outer_lr": 2.5, "momentum": 0.0, "weighting": "uniform"}
     experts = learning_settings(parse_spec(make_spec_dict()))
     assert experts["format"] == "experts" and experts["pgrad"] is None
