@@ -149,7 +149,7 @@ class AggregationSpec(_Strict):
 
     The defaults are the learning benchmark's pick at the spec's default H = 20 and top-G 3: plain averaging
     (lr 1, no momentum) against DiLoCo's lr 0.7 with momentum 0.9, which forgot 2.9 to 11 times as much
-    general-domain loss where either forgot any (docs/learning.md, "Defaults").
+    general-domain loss where either forgot any (docs/learning.md, "Settings measured at H = 20").
     """
 
     top_g: int = Field(default=3, ge=1, description="How many top-ranked miners are merged.")

@@ -56,9 +56,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     """Inner AdamW decoupled weight decay, applied to the selected experts only."""
     beta1: float = 0.9
-    """Inner AdamW first-moment decay (AdamW's default). The moment's horizon is counted in this optimizer's
-    steps; where each of them moves a merged state several steps (an outer lr above 1), a smaller beta1
-    keeps the horizon in the state's steps (docs/learning.md, "Merging every step")."""
+    """Inner AdamW first-moment decay (AdamW's default; the spec's `training.beta1`, docs/learning.md,
+    "Settings measured at H = 20")."""
     batch_size: int = 8
     """Sequences per optimizer step; every batch from the iterator must have this many."""
     micro_batch_size: int | None = None
