@@ -8,10 +8,11 @@ from typing import Any
 import pytest
 import torch
 
+from training.adapters import tensor_attr
 from training.blob import BlobMeta, decode_blob, encode_blob
 from training.compressed import compress
 from training.evaluate import heldout_loss, loss_with_experts
-from training.experts import expert_names, extract, insert
+from training.experts import expert_names, extract, insert, tensor_name
 from training.model import state_hash
 from training.trainer import TrainConfig, train_experts
 
@@ -280,3 +281,27 @@ def test_beta1_sets_the_first_moments_decay_and_a_resumed_run_takes_the_new_one(
     resumed = train_experts(tiny.model, tiny.adapter, tiny.group, batches(data), TrainConfig(
         steps=1, lr=1e-2, batch_size=BATCH, beta1=0.3), runs[0.5].optimizer_state)
     assert resumed.optimizer_state["param_groups"][0]["betas"] == (0.3, 0.999)
+
+
+def test_a_compressed_layers_fused_rows_are_released_while_its_copies_train(
+    tiny: Any, pattern: Callable[..., torch.Tensor]
+) -> None:
+    """A compressed layer's fused tensors hold only the group, which its fp32 copies hold too: while they train
+    the fused storage is empty, and afterwards it holds the trained rows."""
+    cut = compress(tiny.model, tiny.adapter, tiny.group)
+    fused = {layer: tensor_attr(tiny.adapter.experts(cut.model, layer), "gate_up_proj") for layer in cut.group}
+    shapes = {layer: tuple(t.shape) for layer, t in fused.items()}
+    sizes_seen: list[list[int]] = []
+
+    def watched(data: torch.Tensor) -> Any:
+        for batch in batches(data):
+            sizes_seen.append([t.numel() for t in fused.values()])
+            yield batch
+
+    cfg = TrainConfig(steps=2, lr=1e-2, batch_size=BATCH, forward="compressed")
+    result = train_experts(cut, tiny.adapter, tiny.group, watched(pattern(8, LENGTH, 3)), cfg)
+    assert len(sizes_seen) == 2 and all(size == 0 for sizes in sizes_seen for size in sizes)
+    for layer, ids in cut.group.items():
+        assert tuple(fused[layer].shape) == shapes[layer]
+        for slot, expert in enumerate(ids):
+            assert torch.equal(fused[layer][slot], result.tensors[tensor_name(layer, expert, "gate_up_proj")])
