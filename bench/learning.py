@@ -295,7 +295,8 @@ class Network:
         esft_losses = []
         for r in range(rounds):
             for m in ids:
-                result = self.miners.train(m, r, esft, self.settings, lambda: True, optimizer_state=optimizer)
+                result = self.miners.train(m, r, esft, self.settings, lambda: True, optimizer_state=optimizer,
+                                           hand_on=True)
                 esft, optimizer = result.tensors, result.optimizer_state
             esft_losses.append(self.loss(esft))
         dp, dp_losses, inner, model = self.genesis.tensors, [], self.spec.training, self.miners.model
@@ -307,7 +308,7 @@ class Network:
             streams = [batches(shard(self.miners.sequences, m, r), inner.batch_size, miner_seed(m, r)) for m in ids]
             together = (torch.cat(step) for step in zip(*streams, strict=True))  # endless streams: H steps
             insert(model, self.miners.adapter, dict(dp))
-            trained = train_experts(model, self.miners.adapter, self.spec.group, together, cfg, optimizer)
+            trained = train_experts(model, self.miners.adapter, self.spec.group, together, cfg, optimizer, hand_on=True)
             dp, optimizer = trained.tensors, trained.optimizer_state
             dp_losses.append(self.loss(dp))
         base_general = self.loss(self.genesis.tensors, self.general_report)

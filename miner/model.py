@@ -94,12 +94,12 @@ class MinerModel:
 
     def train(self, miner: str, round: int, base: Mapping[str, torch.Tensor], settings: MinerSettings,
               keep_going: Callable[[], bool], steps: int | None = None, progress: bool = False,
-              optimizer_state: dict[str, Any] | None = None) -> TrainResult:
+              optimizer_state: dict[str, Any] | None = None, hand_on: bool = False) -> TrainResult:
         """H inner steps (or `steps`) from `base` on this miner's shard; fewer when `keep_going` turns False.
 
         `progress`: a tqdm bar on a terminal (the `tessera train` command; the daemon logs instead).
-        `optimizer_state`: the AdamW state to go on from (None: start at zero, as a miner does); the new one is
-        in the result."""
+        `optimizer_state`: the AdamW state to go on from (None: start at zero, as a miner does); `hand_on`: the new
+        one is in the result."""
         inner = self.spec.training
         if isinstance(self.model, CompressedModel):
             self.model.load(dict(base))
@@ -114,7 +114,7 @@ class MinerModel:
         rows = shard(self.sequences, miner, round)
         order = batches(rows, cfg.batch_size, miner_seed(miner, round))
         return train_experts(self.model, self.adapter, self.spec.group, _while(order, keep_going), cfg,
-                             optimizer_state)
+                             optimizer_state, hand_on)
 
 
 def _genesis(spec: NetworkSpec, experts: Mapping[str, torch.Tensor]) -> GlobalExperts:

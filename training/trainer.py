@@ -118,7 +118,8 @@ class TrainResult:
     lr: float = 0.0
     """The AdamW lr the steps ran at (`TrainConfig.lr`)."""
     optimizer_state: dict[str, Any] = field(default_factory=dict)
-    """The AdamW state after the last step (`torch.optim.Optimizer.state_dict`), for the next run to go on from."""
+    """The AdamW state after the last step (`torch.optim.Optimizer.state_dict`), for the next run to go on from,
+    where `train_experts` was asked to hand it on; else empty (its moments are twice the trained experts)."""
 
 
 def train_experts(
@@ -128,6 +129,7 @@ def train_experts(
     batches: Iterator[torch.Tensor],
     cfg: TrainConfig,
     optimizer_state: dict[str, Any] | None = None,
+    hand_on: bool = False,
 ) -> TrainResult:
     """Train `group`'s experts in place for up to `cfg.steps` batches of token ids [B, L].
 
@@ -135,7 +137,7 @@ def train_experts(
     `optimizer_state`: an earlier run's `TrainResult.optimizer_state` on the same group, so AdamW's
     moments go on from where that run left them (one continuous AdamW run in pieces, as the learning
     benchmark's single-node baselines are); None starts them at zero. `cfg`'s lr, weight decay and beta1 apply
-    either way.
+    either way. `hand_on`: the result carries the AdamW state after the run, for such a next piece.
     """
     device = torch.device(cfg.device)
     net, copies = _prepare(model, adapter, group, cfg, device)
@@ -167,7 +169,8 @@ def train_experts(
         raise ValueError("the batch iterator gave no batches; there is nothing to train on")
     result.seconds = time.perf_counter() - started
     result.tensors = _named_tensors(copies)
-    result.optimizer_state = optimizer.state_dict()
+    if hand_on:
+        result.optimizer_state = optimizer.state_dict()
     if cfg.forward == "compressed" and not isinstance(model, CompressedModel):
         insert(model, adapter, result.tensors)
     return result

@@ -42,12 +42,13 @@ def test_8bit_state_is_about_a_quarter_of_fp32_adamws_and_resumes_exactly(
     make_tiny: Callable[..., Any], pattern: Callable[..., torch.Tensor]
 ) -> None:
     data = pattern(4 * BATCH, LENGTH, 2)
-    fp32 = train_experts(*make_tiny("qwen3_moe")[1:], batches(data), TrainConfig(steps=1, batch_size=BATCH))
+    fp32 = train_experts(*make_tiny("qwen3_moe")[1:], batches(data), TrainConfig(steps=1, batch_size=BATCH), hand_on=True)
     cfg = TrainConfig(steps=2, lr=1e-2, batch_size=BATCH, optimizer="adamw8bit")
-    whole = train_experts(*make_tiny("qwen3_moe")[1:], batches(data), TrainConfig(**{**vars(cfg), "steps": 4}))
+    whole = train_experts(*make_tiny("qwen3_moe")[1:], batches(data), TrainConfig(**{**vars(cfg), "steps": 4}),
+                          hand_on=True)
     assert state_bytes(whole) < 0.3 * state_bytes(fp32)
     tiny = make_tiny("qwen3_moe")
-    first = train_experts(tiny.model, tiny.adapter, tiny.group, batches(data[: 2 * BATCH]), cfg)
+    first = train_experts(tiny.model, tiny.adapter, tiny.group, batches(data[: 2 * BATCH]), cfg, hand_on=True)
     second = train_experts(tiny.model, tiny.adapter, tiny.group, batches(data[2 * BATCH :]), cfg,
                            optimizer_state=first.optimizer_state)
     assert all(torch.equal(second.tensors[n], whole.tensors[n]) for n in whole.tensors)

@@ -253,12 +253,13 @@ def test_a_run_that_goes_on_from_the_last_ones_optimizer_state_is_that_run_conti
 
     split = make_tiny("qwen3_moe")
     half = TrainConfig(steps=4, lr=1e-2, weight_decay=0.1, batch_size=BATCH)
-    first = train_experts(split.model, split.adapter, split.group, batches(data[:16]), half)
+    first = train_experts(split.model, split.adapter, split.group, batches(data[:16]), half, hand_on=True)
     resumed = train_experts(split.model, split.adapter, split.group, batches(data[16:]), half, first.optimizer_state)
     assert all(torch.equal(resumed.tensors[n], straight.tensors[n]) for n in straight.tensors)
 
     restarted = make_tiny("qwen3_moe")
-    train_experts(restarted.model, restarted.adapter, restarted.group, batches(data[:16]), half)
+    not_handed = train_experts(restarted.model, restarted.adapter, restarted.group, batches(data[:16]), half)
+    assert not_handed.optimizer_state == {}  # a miner's run: its moments are dropped with the optimizer
     fresh = train_experts(restarted.model, restarted.adapter, restarted.group, batches(data[16:]), half)
     assert not all(torch.equal(fresh.tensors[n], straight.tensors[n]) for n in straight.tensors)  # zeroed moments differ
 
@@ -275,11 +276,11 @@ def test_beta1_sets_the_first_moments_decay_and_a_resumed_run_takes_the_new_one(
     for beta1 in (0.9, 0.5):
         tiny = make_tiny("qwen3_moe")
         cfg = TrainConfig(steps=4, lr=1e-2, batch_size=BATCH, beta1=beta1)
-        runs[beta1] = train_experts(tiny.model, tiny.adapter, tiny.group, batches(data), cfg)
+        runs[beta1] = train_experts(tiny.model, tiny.adapter, tiny.group, batches(data), cfg, hand_on=True)
         assert runs[beta1].optimizer_state["param_groups"][0]["betas"] == (beta1, 0.999)
     assert not all(torch.equal(runs[0.9].tensors[n], runs[0.5].tensors[n]) for n in runs[0.9].tensors)
     resumed = train_experts(tiny.model, tiny.adapter, tiny.group, batches(data), TrainConfig(
-        steps=1, lr=1e-2, batch_size=BATCH, beta1=0.3), runs[0.5].optimizer_state)
+        steps=1, lr=1e-2, batch_size=BATCH, beta1=0.3), runs[0.5].optimizer_state, hand_on=True)
     assert resumed.optimizer_state["param_groups"][0]["betas"] == (0.3, 0.999)
 
 
