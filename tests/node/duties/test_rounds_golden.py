@@ -8,7 +8,8 @@ instead of the OS. Every loss, rank, reward, submission and state hash is compar
 once when every spec field entered the network id and tiny models stopped patching torch's init, and
 once more when MERGE went through the merge gate (its new spec fields changed the network id, and the gate
 adopts the best single submission in every round here), and once when two learning settings left the spec
-and two defaults changed (the network id changed; every loss, rank and reward stayed).
+and two defaults changed (the network id changed; every loss, rank and reward stayed), and once when the
+miners' AdamW beta1 defaulted to 0.6561 (every trained loss moved; the gate's picks stayed).
 Regenerate only when a change of behaviour is intended:
     .venv/bin/python -c "import asyncio, pathlib, tempfile, json; \
 from tests.node.duties.test_rounds_golden import scenario; \
