@@ -13,7 +13,8 @@ runs round 0 with H = 2 and phase windows sized from the measured commands: blob
 libp2p, are checked, scored, merged and adopted on every node. Recorded: the state every node
 adopted, each phase's longest handler run (REVEAL's includes the validator's blob transfers;
 EVALUATE's, divided by the submissions, is the seconds a submission takes to score), and every
-node's peak RSS (VmHWM before it stops). `--layers 2 --hidden-size 64` runs in seconds.
+node's peak RSS (VmHWM before it stops); a round in which a node dies is recorded as `failed`, with the
+peaks sampled until then. `--layers 2 --hidden-size 64` runs in seconds.
 `--miners` is a most: as many run as fit beside the validator in the memory available when the round starts
 (`miners_that_fit`); `--network-from REPORT` runs the round alone, on an earlier run's commands and spec.
 Usage: python bench/real_size.py --out FILE [--checkpoint DIR] [--layers N] [--hidden-size H] [--work DIR]
@@ -160,7 +161,7 @@ def network_round(spec: Path, work: Path, runs: dict[str, Any], miners: int) -> 
     from datetime import UTC, datetime, timedelta
 
     from node.sim.layout import SimNetwork, sim_identity, to_toml
-    from node.sim.process import SimSettings
+    from node.sim.process import SimSettings, SimulationError
     from node.sim.run import Simulation
     from protocol.spec import load_spec
 
@@ -192,7 +193,11 @@ def network_round(spec: Path, work: Path, runs: dict[str, Any], miners: int) -> 
     peaks: dict[str, int] = {}
     try:
         sim.start()
-        reports = sim.wait_round(0, on_poll=lambda: peaks.update(_peaks(sim)))
+        try:
+            reports = sim.wait_round(0, on_poll=lambda: peaks.update(_peaks(sim)))
+        except SimulationError as exc:  # a node died (at real size: the kernel's OOM killer): its figures stand
+            return {"timing": timing, "start_delay_s": round(start_s, 1), "failed": str(exc),
+                    "one_state_everywhere": False, "peak_rss_bytes": peaks}
         heads = {name: (sim.get(name, "/status") or {}).get("head") for name in sim.nodes if name != "bootstrap"}
         deadline = time.monotonic() + timing["merge_s"] + 60
         while len(set(heads.values())) != 1 and time.monotonic() < deadline:

@@ -217,7 +217,8 @@ def gate(
     current state and is not weighed twice."""
     if merge.best is None:
         return Adoption("current", [], global_tensors, momentum, {}, ())
-    single = {name: t.detach().to("cpu", torch.float32).clone() for name, t in blobs[merge.best].items()}
+    # no copy where the scorer's tensors are fp32 on the CPU already: the group once more is 0.8 GB at real size
+    single = {name: t.detach().to("cpu", torch.float32) for name, t in blobs[merge.best].items()}
     states = {"current": (global_tensors, momentum, []), "merged": (merge.new_global, merge.new_momentum,
               merge.contributors), "best_single": (single, momentum, [merge.best])}
     weighed = [name for name in CANDIDATES if name != "merged" or merge.changed]
