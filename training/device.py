@@ -19,18 +19,23 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from training.cpu_compute import BLOCK_BYTES, holds_narrow_weights
+
 GIB = 1024**3
 _HEADROOM = 1.15
 """Allowance over the estimate for the allocator, norms and hidden states."""
 
 
-def scoring_bytes(model: torch.nn.Module, batch_size: int, seq_len: int) -> int:
-    """Estimated device memory to score with `model`: resident weights plus one batch's activations."""
+def scoring_bytes(model: torch.nn.Module, batch_size: int, seq_len: int, device: str = "cuda") -> int:
+    """Estimated memory on `device` to score with `model`: resident weights plus one batch's activations."""
     weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     config: Any = model.config
     vocab = int(config.vocab_size)
     element = next(model.parameters()).element_size()
-    # the logits in the model dtype, their fp32 copy and cross-entropy's fp32 log-softmax (training.evaluate)
+    widened = torch.device(device).type == "cpu" and holds_narrow_weights(model)
+    if widened:  # a CPU computes a bf16 model in fp32, a block of weight rows upcast at a time (training.cpu_compute)
+        element, weights = 4, weights + BLOCK_BYTES
+    # the logits in the compute dtype, their fp32 copy and cross-entropy's fp32 log-softmax (training.evaluate)
     logits = batch_size * seq_len * vocab * (element + 8)
     heads = int(getattr(config, "num_attention_heads", 1))
     scores = batch_size * heads * seq_len * seq_len * 4  # eager attention scores of one layer

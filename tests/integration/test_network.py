@@ -184,7 +184,7 @@ def test_the_status_pages_show_the_network_learning_and_a_miners_results(net: Ne
     phone.goto(f"http://127.0.0.1:{miner.http_port}/")
     phone.wait_for_selector("body[data-ready='1']", timeout=20_000)
     assert not phone.locator("#me").is_hidden()
-    assert ", AdamW from zero)" in phone.locator("#learning").inner_text()  # simulated miners do not keep it
+    assert " AdamW steps a round (lr 0.001, beta1 0.6561, batch 8) · " in phone.locator("#learning").inner_text()
     for r, expected in mine.items():
         row = phone.locator(f"#me-table tr.my-round[data-round='{r}']")
         rank = "—" if expected["rank"] is None else str(expected["rank"])
