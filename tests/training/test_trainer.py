@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.training.rows import assert_only_the_group_changed
 from training.adapters import tensor_attr
 from training.blob import BlobMeta, decode_blob, encode_blob
 from training.compressed import compress
@@ -45,19 +46,7 @@ def test_only_selected_expert_rows_change(
     # Data whose batches reach every group expert of every family (Mixtral's layer-1 expert 2 only just).
     result = train_experts(model, adapter, group, batches(pattern(16, LENGTH, 3)), cfg)
     assert len(result.losses) == 4 and all(torch.isfinite(torch.tensor(result.losses)))
-    after = model.state_dict()
-    fused = {
-        f"model.layers.{layer}.mlp.experts.{p}": layer
-        for layer in group
-        for p in ("gate_up_proj", "down_proj")
-    }
-    for name, tensor in after.items():
-        if name not in fused:
-            assert torch.equal(tensor, before[name]), f"{name} changed"
-            continue
-        for expert in range(tensor.shape[0]):
-            same = torch.equal(tensor[expert], before[name][expert])
-            assert same != (expert in group[fused[name]]), f"{name}[{expert}] changed={not same}"
+    assert_only_the_group_changed(model, group, before)
     trained = extract(model, adapter, group)
     assert sorted(result.tensors) == sorted(trained)
     assert all(torch.equal(result.tensors[n], trained[n]) for n in trained)
