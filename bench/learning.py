@@ -188,6 +188,8 @@ class Network:
         from validator.scoring import Scorer
 
         self.spec: NetworkSpec = load_spec(spec_path)
+        self.blobs = spec_path.parent / "blobs"  # the revealed blobs, where a validator's store keeps them
+        self.blobs.mkdir(exist_ok=True)
         self.miners: MinerModel = MinerModel.load(self.spec, spec_path)
         self.settings = MinerSettings()  # the node's `[miner]` defaults: the CPU, the full model
         model, adapter = load_base(self.spec, spec_path, attn_implementation="eager")
@@ -251,7 +253,7 @@ class Network:
         return Noise().build(job)
 
     def round(self, round: int, seed: int, state: GlobalExperts,
-              blobs: Mapping[str, bytes]) -> tuple[GlobalExperts, dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
+              blobs: Mapping[str, bytes]) -> tuple[GlobalExperts, dict[str, Any], dict[str, Mapping[str, torch.Tensor]]]:
         """The validators' part of `round`: the round seed from their seeds, each scoring the miners assigned to
         it, `merge_round` on their reports and the gate; the state adopted, the gate's verdict (as a round
         report shows it, with the number of updates merged and adopted) and the accepted submissions' experts."""
@@ -265,10 +267,12 @@ class Network:
         seeds = {v: hashlib.sha256(f"tessera-learning:{seed}:{round}:{v}".encode()).hexdigest() for v in validators}
         seed_r = round_seed({v: commitment(s) for v, s in seeds.items()}, seeds)
         revealed = {m: blob_hash(data) for m, data in blobs.items()}
+        for m, data in blobs.items():
+            (self.blobs / revealed[m]).write_bytes(data)
         assignment = assign(seed_r, revealed, validators, self.spec.rewards.replication)
         reports, accepted = {}, {}
         for v in validators:
-            mine = {m: (revealed[m], blobs[m]) for m, chosen in assignment.items() if v in chosen}
+            mine = {m: (revealed[m], self.blobs / revealed[m]) for m, chosen in assignment.items() if v in chosen}
             scored = self.scorer.score_round(round, seed_r, state.tensors, state.hash, mine)
             reports[v] = scored.report(round, state.hash)
             accepted.update(scored.accepted)

@@ -17,7 +17,7 @@ import math
 import os
 import struct
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -172,6 +172,39 @@ def read_tensor(data: bytes, header: Header, name: str) -> torch.Tensor:
         return torch.empty(info.shape, dtype=dtype)
     buf = bytearray(data[header.data_start + info.begin : header.data_start + info.end])
     return torch.frombuffer(buf, dtype=dtype).reshape(info.shape)
+
+
+class BlobFile(Mapping[str, torch.Tensor]):
+    """The tensors of a blob file whose bytes were checked, read from the file one at a time when asked for.
+
+    Holds the path and the validated `header` of those bytes, not the tensors: a validator keeps its
+    accepted submissions this way from scoring to the merge (validator.scoring), which walks them name by
+    name. The file must not change meanwhile; a node's blob store is content-addressed and writes each file
+    once. A read that comes back short (the file cut or removed since) raises OSError.
+    """
+
+    def __init__(self, path: str | Path, header: Header) -> None:
+        self.path = Path(path)
+        self.header = header
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        info = self.header.tensors[name]
+        dtype = DTYPES[info.dtype]
+        size = info.end - info.begin
+        with open(self.path, "rb") as fh:
+            fh.seek(self.header.data_start + info.begin)
+            buf = bytearray(fh.read(size))
+        if len(buf) != size:
+            raise OSError(f"{self.path}: {name} ends past the end of the file; it changed after it was checked")
+        if not size:
+            return torch.empty(info.shape, dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(info.shape)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.header.tensors)
+
+    def __len__(self) -> int:
+        return len(self.header.tensors)
 
 
 # What link(2) answers on a filesystem that has no hard links.

@@ -11,7 +11,7 @@ training, blobs or the network.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -104,12 +104,14 @@ def extract(
 def insert(model: torch.nn.Module, adapter: MoEAdapter, tensors: Tensors) -> None:
     """Write named expert tensors into the model's fused rows in place; all are checked before any is.
 
-    Values are cast to the model's dtype, so fp32 tensors into an fp32 model round-trip bit-exactly.
+    Values are cast to the model's dtype, so fp32 tensors into an fp32 model round-trip bit-exactly. Each
+    tensor is taken from `tensors` once to check it and once to write it, and none is kept in between, so
+    a mapping that reads its tensors when asked for (validator.accepted) costs one tensor at a time.
     """
     n_experts = adapter.num_experts(model)
     moe_layers = adapter.moe_layers(model)
-    targets: list[tuple[torch.Tensor, int, torch.Tensor]] = []
-    for name, tensor in sorted(tensors.items()):
+    targets: list[tuple[str, torch.Tensor, int]] = []
+    for name in sorted(tensors):
         layer, expert, param = parse_name(name)
         if layer not in moe_layers:
             raise ValueError(
@@ -118,27 +120,44 @@ def insert(model: torch.nn.Module, adapter: MoEAdapter, tensors: Tensors) -> Non
         if expert >= n_experts:
             raise ValueError(f"{name}: expert {expert} does not exist (the model has {n_experts})")
         fused = getattr(adapter.experts(model, layer), param)
+        tensor = tensors[name]
         if tuple(tensor.shape) != tuple(fused.shape[1:]):
             raise ValueError(
                 f"{name}: shape {tuple(tensor.shape)}, the model expects {tuple(fused.shape[1:])}"
             )
         if not tensor.is_floating_point():
             raise ValueError(f"{name}: dtype {tensor.dtype} is not a floating-point type")
-        targets.append((fused, expert, tensor))
-    for fused, expert, tensor in targets:
-        fused[expert].copy_(tensor.to(device=fused.device, dtype=fused.dtype))
+        targets.append((name, fused, expert))
+    for name, fused, expert in targets:
+        fused[expert].copy_(tensors[name].to(device=fused.device, dtype=fused.dtype))
 
 
 def pseudo_gradient(global_tensors: Tensors, miner_tensors: Tensors) -> dict[str, torch.Tensor]:
     """G = Φ_global − Φ_miner per name, in fp32 on the CPU; both sides must name the same tensors."""
-    check_same_names(global_tensors, miner_tensors, "miner")
-    out: dict[str, torch.Tensor] = {}
-    for name in sorted(global_tensors):
-        g, m = global_tensors[name], miner_tensors[name]
+    return dict(PseudoGradient(global_tensors, miner_tensors))
+
+
+class PseudoGradient(Mapping[str, torch.Tensor]):
+    """G = Φ_global − Φ_miner as a mapping that computes each tensor when asked for it (fp32, CPU, sorted
+    names) and keeps none: a walk over it name by name holds one tensor of G at a time, where the whole
+    of it is the size of the group in fp32 (0.8 GB for OLMoE-1B-7B's two experts a layer)."""
+
+    def __init__(self, global_tensors: Tensors, miner_tensors: Tensors) -> None:
+        check_same_names(global_tensors, miner_tensors, "miner")
+        self._global, self._miner = global_tensors, miner_tensors
+        self._names = sorted(global_tensors)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        g, m = self._global[name], self._miner[name]
         if g.shape != m.shape:
             raise ValueError(f"{name}: miner shape {tuple(m.shape)} differs from global {tuple(g.shape)}")
-        out[name] = g.detach().to("cpu", torch.float32) - m.detach().to("cpu", torch.float32)
-    return out
+        return g.detach().to("cpu", torch.float32) - m.detach().to("cpu", torch.float32)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 def flatten(tensors: Tensors) -> torch.Tensor:

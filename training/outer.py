@@ -35,7 +35,7 @@ from typing import Literal, TypeVar
 import numpy as np
 import torch
 
-from training.experts import Tensors, check_same_names, pseudo_gradient
+from training.experts import PseudoGradient, Tensors, check_same_names
 
 Miner = TypeVar("Miner", bound=Hashable)
 
@@ -81,7 +81,7 @@ def outer_step(
         raise ValueError(f"{len(utilities)} utilities for {len(miner_tensors)} miners")
     if coverage is not None and len(coverage) != len(miner_tensors):
         raise ValueError(f"{len(coverage)} coverage masks for {len(miner_tensors)} miners")
-    grads = [pseudo_gradient(global_tensors, tensors) for tensors in miner_tensors]
+    grads = [PseudoGradient(global_tensors, tensors) for tensors in miner_tensors]  # computed name by name
     scales = _clip_scales(grads) if cfg.clip_to_median else [1.0] * len(grads)
     weights = _weights(utilities, cfg)
     coefficients = [a * s for a, s in zip(weights, scales, strict=True)]
@@ -107,7 +107,7 @@ def outer_step(
 
 def norm(tensors: Tensors) -> float:
     """Euclidean norm over all tensors, computed deterministically (see module docstring)."""
-    return math.sqrt(sum(_dot(t, t) for _, t in sorted(tensors.items())))
+    return math.sqrt(sum(_dot(tensors[name], tensors[name]) for name in sorted(tensors)))
 
 
 def cosine(a: Tensors, b: Tensors) -> float:
@@ -132,36 +132,50 @@ def near_duplicates(
     miners = list(pseudo_grads)
     if coverage is not None and set(coverage) != set(miners):
         raise ValueError("coverage must name exactly the miners whose pseudo-gradients are compared")
-    squares = {miner: _block_squares(pseudo_grads[miner], None if coverage is None else coverage[miner])
-               for miner in miners}
-    blocks = {miner: {n: np.ones(1) if coverage is None else _blocks(coverage[miner][n], b.size)
-                      for n, b in squares[miner].items()} for miner in miners}
-    flagged: set[Miner] = set()
     for x, y in combinations(miners, 2):
         check_same_names(pseudo_grads[x], pseudo_grads[y], "compared")
-        names = sorted(pseudo_grads[x])
+    pairs = list(combinations(miners, 2))
+    names = sorted(pseudo_grads[miners[0]]) if pairs else []  # one miner: nothing to compare, nothing to read
+    # Name by name, so a walk holds one tensor per miner (pseudo_grads may compute them when asked for);
+    # every sum still runs over the names in sorted order, as `cosine` takes it.
+    squares: dict[Miner, dict[str, np.ndarray]] = {miner: {} for miner in miners}
+    blocks: dict[Miner, dict[str, np.ndarray]] = {miner: {} for miner in miners}
+    dots = dict.fromkeys(pairs, 0.0)
+    for name in names:
+        flat = {}
+        for miner in miners:
+            mask = None if coverage is None else coverage[miner][name]
+            flat[miner] = _float64(pseudo_grads[miner][name])
+            squares[miner][name] = _block_squares(flat[miner], mask, name)
+            blocks[miner][name] = np.ones(1) if mask is None else _blocks(mask, squares[miner][name].size)
+        for x, y in pairs:
+            # Off its blocks a pseudo-gradient is 0, so the whole-tensor dot product is already the shared blocks' one.
+            dots[x, y] += float(np.multiply(flat[x], flat[y]).sum())
+    flagged: set[Miner] = set()
+    for x, y in pairs:
         shared = {n: blocks[x][n] * blocks[y][n] for n in names}
         norm_x = math.sqrt(sum(float(np.multiply(squares[x][n], shared[n]).sum()) for n in names))
         norm_y = math.sqrt(sum(float(np.multiply(squares[y][n], shared[n]).sum()) for n in names))
         if norm_x == 0.0 or norm_y == 0.0:
             continue
-        # Off its blocks a pseudo-gradient is 0, so the whole-tensor dot product is already the shared blocks' one.
-        dot = sum(_dot(pseudo_grads[x][n], pseudo_grads[y][n]) for n in names)
-        if dot / (norm_x * norm_y) >= threshold:
+        if dots[x, y] / (norm_x * norm_y) >= threshold:
             flagged.update((x, y))
     return flagged
 
 
-def _block_squares(grads: Tensors, coverage: Tensors | None) -> dict[str, np.ndarray]:
-    """Per tensor, the float64 sum of squares of each coverage block (one block without coverage)."""
-    out = {}
-    for name, t in grads.items():
-        blocks = 1 if coverage is None else coverage[name].numel()
-        x = t.detach().to("cpu", torch.float32).numpy().astype(np.float64).reshape(-1)
-        if x.size % blocks:
-            raise ValueError(f"coverage of {name}: {blocks} blocks do not divide its {x.size} entries")
-        out[name] = np.square(x).reshape(blocks, -1).sum(axis=1)
-    return out
+def _float64(t: torch.Tensor) -> np.ndarray:
+    """A tensor's fp32 values, flattened, exactly in float64 (as `_dot` takes them)."""
+    x: np.ndarray = t.detach().to("cpu", torch.float32).numpy().astype(np.float64).reshape(-1)
+    return x
+
+
+def _block_squares(x: np.ndarray, coverage: torch.Tensor | None, name: str) -> np.ndarray:
+    """The float64 sum of squares of each of a flattened tensor's coverage blocks (one block without coverage)."""
+    blocks = 1 if coverage is None else coverage.numel()
+    if x.size % blocks:
+        raise ValueError(f"coverage of {name}: {blocks} blocks do not divide its {x.size} entries")
+    squares: np.ndarray = np.square(x).reshape(blocks, -1).sum(axis=1)
+    return squares
 
 
 def _blocks(mask: torch.Tensor, blocks: int) -> np.ndarray:
@@ -197,7 +211,7 @@ def _covered_mean(
     return torch.where(total_B[:, None] > 0, g_BN / safe_B[:, None], torch.zeros_like(g_BN)).reshape(shape)
 
 
-def _clip_scales(grads: list[dict[str, torch.Tensor]]) -> list[float]:
+def _clip_scales(grads: Sequence[Tensors]) -> list[float]:
     norms = [norm(g) for g in grads]
     median = statistics.median(norms)
     return [1.0 if n <= median else median / n for n in norms]
@@ -205,9 +219,7 @@ def _clip_scales(grads: list[dict[str, torch.Tensor]]) -> list[float]:
 
 def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
     # fp32 × fp32 is exact in float64; numpy's pairwise sum has a fixed order on every machine.
-    x = a.detach().to("cpu", torch.float32).numpy().astype(np.float64).reshape(-1)
-    y = b.detach().to("cpu", torch.float32).numpy().astype(np.float64).reshape(-1)
-    return float(np.multiply(x, y).sum())
+    return float(np.multiply(_float64(a), _float64(b)).sum())
 
 
 def _fp32(tensor: torch.Tensor, shape: torch.Size, name: str) -> torch.Tensor:

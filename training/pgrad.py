@@ -38,7 +38,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
@@ -225,25 +225,47 @@ def encode(
 def decode(blob: Tensors, shapes: Mapping[str, tuple[int, ...]], cfg: PgradConfig, draw: int = 0) -> dict[str, torch.Tensor]:
     """The dense fp32 pseudo-gradient a checked compressed blob of `draw` stands for (0 off its chunks)."""
     chunks = drawn_chunks(shapes, cfg, draw)
-    out: dict[str, torch.Tensor] = {}
-    for name in sorted(shapes):
-        c, n, k = layout(shapes[name], cfg)
-        dense_CN = torch.zeros(c, n, dtype=torch.float32)
-        if name in chunks:
-            q = blob[f"{name}.q"]
-            q_RK = q.to(torch.float32) if cfg.quant == "int8" else _unpack2(q, k)
-            values_RK = _dequantize(q_RK, blob[f"{name}.scale"].to(torch.float32), cfg.quant)
-            dense_RN = torch.zeros(len(chunks[name]), n, dtype=torch.float32)
-            dense_CN[chunks[name]] = dense_RN.scatter_(1, blob[f"{name}.idx"].long(), values_RK)
-        out[name] = dense_CN.reshape(shapes[name])
-    return out
+    return {name: _decode_one(blob, name, shapes[name], cfg, chunks.get(name)) for name in sorted(shapes)}
+
+
+def _decode_one(blob: Tensors, name: str, shape: tuple[int, ...], cfg: PgradConfig,
+                chunks: list[int] | None) -> torch.Tensor:
+    """One expert tensor of `decode`: its drawn `chunks` (None: none drawn) scattered into zeros."""
+    c, n, k = layout(shape, cfg)
+    dense_CN = torch.zeros(c, n, dtype=torch.float32)
+    if chunks:
+        q = blob[f"{name}.q"]
+        q_RK = q.to(torch.float32) if cfg.quant == "int8" else _unpack2(q, k)
+        values_RK = _dequantize(q_RK, blob[f"{name}.scale"].to(torch.float32), cfg.quant)
+        dense_RN = torch.zeros(len(chunks), n, dtype=torch.float32)
+        dense_CN[chunks] = dense_RN.scatter_(1, blob[f"{name}.idx"].long(), values_RK)
+    return dense_CN.reshape(shape)
 
 
 def rebuild(global_tensors: Tensors, blob: Tensors, cfg: PgradConfig, draw: int = 0) -> dict[str, torch.Tensor]:
     """The miner's experts a validator scores and merges: Φ_i = Φ_t − decode(G_i), fp32, by name."""
-    shapes = {name: tuple(t.shape) for name, t in global_tensors.items()}
-    dense = decode(blob, shapes, cfg, draw)
-    return {name: global_tensors[name].detach().to("cpu", torch.float32) - dense[name] for name in sorted(shapes)}
+    return dict(Rebuilt(global_tensors, blob, cfg, draw))
+
+
+class Rebuilt(Mapping[str, torch.Tensor]):
+    """`rebuild` as a mapping that rebuilds each tensor when asked for and keeps none: it holds the compressed
+    blob (tens of MB at OLMoE-1B-7B's size) where the rebuilt experts are the group in fp32 (0.8 GB). The
+    global tensors must stay as they are while it is used."""
+
+    def __init__(self, global_tensors: Tensors, blob: Tensors, cfg: PgradConfig, draw: int = 0) -> None:
+        self._global, self._blob, self._cfg = global_tensors, blob, cfg
+        self._shapes = {name: tuple(t.shape) for name, t in sorted(global_tensors.items())}
+        self._chunks = drawn_chunks(self._shapes, cfg, draw)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        dense = _decode_one(self._blob, name, self._shapes[name], self._cfg, self._chunks.get(name))
+        return self._global[name].detach().to("cpu", torch.float32) - dense
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._shapes)
+
+    def __len__(self) -> int:
+        return len(self._shapes)
 
 
 def check_compressed(blob: Tensors, shapes: Mapping[str, tuple[int, ...]], cfg: PgradConfig, draw: int = 0) -> str:

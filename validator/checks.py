@@ -75,12 +75,13 @@ class Expectation:
 
 @dataclass(frozen=True)
 class SubmissionVerdict:
-    """ACCEPT (`ok`) with the decoded blob, or REJECT with the first failed check's reason."""
+    """ACCEPT (`ok`) with the decoded blob and its validated header, or REJECT with the first failed check's reason."""
 
     ok: bool
     reason: str
     meta: BlobMeta | None = None
-    tensors: dict[str, torch.Tensor] | None = None
+    tensors: Mapping[str, torch.Tensor] | None = None
+    header: Header | None = None
 
 
 def check_submission(data: bytes, expect: Expectation) -> SubmissionVerdict:
@@ -101,12 +102,12 @@ def check_submission(data: bytes, expect: Expectation) -> SubmissionVerdict:
         reason = check_compressed(tensors, expect.shapes, expect.pgrad, expect.draw)
         if reason:
             return _reject(reason, header.meta)
-        return SubmissionVerdict(ok=True, reason="", meta=header.meta, tensors=tensors)
+        return SubmissionVerdict(ok=True, reason="", meta=header.meta, tensors=tensors, header=header)
     for name, tensor in tensors.items():
         if not bool(torch.isfinite(tensor).all()):
             nan, inf = int(tensor.isnan().sum()), int(tensor.isinf().sum())
             return _reject(f"non-finite values in {name}: {nan} NaN, {inf} Inf", header.meta)
-    return SubmissionVerdict(ok=True, reason="", meta=header.meta, tensors=tensors)
+    return SubmissionVerdict(ok=True, reason="", meta=header.meta, tensors=tensors, header=header)
 
 
 def submission_cap(spec: NetworkSpec, shapes: Mapping[str, tuple[int, ...]]) -> int:

@@ -51,7 +51,7 @@ import torch
 from protocol.messages import ScoreReport
 from protocol.ranking import RoundRanking, Score, rank_round, scores_from_report
 from protocol.spec import NetworkSpec
-from training.experts import pseudo_gradient
+from training.experts import PseudoGradient
 from training.outer import OuterConfig, near_duplicates, outer_step
 from training.pgrad import chunk_draw, coverage, pgrad_config
 
@@ -179,7 +179,7 @@ def merge_round(
     if missing:
         raise MissingBlobError(missing)
 
-    grads = {miner: pseudo_gradient(global_tensors, blobs[miner]) for miner in needed}
+    grads = {miner: PseudoGradient(global_tensors, blobs[miner]) for miner in needed}  # computed name by name
     masks = _coverage(reports, needed, global_tensors, spec)
     duplicates = near_duplicates(grads, spec.rewards.duplicate_cosine, masks)
     ranking = rank_reports(reports, assignment, commitments, head, spec, duplicates)
@@ -217,17 +217,23 @@ def gate(
     current state and is not weighed twice."""
     if merge.best is None:
         return Adoption("current", [], global_tensors, momentum, {}, ())
-    # no copy where the scorer's tensors are fp32 on the CPU already: the group once more is 0.8 GB at real size
-    single = {name: t.detach().to("cpu", torch.float32) for name, t in blobs[merge.best].items()}
-    states = {"current": (global_tensors, momentum, []), "merged": (merge.new_global, merge.new_momentum,
-              merge.contributors), "best_single": (single, momentum, [merge.best])}
+    # The submission is measured as it is held (`Scorer.held`: read a tensor at a time) and copied into
+    # fp32 state tensors only if it is adopted: the group in fp32 is 0.8 GB at OLMoE-1B-7B's size.
+    single = blobs[merge.best]
+    states: dict[str, Tensors] = {"current": global_tensors, "merged": merge.new_global, "best_single": single}
     weighed = [name for name in CANDIDATES if name != "merged" or merge.changed]
-    losses = {name: measure(states[name][0]) for name in weighed}
+    losses = {name: measure(states[name]) for name in weighed}
     budget = spec.aggregation.forgetting_budget
     refused = tuple(name for name in weighed[1:] if not _within_budget(losses[name], losses["current"], budget))
     allowed = [name for name in weighed if name not in refused]
     adopted = min(allowed, key=lambda name: _finite_or_inf(losses[name].loss))  # min keeps the first of a tie
-    tensors, moment, holders = states[adopted]
+    if adopted == "merged":
+        tensors, moment, holders = merge.new_global, merge.new_momentum, merge.contributors
+    elif adopted == "best_single":
+        tensors = {name: single[name].detach().to("cpu", torch.float32) for name in sorted(single)}
+        moment, holders = momentum, [merge.best]
+    else:
+        tensors, moment, holders = global_tensors, momentum, []
     log.info("gate: adopting the %s state (%s)%s", adopted,
              ", ".join(f"{name} {loss.loss:.4f}" for name, loss in losses.items()),
              f"; refused {', '.join(refused)}" if refused else "")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -29,11 +30,12 @@ from protocol.messages import ScoreEntry, ScoreReport
 from protocol.seeds import gate_seed
 from protocol.spec import NetworkSpec
 from training.adapters import MoEAdapter
+from training.blob import BlobFile
 from training.data import heldout_subset
 from training.device import hold_int8
 from training.evaluate import heldout_loss, loss_with_experts
 from training.experts import expected_shapes, insert
-from training.pgrad import pgrad_config, rebuild
+from training.pgrad import Rebuilt, pgrad_config
 from training.tokenizer import BYTE_PAD
 from validator.checks import Expectation, SubmissionVerdict, check_submission
 from validator.device import spread
@@ -41,8 +43,8 @@ from validator.merge import GateLoss, Tensors
 
 REASON_CHARS = 200
 
-# miner -> (its commitment, the revealed blob's bytes, or None when it could not be fetched)
-Submissions = Mapping[str, tuple[str, bytes | None]]
+# miner -> (its commitment, the file holding the revealed blob, or None when it could not be fetched)
+Submissions = Mapping[str, tuple[str, Path | None]]
 
 
 class ScoringStopped(Exception):
@@ -51,11 +53,12 @@ class ScoringStopped(Exception):
 
 @dataclass(frozen=True)
 class ScoreResult:
-    """L_base, one entry per submission (sorted by miner), and the expert tensors of accepted blobs."""
+    """L_base, one entry per submission (sorted by miner), and the expert tensors of accepted blobs, as
+    `Scorer.held` keeps them (read when asked for, not held in memory)."""
 
     base_loss: float
     entries: list[ScoreEntry]
-    accepted: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    accepted: dict[str, Tensors] = field(default_factory=dict)
 
     def report(self, round: int, base: str) -> ScoreReport:
         """The ScoreReport to gossip for `round`, scored against the global state `base`."""
@@ -119,7 +122,8 @@ class Scorer:
         """Run the submission checks on one blob (also for miners this validator does not score).
 
         An accepted verdict holds the miner's expert tensors: a pgrad blob is rebuilt against
-        `global_tensors`, the state `global_hash` (required in a pgrad network).
+        `global_tensors`, the state `global_hash` (required in a pgrad network), a tensor at a time when asked
+        for (`training.pgrad.Rebuilt`).
         """
         expect = Expectation(
             network=self.spec.network_id,
@@ -139,7 +143,17 @@ class Scorer:
         if global_tensors is None:
             raise ValueError("a pgrad submission is rebuilt from the global state; pass global_tensors")
         assert verdict.tensors is not None
-        return replace(verdict, tensors=rebuild(global_tensors, verdict.tensors, self.pgrad, expect.draw))
+        return replace(verdict, tensors=Rebuilt(global_tensors, verdict.tensors, self.pgrad, expect.draw))
+
+    def held(self, verdict: SubmissionVerdict, path: Path) -> Tensors:
+        """An accepted submission's experts as a validator keeps them from scoring to the merge, which reads them
+        name by name: read from its blob file at `path` a tensor at a time (the bytes `verdict` checked), or,
+        in a pgrad network, rebuilt from the compressed blob a tensor at a time. Holding one costs its header
+        or its compressed tensors, where its experts are the group once more (0.4 GB in bf16 at OLMoE-1B-7B's
+        size)."""
+        if not verdict.ok or verdict.tensors is None or verdict.header is None:
+            raise ValueError("only an accepted verdict's experts are kept")
+        return verdict.tensors if self.pgrad is not None else BlobFile(path, verdict.header)
 
     def score_round(
         self,
@@ -160,11 +174,12 @@ class Scorer:
         if not math.isfinite(base_loss):
             raise ValueError(f"the global state {global_hash[:12]} has a non-finite held-out loss")
         entries: list[ScoreEntry] = []
-        accepted: dict[str, dict[str, torch.Tensor]] = {}
+        accepted: dict[str, Tensors] = {}
         for miner in sorted(submissions):
             if not keep_going():
                 raise ScoringStopped(f"round {round}: stopped after {len(entries)} of {len(submissions)} submissions")
-            commitment, data = submissions[miner]
+            commitment, path = submissions[miner]
+            data = _read(path)
             if data is None:
                 entries.append(
                     ScoreEntry(miner=miner, commitment=commitment, verdict="missing", reason="missing")
@@ -183,7 +198,8 @@ class Scorer:
                 entries.append(_reject(miner, commitment, "non-finite loss"))
                 continue
             entries.append(ScoreEntry(miner=miner, commitment=commitment, loss=loss, verdict="accept"))
-            accepted[miner] = verdict.tensors
+            assert path is not None
+            accepted[miner] = self.held(verdict, path)
         return ScoreResult(base_loss=base_loss, entries=entries, accepted=accepted)
 
     def loss(self, sequences: torch.Tensor) -> float:
@@ -231,6 +247,16 @@ def gate_measure(scorer: Scorer, round_seed: str, general: torch.Tensor | None) 
         return GateLoss(loss(tensors, gate), None if drawn is None else loss(tensors, drawn))
 
     return measure
+
+
+def _read(path: Path | None) -> bytes | None:
+    """A submission's bytes, read when it is scored (one at a time: each can be GBs); None if it is gone."""
+    if path is None:
+        return None
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
 
 
 def _reject(miner: str, commitment: str, reason: str) -> ScoreEntry:

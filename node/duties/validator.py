@@ -33,6 +33,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 
@@ -60,6 +61,7 @@ from protocol.ranking import RoundRanking, update_standing
 from protocol.rounds import Phase
 from protocol.seeds import commitment, new_seed
 from protocol.spec import spec_dir_path
+from training.blob import BlobFile
 from training.data import (
     check_disjoint,
     check_heldout_file,
@@ -69,7 +71,7 @@ from training.data import (
     read_documents,
 )
 from training.device import check_device
-from training.experts import extract
+from training.experts import Tensors, extract
 from training.model import load_base
 from training.state import GlobalExperts
 from training.tokenizer import load_tokenizer
@@ -209,7 +211,7 @@ class ValidatorDuties:
         assert self.state is not None
         mine = sorted(m for m, chosen in plan.assignment.items() if self.me in chosen)
         fetched = await asyncio.gather(*(self._fetch(plan.revealed[m], m, loaded) for m in mine))
-        submissions = {m: (plan.revealed[m], data) for m, data in zip(mine, fetched, strict=True)}
+        submissions = {m: (plan.revealed[m], path) for m, path in zip(mine, fetched, strict=True)}
         head = await self.ctx.head()
         started = time.perf_counter()
         stopping = threading.Event()  # as a miner's training: cancelling cannot reach the scoring thread
@@ -229,11 +231,11 @@ class ValidatorDuties:
                      f"loss {entry.loss:.4f}" if entry.loss is not None else entry.reason)
         await self._publish(fit_report(result.report(round, head), self.ctx.spec.limits.max_message_bytes))
 
-    async def _fetch(self, blob_hash: str, miner: str, loaded: _Loaded) -> bytes | None:
+    async def _fetch(self, blob_hash: str, miner: str, loaded: _Loaded) -> Path | None:
+        """The blob's file in the local store, fetched from its miner if it is not there; None if that fails."""
         await self._prefetch.wait(blob_hash)  # in the local store now, unless that fetch failed
         try:
-            path = await self.ctx.network.fetch(blob_hash, [miner], loaded.cap)
-            return await asyncio.to_thread(path.read_bytes)
+            return await self.ctx.network.fetch(blob_hash, [miner], loaded.cap)
         except (NetworkError, OSError) as exc:
             log.warning("blob %s of miner %s: %s", blob_hash[:12], miner[:12], exc)
             return None
@@ -242,14 +244,20 @@ class ValidatorDuties:
                                 loaded: _Loaded) -> None:
         """Fetch and check the blobs of merge candidates this validator did not score itself."""
         for miner in miners:
-            data = await self._fetch(plan.revealed[miner], miner, loaded)
-            if data is None:
+            path = await self._fetch(plan.revealed[miner], miner, loaded)
+            try:
+                data = None if path is None else await asyncio.to_thread(path.read_bytes)
+            except OSError as exc:
+                log.warning("blob %s of miner %s: %s", plan.revealed[miner][:12], miner[:12], exc)
+                data = None
+            if path is None or data is None:
                 continue
             state = None if self.state is None else self.state.tensors  # a pgrad blob is rebuilt against it
             verdict = await asyncio.to_thread(loaded.scorer.check, round, miner, plan.revealed[miner], data,
                                               head, state)
-            if verdict.ok and verdict.tensors is not None:
-                self._checked.add(round, {miner: verdict.tensors})
+            del data  # the checked bytes: up to a GB; the merge reads the file again, a tensor at a time
+            if verdict.ok:
+                self._checked.add(round, {miner: loaded.scorer.held(verdict, path)})
             else:
                 log.warning("round %d: candidate %s fails my checks: %s", round, miner[:12], verdict.reason)
 
@@ -389,19 +397,23 @@ class ValidatorDuties:
 
 
 class _Checked:
-    """The checked tensors of one round's submissions, by miner: what EVALUATE and MERGE both use."""
+    """The checked submissions of one round, by miner, as `Scorer.held` keeps them (read from their blob files
+    a tensor at a time): what EVALUATE and MERGE both use."""
 
     def __init__(self, round: int) -> None:
         self.round = round
-        self._tensors: dict[str, dict[str, torch.Tensor]] = {}
+        self._tensors: dict[str, Tensors] = {}
 
-    def add(self, round: int, tensors: dict[str, dict[str, torch.Tensor]]) -> None:
+    def add(self, round: int, tensors: Mapping[str, Tensors]) -> None:
         if round != self.round:
             self.round, self._tensors = round, {}
         self._tensors.update(tensors)
 
-    def of(self, round: int) -> dict[str, dict[str, torch.Tensor]]:
-        return dict(self._tensors) if round == self.round else {}
+    def of(self, round: int) -> dict[str, Tensors]:
+        """The round's checked submissions whose blob files are still stored (one gone since is fetched again)."""
+        if round != self.round:
+            return {}
+        return {miner: t for miner, t in self._tensors.items() if not isinstance(t, BlobFile) or t.path.is_file()}
 
 
 class _Loaded:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,7 +75,7 @@ class Setup:
         cfg = TrainConfig(steps=steps, lr=1e-2, batch_size=8)
         return train_experts(model, self.adapter, self.spec.group, batches(train, 8, seed=0), cfg).tensors
 
-    def score(self, submissions: dict[str, tuple[str, bytes | None]]) -> ScoreResult:
+    def score(self, submissions: dict[str, tuple[str, Path | None]]) -> ScoreResult:
         return self.scorer.score_round(ROUND, SEED, self.global_tensors, self.head, submissions)
 
 
@@ -91,8 +93,14 @@ def _warmed(model: torch.nn.Module, steps: int = 40) -> torch.nn.Module:
     return model.eval()
 
 
-def _submit(data: bytes) -> tuple[str, bytes]:
-    return blob_hash(data), data
+_BLOBS = tempfile.TemporaryDirectory(prefix="tessera-scoring-")  # the submissions' files, as a node's blob store
+
+
+def stored_submission(data: bytes) -> tuple[str, Path]:
+    """A revealed submission as a validator scores it: its commitment and the file its bytes were fetched to."""
+    path = Path(_BLOBS.name) / blob_hash(data)
+    path.write_bytes(data)
+    return blob_hash(data), path
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -105,17 +113,17 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def qwen() -> tuple[Setup, dict[str, tuple[str, bytes | None]], ScoreResult]:
+def qwen() -> tuple[Setup, dict[str, tuple[str, Path | None]], ScoreResult]:
     setup = Setup("qwen3_moe", parse_spec(make_spec_dict()))
     g = torch.Generator().manual_seed(3)
     noisy = {n: t + 0.5 * torch.randn(t.shape, generator=g) for n, t in setup.global_tensors.items()}
     garbage = torch.randint(0, 256, (512,), generator=g, dtype=torch.uint8).numpy().tobytes()
-    submissions: dict[str, tuple[str, bytes | None]] = {
-        GOOD: _submit(setup.blob(GOOD, setup.trained(steps=12))),
-        NOISE: _submit(setup.blob(NOISE, noisy)),
-        LAZY: _submit(setup.blob(LAZY, setup.global_tensors)),
-        GARBAGE: _submit(garbage),
-        STALE: _submit(setup.blob(STALE, setup.global_tensors, base="ee" * 32)),
+    submissions: dict[str, tuple[str, Path | None]] = {
+        GOOD: stored_submission(setup.blob(GOOD, setup.trained(steps=12))),
+        NOISE: stored_submission(setup.blob(NOISE, noisy)),
+        LAZY: stored_submission(setup.blob(LAZY, setup.global_tensors)),
+        GARBAGE: stored_submission(garbage),
+        STALE: stored_submission(setup.blob(STALE, setup.global_tensors, base="ee" * 32)),
         ABSENT: ("ab" * 32, None),
     }
     return setup, submissions, setup.score(submissions)
@@ -147,10 +155,10 @@ def test_refusals_carry_the_checks_reason(qwen) -> None:
     entries = {e.miner: e for e in result.entries}
     assert [e.miner for e in result.entries] == sorted(submissions)
     garbage = entries[GARBAGE]
-    commitment, data = submissions[GARBAGE]
-    assert data is not None
+    commitment, path = submissions[GARBAGE]
+    assert path is not None
     assert garbage.verdict == "reject" and garbage.loss is None
-    assert garbage.reason == setup.scorer.check(ROUND, GARBAGE, commitment, data, setup.head).reason
+    assert garbage.reason == setup.scorer.check(ROUND, GARBAGE, commitment, path.read_bytes(), setup.head).reason
     assert garbage.reason.startswith(("malformed header", "header too large", "truncated"))
     assert (entries[STALE].verdict, entries[STALE].reason) == ("reject", "stale base")
     assert (entries[ABSENT].verdict, entries[ABSENT].loss, entries[ABSENT].reason) == ("missing", None, "missing")
@@ -169,8 +177,8 @@ def test_scoring_is_deterministic_and_leaves_the_global_state(qwen) -> None:
 def test_deepseek_v3_scores_a_trained_miner(spec: NetworkSpec) -> None:
     setup = Setup("deepseek_v3", spec)
     submissions = {
-        GOOD: _submit(setup.blob(GOOD, setup.trained(steps=8))),
-        LAZY: _submit(setup.blob(LAZY, setup.global_tensors)),
+        GOOD: stored_submission(setup.blob(GOOD, setup.trained(steps=8))),
+        LAZY: stored_submission(setup.blob(LAZY, setup.global_tensors)),
     }
     result = setup.score(submissions)
     losses = {e.miner: e.loss for e in result.entries}
@@ -251,7 +259,7 @@ def test_a_global_state_with_a_non_finite_loss_is_refused(qwen) -> None:
 def test_finite_experts_that_overflow_the_forward_pass_are_rejected(qwen) -> None:
     setup, _, _ = qwen
     huge = {name: torch.full_like(t, 3e38) for name, t in setup.global_tensors.items()}  # finite: passes the checks
-    result = setup.score({NOISE: _submit(setup.blob(NOISE, huge))})
+    result = setup.score({NOISE: stored_submission(setup.blob(NOISE, huge))})
     (entry,) = result.entries
     assert (entry.verdict, entry.reason, entry.loss) == ("reject", "non-finite loss", None)
     assert result.accepted == {}
@@ -265,7 +273,7 @@ def test_a_check_reason_longer_than_a_report_holds_is_cut_to_200_characters(qwen
     data = setup.blob(NOISE, tensors)
     long_reason = setup.scorer.check(ROUND, NOISE, blob_hash(data), data, setup.head).reason
     assert long_reason.startswith(f"wrong shape for {name}: [1, 1,") and len(long_reason) > 200
-    (entry,) = setup.score({NOISE: _submit(data)}).entries
+    (entry,) = setup.score({NOISE: stored_submission(data)}).entries
     assert (entry.verdict, entry.reason) == ("reject", long_reason[:200])
 
 

@@ -177,9 +177,12 @@ def test_scoring_keeps_one_copy_of_the_model(tmp_path: Path) -> None:
     weights = {name: (t.data_ptr(), tuple(t.shape)) for name, t in model.state_dict().items()}
     row_numel = max(t.numel() for t in base.values())
     whole = {shape for _, shape in weights.values() if math.prod(shape) > row_numel}
+    submitted = {}
+    for m, data in blobs.items():
+        (tmp_path / m).write_bytes(data)
+        submitted[m] = (blob_hash(data), tmp_path / m)
     with observed() as seen:
-        result = scorer.score_round(0, "0" * 64, base, spec.model.base_hash,
-                                    {m: (blob_hash(b), b) for m, b in blobs.items()})
+        result = scorer.score_round(0, "0" * 64, base, spec.model.base_hash, submitted)
     assert [e.verdict for e in result.entries] == ["accept", "accept"]
     copies = [m for m in seen.made if m[0].startswith(("aten.clone", "aten._to_copy", "aten.copy"))]
     assert copies and not [m for m in copies if m[1] in whole], [m for m in copies if m[1] in whole][:3]
