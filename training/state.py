@@ -17,14 +17,25 @@ nothing about how states are computed (see `validator.merge`) or transferred.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 
 import torch
 
 from protocol.spec import NetworkSpec
-from training.blob import BlobError, BlobMeta, blob_hash, decode_blob, encode_blob
+from training.blob import (
+    DTYPES,
+    BlobError,
+    BlobFile,
+    BlobMeta,
+    blob_hash,
+    decode_blob,
+    encoded_hash,
+    encoded_parts,
+    read_header,
+)
 
 GLOBAL_FORMAT = "tessera-global/1"
 MOMENTUM_FORMAT = "tessera-momentum/1"
@@ -70,13 +81,13 @@ class GlobalExperts:
 
     @cached_property
     def hash(self) -> str:
-        """The state's address: `spec.model.base_hash` at genesis, else SHA-256 of `to_blob()`."""
-        return self.spec.model.base_hash if self.is_genesis else blob_hash(self.to_blob())
+        """The state's address: `spec.model.base_hash` at genesis, else SHA-256 of `to_blob()` (streamed)."""
+        return self.spec.model.base_hash if self.is_genesis else encoded_hash(self.tensors, self._state_meta())
 
     @cached_property
     def momentum_hash(self) -> str:
-        """SHA-256 of `momentum_blob()`."""
-        return blob_hash(self.momentum_blob())
+        """SHA-256 of `momentum_blob()` (streamed)."""
+        return encoded_hash(_Fp32(self.momentum), self._meta(self.hash, MOMENTUM_FORMAT))
 
     def child(
         self, round: int, tensors: Mapping[str, torch.Tensor], momentum: Mapping[str, torch.Tensor]
@@ -91,12 +102,29 @@ class GlobalExperts:
 
     def to_blob(self) -> bytes:
         """The canonical state blob; its SHA-256 is `hash`."""
-        return encode_blob(dict(self.tensors), self._meta(self.parent, GLOBAL_FORMAT))
+        return b"".join(self.blob_parts())
 
     def momentum_blob(self) -> bytes:
         """The canonical momentum blob (fp32), bound to this state by `base` = `hash`."""
-        momentum = {name: t.to(torch.float32) for name, t in self.momentum.items()}
-        return encode_blob(momentum, self._meta(self.hash, MOMENTUM_FORMAT))
+        return b"".join(self.momentum_parts())
+
+    def blob_parts(self) -> Iterator[bytes | memoryview]:
+        """`to_blob()` in pieces, a tensor at a time (`training.blob.encoded_parts`)."""
+        return encoded_parts(self.tensors, self._state_meta())
+
+    def momentum_parts(self) -> Iterator[bytes | memoryview]:
+        """`momentum_blob()` in pieces, a tensor at a time."""
+        return encoded_parts(_Fp32(self.momentum), self._meta(self.hash, MOMENTUM_FORMAT))
+
+    @classmethod
+    def from_files(cls, state_hash: str, state: Path, momentum: Path, spec: NetworkSpec,
+                   shapes: Mapping[str, tuple[int, ...]]) -> GlobalExperts:
+        """A state and its momentum held in blob files whose bytes hash to their names (`state_hash`: the
+        state's), read a tensor at a time when asked for (`training.blob.BlobFile`); checked as `from_blobs`
+        checks them, streaming. StateError names what does not fit."""
+        state_meta, tensors = read_state_file(state, spec, GLOBAL_FORMAT, shapes)
+        momentum_meta, moments = read_state_file(momentum, spec, MOMENTUM_FORMAT, shapes)
+        return cls._paired(state_hash, state_meta, tensors, momentum_meta, moments, spec)
 
     @classmethod
     def from_blobs(
@@ -119,15 +147,30 @@ class GlobalExperts:
         """An already decoded state (`state_hash`: its blob's hash) with its momentum blob; StateError names
         what does not fit."""
         momentum_meta, moments = _decode(momentum, spec, MOMENTUM_FORMAT, shapes)
+        return cls._paired(state_hash, state_meta, tensors, momentum_meta, moments, spec)
+
+    @classmethod
+    def with_momentum_file(cls, state_hash: str, state_meta: BlobMeta, tensors: Mapping[str, torch.Tensor],
+                           momentum: Path, spec: NetworkSpec, shapes: Mapping[str, tuple[int, ...]]) -> GlobalExperts:
+        """`with_momentum` with the momentum in a blob file, read a tensor at a time when asked for."""
+        momentum_meta, moments = read_state_file(momentum, spec, MOMENTUM_FORMAT, shapes)
+        return cls._paired(state_hash, state_meta, tensors, momentum_meta, moments, spec)
+
+    @classmethod
+    def _paired(cls, state_hash: str, state_meta: BlobMeta, tensors: Mapping[str, torch.Tensor],
+                momentum_meta: BlobMeta, moments: Mapping[str, torch.Tensor], spec: NetworkSpec) -> GlobalExperts:
         if momentum_meta.base != state_hash:
             raise StateError("momentum blob belongs to another state: its base is not the state's hash")
         if momentum_meta.round != state_meta.round:
             raise StateError(
                 f"momentum is for round {momentum_meta.round}, the state for round {state_meta.round}"
             )
-        if any(t.dtype != torch.float32 for t in moments.values()):
+        if any(_dtype(moments, name) != torch.float32 for name in moments):
             raise StateError("momentum tensors must be float32")
         return cls(spec=spec, round=state_meta.round, parent=state_meta.base, tensors=tensors, momentum=moments)
+
+    def _state_meta(self) -> BlobMeta:
+        return self._meta(self.parent, GLOBAL_FORMAT)
 
     def _meta(self, base: str, fmt: str) -> BlobMeta:
         if self.is_genesis:
@@ -172,6 +215,22 @@ def decode_state_blob(
     return _decode(data, spec, GLOBAL_FORMAT, shapes)
 
 
+def read_state_file(
+    path: Path, spec: NetworkSpec, fmt: str, shapes: Mapping[str, tuple[int, ...]]
+) -> tuple[BlobMeta, BlobFile]:
+    """`_decode`'s checks on a blob file, its tensors read a tensor at a time (once here, for finiteness);
+    StateError names what does not fit, OSError a file that cannot be read."""
+    try:
+        header = read_header(path, spec.limits.max_header_bytes)
+    except BlobError as exc:
+        raise StateError(f"{fmt} blob: {exc.reason}") from exc
+    tensors = BlobFile(path, header)
+    _check(header.meta, {name: info.shape for name, info in header.tensors.items()}, spec, fmt, shapes)
+    if not all(bool(torch.isfinite(tensors[name]).all()) for name in tensors):
+        raise StateError(f"{fmt} blob holds non-finite values")
+    return header.meta, tensors
+
+
 def _decode(
     data: bytes, spec: NetworkSpec, fmt: str, shapes: Mapping[str, tuple[int, ...]]
 ) -> tuple[BlobMeta, dict[str, torch.Tensor]]:
@@ -179,6 +238,15 @@ def _decode(
         meta, tensors = decode_blob(data, spec.limits.max_header_bytes)
     except BlobError as exc:
         raise StateError(f"{fmt} blob: {exc.reason}") from exc
+    _check(meta, {name: tuple(t.shape) for name, t in tensors.items()}, spec, fmt, shapes)
+    if not all(bool(torch.isfinite(t).all()) for t in tensors.values()):
+        raise StateError(f"{fmt} blob holds non-finite values")
+    return meta, tensors
+
+
+def _check(meta: BlobMeta, held: Mapping[str, tuple[int, ...]], spec: NetworkSpec, fmt: str,
+           shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """A state or momentum blob's metadata and tensor shapes (`held`) against this network and group."""
     if meta.format != fmt:
         raise StateError(f"expected a {fmt} blob, got {meta.format}")
     if meta.network != spec.network_id:
@@ -187,10 +255,28 @@ def _decode(
         raise StateError(f"{fmt} blob names a miner; it is a submission, not a global state")
     if meta.group != {layer: sorted(ids) for layer, ids in spec.group.items()}:
         raise StateError(f"{fmt} blob is for another expert group")
-    if {name: tuple(t.shape) for name, t in tensors.items()} != {
-        name: tuple(s) for name, s in shapes.items()
-    }:
+    if {name: tuple(shape) for name, shape in held.items()} != {name: tuple(s) for name, s in shapes.items()}:
         raise StateError(f"{fmt} blob tensors do not match the expert group's names and shapes")
-    if not all(bool(torch.isfinite(t).all()) for t in tensors.values()):
-        raise StateError(f"{fmt} blob holds non-finite values")
-    return meta, tensors
+
+
+def _dtype(tensors: Mapping[str, torch.Tensor], name: str) -> torch.dtype:
+    """A tensor's dtype, from a blob file's header where it is one (without reading the tensor)."""
+    if isinstance(tensors, BlobFile):
+        return DTYPES[tensors.header.tensors[name].dtype]
+    return tensors[name].dtype
+
+
+class _Fp32(Mapping[str, torch.Tensor]):
+    """A state's momentum as fp32 tensors, converted when asked for (the genesis momentum is broadcast zeros)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self._tensors = tensors
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._tensors[name].to(torch.float32)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)

@@ -28,6 +28,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -39,7 +40,16 @@ from node.store.records import GlobalStateRecord
 from protocol.messages import Envelope, GlobalState, Heartbeat, Message
 from protocol.rounds import Phase
 from protocol.spec import NetworkSpec
-from training.blob import BlobError, BlobMeta, decode_blob, max_blob_bytes
+from training.blob import (
+    BlobError,
+    BlobFile,
+    BlobMeta,
+    Header,
+    decode_header,
+    max_blob_bytes,
+    read_header,
+    read_tensor,
+)
 from training.state import (
     GLOBAL_FORMAT,
     STATE_MINER,
@@ -52,14 +62,13 @@ log = logging.getLogger(__name__)
 
 VOTE_GRACE_SHARE = 0.1  # of TRAIN: how long to wait for missing votes when the first ones disagree
 Shapes = Mapping[str, tuple[int, ...]]
-Tensors = dict[str, torch.Tensor]
 
 
 class Decoded(NamedTuple):
-    """A checked state blob (`decode_state`)."""
+    """A checked state blob (`decode_state`, `read_state`)."""
 
     meta: BlobMeta
-    tensors: Tensors
+    tensors: Mapping[str, torch.Tensor]
 
 
 class SyncError(ValueError):
@@ -78,9 +87,25 @@ def decode_state(data: bytes, spec: NetworkSpec, shapes: Shapes) -> Decoded:
     """Check a global state blob of this network and group (`shapes`: the group's); its metadata and
     tensors. SyncError names what does not fit."""
     try:
-        meta, tensors = decode_blob(data, spec.limits.max_header_bytes)
+        header = decode_header(data, spec.limits.max_header_bytes)
     except BlobError as exc:
         raise SyncError(f"state blob: {exc.reason}") from exc
+    return _checked_state(header, {name: read_tensor(data, header, name) for name in header.tensors}, spec, shapes)
+
+
+def read_state(path: Path, spec: NetworkSpec, shapes: Shapes) -> Decoded:
+    """`decode_state` of a blob file whose bytes hash to its name: its tensors are read from the file a tensor
+    at a time when asked for (`training.blob.BlobFile`), so a node holds no copy of a state it adopted (the
+    group in fp32: 0.8 GB at OLMoE-1B-7B's size)."""
+    try:
+        header = read_header(path, spec.limits.max_header_bytes)
+    except BlobError as exc:
+        raise SyncError(f"state blob: {exc.reason}") from exc
+    return _checked_state(header, BlobFile(path, header), spec, shapes)
+
+
+def _checked_state(header: Header, tensors: Mapping[str, torch.Tensor], spec: NetworkSpec, shapes: Shapes) -> Decoded:
+    meta = header.meta
     if meta.format != GLOBAL_FORMAT or meta.miner != STATE_MINER:
         raise SyncError(f"state blob has format {meta.format!r} and miner {meta.miner[:12]!r}; "
                         "not a global state")
@@ -88,9 +113,10 @@ def decode_state(data: bytes, spec: NetworkSpec, shapes: Shapes) -> Decoded:
         raise SyncError("state blob is for another network")
     if meta.group != {layer: sorted(ids) for layer, ids in spec.group.items()}:
         raise SyncError("state blob is for another expert group")
-    if {name: tuple(t.shape) for name, t in tensors.items()} != {name: tuple(s) for name, s in shapes.items()}:
+    held = {name: tuple(info.shape) for name, info in header.tensors.items()}
+    if held != {name: tuple(s) for name, s in shapes.items()}:
         raise SyncError("state blob tensors do not match the expert group's names and shapes")
-    if not all(bool(torch.isfinite(t).all()) for t in tensors.values()):
+    if not all(bool(torch.isfinite(tensors[name]).all()) for name in tensors):  # one tensor at a time
         raise SyncError("state blob holds non-finite values")
     return Decoded(meta, tensors)
 
@@ -98,9 +124,17 @@ def decode_state(data: bytes, spec: NetworkSpec, shapes: Shapes) -> Decoded:
 def _without_momentum(spec: NetworkSpec, decoded: Decoded) -> GlobalExperts:
     """A checked state with zero momentum: a validator's before it syncs the momentum, or a miner's, which
     never reads it."""
-    zeros = {name: torch.zeros(t.shape, dtype=torch.float32) for name, t in decoded.tensors.items()}
+    zero = torch.zeros((), dtype=torch.float32)  # broadcast, as the genesis momentum (training.state): no memory
+    zeros = {name: zero.expand(shapes) for name, shapes in _shapes(decoded.tensors).items()}
     return GlobalExperts(spec=spec, round=decoded.meta.round, parent=decoded.meta.base, tensors=decoded.tensors,
                          momentum=zeros)
+
+
+def _shapes(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape, from a blob file's header where the tensors are one (without reading them)."""
+    if isinstance(tensors, BlobFile):
+        return {name: info.shape for name, info in tensors.header.tensors.items()}
+    return {name: tuple(t.shape) for name, t in tensors.items()}
 
 
 async def wait_until(clock: Clock, arrivals: asyncio.Event, ready: Callable[[], Awaitable[bool]],
@@ -236,32 +270,34 @@ class Consensus:
             return LoadedState(genesis, True)
         if self._adopted is not None and self._adopted[0] == head:
             return self._adopted[1]  # decoded once, when it was fetched and checked for adoption
-        data = await asyncio.to_thread(self.ctx.blobs.read_checked, head)
-        if data is None:
-            data = await self._refetch(head, shapes)
+        path = await asyncio.to_thread(self.ctx.blobs.verified, head)
+        if path is None:
+            path = await self._refetch(head, shapes)
         if self.need_momentum and (momentum := await self.ctx.storage.momentum()):
             try:
-                moments = await asyncio.to_thread(self.ctx.blobs.path(momentum).read_bytes)
-                state = await asyncio.to_thread(GlobalExperts.from_blobs, data, moments, self.ctx.spec,
+                moments = await asyncio.to_thread(self.ctx.blobs.verified, momentum)
+                if moments is None:
+                    raise OSError(f"momentum {momentum[:12]} is missing or corrupt in the blob store")
+                state = await asyncio.to_thread(GlobalExperts.from_files, head, path, moments, self.ctx.spec,
                                                 shapes)
                 return LoadedState(state, True)
             except (OSError, StateError) as exc:
                 log.warning("momentum %s does not belong to head %s (%s); not in sync", momentum[:12],
                             head[:12], exc)
-        decoded = await asyncio.to_thread(decode_state, data, self.ctx.spec, shapes)
+        decoded = await asyncio.to_thread(read_state, path, self.ctx.spec, shapes)
         return LoadedState(_without_momentum(self.ctx.spec, decoded), not self.need_momentum)
 
-    async def _refetch(self, head: str, shapes: Shapes) -> bytes:
+    async def _refetch(self, head: str, shapes: Shapes) -> Path:
         """The head's blob, missing or corrupt here, fetched again from the validators that voted for it."""
         voters = [v for s in await self.ctx.storage.global_states() if s.hash == head for v in s.voters]
         providers = voters or sorted(self.ctx.spec.validator_weights)
         log.warning("the head state %s is missing or corrupt in the blob store; fetching it from %d peer(s)",
                     head[:12], len(providers))
         await self._fetch_checked(head, providers, shapes)
-        data = await asyncio.to_thread(self.ctx.blobs.read_checked, head)
-        if data is None:
+        path = await asyncio.to_thread(self.ctx.blobs.verified, head)
+        if path is None:
             raise SyncError(f"state {head[:12]}: gone from the blob store right after it was fetched")
-        return data
+        return path
 
     async def _adopt(self, round: int, shapes: Shapes) -> None:
         winner = await self._winner(round)
@@ -326,10 +362,9 @@ class Consensus:
         it must be; SyncError names what is wrong."""
         try:
             path = await self.ctx.network.fetch(state_hash, providers, self.state_cap(shapes))
-            data = await asyncio.to_thread(path.read_bytes)
+            decoded = await asyncio.to_thread(read_state, path, self.ctx.spec, shapes)
         except (NetworkError, OSError) as exc:
             raise SyncError(f"state {state_hash[:12]}: {exc}") from exc
-        decoded = await asyncio.to_thread(decode_state, data, self.ctx.spec, shapes)
         if round is not None and decoded.meta.round != round:
             raise SyncError(f"state {state_hash[:12]} is a state of round {decoded.meta.round}, not of round {round}")
         return decoded
@@ -346,9 +381,8 @@ class Consensus:
         for voter, momentum in sorted(announced.items(), key=lambda item: (item[1] != mine, item[0] != me)):
             try:
                 path = await self.ctx.network.fetch(momentum, [voter, *winner.voters], self.state_cap(shapes))
-                data = await asyncio.to_thread(path.read_bytes)
-                state = await asyncio.to_thread(GlobalExperts.with_momentum, winner.hash, decoded.meta,
-                                                decoded.tensors, data, self.ctx.spec, shapes)
+                state = await asyncio.to_thread(GlobalExperts.with_momentum_file, winner.hash, decoded.meta,
+                                                decoded.tensors, path, self.ctx.spec, shapes)
             except (NetworkError, OSError, StateError) as exc:
                 log.warning("momentum %s from %s: %s", momentum[:12], voter[:12], exc)
                 continue

@@ -61,6 +61,7 @@ from protocol.ranking import RoundRanking, update_standing
 from protocol.rounds import Phase
 from protocol.seeds import commitment, new_seed
 from protocol.spec import spec_dir_path
+from training.adapters import tensor_attr
 from training.blob import BlobFile
 from training.data import (
     check_disjoint,
@@ -336,11 +337,13 @@ class ValidatorDuties:
             log.warning("round %d: my outer momentum is not the network's; not proposing a state", round)
             return None
         proposal = self.state.child(round, result.new_global, result.new_momentum)
-        state_bytes = await asyncio.to_thread(proposal.to_blob)
-        momentum_bytes = await asyncio.to_thread(proposal.momentum_blob)
+
+        def store() -> tuple[str, str]:  # a tensor at a time: the state and momentum are GBs at real size
+            return (self.ctx.blobs.put_parts(proposal.hash, proposal.blob_parts()),
+                    self.ctx.blobs.put_parts(proposal.momentum_hash, proposal.momentum_parts()))
+
         try:
-            state_hash = await asyncio.to_thread(self.ctx.blobs.put_bytes, state_bytes)
-            momentum_hash = await asyncio.to_thread(self.ctx.blobs.put_bytes, momentum_bytes)
+            state_hash, momentum_hash = await asyncio.to_thread(store)
         except OSError as exc:  # a full or failing disk: nothing recorded, announced or served
             log.error("round %d: cannot store the proposed state in the blob store (%s); not proposing a state",
                       round, exc)
@@ -444,7 +447,10 @@ class _Loaded:
         check_device(section.device, model, section.batch_size, spec.data.seq_len)
         scorer = Scorer(model, adapter, spec, heldout, tokenizer.pad_id, section.device, section.batch_size,
                         section.weights)
-        genesis = GlobalExperts.genesis(spec, extract(model, adapter, spec.group))
+        # The base's experts in the dtype the model holds them (bf16 for a bf16 checkpoint): their exact values at
+        # half fp32's bytes (0.4 GB at OLMoE-1B-7B's size), as a miner holds them; every use takes them to fp32.
+        held = tensor_attr(adapter.experts(model, min(spec.group)), "gate_up_proj").dtype
+        genesis = GlobalExperts.genesis(spec, extract(model, adapter, spec.group, held))
         cap = submission_cap(spec, scorer.shapes)  # the format's own cap: a pgrad blob is far smaller
         return cls(scorer, general, genesis, cap)
 

@@ -22,6 +22,7 @@ import hashlib
 import os
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
 
@@ -236,6 +237,30 @@ class BlobStore:
             self.delete(blob_hash)
             return None
         return data
+
+    def verified(self, blob_hash: str) -> Path | None:
+        """`read_checked` without the bytes in memory: the blob's path when its file hashes to its name (read in
+        8 MB pieces); None when it is missing, or corrupt (then deleted)."""
+        hasher = hashlib.sha256()
+        try:
+            with open(self.path(blob_hash), "rb") as fh:
+                while chunk := fh.read(8 << 20):
+                    hasher.update(chunk)
+        except FileNotFoundError:
+            return None
+        if hasher.hexdigest() != blob_hash:
+            self.delete(blob_hash)
+            return None
+        return self.path(blob_hash)
+
+    def put_parts(self, blob_hash: str, parts: Iterable[bytes | memoryview]) -> str:
+        """Store a blob of this node's own, given its hash and its bytes in pieces (a state of GBs written a
+        tensor at a time, never whole in memory); HashMismatch if the pieces are not that blob."""
+        if not self.has(blob_hash):
+            with self._writer(blob_hash, 1 << 62, budgeted=False) as writer:
+                for part in parts:
+                    writer.write(part)
+        return blob_hash
 
     def put_bytes(self, data: bytes) -> str:
         """Store `data`; returns its address (a no-op when it is already stored)."""

@@ -18,13 +18,17 @@ import torch
 from training.blob import (
     BLOB_FORMAT,
     BlobError,
+    BlobFile,
     BlobMeta,
     blob_dtype,
     blob_hash,
     decode_blob,
     decode_header,
     encode_blob,
+    encoded_hash,
+    encoded_parts,
     max_blob_bytes,
+    read_header,
     write_blob_file,
 )
 
@@ -280,3 +284,18 @@ def test_write_blob_file_without_hard_links_never_replaces_a_dangling_symlink(
     with pytest.raises(FileExistsError):
         write_blob_file(path, b"data", replace=False)
     assert path.is_symlink() and not (tmp_path / "nowhere").exists()
+
+
+def test_a_blob_in_pieces_is_the_blob_and_its_header_reads_from_the_file(tmp_path: Path) -> None:
+    tensors = {"b": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "a": torch.ones(4)}
+    data = encode_blob(tensors, META)
+    assert b"".join(encoded_parts(tensors, META)) == data and encoded_hash(tensors, META) == blob_hash(data)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    header = read_header(path, MAX_HEADER)
+    assert header == decode_header(data, MAX_HEADER)
+    held = BlobFile(path, header)
+    assert list(held) == ["a", "b"] and all(torch.equal(held[n], tensors[n]) for n in tensors)
+    path.write_bytes(data + b"\0")
+    with pytest.raises(BlobError, match="trailing bytes"):
+        read_header(path, MAX_HEADER)

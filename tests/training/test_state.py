@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 
 from protocol.spec import NetworkSpec
-from training.blob import BlobMeta, blob_hash, decode_blob, encode_blob
+from training.blob import BlobFile, BlobMeta, blob_hash, decode_blob, encode_blob
 from training.state import GENESIS_ROUND, GLOBAL_FORMAT, MOMENTUM_FORMAT, GlobalExperts, StateError, adopt
 from validator.checks import Expectation, check_submission
 
@@ -77,6 +78,34 @@ def test_hash_depends_on_tensors_parent_and_round(spec: NetworkSpec) -> None:
     assert grandchild.parent == child.hash and grandchild.hash != child.hash
     with pytest.raises(ValueError, match="after round"):
         child.child(3, child.tensors, child.momentum)
+
+
+def test_a_state_held_in_blob_files_is_the_state_its_bytes_are(spec: NetworkSpec, tmp_path: Path) -> None:
+    _, child = _chain(spec)
+    assert b"".join(child.blob_parts()) == child.to_blob() and child.hash == blob_hash(child.to_blob())
+    state, momentum = tmp_path / child.hash, tmp_path / child.momentum_hash
+    state.write_bytes(child.to_blob())
+    momentum.write_bytes(child.momentum_blob())
+    again = GlobalExperts.from_files(child.hash, state, momentum, spec, _shapes(spec))
+    assert isinstance(again.tensors, BlobFile) and isinstance(again.momentum, BlobFile)
+    assert (again.round, again.parent, again.hash, again.momentum_hash) == (3, child.parent, child.hash,
+                                                                           child.momentum_hash)
+    assert all(torch.equal(again.tensors[n], child.tensors[n]) for n in child.tensors)
+    with pytest.raises(StateError, match="another state"):
+        GlobalExperts.from_files("ab" * 32, state, momentum, spec, _shapes(spec))
+    nan = {k: v.clone() for k, v in child.tensors.items()}
+    nan[sorted(nan)[-1]][-1, -1] = float("nan")  # in the last tensor: every tensor is read to find it
+    state.write_bytes(encode_blob(nan, _state_meta(spec, child)))
+    with pytest.raises(StateError, match="tessera-global/1 blob holds non-finite values"):
+        GlobalExperts.from_files(child.hash, state, momentum, spec, _shapes(spec))
+
+
+def test_the_genesis_momentum_is_broadcast_zeros_and_a_childs_momentum_blob_holds_them(spec: NetworkSpec) -> None:
+    genesis = GlobalExperts.genesis(spec, _tensors(spec, 0))
+    assert all(m.untyped_storage().nbytes() == 4 for m in genesis.momentum.values())
+    child = genesis.child(0, _tensors(spec, 1), genesis.momentum)
+    _, moments = decode_blob(child.momentum_blob(), spec.limits.max_header_bytes)
+    assert all(bool((t == 0).all()) and t.shape == genesis.tensors[n].shape for n, t in moments.items())
 
 
 def test_from_blobs_refuses_mismatched_pairs_and_submissions(spec: NetworkSpec) -> None:

@@ -1,17 +1,19 @@
-"""node.duties.consensus.decode_state: a fetched state blob is refused unless it is a global state of
-this network and expert group, with the group's tensor names and shapes and finite values."""
+"""node.duties.consensus.decode_state, and read_state on a blob file: a fetched state blob is refused unless it
+is a global state of this network and expert group, with the group's tensor names and shapes and finite
+values; a file's tensors are read when asked for."""
 
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
-from node.duties.consensus import SyncError, decode_state
+from node.duties.consensus import SyncError, decode_state, read_state
 from protocol.spec import parse_spec
 from tests.conftest import make_spec_dict
-from training.blob import BlobMeta, encode_blob
+from training.blob import BlobFile, BlobMeta, encode_blob
 from training.state import GLOBAL_FORMAT, MOMENTUM_FORMAT, STATE_MINER
 
 SPEC = parse_spec(make_spec_dict())
@@ -39,11 +41,26 @@ def test_a_global_state_of_this_network_and_group_decodes() -> None:
     (META, {"w": torch.tensor([[0.0, float("inf")], [0.0, 0.0]])}, "non-finite"),
 ])
 def test_anything_else_is_refused_with_what_is_wrong(meta: BlobMeta, tensors: dict[str, torch.Tensor],
-                                                      message: str) -> None:
+                                                      message: str, tmp_path: Path) -> None:
     with pytest.raises(SyncError, match=message):
         decode_state(encode_blob(tensors, meta), SPEC, SHAPES)
+    (tmp_path / "state").write_bytes(encode_blob(tensors, meta))
+    with pytest.raises(SyncError, match=message):
+        read_state(tmp_path / "state", SPEC, SHAPES)
 
 
-def test_bytes_that_are_no_blob_are_refused() -> None:
+def test_bytes_that_are_no_blob_are_refused(tmp_path: Path) -> None:
     with pytest.raises(SyncError, match="state blob: "):
         decode_state(b"not a blob", SPEC, SHAPES)
+    (tmp_path / "state").write_bytes(encode_blob(TENSORS, META)[:-1])
+    with pytest.raises(SyncError, match="state blob: truncated"):
+        read_state(tmp_path / "state", SPEC, SHAPES)
+
+
+def test_a_state_file_is_read_a_tensor_at_a_time_when_asked_for(tmp_path: Path) -> None:
+    path = tmp_path / "state"
+    path.write_bytes(encode_blob(TENSORS, META))
+    meta, tensors = read_state(path, SPEC, SHAPES)
+    assert meta == META and isinstance(tensors, BlobFile) and list(tensors) == ["w"]
+    first = tensors["w"]
+    assert torch.equal(first, TENSORS["w"]) and tensors["w"] is not first  # read again, not kept

@@ -202,10 +202,11 @@ def test_a_full_disk_leaves_no_partial_blob(tmp_path: Path, monkeypatch: pytest.
 
 def refuse_writes(node: Node) -> None:
     """The node's blob store refuses every put (what a full disk leaves of it is the test above)."""
-    def put_bytes(data: bytes) -> str:
+    def refuse(*args: object) -> str:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    node.ctx.blobs.put_bytes = put_bytes  # type: ignore[method-assign]
+    node.ctx.blobs.put_bytes = refuse  # type: ignore[method-assign]
+    node.ctx.blobs.put_parts = refuse  # type: ignore[method-assign]
 
 
 async def test_a_disk_that_refuses_writes_for_a_round_costs_that_round_only(
@@ -231,7 +232,7 @@ async def test_a_disk_that_refuses_writes_for_a_round_costs_that_round_only(
         report = await v0.round_report(0)
         assert report is not None and report["proposed_hash"] is None
         for node in (v0, m0):
-            del node.ctx.blobs.put_bytes  # the disk has room again
+            del node.ctx.blobs.put_bytes, node.ctx.blobs.put_parts  # the disk has room again
 
         await net.rounds(1, 1)
         [state] = await v1.ctx.storage.global_states(0)

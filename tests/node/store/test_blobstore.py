@@ -29,6 +29,28 @@ def test_put_bytes_stores_by_sha256_in_a_two_level_layout(tmp_path: Path) -> Non
     assert tmp_files(store) == []
 
 
+def test_put_parts_stores_a_blob_given_in_pieces_and_refuses_pieces_of_another(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path)
+    parts = [b"head", memoryview(b"tensor one"), b"tensor two"]
+    blob_hash = hashlib.sha256(b"".join(parts)).hexdigest()
+    assert store.put_parts(blob_hash, parts) == blob_hash
+    assert store.path(blob_hash).read_bytes() == b"".join(parts)
+    other = hashlib.sha256(b"something else").hexdigest()
+    with pytest.raises(HashMismatch):
+        store.put_parts(other, parts)
+    assert not store.has(other) and tmp_files(store) == []
+
+
+def test_verified_gives_the_path_of_an_intact_blob_and_deletes_a_corrupt_one(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path)
+    data = os.urandom(9 << 20)  # more than one 8 MB read
+    blob_hash = store.put_bytes(data)
+    assert store.verified(blob_hash) == store.path(blob_hash)
+    store.path(blob_hash).write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    assert store.verified(blob_hash) is None and not store.has(blob_hash)
+    assert store.verified(blob_hash) is None  # missing
+
+
 def test_put_file_copies_a_file_in(tmp_path: Path) -> None:
     source = tmp_path / "source.bin"
     source.write_bytes(os.urandom(3 << 20))
