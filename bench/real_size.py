@@ -42,6 +42,8 @@ from bench.report import emit, out_file  # noqa: E402
 BUDGETS = {"spec_new": 1.3, "inspect": 0.1, "eval_base": 1.3, "train_experts": 0.35, "train_pgrad": 0.35,
            "eval_blob": 1.3, "export": 1.3}
 """Peak RSS allowed to each command, as a multiple of the checkpoint's weight bytes."""
+NODE_BUDGETS = {"validator": 1.3, "miner": 0.35}
+"""Peak RSS allowed to a node of the network round, by role: a validator as scoring, a compressed miner as `train`."""
 SEQ_LEN = 64
 HELDOUT_SEQUENCES = 8
 BATCH = 4
@@ -231,6 +233,17 @@ def _peaks(sim: Any) -> dict[str, int]:
     return out
 
 
+def node_budgets(peaks: dict[str, int], weight_bytes: int) -> dict[str, dict[str, Any]]:
+    """Each validator's and miner's peak RSS as a multiple of the checkpoint, against its role's budget."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, peak in sorted(peaks.items()):
+        role = name.split("-")[0]
+        if role in NODE_BUDGETS:
+            ratio = round(peak / weight_bytes, 4)
+            out[name] = {"ratio": ratio, "budget": NODE_BUDGETS[role], "within": ratio <= NODE_BUDGETS[role]}
+    return out
+
+
 def miners_that_fit(runs: dict[str, Any], wanted: int) -> int:
     """How many of `wanted` compressed miners fit beside the validator in the memory available now (1 at least):
     the validator takes what `eval` of a blob peaked at, each miner what `train` did, and 1 GiB is left over."""
@@ -246,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         earlier: dict[str, Any] = json.loads(args.network_from.read_text(encoding="utf-8"))
         miners = miners_that_fit(earlier["commands"], args.miners)
         earlier["network"] = network_round(args.work / "network" / "spec.toml", args.work, earlier["commands"], miners)
+        earlier["network"]["nodes_within_budget"] = node_budgets(earlier["network"]["peak_rss_bytes"],
+                                                                 earlier["weight_bytes"])
         emit(earlier, args.out)
         return 0
     work = args.work or Path(tempfile.mkdtemp(prefix="tessera-real-size-"))
@@ -272,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_network:
         miners = miners_that_fit(measured["commands"], args.miners)
         report["network"] = network_round(spec, work, measured["commands"], miners)
+        report["network"]["nodes_within_budget"] = node_budgets(report["network"]["peak_rss_bytes"], weight_bytes)
         emit(report, args.out)
     return 0
 

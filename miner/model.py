@@ -101,10 +101,10 @@ class MinerModel:
         `optimizer_state`: the AdamW state to go on from (None: start at zero, as a miner does); `hand_on`: the new
         one is in the result."""
         inner = self.spec.training
-        if isinstance(self.model, CompressedModel):
-            self.model.load(dict(base))
+        if isinstance(self.model, CompressedModel):  # `base` may be read from its blob file a tensor at a time
+            self.model.load(base)
         else:
-            insert(self.model, self.adapter, dict(base))
+            insert(self.model, self.adapter, base)
         cfg = TrainConfig(steps=steps or inner.inner_steps, lr=inner.lr, beta1=inner.beta1,
                           weight_decay=inner.weight_decay, batch_size=inner.batch_size,
                           micro_batch_size=settings.micro_batch_size, grad_clip=inner.grad_clip,

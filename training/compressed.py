@@ -96,18 +96,21 @@ class CompressedModel:
 
     @torch.no_grad()
     def load(self, tensors: Tensors) -> None:
-        """Write tensors named by full expert id into their slots; every one is checked before any is."""
-        targets: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for name, tensor in sorted(tensors.items()):
+        """Write tensors named by full expert id into their slots; every one is checked before any is, and each
+        is taken from `tensors` once to check and once to write (a state read from its blob file a tensor at a
+        time is never whole in memory)."""
+        targets: list[tuple[str, torch.Tensor]] = []
+        for name in sorted(tensors):
             layer, expert, param = parse_name(name)
             row = getattr(self.experts(layer), param)[self.slot(layer, expert)]
+            tensor = tensors[name]
             if tuple(tensor.shape) != tuple(row.shape):
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)}, the model expects {tuple(row.shape)}")
             if not tensor.is_floating_point():
                 raise ValueError(f"{name}: dtype {tensor.dtype} is not a floating-point type")
-            targets.append((row, tensor))
-        for row, tensor in targets:
-            row.copy_(tensor.to(device=row.device, dtype=row.dtype))
+            targets.append((name, row))
+        for name, row in targets:
+            row.copy_(tensors[name].to(device=row.device, dtype=row.dtype))
 
 
 def compress(

@@ -77,6 +77,10 @@ def test_every_command_and_one_round_at_the_smallest_size(tmp_path: Path) -> Non
     assert network["one_state_everywhere"], network["heads"]
     assert network["gate"]["adopted"] in CANDIDATES  # the state the validator's gate adopted, on every node
     assert set(network["peak_rss_bytes"]) == {"bootstrap", "validator-0", "miner-0"}
+    budgets = network["nodes_within_budget"]  # at this size the runtime outweighs the model: ratios, not verdicts
+    assert set(budgets) == {"validator-0", "miner-0"} and budgets["validator-0"]["budget"] == 1.3
+    assert all(b["ratio"] * report["weight_bytes"] == pytest.approx(network["peak_rss_bytes"][n], rel=1e-3)
+               for n, b in budgets.items())
     assert [m["verdict"] for m in network["round"]["miners"]] == ["accept"]
 
 
