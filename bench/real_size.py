@@ -2,7 +2,7 @@
 
 On the checkpoint of `bench/real_size_fixture.py` (written to `--work` unless `--checkpoint` names one),
 each `tessera` command runs as its own subprocess, and its peak RSS (the child's getrusage maxrss,
-read by os.wait4) and wall seconds are recorded next to its budget, a multiple of the checkpoint's
+read by os.wait4 in a small launcher, `LAUNCHER`) and wall seconds are recorded next to its budget, a multiple of the checkpoint's
 weight bytes: `spec new` (top-d 2) 1.3, `inspect blob` 0.1, `eval` of the base and of a blob (the
 scoring path: the model once in its dtype, the blob's experts swapped in) 1.3, `train --forward
 compressed` in `experts` and in `pgrad` format (the pgrad spec is the experts spec with its
@@ -78,20 +78,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+LAUNCHER = """
+import os, sys
+pid = os.posix_spawn(sys.argv[2], sys.argv[2:], os.environ)
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as out:
+    out.write(str(usage.ru_maxrss))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+"""Runs a command and writes its peak RSS (kilobytes on Linux) to a file. A process's maxrss starts at its
+parent's RSS when it is spawned, so the commands are spawned by this small process, not by the benchmark,
+which holds GBs once it has written the fixture."""
+
+
 def measure(name: str, argv: list[str], work: Path, weight_bytes: int) -> dict[str, Any]:
     """Run `tessera argv` in its own process; its seconds, peak RSS and ratio, and the JSON it printed, if any."""
-    out, err = work / f"{name}.out", work / f"{name}.err"
+    out, err, peak_file = work / f"{name}.out", work / f"{name}.err", work / f"{name}.maxrss"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     started = time.perf_counter()
     with out.open("wb") as stdout, err.open("wb") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "node.cli", *argv], cwd=ROOT, stdout=stdout, stderr=stderr,
-                                stdin=subprocess.DEVNULL, env=env)
-        _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
+        code = subprocess.run([sys.executable, "-c", LAUNCHER, str(peak_file), sys.executable, "-m", "node.cli", *argv],
+                              cwd=ROOT, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, env=env).returncode
     seconds = time.perf_counter() - started
-    if proc.returncode not in (0, 1) or (proc.returncode == 1 and name != "inspect"):
-        raise RuntimeError(f"tessera {' '.join(argv[:2])} exited {proc.returncode}: {err.read_text()[-3000:]}")
-    peak = usage.ru_maxrss * 1024  # kilobytes on Linux
+    if code not in (0, 1) or (code == 1 and name != "inspect"):
+        raise RuntimeError(f"tessera {' '.join(argv[:2])} exited {code}: {err.read_text()[-3000:]}")
+    peak = int(peak_file.read_text(encoding="utf-8")) * 1024
     text = out.read_text(encoding="utf-8")
     try:
         printed = json.loads(text[text.index("{"):]) if "{" in text else None

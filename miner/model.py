@@ -19,11 +19,11 @@ from typing import Any, Literal
 import torch
 
 from protocol.spec import NetworkSpec, spec_dir_path
-from training.adapters import MoEAdapter, tensor_attr
+from training.adapters import MoEAdapter
 from training.compressed import CompressedModel
 from training.data import batches, load_sequences, shard
-from training.experts import extract, insert
-from training.model import load_base, load_compressed_base
+from training.experts import expected_shapes, extract, insert
+from training.model import base_experts, load_base, load_compressed_base
 from training.state import GENESIS_ROUND, GlobalExperts
 from training.tokenizer import load_tokenizer
 from training.trainer import TrainConfig, TrainResult, train_experts
@@ -62,12 +62,13 @@ class MinerModel:
     state and the training sequences."""
 
     def __init__(self, spec: NetworkSpec, model: torch.nn.Module | CompressedModel, adapter: MoEAdapter,
-                 genesis: GlobalExperts, sequences: torch.Tensor, pad_id: int) -> None:
+                 genesis: GlobalExperts, shapes: dict[str, tuple[int, ...]], sequences: torch.Tensor,
+                 pad_id: int) -> None:
         self.spec = spec
         self.model = model
         self.adapter = adapter
         self.genesis = genesis
-        self.shapes = {name: tuple(t.shape) for name, t in genesis.tensors.items()}
+        self.shapes = shapes
         self.sequences = sequences
         self.pad_id = pad_id
 
@@ -79,18 +80,18 @@ class MinerModel:
         `compressed`: the model is Θ̃0 alone (training.model.load_compressed_base), never holding the
         unselected experts; it can then only train with `forward = "compressed"`."""
         model: torch.nn.Module | CompressedModel
+        experts: Mapping[str, torch.Tensor]
         if forward == "compressed":
             model = load_compressed_base(spec, spec_path, progress=progress)
-            # The base's experts in the dtype the checkpoint stores them: their exact values, at half fp32's bytes
-            # in a bf16 checkpoint (the rows they are loaded into hold that dtype anyway).
-            held = tensor_attr(model.experts(min(model.group)), "gate_up_proj").dtype
-            adapter, experts = model.adapter, model.tensors(held)
+            # The base's experts in the dtype the checkpoint stores them, a checkpoint's read from its files when
+            # asked for: the model's rows, which hold them now, are overwritten by training.
+            adapter, experts, shapes = model.adapter, base_experts(spec, spec_path, model), model.shapes()
         else:
             model, adapter = load_base(spec, spec_path, progress=progress)
-            experts = extract(model, adapter, spec.group)
+            experts, shapes = extract(model, adapter, spec.group), expected_shapes(model, adapter, spec.group)
         tokenizer = load_tokenizer(spec.data.tokenizer, spec_path.parent)
         sequences = load_sequences(training_files(spec, spec_path, data), tokenizer, spec.data.seq_len)
-        return cls(spec, model, adapter, _genesis(spec, experts), sequences, tokenizer.pad_id)
+        return cls(spec, model, adapter, _genesis(spec, experts, shapes), shapes, sequences, tokenizer.pad_id)
 
     def train(self, miner: str, round: int, base: Mapping[str, torch.Tensor], settings: MinerSettings,
               keep_going: Callable[[], bool], steps: int | None = None, progress: bool = False,
@@ -117,11 +118,12 @@ class MinerModel:
                              optimizer_state, hand_on)
 
 
-def _genesis(spec: NetworkSpec, experts: Mapping[str, torch.Tensor]) -> GlobalExperts:
-    """A miner's view of the genesis state: the base's experts, with a momentum it never reads, zero-strided
-    views of one zero (no memory)."""
-    zeros = {name: torch.zeros((), dtype=torch.float32).expand(t.shape) for name, t in experts.items()}
-    return GlobalExperts(spec=spec, round=GENESIS_ROUND, parent="", tensors=dict(experts), momentum=zeros)
+def _genesis(spec: NetworkSpec, experts: Mapping[str, torch.Tensor], shapes: dict[str, tuple[int, ...]]
+             ) -> GlobalExperts:
+    """A miner's view of the genesis state: the base's experts (as given: a mapping that reads them when asked
+    stays one), with a momentum it never reads, zero-strided views of one zero (no memory)."""
+    zeros = {name: torch.zeros((), dtype=torch.float32).expand(shape) for name, shape in shapes.items()}
+    return GlobalExperts(spec=spec, round=GENESIS_ROUND, parent="", tensors=experts, momentum=zeros)
 
 
 def _while(items: Iterator[torch.Tensor], keep_going: Callable[[], bool]) -> Iterator[torch.Tensor]:

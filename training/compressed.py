@@ -82,6 +82,12 @@ class CompressedModel:
             raise ValueError(f"layer {layer} keeps experts {list(kept)}, not expert {expert}")
         return kept.index(expert)
 
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of each kept expert tensor (the blob format's), sorted; read while the rows are held, not
+        while training releases them (`training.sparse_experts.trainable_experts`)."""
+        return dict(sorted((tensor_name(layer, expert, param), tuple(getattr(self.experts(layer), param).shape[1:]))
+                           for layer, kept in self.group.items() for expert in kept for param in PARAMS))
+
     @torch.no_grad()
     def tensors(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """The kept experts' tensors on the CPU, named by full expert id (the blob format), sorted."""

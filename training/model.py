@@ -20,7 +20,7 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, cast
@@ -37,9 +37,10 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from protocol.spec import NetworkSpec, spec_dir_path
-from training.adapters import MoEAdapter, adapter_for, family_of
+from training.adapters import MoEAdapter, adapter_for, family_of, tensor_attr
 from training.checkpoint import (
     STATE_TAG,
+    Stored,
     checkpoint_hash,
     config_hash,
     model_sources,
@@ -49,7 +50,7 @@ from training.checkpoint import (
     weight_files,
 )
 from training.compressed import CompressedModel, compress
-from training.experts import PARAMS, ExpertGroup, check_group
+from training.experts import PARAMS, ExpertGroup, check_group, parse_name, tensor_name
 from training.tiny import build_tiny_model, hf_config
 
 DeviceMap = str | dict[str, Any] | None
@@ -135,6 +136,53 @@ def load_compressed(
                                      sorted(group[layer])).to(load_dtype) for param in PARAMS}
             for layer in group}
     return compress(model, adapter, group, rows=rows)
+
+
+class StoredExperts(Mapping[str, torch.Tensor]):
+    """`group`'s experts in a checkpoint, named by full expert id (the blob format), in the stored dtype, each
+    read from the checkpoint's files when asked for (`training.checkpoint.read_rows`) and not kept.
+
+    A compressed miner's genesis state: the base's experts at no memory (0.4 GB in bf16 for OLMoE-1B-7B's
+    two experts a layer), where its model's own rows are overwritten as it trains. The files are read as they
+    are when asked; the node checked them against `base_hash` when it loaded the model, and they must not
+    change while it runs.
+    """
+
+    def __init__(self, directory: str | Path, group: ExpertGroup) -> None:
+        meta = meta_model(directory)
+        adapter = adapter_for(meta.config.model_type)
+        check_group(meta, adapter, group)
+        fused = expert_tensor_names(meta, adapter, sorted(group))
+        sources = model_sources(directory)
+        self._where: dict[str, tuple[list[Stored], tuple[int, ...]]] = {}
+        for layer, experts in sorted(group.items()):
+            for param in PARAMS:
+                name = fused[layer, param]
+                for expert in experts:
+                    self._where[tensor_name(layer, expert, param)] = (sources[name], tuple(meta.get_parameter(name).shape))
+        self.shapes = {name: shape[1:] for name, (_, shape) in sorted(self._where.items())}
+        """Name -> shape of each tensor, sorted: known without reading one."""
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise KeyError(name)
+        parts, shape = self._where[name]
+        return read_rows(parts, shape, [parse_name(name)[1]])[0]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
+def base_experts(spec: NetworkSpec, spec_path: str | Path, model: CompressedModel) -> Mapping[str, torch.Tensor]:
+    """The base's group experts in the dtype `model` (`load_compressed_base`'s) holds them: a checkpoint's read
+    from its files when asked for (`StoredExperts`), a tiny base's copied out of `model`."""
+    if spec.model.config is not None:
+        return model.tensors(tensor_attr(model.experts(min(model.group)), "gate_up_proj").dtype)
+    assert spec.model.checkpoint is not None, "the spec validator requires config or checkpoint"
+    return StoredExperts(spec_dir_path(spec_path, spec.model.checkpoint), spec.group)
 
 
 def expert_tensor_names(model: torch.nn.Module, adapter: MoEAdapter, layers: list[int]) -> dict[tuple[int, str], str]:

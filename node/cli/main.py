@@ -11,11 +11,12 @@ a user gave (OSError) become one line on stderr and exit code 2, never a traceba
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
+
+from node.allocator import set_policy
 
 COMMAND_MODULES: tuple[str, ...] = (
     "node.cli.keys",
@@ -69,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one `tessera` command; returns its exit code."""
-    return_freed_memory()
+    set_policy()  # before anything is allocated: node.allocator
     try:
         args = build_parser().parse_args(argv)  # imports every command module: Ctrl-C may land here
     except KeyboardInterrupt:
@@ -87,26 +88,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return _interrupted()
-
-
-MMAP_THRESHOLD = 4 << 20
-"""Allocations of this many bytes or more are mapped on their own and unmapped when freed."""
-
-
-def return_freed_memory() -> None:
-    """Have glibc give every freed allocation of `MMAP_THRESHOLD` bytes or more back to the system at once.
-
-    By default glibc raises that threshold to the size of each large block freed, so later blocks of that size
-    come from its heaps, and a heap keeps what is freed into it for its own thread's next allocations: a
-    real-size validator (expert tensors of 8 MB, scored, merged and written in worker threads) stayed at
-    18.2 GB after its merge had returned, 2.9 GB above what it held before, and one probe of 800 MB of 8 MB
-    tensors allocated and freed in three threads in turn kept 0.8 GB where a fixed threshold kept nothing. A
-    fixed threshold also turns off that raising. No effect off glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    libc.mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD (malloc.h)
 
 
 def _interrupted() -> int:

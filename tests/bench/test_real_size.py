@@ -62,6 +62,16 @@ def test_the_benchmark_refuses_a_checkpoint_that_is_not_one(tmp_path: Path) -> N
     assert run.returncode == 2 and "no config.json there" in run.stderr
 
 
+def test_a_command_s_peak_is_its_own_not_the_benchmark_s(tmp_path: Path) -> None:
+    """A spawned process's maxrss starts at its parent's RSS: the benchmark's own GBs must not be a command's."""
+    real_size = load_bench("real_size")
+    held = bytearray(400 << 20)  # the benchmark holding 400 MB, touched, when it runs a command
+    held[::4096] = b"x" * len(held[::4096])
+    run = real_size.measure("inspect", ["--help"], tmp_path, weight_bytes=1 << 30)
+    assert 0 < run["peak_rss_bytes"] < 200 << 20 and run["printed"] is None
+    del held
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(1500)
 def test_every_command_and_one_round_at_the_smallest_size(tmp_path: Path) -> None:

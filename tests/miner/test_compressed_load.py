@@ -18,6 +18,7 @@ from protocol.identity import Identity
 from protocol.spec import load_spec
 from tests.node.cli.test_real_checkpoint_cli import new_network
 from training.compressed import CompressedModel, count_expert_rows
+from training.model import StoredExperts
 
 
 def test_compressed_miner_holds_only_its_group_and_submits_the_same_blobs(
@@ -31,6 +32,7 @@ def test_compressed_miner_holds_only_its_group_and_submits_the_same_blobs(
     rows = count_expert_rows(cut.model.model, cut.adapter)
     assert {layer: rows[layer] for layer in spec.group} == {layer: len(ids) for layer, ids in spec.group.items()}
     assert cut.shapes == full.shapes
+    assert isinstance(cut.genesis.tensors, StoredExperts), "the genesis experts are read from the checkpoint"
     assert all(torch.equal(cut.genesis.tensors[n], t) for n, t in full.genesis.tensors.items())
 
     settings = MinerSettings(forward="compressed")

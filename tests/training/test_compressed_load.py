@@ -14,9 +14,10 @@ from safetensors.torch import load_file, save_file
 
 from training.adapters import adapter_for
 from training.blob import BlobMeta, encode_blob
-from training.checkpoint import model_sources
+from training.checkpoint import Stored, model_sources, read_rows
 from training.compressed import CompressedModel, compress, count_expert_rows
-from training.model import load_checkpoint, load_compressed, meta_model
+from training.experts import parse_name
+from training.model import StoredExperts, load_checkpoint, load_compressed, meta_model
 from training.tiny import build_tiny_model, tiny_config
 from training.trainer import TrainConfig, train_experts
 
@@ -82,6 +83,34 @@ def test_unselected_experts_are_never_read(tmp_path: Path) -> None:
     assert_same_model(load_compressed(tmp_path, group), clean)
     full = load_checkpoint(tmp_path)
     assert all(clean.adapter.experts(full, layer).down_proj.isnan().any() for layer in group), "poison landed"
+
+
+@pytest.mark.parametrize(("family", "dtype", "shard"), [("olmoe", torch.float32, None),
+                                                       ("mixtral", torch.bfloat16, "100KB")])
+def test_stored_experts_read_the_kept_rows_one_tensor_at_a_time(
+    family: str, dtype: torch.dtype, shard: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compressed miner's genesis, read from the checkpoint when asked: the loaded model's rows, in their dtype."""
+    save_tiny(tmp_path, family, dtype, shard)
+    group = group_of(tmp_path)
+    expected = load_compressed(tmp_path, group).tensors(dtype)
+    reads: list[list[int]] = []
+
+    def counted(parts: list[Stored], shape: tuple[int, ...], rows: list[int]) -> torch.Tensor:
+        reads.append(rows)
+        return read_rows(parts, shape, rows)
+
+    monkeypatch.setattr("training.model.read_rows", counted)
+    stored = StoredExperts(tmp_path, group)
+    assert list(stored) == list(expected) and len(stored) == len(expected) == 2 * 4
+    assert stored.shapes == {name: tuple(t.shape) for name, t in expected.items()}
+    assert reads == [], "the names and shapes are known without reading a tensor"
+    for name, tensor in expected.items():
+        read = stored[name]
+        assert read.dtype == dtype and torch.equal(read, tensor), name
+    assert reads == [[parse_name(name)[1]] for name in expected], "one expert's rows a read, nothing kept"
+    with pytest.raises(KeyError):
+        stored["layers.0.experts.0.gate_up_proj"]
 
 
 def test_bf16_sharded_checkpoint_keeps_its_dtype(tmp_path: Path) -> None:

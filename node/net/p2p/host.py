@@ -45,7 +45,7 @@ from node.net.network import Delivery, NetworkError, NetworkStats, Subscribers, 
 from node.net.p2p.blobs import BLOB_PROTOCOL, BlobStreams
 from node.net.p2p.history import HISTORY_PROTOCOL, HistoryStreams
 from node.net.p2p.peers import PEX_PROTOCOL, PeerBook, keypair_for, node_id_for, parse_bootstrap, peer_id_for
-from node.net.p2p.wire import TunedNoise, keep_buffer_pages
+from node.net.p2p.wire import TunedNoise
 from node.store.blobs import BlobStore
 from protocol.identity import Identity
 from protocol.messages import Envelope
@@ -96,7 +96,6 @@ class P2PNetwork:
     ) -> P2PNetwork:
         """Start the host thread and return once it listens; NetworkError if it cannot start."""
         net = cls(identity, judge, store, config or P2PConfig(port=0))
-        keep_buffer_pages()
         net._loop = asyncio.get_running_loop()
         ready: asyncio.Future[None] = net._loop.create_future()
         net._thread = threading.Thread(target=net._thread_main, args=(ready,), name="tessera-p2p", daemon=True)

@@ -21,13 +21,12 @@ Two module-level names of py-libp2p are set on import: yamux's frame-size consta
 its upgrader builds for yamux, which it takes by name rather than from the host's muxer options.
 These and the window check rely on private details of libp2p==0.8.1 (pinned in pyproject.toml);
 tests/node/net/test_wire.py and two integration tests (test_p2p.py, test_p2p_limits.py) hold them to
-it. This module knows nothing about Tessera.
+it. The allocator policy that keeps these buffers' pages between frames is the process's
+(node.allocator). This module knows nothing about Tessera.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import sys
 
@@ -57,30 +56,6 @@ FRAME_BYTES = 1 << 20
 FRAME_PAYLOAD_BYTES = FRAME_BYTES - yamux_module.HEADER_SIZE
 """Writes of exactly this many bytes go out as one frame without being sliced."""
 SOCKET_READ_BYTES = 512 * 1024
-
-HEAP_BELOW_BYTES = 32 << 20
-"""Allocations below this come from the allocator's heap rather than a fresh mmap each."""
-HEAP_SLACK_BYTES = 64 << 20
-"""Free heap an allocator arena keeps before handing memory back to the kernel."""
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
-
-
-def keep_buffer_pages() -> bool:
-    """Fix glibc's mmap and trim thresholds at the highest values its adaptive ones can reach.
-
-    glibc starts both low (128 KiB, 256 KiB) and raises them to the size of each larger mmapped
-    block it frees, up to 32 MiB (and twice that for trimming). A process that moves blobs but frees
-    nothing larger than a few MiB keeps them low, and gives the pages of its MiB-sized frame buffers
-    back to the kernel frame after frame, to fault them in again: up to 12,000 page faults per 64 MB
-    blob. Fixed at 32 and 64 MiB from the start, it keeps those pages; a process also running torch
-    keeps no more free memory than glibc lets it after freeing one 32 MiB tensor. False where the C
-    library is not glibc.
-    """
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    if not hasattr(libc, "gnu_get_libc_version"):
-        return False
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, HEAP_BELOW_BYTES) and libc.mallopt(_M_TRIM_THRESHOLD, HEAP_SLACK_BYTES))
-
 
 # The stock module reads this constant at every write to size DATA frames (64 KiB there).
 yamux_module.MAX_MESSAGE_SIZE = max(yamux_module.MAX_MESSAGE_SIZE, FRAME_BYTES)

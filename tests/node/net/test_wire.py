@@ -6,7 +6,6 @@ the socket splits them, and fail the same way when the socket ends early.
 
 from __future__ import annotations
 
-import platform
 import random
 
 import pytest
@@ -18,7 +17,7 @@ from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH, NoisePacketReadWriter
 from libp2p.security.secure_session import SecureSession
 from noise.connection import Keypair, NoiseConnection
 
-from node.net.p2p.wire import NoisePackets, PacketReader, TunedSession, keep_buffer_pages
+from node.net.p2p.wire import NoisePackets, PacketReader, TunedSession
 
 SIZES = [0, 1, 12, MAX_PLAINTEXT_LENGTH - 1, MAX_PLAINTEXT_LENGTH, MAX_PLAINTEXT_LENGTH + 1, 300_000, (1 << 20) + 12]
 
@@ -183,7 +182,3 @@ def test_a_session_read_after_the_peer_closed_raises_as_stock() -> None:
                 await session(Closed(), cls).read(10)
 
     trio.run(main)
-
-
-def test_the_allocator_thresholds_are_set_where_the_c_library_is_glibc() -> None:
-    assert keep_buffer_pages() is (platform.libc_ver()[0] == "glibc")

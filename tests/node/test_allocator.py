@@ -1,0 +1,78 @@
+"""A node's allocator policy (node.allocator), measured in fresh processes: freed expert-sized tensors leave the
+process, whichever thread freed them, where glibc's default kept them; what small allocations freed inside a
+heap leaves it at `trim`; every node process sets the policy first."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator and /proc")
+
+PROBE = """
+import sys, threading, torch
+from node import allocator
+def rss():
+    return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1]) * 1024
+if sys.argv[1] != 'default':
+    allocator.set_policy()
+def tensors():
+    held = [torch.randn(2048, 1024) for _ in range(50)]  # 400 MB in 8 MB tensors, as a real-size state holds them
+    del held
+def small():
+    held = [torch.randn(256, 1024) for _ in range(400)]  # 400 MB in 1 MB tensors, then all but every 40th freed
+    del held[:-1]
+    keep.append(held)
+    held = [torch.randn(256, 1024) for _ in range(400)]
+    keep.extend(held[::40])
+keep = []
+before = rss()
+for _ in range(3):
+    thread = threading.Thread(target=small if sys.argv[1] == 'small' else tensors)
+    thread.start()
+    thread.join()
+kept = rss() - before
+print(kept, kept - (rss() - before if allocator.trim() else kept))
+"""
+
+
+def _kept(mode: str) -> tuple[int, int]:
+    """Bytes the process still held after its threads freed what they allocated, and how many of them `trim`
+    handed back."""
+    run = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, timeout=120, check=True)
+    kept, trimmed = run.stdout.split()
+    return int(kept), int(trimmed)
+
+
+def test_freed_expert_sized_tensors_leave_the_process() -> None:
+    assert _kept("policy")[0] < 40 << 20
+    assert _kept("default")[0] > 200 << 20  # what the policy is for: glibc's default keeps them
+
+
+def test_trim_hands_back_what_small_allocations_freed_inside_a_heap() -> None:
+    kept, trimmed = _kept("small")
+    assert kept > 200 << 20, "the freed 1 MB tensors stay with their heaps, below a live one"
+    assert trimmed > 200 << 20
+
+
+ENTRY = """
+import sys
+import node.allocator
+calls = []
+node.allocator.set_policy = lambda: calls.append(sys.argv[1]) or True
+from importlib import import_module
+try:
+    import_module(sys.argv[1]).main(['--help'])
+except SystemExit:
+    pass
+print(calls)
+"""
+
+
+@pytest.mark.parametrize("entry", ["node.cli.main", "node.sim.peer"])
+def test_every_node_process_sets_the_policy(entry: str) -> None:
+    """`tessera` (every command and daemon) and a simulated peer set it as they start."""
+    run = subprocess.run([sys.executable, "-c", ENTRY, entry], capture_output=True, text=True, timeout=120, check=True)
+    assert run.stdout.strip().splitlines()[-1] == repr([entry])
