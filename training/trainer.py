@@ -26,7 +26,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -154,7 +154,7 @@ def train_experts(
         )
         stack.enter_context(_frozen(net))
         if cfg.checkpointing:
-            stack.enter_context(_checkpointed(net, adapter))
+            stack.enter_context(_checkpointed(net, adapter, wide))
         for c in copies:
             stack.enter_context(trainable_experts(c))
         for _, ids_BL in zip(range(cfg.steps), batches, strict=False):
@@ -302,9 +302,12 @@ def _frozen(model: torch.nn.Module) -> Iterator[None]:
 
 
 @contextmanager
-def _checkpointed(model: torch.nn.Module, adapter: MoEAdapter) -> Iterator[None]:
-    """Activation checkpointing of every decoder layer, with the rest of the model left in eval mode."""
-    kwargs = {"use_reentrant": False, "preserve_rng_state": False}
+def _checkpointed(model: torch.nn.Module, adapter: MoEAdapter, wide: bool) -> Iterator[None]:
+    """Activation checkpointing of every decoder layer, with the rest of the model left in eval mode. `wide`: the
+    layers' forward, run again inside backward (outside `_step`'s `fp32_compute`), computes in fp32 there too."""
+    kwargs: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": False}
+    if wide:
+        kwargs["context_fn"] = _wide_recompute
     hf_model = cast("PreTrainedModel", model)
     # transformers 5.23 renamed gradient checkpointing to activation checkpointing (the old names warn
     # until v6); every transformers 5.x is supported. Of these methods transformers annotates only
@@ -328,3 +331,9 @@ def _checkpointed(model: torch.nn.Module, adapter: MoEAdapter) -> Iterator[None]
         for layer in layers:
             layer.training = False
         disable()  # type: ignore[no-untyped-call]  # unannotated in transformers
+
+
+def _wide_recompute() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
+    """torch.utils.checkpoint's contexts for a layer's first forward (`_step`'s `fp32_compute` is already around it)
+    and for its recomputation in backward."""
+    return nullcontext(), fp32_compute()

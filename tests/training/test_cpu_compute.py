@@ -56,16 +56,17 @@ def test_outside_the_context_and_for_fp32_weights_nothing_changes() -> None:
         assert F.embedding(torch.tensor([1, 2]), weight.double()).dtype == torch.float64
 
 
-@pytest.mark.parametrize("forward", ["full", "compressed"])
+@pytest.mark.parametrize(("forward", "checkpointing"), [("full", False), ("compressed", False), ("compressed", True)])
 def test_a_bf16_model_trains_on_the_cpu_as_its_fp32_upcast_does(
-    tiny: Any, pattern: Callable[..., torch.Tensor], forward: Literal["full", "compressed"]
+    tiny: Any, pattern: Callable[..., torch.Tensor], forward: Literal["full", "compressed"], checkpointing: bool
 ) -> None:
     """The trainer widens a bf16 model's arithmetic: the same losses and trained experts as the model's exact
-    fp32 upcast (bf16 arithmetic would differ by about 1e-2)."""
+    fp32 upcast (bf16 arithmetic would differ by about 1e-2); with activation checkpointing too, whose layers
+    run their forward again inside backward."""
     narrow = copy.deepcopy(tiny.model).to(torch.bfloat16)
     wide = copy.deepcopy(narrow).to(torch.float32)
     data = pattern(8, 32, 3)
-    cfg = TrainConfig(steps=2, lr=1e-2, batch_size=BATCH, forward=forward)
+    cfg = TrainConfig(steps=2, lr=1e-2, batch_size=BATCH, forward=forward, checkpointing=checkpointing)
     runs = [train_experts(model, tiny.adapter, tiny.group, (data[i:i + BATCH] for i in range(0, 8, BATCH)), cfg)
             for model in (narrow, wide)]
     assert runs[0].losses == pytest.approx(runs[1].losses, rel=1e-5)
