@@ -289,7 +289,7 @@ class Node:
         log.info("round %d: %s %s in %.1f s%s", run.round, run.phase, "done" if run.ok else "failed", run.duration_s,
                  ", past the end of its phase" if overran else "")
         await self.ctx.storage.record_phase_run(run)
-        await asyncio.to_thread(allocator.trim)  # what the phase freed in its threads' heaps leaves the process
+        allocator.trim()  # what the phase freed in its threads' heaps leaves the process
         if run.phase == Phase.MERGE:
             await self.ctx.storage.export_rewards_jsonl(self.ctx.config.rewards_jsonl)
 

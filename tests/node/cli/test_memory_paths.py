@@ -81,9 +81,15 @@ def test_train_forward_compressed_reads_only_the_groups_experts(tmp_path: Path, 
     code, out, err = run(capsys, "train", "--spec", spec_path, "--key", key, "--round", "0", "--steps", "3",
                          "--forward", "compressed", "--out", blob)
     assert code == 0, err and json.loads(out)["steps"] == 3
-    read_by_layer = {int(k.split(".layers.")[1].split(".")[0]): rows for k, rows in read}
-    assert read_by_layer == {layer: sorted(ids) for layer, ids in spec.group.items()}
-    assert len(read) == 2 * len(spec.group)  # gate_up and down of each group layer, nothing else
+    def layer_of(key: str) -> int:
+        return int(key.split(".layers.")[1].split(".")[0])
+
+    load, genesis = read[:2 * len(spec.group)], read[2 * len(spec.group):]
+    # the model's rows: gate_up and down of each group layer; then the genesis experts it trains from, read from
+    # the checkpoint an expert at a time (training.model.StoredExperts); nothing else
+    assert {layer_of(k): rows for k, rows in load} == {layer: sorted(ids) for layer, ids in spec.group.items()}
+    assert all(len(rows) == 1 for _, rows in genesis)
+    assert {(layer_of(k), rows[0]) for k, rows in genesis} == {(la, e) for la, ids in spec.group.items() for e in ids}
 
     model = MinerModel.load(spec, spec_path, forward="compressed")
     assert isinstance(model.model, CompressedModel)
