@@ -7,8 +7,9 @@ backward uses (the input's gradient, grad @ W), so one training step of a real-s
 minutes. Inside `fp32_compute()` every `F.linear` whose weight is bf16 or fp16 runs in fp32 on fp32 inputs,
 upcasting the weight a block of rows at a time, and embedding lookups come out in fp32: the weights stay
 stored in their dtype, autograd keeps the stored (narrow) weight for backward rather than an fp32 copy, and
-activations are fp32. The trainer and the scorer use it on every CPU (one with AMX might do bf16
-faster; none was at hand to measure).
+activations are fp32. The trainer and the scorer use it on every CPU, also where bf16 is faster: on an
+AVX-512 and AMX Xeon the same products ran at 470 (forward) and 660 GFLOP/s (backward's layout) in bf16,
+against 160 in fp32, and fp32 keeps every CPU's arithmetic as close to every other's as fp32 sums allow.
 """
 
 from __future__ import annotations
