@@ -1,10 +1,10 @@
 """Real-size benchmark: every operator command on an OLMoE-1B-7B-shaped checkpoint, then one round of real processes.
 
 On the checkpoint of `bench/real_size_fixture.py` (written to `--work` unless `--checkpoint` names one),
-each `tessera` command runs as its own subprocess, and its peak RSS (the child's getrusage maxrss,
-read by os.wait4 in a small launcher, `LAUNCHER`) and wall seconds are recorded next to its budget, a multiple of the checkpoint's
-weight bytes: `spec new` (top-d 2) 1.3, `inspect blob` 0.1, `eval` of the base and of a blob (the
-scoring path: the model once in its dtype, the blob's experts swapped in) 1.3, `train --forward
+each `tessera` command runs as its own subprocess, and its peak RSS (the child's getrusage maxrss, read
+by os.wait4 in a small launcher, `LAUNCHER`) and wall seconds are recorded next to its budget, a
+multiple of the checkpoint's weight bytes: `spec new` (top-d 2) 1.3, `inspect blob` 0.1, `eval` of the
+base and of a blob (the scoring path: the model once in its dtype, the blob's experts swapped in) 1.3, `train --forward
 compressed` in `experts` and in `pgrad` format (the pgrad spec is the experts spec with its
 `[submission] format` changed) 0.35, and `export` of the trained blob 1.3. Blob bytes of both formats
 are recorded. Then, unless `--no-network`, a network of real processes (`node.sim.run.Simulation`
@@ -84,9 +84,13 @@ pid = os.posix_spawn(sys.argv[2], sys.argv[2:], os.environ)
 _, status, usage = os.wait4(pid, 0)
 with open(sys.argv[1], "w") as out:
     out.write(str(usage.ru_maxrss))
-sys.exit(os.waitstatus_to_exitcode(status))
+code = os.waitstatus_to_exitcode(status)
+if code < 0:
+    os.kill(os.getpid(), -code)
+sys.exit(code)
 """
-"""Runs a command and writes its peak RSS (kilobytes on Linux) to a file. A process's maxrss starts at its
+"""Runs a command and writes its peak RSS (kilobytes on Linux) to a file; exits as the command did (killed by the
+same signal, where it was). A process's maxrss starts at its
 parent's RSS when it is spawned, so the commands are spawned by this small process, not by the benchmark,
 which holds GBs once it has written the fixture."""
 

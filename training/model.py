@@ -158,8 +158,9 @@ class StoredExperts(Mapping[str, torch.Tensor]):
         for layer, experts in sorted(group.items()):
             for param in PARAMS:
                 name = fused[layer, param]
+                where = (sources[name], tuple(meta.get_parameter(name).shape))
                 for expert in experts:
-                    self._where[tensor_name(layer, expert, param)] = (sources[name], tuple(meta.get_parameter(name).shape))
+                    self._where[tensor_name(layer, expert, param)] = where
         self.shapes = {name: shape[1:] for name, (_, shape) in sorted(self._where.items())}
         """Name -> shape of each tensor, sorted: known without reading one."""
 
