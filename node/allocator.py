@@ -8,7 +8,7 @@ and fp32), GBs of them at a time, are held for a phase and freed: served from a 
 glibc's adaptive threshold has risen (to each freed mapped block's size, up to 32 MiB), what they held stays
 with the heap of the worker thread that freed them, and the next phase often runs in another thread, with
 another heap. A real-size validator whose threshold stood at 32 MiB held 3.9 GB free in its heaps after its
-merge, 18.2 GB resident against 14.3 GB in use.
+merge, 18.2 GB resident; under this policy the same validator was resident at 14.3 GB there.
 
 `set_policy` (first thing in a process: `tessera`'s main, a simulated peer) fixes the mmap threshold at
 `MMAP_THRESHOLD`: buffers come from the heaps and keep their pages, tensors are mapped on their own and
