@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 import torch
 from tqdm import tqdm
 
+from training import allocator
 from training.adapters import MoEAdapter, decoder_layers
 from training.compressed import CompressedModel, compress
 from training.cpu_compute import fp32_compute, holds_narrow_weights
@@ -153,6 +154,8 @@ def train_experts(
             tqdm(total=cfg.steps, desc="train", disable=not (cfg.progress and sys.stderr.isatty()))
         )
         stack.enter_context(_frozen(net))
+        if device.type == "cpu":
+            stack.enter_context(_pages_returned(net, copies))
         if cfg.checkpointing:
             stack.enter_context(_checkpointed(net, adapter, wide))
         for c in copies:
@@ -299,6 +302,25 @@ def _frozen(model: torch.nn.Module) -> Iterator[None]:
         for p, flag in flags:
             p.requires_grad_(flag)
         model.train(was_training)
+
+
+@contextmanager
+def _pages_returned(model: torch.nn.Module, copies: list[LayerCopies]) -> Iterator[None]:
+    """On a CPU, the C heap hands its free pages back as a step grows the process (`training.allocator.GrowthTrim`,
+    asked after each decoder layer's forward and after each trained layer's gradients arrive). A layer's activations
+    under the mmap threshold (`training.allocator.MMAP_THRESHOLD`) come from the heap, and what the step frees there
+    stays with it: at OLMoE-1B-7B's size, with 4 x 64 tokens a step, 0.9 GB of freed activations stayed resident
+    beside the gradients backward brought, and the compressed miner peaked at 5.5 GB; handed back, at 4.7 GB."""
+    trim = allocator.GrowthTrim()
+    handles = [layer.register_forward_hook(lambda *_: trim()) for layer in decoder_layers(model)]
+    # a gradient hook that returns a value replaces the gradient: this one returns None
+    handles += [c.w_gu_SIH.register_post_accumulate_grad_hook(lambda _: trim())  # type: ignore[no-untyped-call]
+                for c in copies]  # (unannotated in torch)
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @contextmanager

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
-from node.allocator import set_policy
+from training.allocator import set_policy
 
 COMMAND_MODULES: tuple[str, ...] = (
     "node.cli.keys",
@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one `tessera` command; returns its exit code."""
-    set_policy()  # before anything is allocated: node.allocator
+    set_policy()  # before anything is allocated: training.allocator
     try:
         args = build_parser().parse_args(argv)  # imports every command module: Ctrl-C may land here
     except KeyboardInterrupt:

@@ -29,7 +29,6 @@ import sqlite3
 import time
 from typing import Any
 
-from node import allocator
 from node.net.judge import GossipJudge, clock_behind, clock_suspects
 from node.net.network import Network, Subscription
 from node.runtime.clock import Clock, SystemClock
@@ -48,6 +47,7 @@ from protocol.identity import Identity, load_or_create_identity
 from protocol.messages import Envelope, Message
 from protocol.rounds import Phase, Schedule
 from protocol.spec import NetworkSpec, SpecError, load_spec
+from training import allocator
 
 log = logging.getLogger(__name__)
 

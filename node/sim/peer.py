@@ -33,7 +33,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from node.allocator import set_policy
 from node.net.config import P2PConfig
 from node.net.judge import GossipJudge
 from node.net.network import Delivery, NetworkError
@@ -45,6 +44,7 @@ from protocol.identity import Identity, load_or_create_identity, save_identity
 from protocol.messages import Envelope, Heartbeat, seal
 from protocol.rounds import Schedule
 from protocol.spec import NetworkSpec, load_spec
+from training.allocator import set_policy
 
 
 class Peer:
@@ -270,7 +270,7 @@ class PeerProcess:
 
 
 def main(argv: list[str] | None = None) -> None:
-    set_policy()  # as `tessera` does: node.allocator
+    set_policy()  # as `tessera` does: training.allocator
     parser = argparse.ArgumentParser(prog="python -m node.sim.peer", description=__doc__.splitlines()[0])
     parser.add_argument("--key", required=True, help="Ed25519 key file (created on first start)")
     parser.add_argument("--network-spec", required=True, help="the network spec TOML")

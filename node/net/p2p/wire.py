@@ -22,7 +22,7 @@ its upgrader builds for yamux, which it takes by name rather than from the host'
 These and the window check rely on private details of libp2p==0.8.1 (pinned in pyproject.toml);
 tests/node/net/test_wire.py and two integration tests (test_p2p.py, test_p2p_limits.py) hold them to
 it. The allocator policy that keeps these buffers' pages between frames is the process's
-(node.allocator). This module knows nothing about Tessera.
+(training.allocator). This module knows nothing about Tessera.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ merge, 18.2 GB resident; under this policy the same validator was resident at 14
 `MMAP_THRESHOLD`: buffers come from the heaps and keep their pages, tensors are mapped on their own and
 unmapped when freed; and the trim threshold at `TRIM_THRESHOLD`, so a heap keeps that much free at its top
 for the next buffers. `trim` (after each round phase) hands back the free pages inside every heap, which a
-heap's own trimming, from its top only, leaves.
+heap's own trimming, from its top only, leaves; `GrowthTrim` does so during a CPU training step, as the step grows
+the process (training.trainer).
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 
 MMAP_THRESHOLD = 4 << 20
 """Allocations of this many bytes or more are mapped on their own and unmapped when freed: every expert tensor
 of a real-size model; every network buffer is smaller."""
 TRIM_THRESHOLD = 64 << 20
 """Free memory a heap keeps at its top before it hands the rest back."""
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
 
 
@@ -52,3 +55,26 @@ def trim() -> bool:
     """Hand the free pages inside every heap back to the system (glibc's malloc_trim); whether any went."""
     libc = _glibc()
     return libc is not None and bool(libc.malloc_trim(0))
+
+
+class GrowthTrim:
+    """`trim` whenever the process's resident memory has grown by `TRIM_THRESHOLD` since this last trimmed (or
+    was made): called often during work that frees much of what it allocates in the heaps (a training step's
+    activations), it hands those pages back as the work grows, and does nothing while the process holds steady."""
+
+    def __init__(self) -> None:
+        self._mark = _resident_bytes()
+
+    def __call__(self) -> None:
+        if _resident_bytes() - self._mark >= TRIM_THRESHOLD and trim():
+            self._mark = _resident_bytes()
+
+
+def _resident_bytes() -> int:
+    """The process's resident memory (Linux's /proc/self/statm); 0 where there is none to read."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * PAGE_BYTES
+    except OSError:
+        return 0
+

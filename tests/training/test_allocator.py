@@ -1,4 +1,4 @@
-"""A node's allocator policy (node.allocator), measured in fresh processes: freed expert-sized tensors leave the
+"""A node's allocator policy (training.allocator), measured in fresh processes: freed expert-sized tensors leave the
 process, whichever thread freed them, where glibc's default kept them; what small allocations freed inside a
 heap leaves it at `trim`; every node process sets the policy first."""
 
@@ -9,11 +9,13 @@ import sys
 
 import pytest
 
+from training import allocator
+
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator and /proc")
 
 PROBE = """
 import sys, threading, torch
-from node import allocator
+from training import allocator
 def rss():
     return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1]) * 1024
 if sys.argv[1] != 'default':
@@ -60,9 +62,9 @@ def test_trim_hands_back_what_small_allocations_freed_inside_a_heap() -> None:
 
 ENTRY = """
 import sys
-import node.allocator
+import training.allocator
 calls = []
-node.allocator.set_policy = lambda: calls.append(sys.argv[1]) or True
+training.allocator.set_policy = lambda: calls.append(sys.argv[1]) or True
 from importlib import import_module
 try:
     import_module(sys.argv[1]).main(['--help'])
@@ -77,3 +79,30 @@ def test_every_node_process_sets_the_policy(entry: str) -> None:
     """`tessera` (every command and daemon) and a simulated peer set it as they start."""
     run = subprocess.run([sys.executable, "-c", ENTRY, entry], capture_output=True, text=True, timeout=120, check=True)
     assert run.stdout.strip().splitlines()[-1] == repr([entry])
+
+
+def test_growth_trim_trims_only_once_the_process_has_grown_by_the_trim_threshold(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    resident = [1 << 30]
+    trims: list[int] = []
+
+    def trim() -> bool:
+        trims.append(resident[0])
+        resident[0] -= 32 << 20  # what the trim handed back
+        return True
+
+    monkeypatch.setattr(allocator, "_resident_bytes", lambda: resident[0])
+    monkeypatch.setattr(allocator, "trim", trim)
+    grown = allocator.GrowthTrim()
+    resident[0] += allocator.TRIM_THRESHOLD - 1
+    grown()
+    assert trims == []
+    resident[0] += 1
+    grown()
+    assert trims == [(1 << 30) + allocator.TRIM_THRESHOLD]
+    grown()  # measured from where the trim left the process, 32 MiB lower
+    assert len(trims) == 1
+    resident[0] += allocator.TRIM_THRESHOLD
+    grown()
+    assert len(trims) == 2
