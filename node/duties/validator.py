@@ -117,6 +117,10 @@ class ValidatorDuties:
         self._cap: int | None = None  # known once the model is loaded
 
     async def on_phase(self, round: int, phase: Phase) -> None:
+        if phase is Phase.TRAIN:
+            # First, and without the model: a validator still loading it (minutes at real size, beside a miner
+            # loading its own) commits its seed inside the window all the same.
+            await self._commit_seed(round)
         loaded = await self._loaded.get()
         self._cap = loaded.cap
         await self.consensus.on_phase(round, phase, loaded.scorer.shapes)
@@ -128,7 +132,6 @@ class ValidatorDuties:
             self._checked = _Checked(round)
             self._prefetch.clear()
             await learn_results(self.ctx.storage, self.ctx.spec, round - 1)  # a round it did not merge
-            await self._commit_seed(round)
         elif phase is Phase.REVEAL:
             await self._reveal_seed(round)
         elif phase is Phase.EVALUATE:

@@ -5,8 +5,13 @@ the seed could choose what to commit by it (protocol.check.window)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
+import pytest
+
+from node.duties.validator import _Loaded
+from node.runtime.context import NodeContext
 from protocol.check import window
 from protocol.rounds import Phase
 from tests.node.twins import Twins, until
@@ -31,4 +36,35 @@ async def test_a_validator_reveals_its_seed_only_once_no_node_takes_a_commit(tmp
         await net.phase(0, Phase.REVEAL)  # the window opens
         assert all(s.seed for s in await validator.ctx.storage.seeds_for(0))
     finally:
+        await net.close()
+
+
+async def test_a_validator_still_loading_its_model_commits_its_seed_in_train(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At real size a validator loads its model for minutes, beside a miner loading its own; its seed commit needs
+    no model and goes out at TRAIN all the same (it went out once the model was loaded, after the window)."""
+    loaded = threading.Event()
+    create = _Loaded.create
+
+    def slow_create(ctx: NodeContext) -> _Loaded:
+        loaded.wait(timeout=60)
+        return create(ctx)
+
+    monkeypatch.setattr(_Loaded, "create", staticmethod(slow_create))
+    net = Twins(tmp_path, validators=1)
+    await net.start("validator-0")
+    try:
+        validator = net.nodes["validator-0"]
+        net.clock.set(net.schedule.phase_window(0, Phase.TRAIN)[0])
+        await until(lambda: validator.scheduler.current == (0, Phase.TRAIN), "the validator to enter TRAIN")
+        me = validator.ctx.identity.node_id
+        for _ in range(1000):  # the commit is stored as it is published, in milliseconds
+            if [s for s in await validator.ctx.storage.seeds_for(0) if s.commitment]:
+                break
+            await asyncio.sleep(0.005)
+        assert not loaded.is_set(), "the model was still loading"
+        assert [s.validator for s in await validator.ctx.storage.seeds_for(0) if s.commitment] == [me]
+    finally:
+        loaded.set()
         await net.close()
