@@ -187,11 +187,13 @@ def network_round(spec: Path, work: Path, runs: dict[str, Any], miners: int) -> 
     train_s = trained["tokens"] / trained["tokens_per_s"]
     forward_s = runs["eval_base"]["printed"]["seconds"]
     blob = runs["train_experts"]["printed"]["bytes"]
-    # Nodes hash and load side by side on shared cores; transfers are taken at 10 MB/s or better. MERGE's gate
-    # reads three candidates on as many rows as a submission's score (data.gate_sequences), each thrice slack.
-    # The floors are a small network's windows (a simulation's); at real size the measured terms decide.
+    # Nodes hash and load side by side on shared cores; transfers are taken at 10 MB/s or better. A miner loads
+    # its model in its first TRAIN (the train command's whole time) and trains beside the validator loading its
+    # own. MERGE's gate reads three candidates on as many rows as a submission's score (data.gate_sequences),
+    # each thrice slack. The floors are a small network's windows (a simulation's); at real size the measured
+    # terms decide.
     start_s = load_s * (1 + miners) / 2 + 30
-    timing = {"train_s": round(max(20.0, 4 * train_s), 1), "commit_s": 6.0,
+    timing = {"train_s": round(max(20.0, runs["train_experts"]["seconds"] + 3 * train_s), 1), "commit_s": 6.0,
               "reveal_s": round(max(10.0, 8 + miners * blob / 10e6), 1),
               "evaluate_s": round(max(12.0, 10 + 3 * (1 + miners) * forward_s), 1),
               "merge_s": round(max(12.0, 10 + 4 * blob / 10e6 + 3 * 3 * forward_s), 1), "clock_skew_s": 2.0}
