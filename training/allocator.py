@@ -77,4 +77,3 @@ def _resident_bytes() -> int:
             return int(statm.read().split()[1]) * PAGE_BYTES
     except OSError:
         return 0
-
