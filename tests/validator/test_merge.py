@@ -243,7 +243,7 @@ def test_a_partitioned_round_averages_each_chunk_over_the_miners_that_drew_it() 
     for name, t in glob.items():
         total = sum(grads[m][name] for m in miners)
         mean = torch.where(covered[name] > 0, total / covered[name].clamp(min=1), torch.zeros_like(t))
-        torch.testing.assert_close(result.new_global[name], t - mean, rtol=0, atol=1e-6)
+        torch.testing.assert_close(result.new_global[name], t - spec.aggregation.outer_lr * mean, rtol=0, atol=1e-6)
 
 
 def test_reports_of_different_rounds_cannot_be_merged_in_a_partitioned_network() -> None:
@@ -270,4 +270,5 @@ def test_the_outer_step_carries_the_previous_momentum(spec: NetworkSpec) -> None
         g = t - rnd.blobs[miner][name]
         m = 0.5 * previous[name] + g
         torch.testing.assert_close(result.new_momentum[name], m, rtol=0, atol=1e-6)
-        torch.testing.assert_close(result.new_global[name], t - (g + 0.5 * m), rtol=0, atol=1e-6)
+        lr = nesterov.aggregation.outer_lr
+        torch.testing.assert_close(result.new_global[name], t - lr * (g + 0.5 * m), rtol=0, atol=1e-6)
