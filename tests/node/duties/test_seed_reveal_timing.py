@@ -1,6 +1,7 @@
 """A validator reveals its round seed only when the seed_reveal window opens, 2 x clock_skew_s into
 REVEAL: before that a node whose clock is behind by the skew still takes commits, and a miner that saw
-the seed could choose what to commit by it (protocol.check.window)."""
+the seed could choose what to commit by it (protocol.check.window). It commits the seed at TRAIN's start, before it
+waits for its model."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ async def test_a_validator_still_loading_its_model_commits_its_seed_in_train(
 ) -> None:
     """At real size a validator loads its model for minutes, beside a miner loading its own; its seed commit needs
     no model and goes out at TRAIN all the same (it went out once the model was loaded, after the window)."""
-    loaded = threading.Event()
+    loaded = threading.Event()  # set only when the test ends: until then the model never finishes loading
     create = _Loaded.create
 
     def slow_create(ctx: NodeContext) -> _Loaded:
@@ -63,7 +64,6 @@ async def test_a_validator_still_loading_its_model_commits_its_seed_in_train(
             if [s for s in await validator.ctx.storage.seeds_for(0) if s.commitment]:
                 break
             await asyncio.sleep(0.005)
-        assert not loaded.is_set(), "the model was still loading"
         assert [s.validator for s in await validator.ctx.storage.seeds_for(0) if s.commitment] == [me]
     finally:
         loaded.set()
