@@ -118,7 +118,7 @@ class ValidatorDuties:
 
     async def on_phase(self, round: int, phase: Phase) -> None:
         if phase is Phase.TRAIN:
-            # First, and without the model: a validator still loading it (minutes at real size, beside a miner
+            # First, and without the model: a validator still loading it (51-62 s at real size, beside a miner
             # loading its own) commits its seed inside the window all the same.
             await self._commit_seed(round)
         loaded = await self._loaded.get()

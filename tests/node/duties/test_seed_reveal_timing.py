@@ -43,8 +43,9 @@ async def test_a_validator_reveals_its_seed_only_once_no_node_takes_a_commit(tmp
 async def test_a_validator_still_loading_its_model_commits_its_seed_in_train(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """At real size a validator loads its model for minutes, beside a miner loading its own; its seed commit needs
-    no model and goes out at TRAIN all the same (it went out once the model was loaded, after the window)."""
+    """At real size a validator loads its model at its first phase for about a minute, beside a miner loading its
+    own, longer than TRAIN; its seed commit needs no model and goes out at TRAIN all the same (it went out once the
+    model was loaded, after the window)."""
     loaded = threading.Event()  # set only when the test ends: until then the model never finishes loading
     create = _Loaded.create
 
