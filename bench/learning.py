@@ -100,7 +100,7 @@ class Size:
 FULL = Size(train_docs=3000, heldout_docs=600, report_docs=200, general_docs=100, settings=tuple(SETTINGS),
             networks=(Net(1, 20), Net(4, 20), Net(8, 20), Net(4, 20, 2), Net(4, 50)), seeds=(0, 1, 2), rounds=3,
             quick_base=False)
-SMALL = Size(train_docs=200, heldout_docs=120, report_docs=40, general_docs=20, settings=("arithmetic",),
+SMALL = Size(train_docs=200, heldout_docs=200, report_docs=40, general_docs=20, settings=("arithmetic",),
              networks=(Net(2, 2), Net(2, 2, 1)), seeds=(0,), rounds=2, quick_base=True)
 """A few seconds on a CPU, for the test suite: a base trained for 30 steps, small data, 2 rounds of H = 2."""
 

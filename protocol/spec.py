@@ -92,7 +92,7 @@ class DataSpec(_Strict):
     seq_len: int = Field(default=64, ge=8, le=65536, description="Tokens per packed sequence.")
     heldout_sequences: int = Field(default=32, ge=1, description="Held-out sequences scored each round.")
     gate_sequences: int = Field(
-        default=32, ge=1,
+        default=64, ge=1,
         description="Held-out sequences the merge gate scores each round, drawn by the round seed from the rows "
         "the round's scores leave out (the held-out file holds at least heldout_sequences + gate_sequences).")
     general_sha256: Hex32 | None = Field(

@@ -89,6 +89,7 @@ heldout_sha256 = "{file_sha256(root / "heldout.jsonl")}"
 tokenizer = "byte"
 seq_len = 32
 heldout_sequences = 16
+gate_sequences = 32
 
 [training]
 inner_steps = 4
