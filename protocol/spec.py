@@ -90,7 +90,7 @@ class DataSpec(_Strict):
     heldout_sha256: Hex32 = Field(description="SHA-256 of the validators' held-out file.")
     tokenizer: str = Field(default="byte", description="'byte' or a tokenizer directory, relative to the spec.")
     seq_len: int = Field(default=64, ge=8, le=65536, description="Tokens per packed sequence.")
-    heldout_sequences: int = Field(default=32, ge=1, description="Held-out sequences scored each round.")
+    heldout_sequences: int = Field(default=64, ge=1, description="Held-out sequences scored each round.")
     gate_sequences: int = Field(
         default=64, ge=1,
         description="Held-out sequences the merge gate scores each round, drawn by the round seed from the rows "

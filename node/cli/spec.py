@@ -70,7 +70,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     new.add_argument("--timing", choices=sorted(TIMING_PRESETS), default="hour", help="phase lengths (default hour)")
     new.add_argument("--name", help="network name (default: the checkpoint directory's name)")
     new.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default 512)")
-    new.add_argument("--heldout-sequences", type=int, default=32, help="held-out sequences per round (default 32)")
+    new.add_argument("--heldout-sequences", type=int,
+                     help="held-out sequences per round (default: the spec's data.heldout_sequences)")
     new.add_argument("--max-sequences", type=int, default=256,
                      help="training sequences the selection reads (default 256)")
     new.add_argument("--genesis", help="UTC start of round 0, ISO 8601 (default: now)")
@@ -119,8 +120,10 @@ def run_spec_new(args: argparse.Namespace) -> int:
     config_sha256 = config_hash(read_config(checkpoint))
     _check_top_d(top_d, checkpoint)
     tokenizer = HFTokenizer(checkpoint)
+    per_round = (DataSpec.model_fields["heldout_sequences"].default if args.heldout_sequences is None
+                 else args.heldout_sequences)
     _check_heldout_fills(args.heldout, pack(heldout_documents, tokenizer, seq_len).shape[0], seq_len,
-                         data_settings.get("heldout_sequences", args.heldout_sequences),
+                         data_settings.get("heldout_sequences", per_round),
                          data_settings.get("gate_sequences", DataSpec.model_fields["gate_sequences"].default))
     base_hash = checkpoint_hash(checkpoint)
     model = load_checkpoint(checkpoint, progress=True)
@@ -139,7 +142,7 @@ def run_spec_new(args: argparse.Namespace) -> int:
         "group": selection["group"],
         "data": {"train": [_relative(p.resolve(), here) for p in args.train],
                  "heldout_sha256": file_sha256(args.heldout), "tokenizer": _relative(checkpoint, here),
-                 "seq_len": args.seq_len, "heldout_sequences": args.heldout_sequences},
+                 "seq_len": args.seq_len, "heldout_sequences": per_round},
         "validators": [{"key": key, "weight": weight} for key, weight in validators],
     }
     if args.general is not None:  # TOML has no null: a spec without the key pins no general-domain file
@@ -229,7 +232,7 @@ def _check_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-sequences must be at least 1, got {args.max_sequences}")
     if not 8 <= args.seq_len <= 65536:
         raise ValueError(f"--seq-len must be between 8 and 65536 (the spec's data.seq_len), got {args.seq_len}")
-    if args.heldout_sequences < 1:
+    if args.heldout_sequences is not None and args.heldout_sequences < 1:
         raise ValueError(f"--heldout-sequences must be at least 1, got {args.heldout_sequences}")
     if args.top_d is not None and args.top_d < 1:
         raise ValueError(f"--top-d must be at least 1, got {args.top_d}")

@@ -136,7 +136,6 @@ def _write_network(directory: Path, validators: int, family: str, genesis: datet
             "heldout_sha256": file_sha256(directory / "data" / "heldout.jsonl"),
             "tokenizer": "byte",
             "seq_len": SEQ_LEN,
-            "heldout_sequences": 32,
         },
         "training": {"inner_steps": 20},
         "validators": [{"key": node_id, "weight": 1.0} for node_id in ids],

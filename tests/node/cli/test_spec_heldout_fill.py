@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from node.cli.main import main
+from protocol.spec import DataSpec
 from tests.training.hub_checkpoint import write_data, write_hub_checkpoint
 
 KEY = "ab" * 32
@@ -30,7 +31,7 @@ def test_a_heldout_file_too_small_for_a_round_is_refused_before_the_checkpoint_i
     code = main([str(a) for a in ["spec", "new", "--checkpoint", checkpoint, "--train", train, "--heldout", heldout,
                                   "--validator", KEY, "--seq-len", "32", *extra, "--out", out]])
     err = capsys.readouterr().err
-    per_round = 200 if extra else 32
+    per_round = 200 if extra else DataSpec.model_fields["heldout_sequences"].default
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert err.startswith(f"tessera: error: --heldout {heldout}: packs into "), err
     assert f"and a round scores {per_round} (--heldout-sequences" in err, err
