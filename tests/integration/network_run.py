@@ -38,10 +38,10 @@ SETTINGS = SimSettings(validators=len(VALIDATORS), miners=HONEST + len(ADVERSARY
                        # TRAIN is not starved of CPU by 11 training miners on 2 cores. Nodes fork from a
                        # fork server that has imported torch and the node (node.sim.warm): the 16 listen
                        # within seconds of their start, so 40 s before genesis is plenty. A restarted miner
-                       # listened in 2 s, a validator in 15 s, and beside the suite's other tests it still
-                       # took 16 s more to load its model at TRAIN: with 60 s rounds (TRAIN 27 s) the
-                       # validator killed in round 0's EVALUATE missed round 1's seed commit.
-                       round_seconds=90, train_share=0.45, inner_steps=30,
+                       # listened in 2 s, a validator in 15 s, and beside the suite's other tests it took
+                       # 16 s more to load its model at TRAIN (TRAIN is 27 s); it commits its seed first
+                       # (node.duties.validator), so the one killed in round 0's EVALUATE commits in round 1.
+                       round_seconds=60, train_share=0.45, inner_steps=30,
                        start_delay_s=40)
 # (round, phase) -> the nodes SIGKILLed at the start of that phase and restarted at once.
 KILLS: dict[tuple[int, Phase], tuple[str, ...]] = {
