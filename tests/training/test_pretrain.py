@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -30,34 +31,42 @@ from training.tokenizer import ByteTokenizer
 QUICK = PretrainConfig(steps=30, batch_size=4, docs_per_domain=40)
 
 
-def test_pretraining_is_deterministic_and_lowers_general_loss() -> None:
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache holding QUICK's base, trained once for the module (each training is a child process)."""
+    directory = tmp_path_factory.mktemp("pretrained")
+    pretrained_base(directory, QUICK)
+    return directory
+
+
+def test_pretraining_is_deterministic_and_lowers_general_loss(cache: Path) -> None:
     threads = torch.get_num_threads()
-    first, second = pretrain(QUICK), pretrain(QUICK)
+    trained = pretrain(QUICK)
     assert torch.get_num_threads() == threads  # the steps ran in a child process with its own threads
-    assert state_hash(first) == state_hash(second)
+    assert state_hash(trained) == state_hash(load_pretrained(cache, QUICK))  # trained twice, the same bytes
     untrained = build_tiny_model(QUICK.family, tiny_config(QUICK.family), seed=QUICK.seed)
     sequences = pack(general_corpus(QUICK), ByteTokenizer(), QUICK.seq_len)[:16]
-    assert heldout_loss(first, sequences).loss < heldout_loss(untrained, sequences).loss - 1.0
+    assert heldout_loss(trained, sequences).loss < heldout_loss(untrained, sequences).loss - 1.0
 
 
-def test_the_cache_is_keyed_by_the_settings_and_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = pretrained_base(tmp_path, QUICK)
-    assert path.parent == tmp_path and (path / "config.json").is_file()
-    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary directory left behind
-    assert state_hash(load_pretrained(tmp_path, QUICK)) == state_hash(pretrain(QUICK))
+def test_the_cache_is_keyed_by_the_settings_and_reused(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = cache / f"{QUICK.family}-{QUICK.key()}"
+    assert (path / "config.json").is_file()
+    assert [p.name for p in cache.iterdir()] == [path.name]  # no temporary directory left behind
 
     def refuse(cfg: PretrainConfig) -> None:
         raise AssertionError("a cached base was trained again")
 
     monkeypatch.setattr(pretrain_module, "pretrain", refuse)
-    assert pretrained_base(tmp_path, QUICK) == path
+    assert pretrained_base(cache, QUICK) == path
     assert PretrainConfig(steps=31, batch_size=4, docs_per_domain=40).key() != QUICK.key()
     assert PretrainConfig(family="mixtral").key() != PretrainConfig().key()
 
 
 def test_a_base_trained_on_another_tiny_config_or_corpus_is_not_reused(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    shutil.copytree(cache, tmp_path, dirs_exist_ok=True)  # the module's cache stays as the other tests read it
     path, key = pretrained_base(tmp_path, QUICK), QUICK.key()
     with monkeypatch.context() as patch:  # training.tiny's tiny config changed: smaller experts
         patch.setitem(tiny_module._TINY, QUICK.family, {**tiny_config(QUICK.family), "moe_intermediate_size": 16})
