@@ -24,7 +24,7 @@ GENESIS = "2026-01-01T00:00:00Z"
 
 
 def tessera(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the thread count of the suite (make test: one)
     return subprocess.run(
         [sys.executable, "-m", "node.cli", *map(str, args)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
