@@ -32,25 +32,23 @@ QUICK = PretrainConfig(steps=30, batch_size=4, docs_per_domain=40)
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A cache holding QUICK's base, trained once for the module (each training is a child process)."""
-    directory = tmp_path_factory.mktemp("pretrained")
-    pretrained_base(directory, QUICK)
-    return directory
+def cached(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """QUICK's base in a cache of its own, trained once for the module (each training is a child process)."""
+    return pretrained_base(tmp_path_factory.mktemp("pretrained"), QUICK)
 
 
-def test_pretraining_is_deterministic_and_lowers_general_loss(cache: Path) -> None:
+def test_pretraining_is_deterministic_and_lowers_general_loss(cached: Path) -> None:
     threads = torch.get_num_threads()
     trained = pretrain(QUICK)
     assert torch.get_num_threads() == threads  # the steps ran in a child process with its own threads
-    assert state_hash(trained) == state_hash(load_pretrained(cache, QUICK))  # trained twice, the same bytes
+    assert state_hash(trained) == state_hash(load_pretrained(cached.parent, QUICK))  # trained twice: same bytes
     untrained = build_tiny_model(QUICK.family, tiny_config(QUICK.family), seed=QUICK.seed)
     sequences = pack(general_corpus(QUICK), ByteTokenizer(), QUICK.seq_len)[:16]
     assert heldout_loss(trained, sequences).loss < heldout_loss(untrained, sequences).loss - 1.0
 
 
-def test_the_cache_is_keyed_by_the_settings_and_reused(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = cache / f"{QUICK.family}-{QUICK.key()}"
+def test_the_cache_is_keyed_by_the_settings_and_reused(cached: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache, path = cached.parent, cached
     assert (path / "config.json").is_file()
     assert [p.name for p in cache.iterdir()] == [path.name]  # no temporary directory left behind
 
@@ -64,9 +62,9 @@ def test_the_cache_is_keyed_by_the_settings_and_reused(cache: Path, monkeypatch:
 
 
 def test_a_base_trained_on_another_tiny_config_or_corpus_is_not_reused(
-    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    cached: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    shutil.copytree(cache, tmp_path, dirs_exist_ok=True)  # the module's cache stays as the other tests read it
+    shutil.copytree(cached.parent, tmp_path, dirs_exist_ok=True)  # the module's cache stays as the others read it
     path, key = pretrained_base(tmp_path, QUICK), QUICK.key()
     with monkeypatch.context() as patch:  # training.tiny's tiny config changed: smaller experts
         patch.setitem(tiny_module._TINY, QUICK.family, {**tiny_config(QUICK.family), "moe_intermediate_size": 16})
