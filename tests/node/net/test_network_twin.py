@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from protocol.identity import Identity
 from protocol.messages import Commit, Envelope, GlobalState, Heartbeat, Reveal, ScoreReport, seal
 from protocol.rounds import Phase, Schedule
 from protocol.spec import NetworkSpec, parse_spec
+from tests.conftest import make_identity
 
 
 @pytest.fixture
@@ -450,3 +452,34 @@ def test_a_validator_does_not_count_itself_among_the_validators_that_could_be_ea
     one = parse_spec({**spec_dict, "validators": spec_dict["validators"][:1]})
     assert clock_suspects(one, validator_ids[0].node_id) == 0
     assert clock_behind(judge.stats, 0) is None  # whatever was early
+
+
+
+async def test_settle_waits_for_deliveries_whose_handling_runs_in_a_thread(
+    spec: NetworkSpec, clock: ManualClock, validator_ids: list[Identity], miner_ids: list[Identity], tmp_path: Path
+) -> None:
+    """A node's consumer takes its next delivery once the last one's work (a SQLite write, in a thread) is
+    done: settle returns when every queue is empty however long those threads take, and not before."""
+    hub, v0 = MemoryHub(), validator_ids[0].node_id
+    net = hub.join(v0, GossipJudge(spec, clock.now), BlobStore(tmp_path / "v0"))
+    handled: list[Envelope] = []
+
+    async def consume() -> None:
+        async for delivery in net.subscribe():
+            await asyncio.to_thread(time.sleep, 0.05)  # longer than 10,000 idle loop turns take
+            handled.append(delivery.envelope)
+
+    def flood(first: int) -> None:
+        for i in range(first, first + 4):
+            hub.inject(heartbeat(spec, make_identity(200 + i)).to_bytes(), miner_ids[0].node_id, to=[v0])
+
+    consumer = asyncio.create_task(consume())
+    try:
+        flood(0)
+        await hub.settle()
+        assert hub.idle() and len(handled) >= 3  # the last one taken may still be in its thread
+        flood(4)
+        with pytest.raises(AssertionError, match="still busy after 0.01 s"):
+            await hub.settle(timeout_s=0.01)
+    finally:
+        consumer.cancel()
