@@ -454,7 +454,6 @@ def test_a_validator_does_not_count_itself_among_the_validators_that_could_be_ea
     assert clock_behind(judge.stats, 0) is None  # whatever was early
 
 
-
 async def test_settle_waits_for_deliveries_whose_handling_runs_in_a_thread(
     spec: NetworkSpec, clock: ManualClock, validator_ids: list[Identity], miner_ids: list[Identity], tmp_path: Path
 ) -> None:
