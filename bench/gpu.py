@@ -71,14 +71,14 @@ CPU_SCALE = {"num_hidden_layers": 4, "num_experts": 16, "hidden_size": 128, "int
 CPU_SEQ_LEN, CPU_SELECTED, HELDOUT_SEQUENCES = 256, 2, 4
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=out_file, required=True, help="where to write the JSON results")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="olmoe-1b-7b")
     parser.add_argument("--steps", type=int, default=4, help="timed optimizer steps per run (one more warms up)")
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing in sparse runs")
     parser.add_argument("--seq-len", type=int, help=f"tokens per sequence (default: the shape's, {CPU_SEQ_LEN} on CPU)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be at least 1")
     cuda = torch.cuda.is_available()

@@ -426,7 +426,7 @@ def domains(text: str) -> tuple[str, ...]:
     return chosen
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--domain", type=domains, help=f"settings, comma-separated: {', '.join(SETTINGS)} (default all)")
     parser.add_argument("--networks", type=networks,
@@ -442,7 +442,7 @@ def main() -> int:
                              "2@2,2@2/1 and 2 rounds")
     parser.add_argument("--cache", type=Path, help="pretrained-base cache directory (default: the simulation's)")
     parser.add_argument("--out", type=out_file, help="write the JSON here (default: stdout only)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     size = SMALL if args.small else FULL
     rounds = size.rounds if args.rounds is None else args.rounds
     if rounds < 1 or args.workers < 1:

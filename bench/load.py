@@ -167,16 +167,17 @@ def old_package(root: Path) -> Path:
     return root
 
 
-def main() -> None:
-    if len(sys.argv) > 2 and sys.argv[1] == "--child":
-        child(sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else None)
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) > 1 and argv[0] == "--child":
+        child(argv[1], argv[2], argv[3] if len(argv) > 3 else None)
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden-size", type=int, default=CONFIG["hidden_size"],
                         help=f"the checkpoint's hidden size, even (default {CONFIG['hidden_size']}: over 1 GB; "
                              "16 for a quick run)")
     parser.add_argument("--out", type=out_file, help="also write the JSON report here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.hidden_size < 2 or args.hidden_size % 2:  # the experts' width is half of it
         parser.error(f"--hidden-size must be an even number of at least 2, got {args.hidden_size}")
     with tempfile.TemporaryDirectory(prefix="tessera-load-") as tmp:

@@ -78,7 +78,7 @@ def measure(rounds: int, settings: SimSettings) -> dict[str, Any]:
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2, help="rounds to measure (default 2)")
     parser.add_argument("--validators", type=int, default=2, help="validator processes (default 2)")
@@ -86,7 +86,7 @@ def main() -> int:
     parser.add_argument("--round-seconds", type=float, default=80.0, help="round length (default 80)")
     parser.add_argument("--train-share", type=float, default=0.9, help="TRAIN's share of a round (default 0.9)")
     parser.add_argument("--out", type=out_file, help="write the JSON here (default: stdout only)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.miners < 1:

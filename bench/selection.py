@@ -28,7 +28,7 @@ SEQ_LEN = 64
 DOCUMENTS = 200  # of a domain's 400 generated texts: the first ones are for selection, the rest held out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sim", action="store_true", help="use the random-init simulation model")
     parser.add_argument("--cache", type=Path, default=ROOT / ".bench" / "pretrained", help="pretrained base cache")
@@ -40,7 +40,7 @@ def main() -> int:
     parser.add_argument("--heldout", type=int, default=48, help="held-out sequences of SEQ_LEN tokens")
     parser.add_argument("--seeds", type=int, default=3, help="random selections per keep fraction")
     parser.add_argument("--out", type=out_file)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not 1 <= args.examples <= args.documents <= DOCUMENTS:
         parser.error(f"need 1 <= --examples <= --documents <= {DOCUMENTS}, got {args.examples} and {args.documents}")
 

@@ -290,7 +290,7 @@ def adopted_hash(entry: dict[str, Any]) -> str:
     return adopted
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=6, help="rounds to run (default 6)")
     parser.add_argument("--validators", type=int, default=2, help="validator processes (default 2)")
@@ -311,7 +311,7 @@ def main() -> int:
     parser.add_argument("--reuse", type=Path, metavar="DIR",
                         help="skip the simulation: evaluate the --dir of an earlier run of this benchmark")
     parser.add_argument("--out", type=out_file, help="write the JSON here (default: stdout only)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.rounds < 1 or args.subsets < 4:
         parser.error(f"--rounds must be >= 1 and --subsets >= 4, got {args.rounds} and {args.subsets}")
     if args.dir is not None and args.dir.exists():

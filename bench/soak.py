@@ -128,7 +128,7 @@ def run(directory: Path, settings: SimSettings, rounds: int) -> tuple[dict[str, 
     return series, entries, failure
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30, help="rounds to run (default 30)")
     parser.add_argument("--warmup", type=int, default=6,
@@ -140,7 +140,7 @@ def main() -> int:
                         help="TRAIN's share of the round (default 0.9, as simulate)")
     parser.add_argument("--dir", type=Path, help="simulation directory, must not exist (default: a new temporary one)")
     parser.add_argument("--out", type=out_file, help="write the JSON here (default: stdout only)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not sys.platform.startswith("linux"):
         parser.error("the soak benchmark reads /proc; it runs on Linux only")
     if not 0 <= args.warmup < args.rounds - 1:

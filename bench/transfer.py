@@ -204,13 +204,13 @@ def gossip_latency(root: Path, spec: Path, messages: int) -> dict[str, float]:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=out_file)
     parser.add_argument("--size-mb", type=int, default=64)
     parser.add_argument("--messages", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=5, help="blob transfers per path; the best counts")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if min(args.size_mb, args.messages, args.repeats) < 1:
         parser.error("--size-mb, --messages and --repeats must be at least 1")
     with tempfile.TemporaryDirectory() as tmp:

@@ -145,13 +145,13 @@ async def _observe(net: twins.Twins, names: list[str], rounds: int) -> dict[str,
     return {"every_miner_scored": True, "validators_agree": True, "per_round": summary}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--validators", type=int, default=3)
     parser.add_argument("--miners", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=out_file, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if min(args.validators, args.miners, args.rounds) < 1:
         parser.error("--validators, --miners and --rounds must be at least 1")
     logging.basicConfig(level=logging.ERROR)

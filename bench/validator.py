@@ -26,12 +26,12 @@ from bench.report import emit, out_file  # noqa: E402
 EVAL_BATCH = 16
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--sequences", type=int, default=32)
     parser.add_argument("--out", type=out_file)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.repeats < 1 or args.sequences < 1:
         parser.error(f"--repeats and --sequences must be at least 1, got {args.repeats} and {args.sequences}")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -12,6 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+import torch
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
@@ -26,16 +29,37 @@ def load_bench(name: str) -> ModuleType:
     return module
 
 
-def run_bench(name: str, out: Path, *args: str, timeout: float = 600.0,
-              env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Run bench/`name`.py end to end with the project's python and `--out out`; the report it wrote there.
+def run_bench(name: str, out: Path, *args: str) -> dict[str, Any]:
+    """Run bench/`name`.py's `main` on `args` and `--out out` in this process; the report it wrote there.
 
-    Torch gets one thread (`env` adds or overrides variables): the tests share the machine's cores, and an
-    OpenMP pool with more threads than free cores spins instead of working (a run 15 times slower).
+    In this process, not as a program: the suite has imported torch and transformers already, which cost a
+    fresh interpreter about 8 s of CPU, and the suite is short of CPU (test_arguments.py runs a script as the
+    program it is). The working directory is the repository, as for `make bench`; the script sees one torch
+    thread (`BENCH_THREADS`), as the suite's tests do, and the suite's thread count is restored afterwards.
     """
-    variables = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_THREADS": "1", **(env or {})}
+    threads = torch.get_num_threads()
+    previous = os.environ.get("BENCH_THREADS")
+    os.environ["BENCH_THREADS"] = "1"
+    try:
+        with contextlib.chdir(BENCH.parent):
+            code = load_bench(name).main([*args, "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+        if previous is None:
+            del os.environ["BENCH_THREADS"]
+        else:
+            os.environ["BENCH_THREADS"] = previous
+    assert code in (0, None), f"bench/{name}.py's main returned {code}"
+    report: dict[str, Any] = json.loads(out.read_text(encoding="utf-8"))
+    return report
+
+
+def run_bench_program(name: str, out: Path, *args: str, env: Mapping[str, str]) -> dict[str, Any]:
+    """Run bench/`name`.py as a program, with `env` added to the environment (where a variable must be set before
+    torch reads it) and torch at one thread; the report it wrote to `out`."""
+    variables = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_THREADS": "1", **env}
     run = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), *args, "--out", str(out)], capture_output=True,
-                         text=True, timeout=timeout, cwd=BENCH.parent, env=variables)
+                         text=True, timeout=600, cwd=BENCH.parent, env=variables)
     assert run.returncode == 0, f"bench/{name}.py exited with {run.returncode}:\n{run.stderr[-4000:]}"
     report: dict[str, Any] = json.loads(out.read_text(encoding="utf-8"))
     return report

@@ -3,25 +3,16 @@ the product's round and merge gate, with ESFT and the data-parallel ceiling besi
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.bench.scripts import BENCH
+from tests.bench.scripts import run_bench
 from validator.merge import CANDIDATES
 
 
 def test_the_small_learning_benchmark_records_every_rounds_adopted_loss_and_gate(tmp_path: Path) -> None:
-    out = tmp_path / "learning.json"
-    run = subprocess.run(
-        [sys.executable, str(BENCH / "learning.py"), "--small", "--set", "aggregation.top_g=1",
-         "--cache", str(tmp_path / "cache"), "--out", str(out)],
-        capture_output=True, text=True, cwd=tmp_path, timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads(out.read_text())
+    report = run_bench("learning", tmp_path / "learning.json", "--small", "--set", "aggregation.top_g=1",
+                       "--cache", str(tmp_path / "cache"))
     assert report["spec_overrides"] == {"aggregation.top_g": 1}
     assert math.isfinite(report["seconds"]) and report["rounds"] == 2
     key = {"domain": "arithmetic", "seed": 0, "inner_steps": 2, "miners": 2}

@@ -76,7 +76,7 @@ def test_a_command_s_peak_is_its_own_not_the_benchmark_s(tmp_path: Path) -> None
 @pytest.mark.timeout(1500)
 def test_every_command_and_one_round_at_the_smallest_size(tmp_path: Path) -> None:
     report = run_bench("real_size", tmp_path / "report.json", "--layers", "1", "--hidden-size", "32",
-                       "--miners", "1", "--work", str(tmp_path / "work"), timeout=1400)
+                       "--miners", "1", "--work", str(tmp_path / "work"))
     commands = report["commands"]
     assert set(commands) == {"spec_new", "inspect", "eval_base", "train_experts", "train_pgrad", "eval_blob", "export"}
     assert all(run["seconds"] > 0 and run["peak_rss_bytes"] > 0 for run in commands.values())
