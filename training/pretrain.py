@@ -11,8 +11,8 @@ it is learning facts rather than a new form. `base_config(domain, knows_form=Tru
 such a base too: it also reads their forms with random results ("tallies", "ledgers"), so it is not
 confidently wrong on their lines and tuning teaches only the rule. Everything is seeded (model init
 from `seed`, batches from a local generator), so the same settings give the same weights on this
-machine. The training runs in a child process with one intra-op thread (see `pretrain`), so the
-caller's thread settings are neither read nor changed.
+machine. The training runs at one intra-op thread (see `pretrain`), whatever the caller's thread count,
+which it finds as it was when `pretrain` returns.
 
 `pretrained_base(cache_dir, cfg)` returns an HF checkpoint directory (config.json + safetensors,
 written with `save_pretrained`) named by a hash of the settings, training it only when it is not
@@ -25,15 +25,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import multiprocessing
 import os
 import shutil
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
-import safetensors.torch
 import torch
 from transformers import PreTrainedModel
 
@@ -114,27 +110,15 @@ def general_corpus(cfg: PretrainConfig) -> list[str]:
 def pretrain(cfg: PretrainConfig) -> PreTrainedModel:
     """Train a freshly initialised tiny model on the general corpus; returns it in eval mode.
 
-    The steps run in a fresh child process with one intra-op thread: matrices this small gain nothing
-    from more, and on a busy CPU their spinning makes each step several times slower (5-10x measured
-    on 2 busy cores); one thread also makes the weights independent of the core count. The tiny
-    config and the corpus are handed to the child, so it trains exactly what this process sees. The
-    child imports the caller's main module, so a script calling this keeps its top level under
-    `if __name__ == "__main__":`.
+    The steps run at one intra-op thread, and the caller's thread count is restored afterwards: matrices
+    this small gain nothing from more, and on a busy CPU their spinning makes each step several times
+    slower (5-10x measured on 2 busy cores); one thread also makes the weights independent of the core
+    count. The callers are a simulation's set-up, the benchmarks and the tests, never a running node, so
+    no other thread runs torch meanwhile.
     """
-    model_config = tiny_config(cfg.family)
-    spawn = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(1, mp_context=spawn, initializer=torch.set_num_threads, initargs=(1,)) as child:
-        weights = child.submit(_train, cfg, model_config, general_corpus(cfg)).result()
-    model = build_tiny_model(cfg.family, model_config, seed=cfg.seed)
-    model.load_state_dict(safetensors.torch.load(weights))
-    return model.eval()  # type: ignore[no-untyped-call, no-any-return]  # unannotated in transformers
-
-
-def _train(cfg: PretrainConfig, model_config: dict[str, Any], corpus: list[str]) -> bytes:
-    """`pretrain`'s steps, in its child process: the trained weights as safetensors bytes."""
     tokenizer = ByteTokenizer()
-    sequences = pack(corpus, tokenizer, cfg.seq_len)
-    model = build_tiny_model(cfg.family, model_config, seed=cfg.seed)
+    sequences = pack(general_corpus(cfg), tokenizer, cfg.seq_len)
+    model = build_tiny_model(cfg.family, tiny_config(cfg.family), seed=cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
     warmup = max(1, cfg.steps // 20)
 
@@ -146,16 +130,21 @@ def _train(cfg: PretrainConfig, model_config: dict[str, Any], corpus: list[str])
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     stream = batches(sequences, cfg.batch_size, cfg.seed)
-    for _ in range(cfg.steps):
-        ids_BL = next(stream)
-        tokens = int(not_padding(ids_BL, tokenizer.pad_id)[:, 1:].sum())
-        loss = token_loss_sum(model, ids_BL, tokenizer.pad_id) / tokens
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-    return safetensors.torch.save(model.state_dict())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(cfg.steps):
+            ids_BL = next(stream)
+            tokens = int(not_padding(ids_BL, tokenizer.pad_id)[:, 1:].sum())
+            loss = token_loss_sum(model, ids_BL, tokenizer.pad_id) / tokens
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+    finally:
+        torch.set_num_threads(threads)
+    return model.eval()  # type: ignore[no-untyped-call, no-any-return]  # unannotated in transformers
 
 
 def pretrained_base(cache_dir: str | Path, cfg: PretrainConfig | None = None) -> Path:

@@ -33,14 +33,18 @@ QUICK = PretrainConfig(steps=30, batch_size=4, docs_per_domain=40)
 
 @pytest.fixture(scope="module")
 def cached(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """QUICK's base in a cache of its own, trained once for the module (each training is a child process)."""
+    """QUICK's base in a cache of its own, trained once for the module, at the suite's thread count."""
     return pretrained_base(tmp_path_factory.mktemp("pretrained"), QUICK)
 
 
 def test_pretraining_is_deterministic_and_lowers_general_loss(cached: Path) -> None:
     threads = torch.get_num_threads()
-    trained = pretrain(QUICK)
-    assert torch.get_num_threads() == threads  # the steps ran in a child process with its own threads
+    torch.set_num_threads(threads + 1)  # a caller with another thread count than the module's cached base had
+    try:
+        trained = pretrain(QUICK)
+        assert torch.get_num_threads() == threads + 1  # the steps ran at one thread; the caller's count is back
+    finally:
+        torch.set_num_threads(threads)
     assert state_hash(trained) == state_hash(load_pretrained(cached.parent, QUICK))  # trained twice: same bytes
     untrained = build_tiny_model(QUICK.family, tiny_config(QUICK.family), seed=QUICK.seed)
     sequences = pack(general_corpus(QUICK), ByteTokenizer(), QUICK.seq_len)[:16]
