@@ -1,34 +1,36 @@
-"""The offline operator chain in real `tessera` subprocesses: spec init -> train -> inspect -> eval.
+"""The offline operator chain through `tessera`'s own entry point: spec init -> train -> inspect -> eval.
 
 Also checks that a simulation directory is reproducible from its seed and genesis, and that user
-mistakes end as one `tessera: error:` line with exit code 2.
+mistakes end as one `tessera: error:` line with exit code 2. The commands run in this process (each would
+spend about 8 s of CPU importing torch and transformers in a fresh one); what a real process does with the
+exit code and its output is tested in test_inspect_cli.py and test_real_checkpoint_cli.py.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import os
 import subprocess
-import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
+from node.cli.main import main
 from node.sim.layout import make_sim_network, sim_identity
 from protocol.identity import save_identity
 from protocol.spec import load_spec
 
-ROOT = Path(__file__).resolve().parents[3]
 GENESIS = "2026-01-01T00:00:00Z"
 
 
 def tessera(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the thread count of the suite (make test: one)
-    return subprocess.run(
-        [sys.executable, "-m", "node.cli", *map(str, args)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
-    )
+    """`tessera ARGS` as `node.cli.main.main` runs it: its exit code and what it printed."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return subprocess.CompletedProcess(["tessera", *map(str, args)], code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")
