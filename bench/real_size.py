@@ -180,6 +180,7 @@ def network_round(spec: Path, work: Path, runs: dict[str, Any], miners: int) -> 
     from node.sim.layout import SimNetwork, sim_identity, to_toml
     from node.sim.process import SimSettings, SimulationError
     from node.sim.run import Simulation
+    from node.sim.warm import warm_up
     from protocol.spec import load_spec
 
     load_s = max(runs["eval_base"]["seconds"], runs["train_experts"]["seconds"])
@@ -190,18 +191,20 @@ def network_round(spec: Path, work: Path, runs: dict[str, Any], miners: int) -> 
     # Nodes hash and load side by side on shared cores; transfers are taken at 10 MB/s or better. A miner loads
     # its model in its first TRAIN (the train command's whole time) and trains beside the validator loading its
     # own. MERGE's gate reads three candidates on as many rows as a submission's score (data.gate_sequences),
-    # each thrice slack. The floors are a small network's windows (a simulation's); at real size the measured
-    # terms decide.
-    start_s = load_s * (1 + miners) / 2 + 30
-    timing = {"train_s": round(max(20.0, runs["train_experts"]["seconds"] + 3 * train_s), 1), "commit_s": 6.0,
-              "reveal_s": round(max(10.0, 8 + miners * blob / 10e6), 1),
-              "evaluate_s": round(max(12.0, 10 + 3 * (1 + miners) * forward_s), 1),
-              "merge_s": round(max(12.0, 10 + 4 * blob / 10e6 + 3 * 3 * forward_s), 1), "clock_skew_s": 2.0}
+    # each thrice slack. The start adds the loads to a simulation's start delay (its nodes' fork server has
+    # imported the node before the clock starts: warm_up); the floors are a simulation's windows (`spec new
+    # --timing sim` after TRAIN); at real size the measured terms decide.
+    timing = {"train_s": round(max(15.0, runs["train_experts"]["seconds"] + 3 * train_s), 1), "commit_s": 4.0,
+              "reveal_s": round(8 + miners * blob / 10e6, 1), "evaluate_s": round(8 + 3 * (1 + miners) * forward_s, 1),
+              "merge_s": round(6 + 4 * blob / 10e6 + 3 * 3 * forward_s, 1), "clock_skew_s": 2.0}
+    settings = SimSettings(validators=1, miners=miners, seed=SEED, train_share=0.5,
+                           round_seconds=sum(v for k, v in timing.items() if k != "clock_skew_s"))
+    warm_up()
+    start_s = load_s * (1 + miners) / 2 + settings.delay_s()
     genesis = (datetime.now(UTC) + timedelta(seconds=start_s)).replace(microsecond=0)
     round_spec = derived_spec(spec, spec.parent / "spec-round.toml", {"timing": timing, "genesis": genesis})
     loaded = load_spec(round_spec)
-    sim = Simulation(work / "sim", SimSettings(validators=1, miners=miners, seed=SEED, round_seconds=sum(
-        v for k, v in timing.items() if k != "clock_skew_s"), train_share=0.5))
+    sim = Simulation(work / "sim", settings)
     (work / "sim").mkdir()
     sim.use_network(SimNetwork(spec.parent, round_spec, loaded.network_id, [sim_identity(SEED, "validator", 0).node_id],
                                [spec.parent / "keys" / "validator-0.key"], dict(loaded.group)))
