@@ -23,9 +23,11 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import queue
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -38,6 +40,7 @@ from node.net.judge import GossipJudge
 from node.net.network import Delivery, NetworkError
 from node.net.p2p import P2PNetwork
 from node.runtime.clock import SystemClock
+from node.sim.warm import WarmProcess
 from node.store.blobs import TMP_DIR, BlobStore
 from protocol.check import CheckContext
 from protocol.identity import Identity, load_or_create_identity, save_identity
@@ -191,7 +194,9 @@ async def run_peer(args: argparse.Namespace) -> None:
 class PeerProcess:
     """A `python -m node.sim.peer` child process and its control channel.
 
-    A reader thread files each answer under its request id, so callers wait with a timeout.
+    The process forks from the simulator's warm fork server (node.sim.warm), which has imported libp2p
+    already; its stdin and stdout are sockets, its stderr `stderr.log` in `directory`. A reader thread files
+    each answer under its request id, so callers wait with a timeout.
     """
 
     def __init__(self, directory: Path, spec: Path, identity: Identity, port: int, *args: str) -> None:
@@ -201,15 +206,18 @@ class PeerProcess:
         key = directory / "node.key"
         if not key.exists():
             save_identity(identity, key)
-        command = [
-            sys.executable, "-m", "node.sim.peer", "--key", str(key), "--network-spec", str(spec),
-            "--data-dir", str(directory), "--port", str(port), *args,
-        ]
-        self._stderr = open(directory / "stderr.log", "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            command, cwd=Path(__file__).resolve().parents[1], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=self._stderr,
-        )
+        argv = ["--key", str(key), "--network-spec", str(spec), "--data-dir", str(directory), "--port", str(port),
+                *args]
+        commands, their_stdin = socket.socketpair()
+        answers, their_stdout = socket.socketpair()
+        with their_stdin, their_stdout:
+            self.proc = WarmProcess(argv, str(directory / "stderr.log"), dict(os.environ),
+                                    str(Path(__file__).resolve().parents[1]), program="node.sim.peer",
+                                    stdin=their_stdin, stdout=their_stdout)
+        self._commands = commands.makefile("wb")
+        self._answers_in = answers.makefile("rb")
+        commands.close()  # the files keep the sockets open
+        answers.close()
         self._answers: dict[int, queue.Queue[dict[str, Any]]] = {}
         self._lock = threading.Lock()
         self._next_id = 0
@@ -222,8 +230,7 @@ class PeerProcess:
             return self._answers.setdefault(request_id, queue.Queue())
 
     def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
+        for line in self._answers_in:
             answer = json.loads(line)
             self._box(answer["id"]).put(answer)
 
@@ -233,9 +240,8 @@ class PeerProcess:
             self._next_id += 1
             request_id = self._next_id
         self._box(request_id)
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps({"id": request_id, "cmd": cmd, **args}) + "\n").encode())
-        self.proc.stdin.flush()
+        self._commands.write((json.dumps({"id": request_id, "cmd": cmd, **args}) + "\n").encode())
+        self._commands.flush()
         return request_id
 
     def answer(self, request_id: int, timeout: float = 30.0) -> dict[str, Any]:
@@ -266,7 +272,7 @@ class PeerProcess:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.kill()
-        self._stderr.close()
+        self._commands.close()
 
 
 def main(argv: list[str] | None = None) -> None:

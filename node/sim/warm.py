@@ -5,7 +5,8 @@ each): sixteen nodes on two cores took 83-94 s to listen, and one SIGKILLed and 
 took 33-42 s. `WarmProcess` starts a node as a child of a multiprocessing fork server that has done
 those imports already (it is started once per simulator process, on the first node), so a node
 listens within a second or two of its start; it is still its own process, with its own pid, log,
-signals and exit code, killed and restarted like any other.
+signals and exit code, killed and restarted like any other. A `node.sim.peer` (the test and benchmark
+peer, about 3 s of CPU to import libp2p) starts the same way, its stdin and stdout a socket each.
 
 The fork server inherits the environment of the process that started it; each node then sets its
 own (`env`) before it runs `tessera ROLE --config FILE`. A fork cannot apply LD_PRELOAD, which acts
@@ -14,9 +15,11 @@ only when a program is executed: `SimNode` starts such a node with a fresh inter
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -44,11 +47,18 @@ def _nothing() -> None:
 
 class WarmProcess:
     """A node forked from the warm fork server, with the part of `subprocess.Popen`'s interface the
-    simulator uses: `pid`, `poll`, `returncode`, `wait`, `send_signal`, `terminate` and `kill`."""
+    simulator uses: `pid`, `poll`, `returncode`, `wait`, `send_signal`, `terminate` and `kill`.
 
-    def __init__(self, argv: Sequence[str], log_path: str, env: dict[str, str], cwd: str) -> None:
+    It runs `python -m PROGRAM ARGV` (`program`: a module with a `main(argv)`; `tessera` by default), its
+    stdout and stderr appended to `log_path`; `stdin` and `stdout`, where given, are sockets that become
+    its stdin and stdout (the caller closes its copies once the process has started)."""
+
+    def __init__(self, argv: Sequence[str], log_path: str, env: dict[str, str], cwd: str,
+                 program: str = "node.cli.main", stdin: socket.socket | None = None,
+                 stdout: socket.socket | None = None) -> None:
         _context.set_forkserver_preload(PRELOAD)  # read when the fork server starts (warm_up, or the first node)
-        self._process = _context.Process(target=_run_node, args=(list(argv), log_path, env, cwd), daemon=False)
+        self._process = _context.Process(target=_run, args=(program, list(argv), log_path, env, cwd, stdin, stdout),
+                                         daemon=False)
         self._process.start()
         assert self._process.pid is not None
         self.pid: int = self._process.pid
@@ -79,8 +89,9 @@ class WarmProcess:
         self.send_signal(signal.SIGKILL)
 
 
-def _run_node(argv: list[str], log_path: str, env: dict[str, str], cwd: str) -> None:
-    """In the forked child: become the node, as `python -m node.cli ARGV` would, and exit with its code."""
+def _run(program: str, argv: list[str], log_path: str, env: dict[str, str], cwd: str,
+         stdin: socket.socket | None, stdout: socket.socket | None) -> None:
+    """In the forked child: become `python -m PROGRAM ARGV` and exit with what its `main` returns."""
     from node.sim.process import die_with_parent
 
     die_with_parent()  # the fork server ends with the simulator, and the node with the fork server
@@ -90,17 +101,16 @@ def _run_node(argv: list[str], log_path: str, env: dict[str, str], cwd: str) -> 
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
+    into = stdin.detach() if stdin is not None else os.open(os.devnull, os.O_RDONLY)
+    out = stdout.detach() if stdout is not None else os.dup(log)
+    for fd, target in ((into, 0), (out, 1), (log, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+    sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115  # multiprocessing left /dev/null there
     sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)  # noqa: SIM115
     import torch
 
     torch.set_num_threads(1)  # OMP_NUM_THREADS in `env` comes too late for the fork server's torch
-    from node.cli.main import main
-
-    sys.exit(main(argv))
+    code = importlib.import_module(program).main(argv)
+    sys.exit(code)
