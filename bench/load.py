@@ -1,8 +1,8 @@
 """Checkpoint loading benchmark: memory and time of loading a >= 1 GB hub-format MoE checkpoint.
 
 The benchmark writes a Qwen3-MoE checkpoint of at least 1 GB (12 layers of 32 experts, hidden 768,
-fp32, per-expert hub keys, written by `save_pretrained`) into a temporary directory, then measures, each in its own subprocess so
-peak memory is its own (`--hidden-size` makes the checkpoint smaller, its experts' width following: a quick
+fp32, per-expert hub keys, written by `save_pretrained`) into a temporary directory, then measures, each in a
+process of its own so peak memory is its own (`measure`; `--hidden-size` makes the checkpoint smaller, its experts' width following: a quick
 check that every load works, whose ratios are not those of a 1 GB checkpoint):
 - `tessera`: `training.model.load_checkpoint` (transformers' `from_pretrained`, sdpa);
 - `hash`: `training.checkpoint.checkpoint_hash`, the streaming base hash;
@@ -13,8 +13,8 @@ check that every load works, whose ratios are not those of a 1 GB checkpoint):
   32 experts in every layer, the share of OLMoE-1B-7B's 8 of 64), built the old way (`compress` of
   the fully loaded model) and by `training.model.load_compressed`, which never reads unselected
   experts. `compressed_miner_*` keys: their peak RSS in GiB, its ratio, seconds, the bytes Θ̃0 holds.
-`peak_rss_ratio` = peak RSS (VmHWM) above the process's RSS once torch and transformers are
-imported, divided by the checkpoint's bytes; target <= 1.3. Seconds are wall-clock.
+`peak_rss_ratio` = peak RSS (VmHWM) above the process's RSS before it loads (once torch, transformers and
+the node are imported), divided by the checkpoint's bytes; target <= 1.3. Seconds are wall-clock.
 Each load is also checked for content, after its peak is read: the `tessera` and `plain` models must
 hash (`training.model.state_hash`) as the model that was written, and the two compressed models alike;
 `state_sha256` reports the hashes compared.
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -66,15 +67,28 @@ def write_checkpoint(directory: Path, hidden_size: int) -> dict[str, Any]:
 
 
 def measure(mode: str, directory: Path, extra: str | None = None) -> dict[str, Any]:
-    """Run one mode in a fresh subprocess; returns its seconds and peak RSS above the runtime. `extra`: the
-    hidden size for `write`, the old loader's package directory for `old`."""
-    command = [sys.executable, __file__, "--child", mode, str(directory)]
-    if extra:
-        command.append(extra)
-    result = subprocess.run(command, capture_output=True, text=True, check=False, cwd=ROOT)
-    if result.returncode != 0:
-        raise RuntimeError(f"{mode} failed: {result.stderr[-2000:]}")
-    report: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
+    """Run one mode in a process of its own; returns its seconds and peak RSS above the RSS it started with.
+    `extra`: the hidden size for `write`, the old loader's package directory for `old`.
+
+    The old loader runs in a fresh interpreter, whose `training` package is the old one. Every other mode
+    forks from the simulator's warm fork server (node.sim.warm), which has imported torch, transformers and
+    the node: a fresh interpreter spends about 8 s of CPU on those, and a fork's peak RSS is read above what
+    it started with all the same."""
+    args = ["--child", mode, str(directory), *([extra] if extra else [])]
+    if mode == "old":
+        result = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, check=False,
+                                cwd=ROOT)
+        code, output, errors = result.returncode, result.stdout, result.stderr
+    else:
+        from node.sim.warm import WarmProcess
+
+        with tempfile.TemporaryDirectory(prefix="tessera-load-child-") as tmp:
+            log = Path(tmp) / "output.txt"
+            code = WarmProcess(args, str(log), dict(os.environ), str(ROOT), program="bench.load").wait()
+            output = errors = log.read_text(encoding="utf-8", errors="replace")
+    if code != 0:
+        raise RuntimeError(f"{mode} failed: {errors[-2000:]}")
+    report: dict[str, Any] = json.loads(output.strip().splitlines()[-1])
     return report
 
 
