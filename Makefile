@@ -31,16 +31,19 @@ test-tools:
 		tmp=$$(mktemp -d) && (cd $$tmp && { apt-get download -q prometheus || { apt-get update -q && apt-get download -q prometheus; }; }) \
 		&& dpkg-deb -x $$tmp/prometheus_*.deb $$tmp/x && cp $$tmp/x/usr/bin/promtool $(VENV)/bin/ && rm -rf $$tmp; fi
 
-# Three pytest workers on two cores, a test file to one worker, files in collection order (tests/conftest.py
-# puts the long ones first): the network simulation (tests/integration/test_network.py) and the real-process
-# files at the end spend most of their time waiting for round phases, so a third worker overlaps those waits
-# (857 s against 1007 s with two workers on this machine).
+# Four pytest workers on two cores, a test file to one worker, the longest files first (tests/conftest.py): the
+# network simulation (tests/integration/test_network.py) and the benchmarks' small networks spend much of their
+# time waiting for round phases, which the other workers fill (with three workers the suite took 591 s here,
+# with four 495 s).
 # One torch thread a worker (OMP_NUM_THREADS=1, which the processes tests start inherit): two workers with two
 # OpenMP threads each, beside node processes, spin instead of working (a 1.3 s test took 164 s in the suite).
+# mypy runs beside the tests and prints its report after theirs: on a fresh clone it spends 40-50 s of one core
+# reading torch's and transformers' types, which would otherwise come before the tests.
 test: $(STAMP) test-tools
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder
+	@types=$$(mktemp); $(VENV)/bin/mypy >$$types 2>&1 & mypy=$$!; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 4 --dist loadfile --no-loadscope-reorder; tests=$$?; \
+	wait $$mypy; typed=$$?; cat $$types; rm -f $$types; [ $$tests -eq 0 ] && [ $$typed -eq 0 ]
 
 # The quick loop: lint, types, unit and in-memory twin tests, on two workers; no real node processes.
 check: $(STAMP)
