@@ -4,8 +4,8 @@ headless Chromium (Debian's package, driven by Playwright) for the status-page t
 Identities come from fixed seeds: `make_identity(i)`; validators are identities 0..2, miners 100+.
 `make_spec_dict()` returns data shaped like decoded TOML, with made-up hashes.
 
-Collection puts the longest files first, longest first (`pytest_collection_modifyitems`), for
-`make test`'s workers.
+Collection puts the network simulation first, the files that start processes last, and the longest files
+first within each group (`pytest_collection_modifyitems`), for `make test`'s workers.
 """
 
 from __future__ import annotations
@@ -23,13 +23,18 @@ from protocol.spec import NetworkSpec, parse_spec
 
 GENESIS = datetime(2026, 1, 1, tzinfo=UTC)
 # `make test` hands each of its pytest-xdist workers one file at a time, in collection order
-# (--no-loadscope-reorder), and the suite ends when the worker with the most left finishes. So the files that
-# take longest start first, longest first (the network simulation, minutes of waiting on a round schedule,
-# leads), and the many short ones fill the gaps after them. LONGEST: the files over 35 s of a 4-worker
-# `make test` here, by their wall time then.
+# (--no-loadscope-reorder), and the suite ends when the worker with the most left finishes. The network
+# simulation, minutes of waiting on a round schedule, starts first; while its sixteen processes start and play
+# round 0 the other workers run in-process tests, and the files that start processes of their own (real nodes,
+# benchmarks, commands: LAST) come after them, so they do not crowd the network's first round (a whole round
+# in which a validator heard no commit failed test_network.py when they ran beside it). Within each group the
+# files that take longest come first, longest first (LONGEST: the files over 35 s of a 4-worker `make test`
+# here, by their wall time then), so the workers end together.
+FIRST = ("integration/test_network.py",)
+LAST = ("integration/", "bench/", "deploy/", "node/cli/")
 LONGEST = (
-    "integration/test_network.py", "bench/test_real_size.py", "integration/test_p2p.py", "bench/test_load.py",
-    "bench/test_soak.py", "bench/test_round.py", "training/test_trainer_memory.py", "integration/test_hostile.py",
+    "bench/test_real_size.py", "integration/test_p2p.py", "bench/test_load.py", "bench/test_soak.py",
+    "bench/test_round.py", "training/test_trainer_memory.py", "integration/test_hostile.py",
     "training/test_device_memory.py", "bench/test_simulation.py", "bench/test_gpu.py", "integration/test_clock.py",
     "bench/test_miner.py", "node/runtime/test_status_page_render.py",
 )
@@ -39,12 +44,13 @@ MINER_OFFSET = 100
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     tests = Path(__file__).parent
-    if missing := [path for path in LONGEST if not (tests / path).is_file()]:
-        raise pytest.UsageError(f"tests/conftest.py's LONGEST names files that are not there: {', '.join(missing)}")
+    if missing := [path for path in (*FIRST, *LONGEST) if not (tests / path).is_file()]:
+        raise pytest.UsageError(f"tests/conftest.py names files that are not there: {', '.join(missing)}")
 
-    def rank(item: pytest.Item) -> int:
+    def rank(item: pytest.Item) -> tuple[int, int]:
         path = item.path.relative_to(tests).as_posix() if item.path.is_relative_to(tests) else ""
-        return LONGEST.index(path) if path in LONGEST else len(LONGEST)
+        group = 0 if path.startswith(FIRST) else 2 if path.startswith(LAST) else 1
+        return group, LONGEST.index(path) if path in LONGEST else len(LONGEST)
 
     items.sort(key=rank)  # stable: each file's tests stay together and in order
 

@@ -34,14 +34,15 @@ ROUNDS = 3
 HONEST = 6
 VALIDATORS = ("validator-0", "validator-1", "validator-2")
 SETTINGS = SimSettings(validators=len(VALIDATORS), miners=HONEST + len(ADVERSARY_KINDS), adversaries=ADVERSARY_KINDS,
-                       # Training stops after 30 steps, well before TRAIN ends, so a node restarted in
-                       # TRAIN is not starved of CPU by 11 training miners on 2 cores. Nodes fork from a
+                       # Training stops after 10 steps, well before TRAIN ends, so a node restarted in
+                       # TRAIN is not starved of CPU by 11 training miners on 2 cores; run alone, the network
+                       # used about 250 s of CPU at 30 steps and 162 s at 10. Nodes fork from a
                        # fork server that has imported torch and the node (node.sim.warm): the 16 listen
                        # within seconds of their start, so 40 s before genesis is plenty. A restarted miner
                        # listened in 2 s, a validator in 15 s, and beside the suite's other tests it took
                        # 16 s more to load its model at TRAIN (TRAIN is 27 s); it commits its seed first
                        # (node.duties.validator), so the one killed in round 0's EVALUATE commits in round 1.
-                       round_seconds=60, train_share=0.45, inner_steps=30,
+                       round_seconds=60, train_share=0.45, inner_steps=10,
                        start_delay_s=40)
 # (round, phase) -> the nodes SIGKILLed at the start of that phase and restarted at once.
 KILLS: dict[tuple[int, Phase], tuple[str, ...]] = {
