@@ -4,7 +4,7 @@ headless Chromium (Debian's package, driven by Playwright) for the status-page t
 Identities come from fixed seeds: `make_identity(i)`; validators are identities 0..2, miners 100+.
 `make_spec_dict()` returns data shaped like decoded TOML, with made-up hashes.
 
-Collection puts the network simulations first, the files that start processes last, and the longest files
+Collection puts the network simulation first, the files that start processes last, and the longest files
 first within each group (`pytest_collection_modifyitems`), for `make test`'s workers.
 """
 
@@ -23,19 +23,19 @@ from protocol.spec import NetworkSpec, parse_spec
 
 GENESIS = datetime(2026, 1, 1, tzinfo=UTC)
 # `make test` hands each of its pytest-xdist workers one file at a time, in collection order
-# (--no-loadscope-reorder), and the suite ends when the worker with the most left finishes. FIRST come the
-# files that mostly wait on a round schedule and use little CPU: the network simulation (minutes), then the
-# benchmarks' one-validator networks, so their waits overlap the other workers' CPU-bound tests instead of
-# ending the suite on an idle machine. While the network's sixteen processes start and play round 0 the other
-# workers run in-process tests; the files that start processes of their own (real nodes, benchmarks,
-# commands: LAST) come after those, so they do not crowd the network's first round (a whole round in which a
-# validator heard no commit failed test_network.py when they ran beside it). Within each group the files that
-# take longest come first (LONGEST: the files over 35 s of a 4-worker `make test` here, by their wall time).
-FIRST = ("integration/test_network.py", "bench/test_soak.py", "bench/test_round.py", "bench/test_simulation.py")
+# (--no-loadscope-reorder), and the suite ends when the worker with the most left finishes. The network
+# simulation, minutes of waiting on a round schedule, starts first; while its sixteen processes start and play
+# round 0 the other workers run in-process tests, and the files that start processes of their own (real nodes,
+# benchmarks, commands: LAST) come after them, so they do not crowd the network's first round (a whole round
+# in which a validator heard no commit failed test_network.py when they ran beside it). Within each group the
+# files that take longest come first, longest first (LONGEST: the files over 35 s of a 4-worker `make test`
+# here, by their wall time then), so the workers end together.
+FIRST = ("integration/test_network.py",)
 LAST = ("integration/", "bench/", "deploy/", "node/cli/")
 LONGEST = (
-    "bench/test_real_size.py", "integration/test_p2p.py", "training/test_trainer_memory.py",
-    "integration/test_hostile.py", "training/test_device_memory.py", "bench/test_gpu.py", "integration/test_clock.py",
+    "bench/test_real_size.py", "integration/test_p2p.py", "bench/test_load.py", "bench/test_soak.py",
+    "bench/test_round.py", "training/test_trainer_memory.py", "integration/test_hostile.py",
+    "training/test_device_memory.py", "bench/test_simulation.py", "bench/test_gpu.py", "integration/test_clock.py",
     "bench/test_miner.py", "node/runtime/test_status_page_render.py",
 )
 N_VALIDATORS = 3
@@ -49,9 +49,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
     def rank(item: pytest.Item) -> tuple[int, int]:
         path = item.path.relative_to(tests).as_posix() if item.path.is_relative_to(tests) else ""
-        if path in FIRST:
-            return 0, FIRST.index(path)
-        return 2 if path.startswith(LAST) else 1, LONGEST.index(path) if path in LONGEST else len(LONGEST)
+        group = 0 if path.startswith(FIRST) else 2 if path.startswith(LAST) else 1
+        return group, LONGEST.index(path) if path in LONGEST else len(LONGEST)
 
     items.sort(key=rank)  # stable: each file's tests stay together and in order
 
