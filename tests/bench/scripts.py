@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -38,17 +39,11 @@ def run_bench(name: str, out: Path, *args: str) -> dict[str, Any]:
     thread (`BENCH_THREADS`), as the suite's tests do, and the suite's thread count is restored afterwards.
     """
     threads = torch.get_num_threads()
-    previous = os.environ.get("BENCH_THREADS")
-    os.environ["BENCH_THREADS"] = "1"
     try:
-        with contextlib.chdir(BENCH.parent):
+        with mock.patch.dict(os.environ, {"BENCH_THREADS": "1"}), contextlib.chdir(BENCH.parent):
             code = load_bench(name).main([*args, "--out", str(out)])
     finally:
         torch.set_num_threads(threads)
-        if previous is None:
-            del os.environ["BENCH_THREADS"]
-        else:
-            os.environ["BENCH_THREADS"] = previous
     assert code in (0, None), f"bench/{name}.py's main returned {code}"
     report: dict[str, Any] = json.loads(out.read_text(encoding="utf-8"))
     return report
