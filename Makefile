@@ -31,7 +31,7 @@ test-tools:
 		tmp=$$(mktemp -d) && (cd $$tmp && { apt-get download -q prometheus || { apt-get update -q && apt-get download -q prometheus; }; }) \
 		&& dpkg-deb -x $$tmp/prometheus_*.deb $$tmp/x && cp $$tmp/x/usr/bin/promtool $(VENV)/bin/ && rm -rf $$tmp; fi
 
-# Four pytest workers on two cores, a test file to one worker, the longest files first (tests/conftest.py): the
+# Four pytest workers on two cores, a test file to one worker, in the order tests/conftest.py gives them: the
 # network simulation (tests/integration/test_network.py) and the benchmarks' small networks spend much of their
 # time waiting for round phases, which the other workers fill (with three workers the suite took 591 s here,
 # with four 495 s).
