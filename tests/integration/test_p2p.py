@@ -288,3 +288,32 @@ async def test_closing_a_network_first_sends_what_it_queued(cluster: Cluster, tm
     finally:
         await sender.close()
         await receiver.close()
+
+
+async def test_a_host_subscribes_to_its_topic_before_it_listens(
+        cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer whose connection py-libp2p was still setting up when a host subscribed never hears of the
+    subscription and relays the host nothing: in the fault-matrix network a validator started on a busy machine,
+    dialled by a dozen peers at once, heard no commit or seed of round 0. Subscribed before it listens, a host
+    names its topic in the first message it sends every peer."""
+    from libp2p.pubsub.pubsub import Pubsub
+
+    from node.net.judge import GossipJudge
+    from node.net.p2p import P2PNetwork
+    from node.store.blobs import BlobStore
+    from protocol.spec import load_spec
+
+    listening: list[bool] = []
+    subscribe = Pubsub.subscribe
+
+    async def recording(pubsub: Pubsub, topic_id: str) -> object:
+        listening.append(bool(pubsub.host.get_addrs()))
+        return await subscribe(pubsub, topic_id)
+
+    monkeypatch.setattr(Pubsub, "subscribe", recording)
+    net = await P2PNetwork.create(Identity.generate(), GossipJudge(load_spec(cluster.spec), time.time),
+                                  BlobStore(tmp_path))
+    try:
+        assert net.listen_addrs and listening == [False]
+    finally:
+        await net.close()

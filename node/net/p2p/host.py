@@ -317,20 +317,26 @@ class P2PNetwork:
         outbox, inbox = trio.open_memory_channel[bytes](float("inf"))
         self._outbox = outbox
         listen = multiaddr.Multiaddr(f"/ip4/{self.config.host}/tcp/{self.config.port}")
-        async with background_trio_service(pubsub), background_trio_service(gossipsub), host.run([listen]):
+        async with background_trio_service(pubsub), background_trio_service(gossipsub):
             await pubsub.wait_until_ready()
+            # Subscribed before listening, so that every peer learns it from the first message we send it. A
+            # peer whose connection py-libp2p was still setting up when we subscribed never hears of it (its
+            # hello was built without the topic, and the announcement goes only to peers already set up), and
+            # relays us nothing: a validator started on a busy machine, dialled by a dozen peers at once, heard
+            # no commit or seed of a whole round.
             subscription = await pubsub.subscribe(self._topic)
-            self._listen_addrs = [str(a) for a in host.get_addrs()]
-            if not self._listen_addrs:  # py-libp2p logs a failed listen and carries on
-                raise NetworkError(f"cannot listen on {listen}: the port is taken or the address is not local")
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                nursery.start_soon(self._drain, subscription)
-                nursery.start_soon(self._pace, inbox)
-                nursery.start_soon(self._supervise)
-                self._to_asyncio(_settle, ready, True, None)
-                await self._stop.wait()
-                nursery.cancel_scope.cancel()
+            async with host.run([listen]):
+                self._listen_addrs = [str(a) for a in host.get_addrs()]
+                if not self._listen_addrs:  # py-libp2p logs a failed listen and carries on
+                    raise NetworkError(f"cannot listen on {listen}: the port is taken or the address is not local")
+                async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
+                    nursery.start_soon(self._drain, subscription)
+                    nursery.start_soon(self._pace, inbox)
+                    nursery.start_soon(self._supervise)
+                    self._to_asyncio(_settle, ready, True, None)
+                    await self._stop.wait()
+                    nursery.cancel_scope.cancel()
 
     async def _pace(self, inbox: trio.MemoryReceiveChannel[bytes]) -> None:
         assert self._pubsub is not None
