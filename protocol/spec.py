@@ -156,7 +156,8 @@ class AggregationSpec(_Strict):
     """
 
     top_g: int = Field(default=3, ge=1, description="How many top-ranked miners are merged.")
-    outer_lr: float = Field(default=1.25, gt=0, description="Nesterov SGD learning rate.")
+    outer_lr: float = Field(default=1.25, gt=0, description="Nesterov SGD learning rate; a step over one miner's "
+                            "update is taken at no more than 1.")
     momentum: float = Field(default=0.0, ge=0, lt=1, description="Nesterov momentum.")
     weighting: Literal["uniform", "utility"] = Field(default="uniform", description="How merged updates are weighted.")
     clip_to_median: bool = Field(default=True, description="Clip each pseudo-gradient to the median norm.")

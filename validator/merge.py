@@ -16,7 +16,8 @@ The steps:
    by two identities on their own draws is caught.) Lazy miners never reach this step: an unchanged
    blob scores exactly its validator's L_base, so u_i = 0 and their zero update is never compared.
 3. Rank again with the flags (`protocol.ranking`), which gives points; the top-G ranked miners are
-   merged by `training.outer.outer_step` with the spec's aggregation settings. In a pgrad network
+   merged by `training.outer.outer_step` with the spec's aggregation settings (a lone contributor's
+   update at an outer lr of at most 1: `outer_config`). In a pgrad network
    with partitions, each entry averages over the contributors that drew its chunk
    (`training.pgrad.coverage`; a miner's chunks are drawn from the reports' round and its id).
    A step whose state or momentum would hold an Inf or a NaN (finite updates near fp32's range, in
@@ -131,11 +132,16 @@ class Adoption:
                 "general_losses": general or None, "refused": list(self.refused)}
 
 
-def outer_config(spec: NetworkSpec) -> OuterConfig:
-    """The outer optimizer settings a spec fixes."""
+def outer_config(spec: NetworkSpec, contributors: int) -> OuterConfig:
+    """The outer optimizer settings a spec fixes for a step over `contributors` updates.
+
+    An outer lr above 1 makes up for the length an average of updates loses where they disagree; one update
+    has lost nothing, so a step over one is taken at most as it was sent (lr capped at 1). Taken 1.25 times,
+    a lone miner's update lowered the target loss further and forgot more general-domain loss than the
+    miner's own run (docs/learning.md)."""
     agg = spec.aggregation
-    return OuterConfig(lr=agg.outer_lr, momentum=agg.momentum, clip_to_median=agg.clip_to_median,
-                       weighting=agg.weighting)
+    lr = min(agg.outer_lr, 1.0) if contributors == 1 else agg.outer_lr
+    return OuterConfig(lr=lr, momentum=agg.momentum, clip_to_median=agg.clip_to_median, weighting=agg.weighting)
 
 
 def counted_reports(reports: Mapping[str, ScoreReport], head: str) -> dict[str, ScoreReport]:
@@ -189,8 +195,9 @@ def merge_round(
         return MergeResult(ranking, ranking.points(), [], global_tensors, momentum, duplicates, best)
 
     utilities = [ranking.result(miner).utility for miner in contributors]
+    cfg = outer_config(spec, len(contributors))
     new_global, new_momentum = outer_step(
-        global_tensors, [blobs[miner] for miner in contributors], utilities, momentum, outer_config(spec),
+        global_tensors, [blobs[miner] for miner in contributors], utilities, momentum, cfg,
         None if masks is None else [masks[miner] for miner in contributors],
     )
     overflowed = sorted(name for tensors in (new_global, new_momentum) for name, t in tensors.items()

@@ -192,7 +192,7 @@ def test_an_outer_step_that_would_overflow_fp32_is_not_taken(spec: NetworkSpec) 
 
 def test_an_overflow_in_one_entry_keeps_the_state_and_still_reports_the_duplicates(spec: NetworkSpec) -> None:
     steep = spec.model_copy(update={"aggregation": spec.aggregation.model_copy(update={"outer_lr": 8.0})})
-    spiky, honest, copier = _miners(3)
+    spiky, other, honest, copier = _miners(4)
     glob = _global(spec)
     name = sorted(glob)[0]
     spike = dict(glob)
@@ -200,11 +200,13 @@ def test_an_overflow_in_one_entry_keeps_the_state_and_still_reports_the_duplicat
     spike[name][0, 0] = -3e38  # one finite entry the outer step would take to -inf; every other entry stays finite
     trained = _moved(glob, 2)
     copied = {n: t + 1e-4 * torch.ones_like(t) for n, t in trained.items()}
-    rnd = Round(steep, {spiky: spike, honest: trained, copier: copied}, {spiky: 2.0, honest: 2.5, copier: 2.5})
+    blobs = {spiky: spike, other: _moved(glob, 3), honest: trained, copier: copied}
+    rnd = Round(steep, blobs, {spiky: 2.0, other: 2.2, honest: 2.5, copier: 2.5})
     global_tensors, momentum = dict(rnd.head.tensors), dict(rnd.head.momentum)
     result = merge_round(rnd.reports, rnd.assignment, rnd.commitments, rnd.blobs, global_tensors, momentum,
                          steep, rnd.head.hash)
-    assert result.ranking.ranked() == (spiky,) and result.points == {spiky: 1.0}
+    assert result.ranking.ranked() == (spiky, other)
+    assert result.points == {spiky: 1.0, other: pytest.approx(2 / 3)}
     assert not result.changed and result.new_global is global_tensors and result.new_momentum is momentum
     assert result.duplicates == {honest, copier}
 
@@ -213,7 +215,24 @@ def test_outer_config_takes_every_aggregation_setting_from_the_spec() -> None:
     for clip in (False, True):
         aggregation = {"outer_lr": 0.7, "momentum": 0.9, "clip_to_median": clip, "weighting": "utility"}
         spec = parse_spec({**make_spec_dict(), "aggregation": aggregation})
-        assert outer_config(spec) == OuterConfig(lr=0.7, momentum=0.9, clip_to_median=clip, weighting="utility")
+        assert outer_config(spec, 2) == OuterConfig(lr=0.7, momentum=0.9, clip_to_median=clip, weighting="utility")
+        assert outer_config(spec, 1) == outer_config(spec, 2)  # below 1 the lr is the spec's for one update too
+
+
+def test_a_lone_contributors_update_is_taken_as_it_was_sent_not_extrapolated(spec: NetworkSpec) -> None:
+    assert spec.aggregation.outer_lr > 1
+    a, b = _miners(2)
+    glob = _global(spec)
+    alone = Round(spec, {a: _moved(glob, 1)}, {a: 2.0}).merge()
+    assert alone.contributors == [a]
+    for name in glob:
+        torch.testing.assert_close(alone.new_global[name], _moved(glob, 1)[name], rtol=0, atol=1e-6)
+    unclipped = spec.model_copy(update={"aggregation": spec.aggregation.model_copy(update={"clip_to_median": False})})
+    pair = Round(unclipped, {a: _moved(glob, 1), b: _moved(glob, 2)}, {a: 2.0, b: 2.5}).merge()
+    assert sorted(pair.contributors) == sorted([a, b])
+    for name, t in glob.items():  # two updates: their average taken outer_lr times
+        mean = ((t - _moved(glob, 1)[name]) + (t - _moved(glob, 2)[name])) / 2
+        torch.testing.assert_close(pair.new_global[name], t - spec.aggregation.outer_lr * mean, rtol=0, atol=1e-6)
 
 
 def _partitioned(**aggregation: object) -> NetworkSpec:
@@ -270,5 +289,5 @@ def test_the_outer_step_carries_the_previous_momentum(spec: NetworkSpec) -> None
         g = t - rnd.blobs[miner][name]
         m = 0.5 * previous[name] + g
         torch.testing.assert_close(result.new_momentum[name], m, rtol=0, atol=1e-6)
-        lr = nesterov.aggregation.outer_lr
-        torch.testing.assert_close(result.new_global[name], t - lr * (g + 0.5 * m), rtol=0, atol=1e-6)
+        # One contributor: the step is taken at lr 1 (outer_config), the momentum as the spec sets it.
+        torch.testing.assert_close(result.new_global[name], t - (g + 0.5 * m), rtol=0, atol=1e-6)
