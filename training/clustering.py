@@ -20,10 +20,6 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
-from sklearn.cluster import KMeans
-from sklearn.decomposition import PCA
-from sklearn.metrics import silhouette_score
-from sklearn.preprocessing import StandardScaler
 
 from training.data import not_padding
 from training.selection import router_probs
@@ -103,6 +99,12 @@ def cluster(features: np.ndarray, k: int | None = None, max_k: int = MAX_K, seed
         raise ValueError(f"k must be between 1 and the number of documents ({n}), got {k}")
     if k is None and min(max_k, n - 1) < 2:
         raise ValueError(f"choosing k needs at least 3 documents and max_k >= 2 (have {n} documents); give k")
+    # scikit-learn takes 2-3 s to import: paid by the commands that cluster, not by every importer of this module
+    from sklearn.cluster import KMeans
+    from sklearn.decomposition import PCA
+    from sklearn.metrics import silhouette_score
+    from sklearn.preprocessing import StandardScaler
+
     reduced = StandardScaler().fit_transform(features)
     pca = PCA(n_components=min(components, n, features.shape[1]), random_state=seed)
     reduced = pca.fit_transform(reduced)
