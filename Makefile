@@ -45,11 +45,12 @@ test: $(STAMP) test-tools
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 4 --dist loadfile --no-loadscope-reorder; tests=$$?; \
 	wait $$mypy; typed=$$?; cat $$types; rm -f $$types; [ $$tests -eq 0 ] && [ $$typed -eq 0 ]
 
-# The quick loop: lint, types, unit and in-memory twin tests, on two workers; no real node processes.
+# The quick loop: lint, types, unit and in-memory twin tests, on two workers; no test that starts processes or a
+# browser or runs a benchmark (markers `integration` and `slow`: `make test` runs those).
 check: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile -m "not integration"
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile -m "not integration and not slow"
 
 bench: $(STAMP)
 	mkdir -p .bench

@@ -13,6 +13,8 @@ import pytest
 
 from tests.bench.scripts import BENCH, load_bench
 
+pytestmark = pytest.mark.slow
+
 BAD = [
     ("validator", ["--repeats", "0"], "--repeats and --sequences must be at least 1"),
     ("transfer", ["--out", "x.json", "--repeats", "0"], "must be at least 1"),

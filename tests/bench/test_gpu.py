@@ -14,6 +14,8 @@ import torch
 from tests.bench.scripts import assert_positive, load_bench, run_bench, run_bench_program
 from training.compressed import compress
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def gpu() -> ModuleType:

@@ -6,8 +6,12 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
+
 from tests.bench.scripts import run_bench
 from validator.merge import CANDIDATES
+
+pytestmark = pytest.mark.slow
 
 
 def test_the_small_learning_benchmark_records_every_rounds_adopted_loss_and_gate(tmp_path: Path) -> None:

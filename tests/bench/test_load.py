@@ -14,6 +14,8 @@ from tests.bench.scripts import assert_positive, load_bench, run_bench
 from training.model import state_hash
 from training.tiny import build_tiny_model, tiny_config
 
+pytestmark = pytest.mark.slow
+
 WRITTEN = "a" * 64
 COMPRESSED = "c" * 64
 

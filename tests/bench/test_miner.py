@@ -11,6 +11,8 @@ import pytest
 
 from tests.bench.scripts import BENCH, assert_positive, run_bench
 
+pytestmark = pytest.mark.slow
+
 
 def test_a_one_step_run_reports_its_ratios_and_both_modes_start_from_the_same_loss(tmp_path: Path) -> None:
     report = run_bench("miner", tmp_path / "miner.json", "--steps", "1")

@@ -21,6 +21,8 @@ from training.export import patch_checkpoint
 from training.model import load_checkpoint, meta_model, state_hash
 from validator.merge import CANDIDATES
 
+pytestmark = pytest.mark.slow
+
 
 def test_the_fixture_is_a_sharded_hub_checkpoint_with_per_expert_keys(tmp_path: Path) -> None:
     fixture = load_bench("real_size_fixture")

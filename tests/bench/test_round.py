@@ -11,6 +11,8 @@ import pytest
 from protocol.rounds import PHASES
 from tests.bench.scripts import assert_positive, load_bench, run_bench
 
+pytestmark = pytest.mark.slow
+
 
 def trained(round: int, steps: int, seconds: float) -> str:
     """A miner's log line of one training run, as node.duties.miner writes it."""

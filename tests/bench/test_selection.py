@@ -5,7 +5,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
+
 from tests.bench.scripts import assert_positive, run_bench
+
+pytestmark = pytest.mark.slow
 
 
 def test_a_small_run_reports_both_modes_curves_and_the_stability_it_could_measure(tmp_path: Path) -> None:

@@ -16,6 +16,8 @@ from node.sim.process import SimNode
 from node.store.blobs import BlobStore
 from tests.bench.scripts import load_bench, run_bench
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def soak() -> ModuleType:

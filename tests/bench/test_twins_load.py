@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from protocol.rounds import PHASES
 from tests.bench.scripts import assert_positive, run_bench
+
+pytestmark = pytest.mark.slow
 
 
 def test_a_small_load_scores_every_miner_and_reports_its_costs(tmp_path: Path) -> None:

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.bench.scripts import assert_positive, run_bench
+
+pytestmark = pytest.mark.slow
 
 
 def test_a_one_sequence_run_reports_the_cost_of_scoring_a_submission(tmp_path: Path) -> None:

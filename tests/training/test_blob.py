@@ -77,6 +77,7 @@ def test_same_content_same_bytes_regardless_of_insertion_order() -> None:
     assert encode_blob(tensors, META) == encode_blob(reordered, meta2)
 
 
+@pytest.mark.slow
 def test_byte_identical_across_processes() -> None:
     script = (
         "import sys, torch; sys.path.insert(0, 'tests/training')\n"

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 # Runs in a fresh process: resets the peak-RSS mark, scores one batch of a model whose memory is all
 # logits (large vocabulary, tiny everything else), and prints the peak growth and the estimate.
 _MEASURE = """

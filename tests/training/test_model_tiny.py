@@ -97,6 +97,7 @@ def test_builds_on_other_threads_get_their_own_seeds_bytes() -> None:
     assert got == {job: [digest] * 3 for job, digest in expected.items()}
 
 
+@pytest.mark.slow
 def test_importing_and_building_leave_torch_and_transformers_init_functions_alone() -> None:
     script = """
 import torch.nn.init, transformers.initialization as hf_init

@@ -128,6 +128,7 @@ def _digest(seed: int) -> str:
     return digest.hexdigest()
 
 
+@pytest.mark.slow
 def test_byte_deterministic_across_runs_and_thread_counts() -> None:
     first = _digest(5)
     assert _digest(5) == first

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak-RSS reset")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak-RSS reset")]
 
 # Trained rows of 8 and 16 MiB (mapped on their own, as a real-size model's are) and activations of 2 MiB (from the
 # heap): the shape in which freed activations, kept by the heap, sit beside the gradients backward maps.

@@ -119,6 +119,7 @@ def test_usage_errors_exit_2(network, tmp_path: Path, capsys: pytest.CaptureFixt
     assert code == 2 and "cannot read blob" in err
 
 
+@pytest.mark.slow
 def test_exit_codes_from_a_real_process(network, tmp_path: Path) -> None:
     spec_path, tensors, meta = network
     blob = tmp_path / "b.safetensors"

@@ -229,6 +229,7 @@ def test_bad_groups_and_export_targets_are_refused(tmp_path: Path, capsys: pytes
     assert [p.name for p in taken.iterdir()] == ["keep.txt"]
 
 
+@pytest.mark.slow
 def test_real_processes_print_the_hash_and_refuse_with_exit_2(tmp_path: Path) -> None:
     checkpoint = write_hub_checkpoint(tmp_path / "ckpt", "deepseek_v2")
     command = [sys.executable, "-m", "node.cli", "spec", "hash-model"]

@@ -184,6 +184,7 @@ async def test_a_node_without_peers_says_so_and_what_to_check_without_libp2ps_ba
     assert not [r for r in rooted if r.name.startswith("libp2p")]  # nor in the node's own log (at INFO)
 
 
+@pytest.mark.slow
 def test_the_daemon_acknowledges_a_stop_signal_and_the_same_one_again_exits_at_once(tmp_path: Path) -> None:
     """SIGTERM stops the node; SIGINT after it (a supervisor's Ctrl-C reaching the whole group, say) lets the
     stop go on; SIGTERM again exits at once."""

@@ -15,6 +15,8 @@ import pytest
 
 from node.runtime.http import HttpApi
 
+pytestmark = pytest.mark.slow
+
 EVIL = '<img src=x onerror="document.body.dataset.pwned=1">'
 A, B = "aa" * 32, "bb" * 32
 V = "cc" * 32

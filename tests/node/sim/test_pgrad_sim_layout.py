@@ -21,6 +21,7 @@ from training.pgrad import PgradConfig, compressed_bytes, pgrad_config
 pytestmark = pytest.mark.timeout(180)
 
 
+@pytest.mark.slow
 def test_a_prepared_pgrad_simulation_has_a_spec_pgrad_config_accepts(tmp_path: Path) -> None:
     sim = Simulation(tmp_path / "sim", SimSettings(validators=1, miners=1, submission_format="pgrad"))
     sim.prepare()

@@ -40,6 +40,7 @@ def write_validator(tmp_path: Path) -> Path:
     return config
 
 
+@pytest.mark.slow
 def test_a_node_started_twice_refuses_until_the_first_is_killed(tmp_path: Path) -> None:
     config = write_validator(tmp_path)
     data, key = tmp_path / "data", tmp_path / "node.key"
