@@ -384,10 +384,11 @@ class ValidatorDuties:
         report = await self.ctx.storage.round_report(round) if round >= 0 else None
         plan = await self.ctx.storage.round_plan(round) if report is not None else None
         head = await self.ctx.head()
-        if report is None or plan is None or report["global_hash"] == head or self.state is None:
+        state = self.state  # round + 1's, where a restart late in round + 1's MERGE followed its votes first
+        if report is None or plan is None or report["global_hash"] == head or state is None or state.round > round:
             return
         report["global_hash"] = head
-        report["global_loss"] = await asyncio.to_thread(loaded.loss, dict(self.state.tensors), plan.seed)
+        report["global_loss"] = await asyncio.to_thread(loaded.loss, dict(state.tensors), plan.seed)
         await self.ctx.storage.set_round_report(round, report)
 
     # -- helpers ------------------------------------------------------------------------------

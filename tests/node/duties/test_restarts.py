@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from node.duties.plan import unpaired
+from node.duties.validator import ValidatorDuties
 from node.net.twin import MemoryNetwork
 from node.runtime.daemon import Node
 from protocol.messages import SeedCommit, SeedReveal, decode_envelope, seal
@@ -322,5 +323,30 @@ async def test_a_validator_down_while_the_votes_went_out_follows_the_majority_an
         assert state.parent == adopted and sorted(state.voters) == sorted(
             net.id(v) for v in ("validator-0", "validator-1", "validator-2"))  # it voted with the others
         assert await v2.ctx.storage.head() == state.hash
+    finally:
+        await net.close()
+
+
+
+async def test_a_report_of_a_round_keeps_its_state_when_the_head_is_a_later_rounds(tmp_path: Path) -> None:
+    """A validator restarted as round 1's MERGE ended ran that MERGE past its window, followed the others' votes to
+    round 1's state, and only then finished its report of round 0, which named round 1's state (the fault-matrix
+    network, once). The twins' clock cannot run a phase past its end, so the report is finished here with round
+    1's state as the head, as that validator's was."""
+    net = Twins(tmp_path, validators=2)
+    try:
+        v0, *_ = await started(net, "validator-0", "validator-1", "miner-0", "miner-1")
+        await net.rounds(0, 0)
+        after_round_0 = await v0.ctx.storage.head()
+        assert after_round_0 != net.spec.model.base_hash
+        assert (await v0.round_report(0))["global_hash"] == after_round_0
+        for phase in (Phase.COMMIT, Phase.REVEAL, Phase.EVALUATE, Phase.MERGE):
+            await net.phase(1, phase)
+        await net.phase(2, Phase.TRAIN)
+        assert await v0.ctx.storage.head() not in (None, after_round_0)  # round 1 moved the state
+        duties = v0.duties
+        assert isinstance(duties, ValidatorDuties)
+        await duties._finish_report(0, await duties._loaded.get())
+        assert (await v0.round_report(0))["global_hash"] == after_round_0
     finally:
         await net.close()
