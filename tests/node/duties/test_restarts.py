@@ -327,7 +327,6 @@ async def test_a_validator_down_while_the_votes_went_out_follows_the_majority_an
         await net.close()
 
 
-
 async def test_a_report_of_a_round_keeps_its_state_when_the_head_is_a_later_rounds(tmp_path: Path) -> None:
     """A validator restarted as round 1's MERGE ended ran that MERGE past its window, followed the others' votes to
     round 1's state, and only then finished its report of round 0, which named round 1's state (the fault-matrix
