@@ -26,8 +26,7 @@ GENESIS = datetime(2026, 1, 1, tzinfo=UTC)
 # (--no-loadscope-reorder), and the suite ends when the worker with the most left finishes. The network
 # simulation, minutes of waiting on a round schedule, starts first; while its sixteen processes start and play
 # round 0 the other workers run in-process tests, and the files that start processes of their own (real nodes,
-# benchmarks, commands: LAST) come after them, so they do not crowd the network's first round (a whole round
-# in which a validator heard no commit failed test_network.py when they ran beside it). Within each group the
+# benchmarks, commands: LAST) come after them, so they do not crowd the network's first round. Within each group the
 # files that take longest come first, longest first (LONGEST: the files over 35 s of a 4-worker `make test`
 # here, by their wall time then), so the workers end together.
 FIRST = ("integration/test_network.py",)
