@@ -23,6 +23,13 @@ from protocol.spec import load_spec, parse_setting
 pytestmark = pytest.mark.timeout(180)
 
 
+@pytest.fixture(autouse=True)
+def no_fork_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests read what `prepare` writes and start no node: the fork server it warms for the nodes (seconds
+    of imports in a process of its own) is left out. The simulations that start nodes warm it."""
+    monkeypatch.setattr("node.sim.run.warm_up", lambda: None)
+
+
 def test_a_setting_is_read_as_toml_and_a_bare_word_as_a_string() -> None:
     assert parse_setting("aggregation.outer_lr=2.5") == ("aggregation.outer_lr", 2.5)
     assert parse_setting("aggregation.top_g = 8") == ("aggregation.top_g", 8)
