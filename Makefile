@@ -12,9 +12,12 @@ $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@# torch with pip, which finds this machine's local CPU wheel; the rest with uv, which installed it in
 	@# 10-15 s where pip took two minutes (uv keeps the torch already there: it meets the constraint).
+	@# uv compiles the packages' bytecode as pip does: where PYTHONDONTWRITEBYTECODE is set (as on this project's
+	@# machines), every interpreter would otherwise compile transformers and the rest from source at import,
+	@# about 10 s of CPU each (a pytest worker's collection took 20.7 s without, 11.1 s with).
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q uv
-	$(VENV)/bin/uv pip install -q --python $(PY) -c constraints.txt -e '.[dev]'
+	$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) -c constraints.txt -e '.[dev]'
 	@touch $(STAMP)
 
 demo: $(STAMP)
@@ -46,7 +49,8 @@ test: $(STAMP) test-tools
 	wait $$mypy; typed=$$?; cat $$types; rm -f $$types; [ $$tests -eq 0 ] && [ $$typed -eq 0 ]
 
 # The quick loop: lint, types, unit and in-memory twin tests, on two workers; no test that starts processes or a
-# browser or runs a benchmark (markers `integration` and `slow`: `make test` runs those).
+# browser or runs a benchmark or a memory probe, and a check repeated over model families or settings on one of
+# them (markers `integration` and `slow`: `make test` runs those).
 check: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
