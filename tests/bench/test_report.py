@@ -23,6 +23,7 @@ emit({"runs": ["x" * 64] * 1000}, Path(sys.argv[1]))
 """
 
 
+@pytest.mark.slow  # an interpreter that imports torch
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses RLIMIT_FSIZE")
 def test_a_report_that_fails_while_written_leaves_the_earlier_file_as_it_was(tmp_path: Path) -> None:
     out = tmp_path / "miner.json"

@@ -58,6 +58,7 @@ def _round(spec: NetworkSpec, tmp_path: Path, miners: int) -> tuple[GlobalExpert
     return head, blobs, {"reports": reports, "assignment": assignment, "commitments": commitments}
 
 
+@pytest.mark.slow  # a memory probe: a 48 MB group and four submissions, for the peak RSS
 @pytest.mark.parametrize("adopted", ["merged", "best_single"])
 def test_a_merge_and_its_gate_hold_the_new_state_not_each_submission(spec: NetworkSpec, tmp_path: Path,
                                                                      adopted: str) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]  # the benchmark at 12 miners: seconds of CPU
 
 BENCH = Path(__file__).resolve().parents[3] / "bench" / "twins_load.py"
 
