@@ -48,9 +48,9 @@ test: $(STAMP) test-tools
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 4 --dist loadfile --no-loadscope-reorder; tests=$$?; \
 	wait $$mypy; typed=$$?; cat $$types; rm -f $$types; [ $$tests -eq 0 ] && [ $$typed -eq 0 ]
 
-# The quick loop: lint, types, unit and in-memory twin tests, on two workers; no test that starts processes or a
-# browser or runs a benchmark or a memory probe, and a check repeated over model families or settings on one of
-# them (markers `integration` and `slow`: `make test` runs those).
+# The quick loop: lint, types, unit and in-memory twin tests, on two workers; no test that starts a node, a browser
+# or an interpreter that imports torch, or runs a benchmark or a memory probe, and a check repeated over model
+# families or settings on one of them (markers `integration` and `slow`: `make test` runs those).
 check: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
