@@ -4,8 +4,8 @@ headless Chromium (Debian's package, driven by Playwright) for the status-page t
 Identities come from fixed seeds: `make_identity(i)`; validators are identities 0..2, miners 100+.
 `make_spec_dict()` returns data shaped like decoded TOML, with made-up hashes.
 
-Collection puts the network simulation and the real-size benchmark first, the files that start processes last, and the longest files
-first within each group (`pytest_collection_modifyitems`), for `make test`'s workers.
+Collection puts the network simulation and the real-size benchmark first, the files that start processes last,
+and the longest files first within each group (`pytest_collection_modifyitems`), for `make test`'s workers.
 """
 
 from __future__ import annotations
