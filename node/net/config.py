@@ -23,7 +23,9 @@ class P2PConfig(BaseModel):
     bootstrap: tuple[str, ...] = Field(
         default=(), description="Bootstrap multiaddrs ending in /p2p/<peer id> (give several); redialled forever."
     )
-    max_peers: int = Field(default=32, ge=1, le=1024, description="Stop dialling discovered peers at this many.")
+    max_peers: int = Field(default=32, ge=1, le=1024, description=(
+        "Stop dialling discovered peers at this many; the gossip mesh is pruned only past this many links "
+        "(12 at least)."))
     publish_interval_s: float = Field(
         default=0.005, ge=0, description="Gap between two of our publishes; bursts queue instead of being dropped."
     )

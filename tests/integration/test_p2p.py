@@ -317,3 +317,36 @@ async def test_a_host_subscribes_to_its_topic_before_it_listens(
         assert net.listen_addrs and listening == [False]
     finally:
         await net.close()
+
+
+async def test_a_node_every_peer_dials_stays_in_every_mesh(cluster: Cluster, tmp_path: Path) -> None:
+    """Fifteen hosts that all bootstrap from one graft it at once. With a mesh pruned past 12 links the hub pruned
+    back to 6 in every run, the peers it kept could prune it in turn, and with a 60 s backoff on both sides it was
+    left in no mesh, deaf, for over a minute (the fault-matrix network's validator-0 heard nothing of round 0). A
+    mesh pruned only past p2p.max_peers links keeps the hub in every peer's mesh, with no backoff."""
+    from node.net.config import P2PConfig
+    from node.net.judge import GossipJudge
+    from node.net.p2p import P2PNetwork
+    from node.store.blobs import BlobStore
+    from protocol.spec import load_spec
+
+    spec = load_spec(cluster.spec)
+    hub = await P2PNetwork.create(Identity.generate(), GossipJudge(spec, time.time), BlobStore(tmp_path / "hub"))
+    peers: list[P2PNetwork] = []
+    try:
+        bootstrap = [f"{hub.listen_addrs[0]}/p2p/{hub.peer_id}"]
+        for i in range(15):
+            peers.append(await P2PNetwork.create(Identity.generate(), GossipJudge(spec, time.time),
+                                                 BlobStore(tmp_path / f"peer-{i}"), P2PConfig(port=0, bootstrap=bootstrap)))
+        deadline = time.monotonic() + 60
+        while min(len(p.peers()) for p in peers) < 15:  # peer exchange connects everybody to everybody
+            assert time.monotonic() < deadline, sorted(len(p.peers()) for p in peers)
+            await asyncio.sleep(0.5)
+        await asyncio.sleep(5)  # heartbeats (1 s) graft, and would prune past degree_high
+        router, hub_id = hub._pubsub.router, hub._host.get_id()
+        topic = hub._topic
+        assert len(router.mesh[topic]) == 15 and not router.back_off.get(topic)
+        assert all(hub_id in p._pubsub.router.mesh[topic] for p in peers)
+    finally:
+        for net in (hub, *peers):
+            await net.close()

@@ -305,9 +305,13 @@ class P2PNetwork:
         host = new_host(key_pair=self._key_pair, sec_opt={NOISE_PROTOCOL_ID: noise}, muxer_preference="YAMUX",
                         connection_config=connections)
         # The default 10 msgs/s per topic would drop bursts; IP-diversity grafting means nothing when
-        # every peer shares one address (loopback, one docker host).
-        gossipsub = GossipSub(GOSSIP_PROTOCOLS, degree=6, degree_low=4, degree_high=12, heartbeat_interval=1,
-                              max_messages_per_topic_per_second=1000.0, eclipse_protection_enabled=False)
+        # every peer shares one address (loopback, one docker host). A mesh is pruned only past max_peers
+        # (at least 12) links: a node every peer dials (a bootstrap validator) is grafted by all of them, and a
+        # prune there could leave it in no peer's mesh and every peer in its backoff, deaf for a minute
+        # (docs/architecture.md §10).
+        gossipsub = GossipSub(GOSSIP_PROTOCOLS, degree=6, degree_low=4, degree_high=max(12, self.config.max_peers),
+                              heartbeat_interval=1, max_messages_per_topic_per_second=1000.0,
+                              eclipse_protection_enabled=False)
         pubsub = Pubsub(host, gossipsub, strict_signing=True)
         pubsub.set_topic_validator(self._topic, self._validate, False)
         host.set_stream_handler(BLOB_PROTOCOL, self._blobs.handle)
