@@ -154,12 +154,14 @@ class Twins:
         node = await Node.create(config, network=network, clock=self.clock, duties=duties)
         self.nodes[name] = node
         waiting = self.clock.sleepers
-        self.tasks[name] = asyncio.create_task(node.run())
+        task = self.tasks[name] = asyncio.create_task(node.run())
         if self.clock.now() < self.spec.genesis_ts:
             # Before genesis a node has nothing to catch up on, and waits on the clock for genesis. Moving the
             # clock before it got there would make it a node started after genesis, and one alone on the hub
             # would wait CATCH_UP_WAIT_S of wall time for a peer to catch up from.
-            await until(lambda: self.clock.sleepers > waiting, f"{name} to wait for genesis")
+            await until(lambda: self.clock.sleepers > waiting or task.done(), f"{name} to wait for genesis")
+            if task.done():
+                task.result()  # it failed while starting: its error, not a timeout
         return node
 
     async def stop(self, name: str) -> None:
