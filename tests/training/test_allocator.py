@@ -11,7 +11,8 @@ import pytest
 
 from training import allocator
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator and /proc")]
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator and /proc")]
 
 PROBE = """
 import sys, threading, torch
