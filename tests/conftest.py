@@ -4,8 +4,7 @@ headless Chromium (Debian's package, driven by Playwright) for the status-page t
 Identities come from fixed seeds: `make_identity(i)`; validators are identities 0..2, miners 100+.
 `make_spec_dict()` returns data shaped like decoded TOML, with made-up hashes.
 
-Collection puts the network simulation and the real-size benchmark first, the files that start processes last,
-and the longest files first within each group (`pytest_collection_modifyitems`), for `make test`'s workers.
+The order in which `make test`'s workers take the files is tests/scheduling.py's, a plugin loaded here.
 """
 
 from __future__ import annotations
@@ -21,40 +20,11 @@ import pytest
 from protocol.identity import Identity
 from protocol.spec import NetworkSpec, parse_spec
 
+pytest_plugins = ["tests.scheduling"]
+
 GENESIS = datetime(2026, 1, 1, tzinfo=UTC)
-# `make test` hands each of its pytest-xdist workers one file at a time, in collection order
-# (--no-loadscope-reorder), and the suite ends when the worker with the most left finishes. FIRST: the network
-# simulation, minutes of waiting on a round schedule, starts first; beside it the real-size benchmark's small run
-# (2-3 minutes), whose commands run one at a time, a core's work as an in-process test's is: started with the other
-# process files it was the last to end (a 4-worker make test here: it ran from 183 s to 355 s of 401 s). While the
-# network's sixteen processes start and play round 0 the other workers run in-process tests, and the files that
-# start processes of their own (real nodes, benchmarks, commands: LAST) come after them, so they do not crowd the
-# network's first round. Within each group the files that take longest come first, longest first (LONGEST: by their
-# wall time in that make test), so the workers end together.
-FIRST = ("integration/test_network.py", "bench/test_real_size.py")
-LAST = ("integration/", "bench/", "deploy/", "node/cli/")
-LONGEST = (
-    "bench/test_soak.py", "integration/test_hostile.py", "integration/test_p2p.py", "bench/test_simulation.py",
-    "bench/test_round.py", "training/test_allocator.py", "integration/test_clock.py",
-    "node/runtime/test_status_page_render.py", "training/test_trainer_memory.py", "training/test_device_memory.py",
-    "bench/test_load.py", "bench/test_miner.py", "bench/test_gpu.py",
-)
 N_VALIDATORS = 3
 MINER_OFFSET = 100
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    tests = Path(__file__).parent
-    if missing := [path for path in (*FIRST, *LONGEST) if not (tests / path).is_file()]:
-        raise pytest.UsageError(f"tests/conftest.py names files that are not there: {', '.join(missing)}")
-
-    def rank(item: pytest.Item) -> tuple[int, int]:
-        path = item.path.relative_to(tests).as_posix() if item.path.is_relative_to(tests) else ""
-        if path in FIRST:
-            return 0, FIRST.index(path)
-        return 2 if path.startswith(LAST) else 1, LONGEST.index(path) if path in LONGEST else len(LONGEST)
-
-    items.sort(key=rank)  # stable: each file's tests stay together and in order
 
 
 def make_identity(i: int) -> Identity:
