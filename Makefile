@@ -39,7 +39,7 @@ test-tools:
 # Four pytest workers on two cores, a test file to one worker, in the order tests/scheduling.py gives them: the
 # network simulation (tests/integration/test_network.py) and the benchmarks' small networks spend much of their
 # time waiting for round phases, which the other workers fill (with three workers the suite took 591 s here,
-# with four 495 s).
+# with four 495 s; with five, whose collections held the first test back to 43 s, 487 s against four's 403-439 s).
 # One torch thread a worker (OMP_NUM_THREADS=1, which the processes tests start inherit): two workers with two
 # OpenMP threads each, beside node processes, spin instead of working (a 1.3 s test took 164 s in the suite).
 # mypy runs beside the tests and prints its report after theirs: on a fresh clone it spends 40-50 s of one core

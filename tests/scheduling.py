@@ -1,20 +1,26 @@
 """How `make test` hands the test files to its four pytest-xdist workers (`-n 4 --dist loadfile`).
 
-A worker runs one file at a time, taking files in collection order, and the suite ends when the worker with the most
-left finishes. Collection (`pytest_collection_modifyitems`) puts first the network simulation, minutes of waiting on a
-round schedule, and beside it the real-size benchmark's small run (2-3 minutes of commands run one at a time, a core's
-work as an in-process test's is: started with the other process files it was the last to end, from 183 s to 355 s of
-a 401 s make test). While the network's sixteen processes start and play round 0 the other workers run in-process
-tests; the files that start processes of their own (real nodes, benchmarks, commands: LAST) come after them, so they do
-not crowd the network's first round. Within each group the files that take longest come first (LONGEST: by their
-wall time in a 4-worker make test here), so the workers end together.
+A worker runs one file at a time, and the suite ends when the last worker finishes. On two cores the suite is bound by
+CPU: the cores were busy for 750-780 of every 2 x 380-440 core-seconds of a 4-worker run here, so what counts is that
+every file that mostly waits runs beside files that keep the cores busy.
 
-The scheduler (`pytest_xdist_make_scheduler`) keeps long files apart. A worker runs a test only once it holds the
-next, so it must be handed its next file while it runs its current file's last test. xdist hands it one earlier, at
-two tests left, and a worker that took a long file of one to three tests took the next ones at once: the soak,
-simulation and round benchmarks (77, 50 and 46 s) ran back to back on one worker, from 206 s to 379 s, while the
-other three ended at 330-346 s. Here a worker is handed a file at one test left, and a worker whose last test is of
-a long file takes the last file in the queue, a short one, rather than the next long one.
+Collection (`pytest_collection_modifyitems`) puts first (FIRST) the network simulation, minutes of waiting on a round
+schedule, and beside it the real-size benchmark's small run (2-3 minutes of commands run one at a time); then the
+in-process files that take longest, and the benchmarks that mostly wait on a round schedule (WAITING: soak,
+simulation, round), which run among the in-process tests. The other files that start processes of their own (real
+nodes, benchmarks, commands: LAST) come after the in-process ones, so they do not crowd the network's first rounds,
+the longest first (LAST_LONGEST).
+
+The scheduler (`pytest_xdist_make_scheduler`) hands the files out:
+- at one test left. A worker runs a test only once it holds the next, so it needs its next file while it runs its
+  current file's last test; xdist hands it one at two tests left, and a worker that took a long file of one to three
+  tests took the next ones with it (soak, simulation and round ran back to back on one worker, from 206 s to 379 s,
+  while the others ended at 330-346 s);
+- after a long file, the last file in the queue, a short one;
+- one WAITING file at a time: with two of them at once, the two workers the network and the real-size run leave free
+  both waited, and the cores were idle for a third of 100 s.
+With all three, a 4-worker pytest run here took 379 s, against 403-439 s before (the same code, in turn), its workers
+ending within 11 s of each other, and the cores idle for 36 core-seconds of 758.
 """
 
 from __future__ import annotations
@@ -27,33 +33,43 @@ from xdist.scheduler import LoadFileScheduling
 from xdist.workermanage import WorkerController
 
 TESTS = Path(__file__).parent
-FIRST = ("integration/test_network.py", "bench/test_real_size.py")
+# The order of the files named here is the docstring's; the others keep pytest's order within their group.
+FIRST = (
+    "integration/test_network.py", "bench/test_real_size.py",
+    "training/test_allocator.py", "node/runtime/test_status_page_render.py", "training/test_trainer_memory.py",
+    "training/test_device_memory.py",
+    "bench/test_soak.py", "bench/test_simulation.py", "bench/test_round.py",
+)
+WAITING = ("bench/test_soak.py", "bench/test_simulation.py", "bench/test_round.py")  # one at a time
 LAST = ("integration/", "bench/", "deploy/", "node/cli/")
-LONGEST = (
-    "bench/test_soak.py", "integration/test_hostile.py", "integration/test_p2p.py", "bench/test_simulation.py",
-    "bench/test_round.py", "training/test_allocator.py", "integration/test_clock.py",
-    "node/runtime/test_status_page_render.py", "training/test_trainer_memory.py", "training/test_device_memory.py",
-    "bench/test_load.py", "bench/test_miner.py", "bench/test_gpu.py",
+LAST_LONGEST = (
+    "integration/test_hostile.py", "bench/test_miner.py", "integration/test_p2p.py",
+    "node/cli/test_real_checkpoint_cli.py", "integration/test_clock.py", "integration/test_restart.py",
+    "bench/test_gpu.py", "node/cli/test_inspect_cli.py", "bench/test_load.py",
 )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    if missing := [path for path in (*FIRST, *LONGEST) if not (TESTS / path).is_file()]:
+    if missing := [path for path in (*FIRST, *LAST_LONGEST) if not (TESTS / path).is_file()]:
         raise pytest.UsageError(f"tests/scheduling.py names files that are not there: {', '.join(missing)}")
 
     def rank(item: pytest.Item) -> tuple[int, int]:
         path = item.path.relative_to(TESTS).as_posix() if item.path.is_relative_to(TESTS) else ""
         if path in FIRST:
             return 0, FIRST.index(path)
-        return 2 if path.startswith(LAST) else 1, LONGEST.index(path) if path in LONGEST else len(LONGEST)
+        if not path.startswith(LAST):
+            return 1, 0
+        return 2, LAST_LONGEST.index(path) if path in LAST_LONGEST else len(LAST_LONGEST)
 
     items.sort(key=rank)  # stable: each file's tests stay together and in order
 
 
 class LongFilesApart(LoadFileScheduling):
-    """`--dist loadfile`, handing a worker its next file at one test left, and a short one after a long file."""
+    """`--dist loadfile`, handing a worker its next file at one test left, a short one after a long file, and one
+    WAITING file at a time."""
 
-    LONG = frozenset(f"tests/{path}" for path in (*FIRST, *LONGEST))
+    LONG = frozenset(f"tests/{path}" for path in (*FIRST, *LAST_LONGEST))
+    WAITING = frozenset(f"tests/{path}" for path in WAITING)
 
     def _reschedule(self, node: WorkerController) -> None:
         if node.shutting_down:
@@ -65,8 +81,16 @@ class LongFilesApart(LoadFileScheduling):
         if len(pending) > 1:
             return
         if pending and pending[0] in self.LONG:
-            self.workqueue.move_to_end(next(reversed(self.workqueue)), last=False)
+            self._first(next(reversed(self.workqueue)))
+        elif any(file in self.WAITING and not all(tests.values())
+                 for work in self.assigned_work.values() for file, tests in work.items()):
+            self._first(next((file for file in self.workqueue if file not in self.WAITING), None))
         self._assign_work_unit(node)
+
+    def _first(self, file: str | None) -> None:
+        """Moves `file` to the head of the queue, where xdist takes the next file from."""
+        if file is not None:
+            self.workqueue.move_to_end(file, last=False)
 
 
 @pytest.hookimpl(tryfirst=True)
