@@ -1,8 +1,8 @@
 """How `make test` hands the test files to its four pytest-xdist workers (`-n 4 --dist loadfile`).
 
 A worker runs one file at a time, and the suite ends when the last worker finishes. On two cores the suite is bound by
-CPU: the cores were busy for 750-780 of every 2 x 380-440 core-seconds of a 4-worker run here, so what counts is that
-every file that mostly waits runs beside files that keep the cores busy.
+CPU (4-worker runs of 380-440 s here kept the cores busy for 750-780 core-seconds), so what counts is that every file
+that mostly waits runs beside files that keep the cores busy.
 
 Collection (`pytest_collection_modifyitems`) puts first (FIRST) the network simulation, minutes of waiting on a round
 schedule, and beside it the real-size benchmark's small run (2-3 minutes of commands run one at a time); then the
@@ -93,6 +93,6 @@ class LongFilesApart(LoadFileScheduling):
             self.workqueue.move_to_end(file, last=False)
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: pytest may run with xdist disabled
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> LoadFileScheduling | None:
     return LongFilesApart(config, log) if config.getvalue("dist") == "loadfile" else None
