@@ -18,9 +18,9 @@ The scheduler (`pytest_xdist_make_scheduler`) hands the files out:
   while the others ended at 330-346 s);
 - after a long file, the last file in the queue, a short one;
 - one WAITING file at a time: with two of them at once, the two workers the network and the real-size run leave free
-  both waited, and the cores were idle for a third of 100 s.
-With all three, a 4-worker pytest run here took 379 s, against 403-439 s before (the same code, in turn), its workers
-ending within 11 s of each other, and the cores idle for 36 core-seconds of 758.
+  both waited, and the cores were idle for 43 of 200 core-seconds.
+With all three, a 4-worker pytest run here took 379 s, against 403-439 s with the first two alone (three runs, the
+same day), its workers ending within 11 s of each other, and the cores idle for 36 core-seconds of 758.
 """
 
 from __future__ import annotations
