@@ -68,8 +68,8 @@ class LongFilesApart(LoadFileScheduling):
     """`--dist loadfile`, handing a worker its next file at one test left, a short one after a long file, and one
     WAITING file at a time."""
 
-    LONG = frozenset(f"tests/{path}" for path in (*FIRST, *LAST_LONGEST))
-    WAITING = frozenset(f"tests/{path}" for path in WAITING)
+    long_files = frozenset(f"tests/{path}" for path in (*FIRST, *LAST_LONGEST))
+    waiting_files = frozenset(f"tests/{path}" for path in WAITING)
 
     def _reschedule(self, node: WorkerController) -> None:
         if node.shutting_down:
@@ -80,11 +80,11 @@ class LongFilesApart(LoadFileScheduling):
         pending = [file for file, tests in self.assigned_work[node].items() for done in tests.values() if not done]
         if len(pending) > 1:
             return
-        if pending and pending[0] in self.LONG:
+        if pending and pending[0] in self.long_files:
             self._first(next(reversed(self.workqueue)))
-        elif any(file in self.WAITING and not all(tests.values())
+        elif any(file in self.waiting_files and not all(tests.values())
                  for work in self.assigned_work.values() for file, tests in work.items()):
-            self._first(next((file for file in self.workqueue if file not in self.WAITING), None))
+            self._first(next((file for file in self.workqueue if file not in self.waiting_files), None))
         self._assign_work_unit(node)
 
     def _first(self, file: str | None) -> None:
