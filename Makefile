@@ -7,6 +7,11 @@ FIND_LINKS = $(or $(PIP_FIND_LINKS),$(shell python3 -m pip config get global.fin
 
 .PHONY: demo test check bench clean test-tools
 
+# pytest keeps its rewritten test modules, and Python the project's own modules, as bytecode in __pycache__ (which git
+# ignores), even where the environment sets PYTHONDONTWRITEBYTECODE, as this project's machines do: from the second
+# run on, a pytest worker's collection then takes 7.5-8.6 s here instead of 11.2-12.2 s.
+unexport PYTHONDONTWRITEBYTECODE
+
 $(STAMP): pyproject.toml constraints.txt
 	@# py-libp2p builds fastecdsa from source, which needs the GMP headers.
 	@if ! dpkg -s libgmp-dev >/dev/null 2>&1 && command -v apt-get >/dev/null; then \
