@@ -19,9 +19,10 @@ $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@# uv installs everything, torch's CPU wheel from the folder pip's configuration names (FIND_LINKS): the project
 	@# in 10-15 s where pip took two minutes, and torch in 17 s where pip took 31 s.
-	@# uv compiles the packages' bytecode as pip does: where PYTHONDONTWRITEBYTECODE is set (as on this project's
-	@# machines), every interpreter would otherwise compile transformers and the rest from source at import,
-	@# about 10 s of CPU each (a pytest worker's collection took 20.7 s without, 11.1 s with).
+	@# uv compiles the packages' bytecode as pip does, once: otherwise the first test run's workers would each compile
+	@# transformers and the rest at import, and, where PYTHONDONTWRITEBYTECODE is set (as on this project's machines),
+	@# every command an operator runs outside make would, about 10 s of CPU each (a pytest worker's collection took
+	@# 20.7 s without, 11.1 s with).
 	$(PY) -m pip install -q uv
 	$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) $(foreach d,$(FIND_LINKS),--find-links $(d)) \
 		-c constraints.txt -e '.[dev]'
