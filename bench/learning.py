@@ -9,7 +9,7 @@ honest miner trains from the adopted state and builds its blob with the honest b
 (`miner.submission.build_submission`), an adversary with the simulation's noise strategy
 (`node.sim.adversaries`); each validator scores the miners assigned to it (`protocol.assignment`) with
 `validator.scoring.Scorer`; `validator.merge.merge_round` ranks, rewards and merges, and
-`validator.merge.gate` adopts the lowest of the current, merged and best-single states on the gate rows
+`validator.merge.gate` weighs the current, merged and best-single states on the gate rows
 (`validator.scoring.gate_measure`, with the forgetting budget on the general-domain file the spec pins).
 This file has no round logic of its own: it changes only the inputs.
 Read on held-out documents the validators never score (the report set), per run: `base_loss`,

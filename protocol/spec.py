@@ -162,6 +162,11 @@ class AggregationSpec(_Strict):
     momentum: float = Field(default=0.0, ge=0, lt=1, description="Nesterov momentum.")
     weighting: Literal["uniform", "utility"] = Field(default="uniform", description="How merged updates are weighted.")
     clip_to_median: bool = Field(default=True, description="Clip each pseudo-gradient to the median norm.")
+    gate_margin: float = Field(
+        default=1e-4, ge=0,
+        description="Nats by which the merge gate needs a candidate's gain over the state it would replace, at the "
+        "low end of the gain's paired 95% interval on the gate rows: far wider than the differences between "
+        "validators that measure on other hardware (docs/protocol.md §7).")
     forgetting_budget: float | None = Field(
         default=None, ge=0,
         description="Where the spec pins a general-domain held-out file (data.general_sha256): the most a candidate "

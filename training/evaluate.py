@@ -1,15 +1,17 @@
 """Held-out loss: the number Proof-of-Loss compares.
 
 The loss is the mean next-token cross-entropy over every target that is not padding: summed token
-losses divided by the token count. Each batch's sum is taken in fp32 from fp32 logits; batch sums
-are added in a fixed order in float64, so the same model, data and batch size give the same
-number. Evaluation runs under no_grad with the model in eval mode; on a CPU a model stored in bf16
-or fp16 computes in fp32 (training.cpu_compute). This module knows nothing about
-where sequences come from or what a validator does with the loss.
+losses divided by the token count. Each sequence's sum is taken in fp32 from fp32 logits and kept
+(`LossResult.row_sums`: what the merge gate compares sequence by sequence); the sums are added
+exactly (`math.fsum`, rounded once), so the same model, data and batch size give the same number.
+Evaluation runs under no_grad with the model in eval mode; on a CPU a model stored in bf16 or fp16
+computes in fp32 (training.cpu_compute). This module knows nothing about where sequences come from
+or what a validator does with the loss.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -30,23 +32,32 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class LossResult:
-    """Mean token loss and how many tokens it averages."""
+    """Mean token loss, how many tokens it averages, and each sequence's summed token loss (in order)."""
 
     loss: float
     tokens: int
+    row_sums: tuple[float, ...]
 
 
 def token_loss_sum(model: torch.nn.Module, ids_BL: torch.Tensor, pad_id: int) -> torch.Tensor:
     """Summed next-token cross-entropy (fp32 scalar) over targets that are not padding (`not_padding`)."""
+    logits_NV, targets_N = _logits_and_targets(model, ids_BL, pad_id)
+    return F.cross_entropy(logits_NV, targets_N, ignore_index=-100, reduction="sum")
+
+
+def row_loss_sums(model: torch.nn.Module, ids_BL: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """Each sequence's summed next-token cross-entropy over targets that are not padding: fp32 [B]."""
+    logits_NV, targets_N = _logits_and_targets(model, ids_BL, pad_id)
+    losses_N = F.cross_entropy(logits_NV, targets_N, ignore_index=-100, reduction="none")
+    return losses_N.reshape(ids_BL.shape[0], -1).sum(dim=1)
+
+
+def _logits_and_targets(model: torch.nn.Module, ids_BL: torch.Tensor, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 next-token logits [B*(L-1), V] and their targets [B*(L-1)], -100 where the target is padding."""
     mask_BL = not_padding(ids_BL, pad_id)
     logits_BLV = model(input_ids=ids_BL, attention_mask=mask_BL.long(), use_cache=False).logits
     targets_BL = ids_BL[:, 1:].masked_fill(~mask_BL[:, 1:], -100)
-    return F.cross_entropy(
-        logits_BLV[:, :-1].float().reshape(-1, logits_BLV.shape[-1]),
-        targets_BL.reshape(-1),
-        ignore_index=-100,
-        reduction="sum",
-    )
+    return logits_BLV[:, :-1].float().reshape(-1, logits_BLV.shape[-1]), targets_BL.reshape(-1)
 
 
 @torch.no_grad()
@@ -72,19 +83,20 @@ def heldout_loss(
     wide = input_device.type == "cpu" and holds_narrow_weights(model)  # training.cpu_compute
     was_training = model.training
     model.eval()
-    total, tokens = 0.0, 0
+    rows: list[float] = []
+    tokens = 0
     try:
         starts = range(0, sequences.shape[0], batch_size)
         for start in tqdm(starts, desc="eval", unit="batch", disable=not (progress and sys.stderr.isatty())):
             ids_BL = sequences[start : start + batch_size].to(input_device)
             with fp32_compute() if wide else nullcontext():
-                total += float(token_loss_sum(model, ids_BL, pad_id))
+                rows.extend(row_loss_sums(model, ids_BL, pad_id).double().cpu().tolist())
             tokens += int(not_padding(ids_BL, pad_id)[:, 1:].sum())
     finally:
         model.train(was_training)
     if tokens == 0:
         raise ValueError("the held-out sequences hold only padding; there is nothing to score")
-    return LossResult(loss=total / tokens, tokens=tokens)
+    return LossResult(loss=math.fsum(rows) / tokens, tokens=tokens, row_sums=tuple(rows))
 
 
 def place(model: torch.nn.Module, device: str | torch.device) -> torch.device:

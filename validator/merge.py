@@ -16,8 +16,9 @@ The steps:
    by two identities on their own draws is caught.) Lazy miners never reach this step: an unchanged
    blob scores exactly its validator's L_base, so u_i = 0 and their zero update is never compared.
 3. Rank again with the flags (`protocol.ranking`), which gives points; the top-G ranked miners are
-   merged by `training.outer.outer_step` with the spec's aggregation settings (a lone contributor's
-   update at an outer lr of at most 1: `outer_config`). In a pgrad network
+   merged by `training.outer.outer_step` with the spec's aggregation settings. A lone contributor's
+   merged state is its submission, with the momentum as it was: one update has lost nothing to
+   averaging, and taking it as sent gives one state, not a second a rounding apart. In a pgrad network
    with partitions, each entry averages over the contributors that drew its chunk
    (`training.pgrad.coverage`; a miner's chunks are drawn from the reports' round and its id).
    A step whose state or momentum would hold an Inf or a NaN (finite updates near fp32's range, in
@@ -29,13 +30,15 @@ since a decayed momentum would give validators that saw different rounds differe
 
 `gate` then decides what the round adopts. Its candidates are the current state, the merged state (where
 a step was taken) and the state holding the best single submission's experts, the first of the ranking
-without near-duplicate flags (with the momentum as it was); each is measured
-by the caller's `measure` (validator.scoring.gate_measure: held-out rows the round seed draws apart from
-the scored ones, and general-domain rows where the spec pins a file), a candidate that raises the
-general-domain loss over the current state's by more than `aggregation.forgetting_budget` is refused,
-and the lowest gate loss is adopted, ties going to the earlier of `CANDIDATES` (a change must measure
-strictly lower than the state it replaces). Every input is public or derived from the round seed, so
-validators adopt the same state.
+without near-duplicate flags (with the momentum as it was; weighed once where it is the merged state);
+each is measured by the caller's `measure` (validator.scoring.gate_measure: held-out rows the round seed
+draws apart from the scored ones, row by row, and general-domain rows where the spec pins a file), and a
+candidate that raises the general-domain loss over the current state's by more than
+`aggregation.forgetting_budget` is refused. The rest are taken in the order of `CANDIDATES`, a fixed
+preference: a candidate replaces the one held so far only on evidence, when the low end of its paired
+gain's 95% interval (row by row over the gate rows) is above `aggregation.gate_margin`. Validators on
+unlike hardware measure the same states a little apart; a decision that needs the gain past a margin far
+wider than those differences comes out the same on each of them (docs/protocol.md §7 has the figures).
 This module knows nothing about networking, storage or how losses were measured.
 """
 
@@ -43,8 +46,9 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from collections.abc import Callable, Container, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -95,7 +99,10 @@ class MergeResult:
 
 
 CANDIDATES = ("current", "merged", "best_single")
-"""The states the merge gate weighs, in the order that breaks a tie in their gate losses."""
+"""The states the merge gate weighs, in the order of preference: a later one replaces an earlier one only on
+evidence (`Gain.clears`)."""
+GATE_Z = 1.96
+"""How many standard errors below its mean a gain's interval ends: the two-sided 95% interval's low end."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +111,40 @@ class GateLoss:
 
     loss: float
     general: float | None = None
+    rows: tuple[float, ...] = ()
+    """The gate loss row by row, each row's share of it (its summed token loss x rows / tokens), so `loss` is
+    their mean; empty where only the mean is known (a gain then has no spread)."""
+
+
+@dataclass(frozen=True)
+class Gain:
+    """How much lower one candidate's gate loss is than another's, in nats: the mean, and the low end of its
+    paired 95% interval (row by row: both were measured on the same rows)."""
+
+    mean: float
+    low: float
+
+    @classmethod
+    def of(cls, challenger: GateLoss, incumbent: GateLoss) -> Gain:
+        mean = incumbent.loss - challenger.loss
+        if len(challenger.rows) != len(incumbent.rows):
+            raise ValueError(f"gate losses over {len(challenger.rows)} and {len(incumbent.rows)} rows cannot be paired")
+        if len(challenger.rows) < 2:
+            return cls(mean, mean)
+        diffs = [a - b for a, b in zip(incumbent.rows, challenger.rows, strict=True)]
+        return cls(mean, mean - GATE_Z * statistics.stdev(diffs) / math.sqrt(len(diffs)))
+
+    def clears(self, margin: float) -> bool:
+        """The evidence a change needs: the interval lies wholly above `margin`."""
+        return self.low > margin
+
+
+@dataclass(frozen=True)
+class Challenge:
+    """A candidate weighed against the one the gate held so far (`against`), and its gain over it."""
+
+    against: str
+    gain: Gain
 
 
 @dataclass(frozen=True)
@@ -118,6 +159,10 @@ class Adoption:
     losses: dict[str, GateLoss]
     refused: tuple[str, ...]
     """Candidates over the forgetting budget, or with a non-finite loss."""
+    challenges: dict[str, Challenge] = field(default_factory=dict)
+    """Each candidate weighed after the current state: the one it was weighed against, and its gain over it."""
+    holders: dict[str, list[str]] = field(default_factory=dict)
+    """Whose updates each weighed candidate holds (what a GlobalState for it would name as contributors)."""
 
     @property
     def changed(self) -> bool:
@@ -129,19 +174,21 @@ class Adoption:
         nothing was merged and there was nothing to weigh)."""
         general = {name: loss.general for name, loss in self.losses.items() if loss.general is not None}
         return {"adopted": self.adopted, "losses": {name: loss.loss for name, loss in self.losses.items()},
-                "general_losses": general or None, "refused": list(self.refused)}
+                "general_losses": general or None, "refused": list(self.refused), "holders": dict(self.holders),
+                "gains": {name: {"against": c.against, "mean": c.gain.mean, "low": c.gain.low}
+                          for name, c in self.challenges.items()}}
 
 
-def outer_config(spec: NetworkSpec, contributors: int) -> OuterConfig:
-    """The outer optimizer settings a spec fixes for a step over `contributors` updates.
-
-    An outer lr above 1 makes up for the length an average of updates loses where they disagree; one update
-    has lost nothing, so a step over one is taken at most as it was sent (lr capped at 1). Taken 1.25 times,
-    a lone miner's update lowered the target loss further and forgot more general-domain loss than the
-    miner's own run (docs/learning.md)."""
+def outer_config(spec: NetworkSpec) -> OuterConfig:
+    """The outer optimizer settings a spec fixes for a step over two or more updates."""
     agg = spec.aggregation
-    lr = min(agg.outer_lr, 1.0) if contributors == 1 else agg.outer_lr
-    return OuterConfig(lr=lr, momentum=agg.momentum, clip_to_median=agg.clip_to_median, weighting=agg.weighting)
+    return OuterConfig(lr=agg.outer_lr, momentum=agg.momentum, clip_to_median=agg.clip_to_median,
+                       weighting=agg.weighting)
+
+
+def as_state(tensors: Tensors) -> dict[str, torch.Tensor]:
+    """A submission's experts as global state tensors: fp32 on the CPU, by sorted name."""
+    return {name: tensors[name].detach().to("cpu", torch.float32) for name in sorted(tensors)}
 
 
 def counted_reports(reports: Mapping[str, ScoreReport], head: str) -> dict[str, ScoreReport]:
@@ -193,9 +240,12 @@ def merge_round(
     best = preliminary.ranked()[0] if needed else None
     if not contributors:
         return MergeResult(ranking, ranking.points(), [], global_tensors, momentum, duplicates, best)
+    if len(contributors) == 1:  # an outer lr above 1 makes up for what averaging loses; one update lost nothing
+        alone = as_state(blobs[contributors[0]])
+        return MergeResult(ranking, ranking.points(), contributors, alone, momentum, duplicates, best)
 
     utilities = [ranking.result(miner).utility for miner in contributors]
-    cfg = outer_config(spec, len(contributors))
+    cfg = outer_config(spec)
     new_global, new_momentum = outer_step(
         global_tensors, [blobs[miner] for miner in contributors], utilities, momentum, cfg,
         None if masks is None else [masks[miner] for miner in contributors],
@@ -221,30 +271,38 @@ def gate(
 
     Without a best single submission there is nothing to weigh: the current state stays, unmeasured. Without a
     merge (every candidate flagged a near-duplicate, or a step that would overflow) the merged candidate is the
-    current state and is not weighed twice."""
+    current state, and where the merge is the best single submission alone it is that candidate: neither is
+    weighed twice."""
     if merge.best is None:
         return Adoption("current", [], global_tensors, momentum, {}, ())
     # The submission is measured as it is held (`Scorer.held`: read a tensor at a time) and copied into
     # fp32 state tensors only if it is adopted: the group in fp32 is 0.8 GB at OLMoE-1B-7B's size.
     single = blobs[merge.best]
     states: dict[str, Tensors] = {"current": global_tensors, "merged": merge.new_global, "best_single": single}
-    weighed = [name for name in CANDIDATES if name != "merged" or merge.changed]
+    weighed = [name for name in CANDIDATES if (name != "merged" or merge.changed)
+               and (name != "best_single" or merge.contributors != [merge.best])]
     losses = {name: measure(states[name]) for name in weighed}
+    holders = {name: {"current": [], "merged": list(merge.contributors), "best_single": [merge.best]}[name]
+               for name in weighed}
     budget = spec.aggregation.forgetting_budget
     refused = tuple(name for name in weighed[1:] if not _within_budget(losses[name], losses["current"], budget))
-    allowed = [name for name in weighed if name not in refused]
-    adopted = min(allowed, key=lambda name: _finite_or_inf(losses[name].loss))  # min keeps the first of a tie
-    if adopted == "merged":
-        tensors, moment, holders = merge.new_global, merge.new_momentum, merge.contributors
-    elif adopted == "best_single":
-        tensors = {name: single[name].detach().to("cpu", torch.float32) for name in sorted(single)}
-        moment, holders = momentum, [merge.best]
+    held, challenges = "current", {}
+    for name in weighed[1:]:
+        if name in refused:
+            continue
+        challenges[name] = Challenge(held, Gain.of(losses[name], losses[held]))
+        if challenges[name].gain.clears(spec.aggregation.gate_margin):
+            held = name
+    if held == "merged":
+        tensors, moment = merge.new_global, merge.new_momentum
+    elif held == "best_single":
+        tensors, moment = as_state(single), momentum
     else:
-        tensors, moment, holders = global_tensors, momentum, []
-    log.info("gate: adopting the %s state (%s)%s", adopted,
+        tensors, moment = global_tensors, momentum
+    log.info("gate: adopting the %s state (%s)%s", held,
              ", ".join(f"{name} {loss.loss:.4f}" for name, loss in losses.items()),
              f"; refused {', '.join(refused)}" if refused else "")
-    return Adoption(adopted, list(holders), tensors, moment, losses, refused)
+    return Adoption(held, list(holders[held]), tensors, moment, losses, refused, challenges, holders)
 
 
 def _within_budget(candidate: GateLoss, current: GateLoss, budget: float | None) -> bool:
@@ -255,10 +313,6 @@ def _within_budget(candidate: GateLoss, current: GateLoss, budget: float | None)
     if budget is None or candidate.general is None or current.general is None:
         return True
     return math.isfinite(candidate.general) and candidate.general - current.general <= budget
-
-
-def _finite_or_inf(loss: float) -> float:
-    return loss if math.isfinite(loss) else math.inf
 
 
 def _coverage(

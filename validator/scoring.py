@@ -33,7 +33,7 @@ from training.adapters import MoEAdapter
 from training.blob import BlobFile
 from training.data import heldout_subset
 from training.device import hold_int8
-from training.evaluate import heldout_loss, loss_with_experts
+from training.evaluate import LossResult, heldout_loss, loss_with_experts
 from training.experts import expected_shapes, insert
 from training.pgrad import Rebuilt, pgrad_config
 from training.tokenizer import BYTE_PAD
@@ -233,18 +233,21 @@ def check_gate_data(spec: NetworkSpec, heldout_rows: int) -> None:
 def gate_measure(scorer: Scorer, round_seed: str, general: torch.Tensor | None) -> Callable[[Tensors], GateLoss]:
     """The merge gate's measure for one round: a candidate state's loss on the gate rows of the scorer's
     held-out data and, where the validator holds `general` (general-domain held-out sequences), on the
-    `data.gate_sequences` of them (all, if fewer) the gate seed draws. The model keeps its experts."""
+    `data.gate_sequences` of them (all, if fewer) the gate seed draws; the gate rows' losses are kept row by row
+    (`GateLoss.rows`) for the gate's paired comparison. The model keeps its experts."""
     spec = scorer.spec
     gate = scorer.heldout[gate_rows(scorer.heldout.shape[0], round_seed, spec)]
     drawn = None if general is None else heldout_subset(
         general, gate_seed(round_seed), min(spec.data.gate_sequences, general.shape[0]))
 
-    def loss(tensors: Tensors, sequences: torch.Tensor) -> float:
+    def loss(tensors: Tensors, sequences: torch.Tensor) -> LossResult:
         return loss_with_experts(scorer.model, scorer.adapter, tensors, sequences, scorer.batch_size,
-                                 scorer.device, scorer.pad_id).loss
+                                 scorer.device, scorer.pad_id)
 
     def measure(tensors: Tensors) -> GateLoss:
-        return GateLoss(loss(tensors, gate), None if drawn is None else loss(tensors, drawn))
+        target = loss(tensors, gate)
+        shares = tuple(row * len(target.row_sums) / target.tokens for row in target.row_sums)
+        return GateLoss(target.loss, None if drawn is None else loss(tensors, drawn).loss, shares)
 
     return measure
 

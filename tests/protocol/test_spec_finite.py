@@ -46,8 +46,9 @@ def _with(dotted: str, value: object) -> dict[str, Any]:
 
 
 def test_every_float_field_of_the_spec_is_covered() -> None:
-    assert len(FLOAT_FIELDS) == 16
-    assert {"validators.0.weight", "timing.train_s", "training.beta1", "aggregation.forgetting_budget"} <= set(FLOAT_FIELDS)
+    assert len(FLOAT_FIELDS) == 17
+    assert {"validators.0.weight", "timing.train_s", "training.beta1", "aggregation.forgetting_budget",
+            "aggregation.gate_margin"} <= set(FLOAT_FIELDS)
 
 
 @pytest.mark.parametrize("value", NOT_FINITE, ids=repr)

@@ -79,7 +79,7 @@ CHANGES: dict[str, tuple[dict[str, object], object]] = {
     "aggregation.top_g": ({}, 2), "aggregation.outer_lr": ({}, 0.7),
     "aggregation.momentum": ({}, 0.9), "aggregation.weighting": ({}, "utility"),
     "aggregation.clip_to_median": ({}, False),
-    "aggregation.forgetting_budget": ({}, 0.5),
+    "aggregation.gate_margin": ({}, 0.01), "aggregation.forgetting_budget": ({}, 0.5),
     "limits.max_message_bytes": ({}, 32768), "limits.max_header_bytes": ({}, 1 << 19),
     "submission.format": ({}, "pgrad"), "submission.chunk": ({}, 128), "submission.topk": ({}, 36),
     "submission.quant": ({}, "int8"), "submission.partitions": ({}, 4),

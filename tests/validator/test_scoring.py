@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import math
 import tempfile
 from pathlib import Path
 
@@ -308,10 +309,15 @@ def test_the_gate_measures_a_state_on_its_own_rows_and_on_general_data(qwen) -> 
     spec, heldout = setup.spec, setup.scorer.heldout
     general = pack(generate("prose", 40, seed=9), ByteTokenizer(), 64)
     measured = gate_measure(setup.scorer, SEED, general)(setup.global_tensors)
-    on_gate_rows = heldout_loss(setup.model, heldout[gate_rows(heldout.shape[0], SEED, spec)], 16, "cpu").loss
+    on_gate_rows = heldout_loss(setup.model, heldout[gate_rows(heldout.shape[0], SEED, spec)], 16, "cpu")
     drawn = heldout_subset(general, gate_seed(SEED), spec.data.gate_sequences)
-    assert measured == GateLoss(on_gate_rows, heldout_loss(setup.model, drawn, 16, "cpu").loss)
-    assert gate_measure(setup.scorer, SEED, None)(setup.global_tensors) == GateLoss(on_gate_rows, None)
+    assert (measured.loss, measured.general) == (on_gate_rows.loss, heldout_loss(setup.model, drawn, 16, "cpu").loss)
+    # row by row, each row's share of the mean: what the gate pairs between candidates
+    rows = spec.data.gate_sequences
+    assert len(measured.rows) == rows and math.fsum(measured.rows) / rows == pytest.approx(measured.loss, rel=1e-12)
+    assert measured.rows == tuple(s * rows / on_gate_rows.tokens for s in on_gate_rows.row_sums)
+    assert gate_measure(setup.scorer, SEED, None)(setup.global_tensors) == GateLoss(on_gate_rows.loss, None,
+                                                                                    measured.rows)
 
 
 def test_held_out_data_without_room_for_the_gate_is_refused(qwen) -> None:

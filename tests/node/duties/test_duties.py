@@ -189,7 +189,8 @@ async def test_a_diverging_validator_resyncs_and_a_late_miner_catches_up(tmp_pat
     sim = make_sim_network(tmp_path / "sim", validators=2, genesis=GENESIS)
     spec = tomllib.loads(sim.spec_path.read_text(encoding="utf-8"))
     spec["validators"][0]["weight"] = 2.0
-    # momentum must matter to drift; at lr 0.7 a step of 1.05 times the one miner's update is the gate's pick
+    # momentum must matter to drift: at lr 0.7 a step of 1.05 times the two miners' averaged update is the gate's
+    # pick (a lone contributor's merged state would be its submission, with no momentum in it)
     apply_settings(spec, [("aggregation.momentum", 0.5), ("aggregation.outer_lr", 0.7)])
     sim.spec_path.write_text(to_toml(spec), encoding="utf-8")
     net = Net(sim, tmp_path)
@@ -197,6 +198,7 @@ async def test_a_diverging_validator_resyncs_and_a_late_miner_catches_up(tmp_pat
         v0, v1 = await net.add("validator-0"), await net.add("validator-1")
         assert net.spec.validator_weights[sim.validator_ids[0]] == 2.0  # validator-0 alone is a majority
         await net.add("miner-0")
+        await net.add("miner-2")
         net.launch()
         for phase in (Phase.TRAIN, Phase.COMMIT, Phase.REVEAL):
             await net.phase(0, phase)

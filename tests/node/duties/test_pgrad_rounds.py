@@ -147,7 +147,7 @@ async def test_a_partitioned_network_moves_each_entry_by_the_miners_that_sent_it
         _, merged = decode_state(state, net.spec, model.shapes)
 
         # First outer step: Φ' = Φ − lr (1 + μ) g, with each G_i clipped to the median norm first.
-        outer = outer_config(net.spec, len(sent))
+        outer = outer_config(net.spec)
         norms = sorted(norm(g) for g in sent)
         scales = [min(1.0, norms[1] / norm(g)) for g in sent]
         checked = 0

@@ -1,21 +1,18 @@
-"""Behaviour-unchanged proof: whole rounds on the in-memory twins give the recorded numbers exactly.
+"""Behaviour-unchanged proof: whole rounds on the in-memory twins give the recorded decisions and losses.
 
 Two validators and four miners (two honest, one lazy, one garbage) run three rounds of a tiny
 qwen3_moe model whose config, data and expert group are fixed in tests/node/twins.py, with a fixed
 number of inner steps, a ManualClock moved phase by phase, and validator seeds drawn from a counter
-instead of the OS. Every loss, rank, reward, submission and state hash is compared with
-`golden_rounds.json`, first captured before the one-pass redesign (commit 7069fea) and recorded again
-once when every spec field entered the network id and tiny models stopped patching torch's init, and
-once more when MERGE went through the merge gate (its new spec fields changed the network id, and the gate
-adopts the best single submission in every round here), and once when two learning settings left the spec
-and two defaults changed (the network id changed; every loss, rank and reward stayed), and once when the
-miners' AdamW beta1 defaulted to 0.6561 (every trained loss moved; the gate's picks stayed).
-The numbers depend on the CPU's vector instructions, as on torch's thread count: MKL's and ATen's kernels
-sum in another order, and the trained bytes differ. `golden_rounds.json` was recorded where torch runs its
-AVX2 kernels, `golden_rounds_avx512.json` where it runs AVX-512 ones (an AVX-512 and AMX Xeon, at 2f73518,
-whose rounds there were byte for byte those of cb3bf0e); a CPU with neither recording skips the test.
-Regenerate only when a change of behaviour is intended, each recording on its kind of CPU:
-    .venv/bin/python -c "import asyncio, pathlib, tempfile, json, torch; torch.set_num_threads(2); \
+instead of the OS. What `golden_rounds.json` holds, and how it is compared:
+- decisions, exactly: each miner's verdict, rank, reward and reason, the merge gate's candidate, the ledger's
+  points and standings, and which state each round proposed, voted and ended on, with every hash written as
+  the label of the state it names ("genesis", "round 0", ...), so that the test sees which state, not its bytes;
+- losses and utilities within LOSS_TOLERANCE.
+Trained bytes differ between CPUs (MKL's and ATen's kernels sum in another order on AVX2 and AVX-512, and
+on another thread count), so no hash or commitment is recorded: between an AVX2 and an AVX-512 machine the
+losses moved by up to 2.5e-7 and every decision stayed. Regenerate only when a change of behaviour is
+intended:
+    .venv/bin/python -c "import asyncio, pathlib, tempfile, json; \
 from tests.node.duties.test_rounds_golden import scenario; \
 print(json.dumps(asyncio.run(scenario(pathlib.Path(tempfile.mkdtemp()))), indent=1, sort_keys=True))"
 """
@@ -30,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 import node.duties.validator as validator_duties
 from node.duties.validator import ValidatorDuties
@@ -48,9 +44,7 @@ from tests.node.twins import WAIT_S, identity, phase_done, until, write_network
 
 pytestmark = pytest.mark.timeout(180)
 
-RECORDED_THREADS = 2
-RECORDINGS = {"AVX2": "golden_rounds.json", "AVX512": "golden_rounds_avx512.json"}
-"""torch's CPU capability -> the rounds recorded on such a CPU."""
+RECORDING = "golden_rounds.json"
 ROUNDS = 3
 MINERS = {"miner-0": "honest", "miner-1": "honest", "miner-2": "lazy", "miner-3": "garbage"}
 
@@ -103,41 +97,59 @@ async def _run(tmp_path: Path) -> dict[str, Any]:
 
 
 async def _observe(nodes: dict[str, Node]) -> dict[str, Any]:
-    name_of = {n.ctx.identity.node_id: name for name, n in nodes.items()}
+    """What the rounds decided, with node ids as names and state hashes as labels (module docstring)."""
     v0 = nodes["validator-0"]
-    rounds = []
+    names: dict[str, str] = {n.ctx.identity.node_id: name for name, n in nodes.items()}
+    names[v0.ctx.spec.model.base_hash] = "genesis"
+    rounds: list[dict[str, Any]] = []
     for r in range(ROUNDS):
-        commits = {name_of[c.miner]: c.commitment for c in await v0.ctx.storage.commits_for(r)}
-        states = {s.hash: sorted(name_of[v] for v in s.voters) for s in await v0.ctx.storage.global_states(r)}
-        reports = {}
-        for name in ("validator-0", "validator-1"):
-            report = await nodes[name].round_report(r)
-            assert report is not None
-            report["miners"] = {name_of[m.pop("id")]: m for m in report["miners"]}
-            reports[name] = report
-        rounds.append({"commits": commits, "states": states, "reports": reports})
+        states = await v0.ctx.storage.global_states(r)
+        for k, state in enumerate(sorted(states, key=lambda s: sorted(names[v] for v in s.voters))):
+            names[state.hash] = f"round {r}" if len(states) == 1 else f"round {r} #{k}"
+        reports = {name: await nodes[name].round_report(r) for name in ("validator-0", "validator-1")}
+        assert all(report is not None for report in reports.values()), reports
+        rounds.append({"states": {s.hash: sorted(s.voters) for s in states}, "reports": reports})
     ledgers = {name: (await nodes[name].rewards()) for name in ("validator-0", "validator-1")}
-    for ledger in ledgers.values():
-        ledger["entries"] = [{**e, "miner": name_of[e["miner"]]} for e in ledger["entries"]]
-        ledger["standings"] = {name_of[m]: s for m, s in ledger["standings"].items()}
     heads = {name: await n.ctx.storage.head() for name, n in nodes.items()}
-    return {"rounds": rounds, "rewards": ledgers, "heads": heads}
+    return _named(json.loads(json.dumps({"rounds": rounds, "rewards": ledgers, "heads": heads})), names)
 
 
-async def test_whole_rounds_reproduce_the_recorded_losses_ranks_rewards_and_states(tmp_path: Path) -> None:
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in RECORDINGS:
-        pytest.skip(f"no rounds recorded on a CPU whose torch kernels are {capability} (module docstring)")
-    expected = json.loads(Path(__file__).with_name(RECORDINGS[capability]).read_text(encoding="utf-8"))
-    # The numbers were recorded on two intra-op threads: a matrix product's sums run in another order on one,
-    # and the trained bytes differ. The suite runs torch on one thread a worker (the Makefile).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(RECORDED_THREADS)
-    try:
-        actual = json.loads(json.dumps(await scenario(tmp_path)))
-    finally:
-        torch.set_num_threads(threads)
-    assert len(set(actual["heads"].values())) == 1, actual["heads"]  # every node ends on one state
-    for r, (got, want) in enumerate(zip(actual["rounds"], expected["rounds"], strict=True)):
-        assert got == want, f"round {r} differs"
-    assert actual == expected
+def _named(value: Any, names: dict[str, str]) -> Any:
+    """`value` with every node id and state hash in it (as a key or a value) replaced by its name."""
+    if isinstance(value, dict):
+        return {names.get(k, k): _named(v, names) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_named(v, names) for v in value]
+    return names.get(value, value) if isinstance(value, str) else value
+
+
+LOSS_TOLERANCE = 1e-4
+"""Nats: 400 times the largest difference in any loss between the same rounds on an AVX2 and an AVX-512 CPU."""
+EXACT = {"rank", "reward", "points", "standing"}
+"""Numbers that are decisions (ranks and what follows from them alone), compared exactly."""
+
+
+def _assert_matches(actual: Any, expected: Any, path: str = "") -> None:
+    """Everything equal, but for losses (any other float) within LOSS_TOLERANCE."""
+    key = path.rsplit("/", 1)[-1]
+    if isinstance(expected, float) and isinstance(actual, float) and key not in EXACT:
+        assert abs(actual - expected) <= LOSS_TOLERANCE, f"{path}: {actual} against {expected}"
+    elif isinstance(expected, dict) and isinstance(actual, dict):
+        assert sorted(actual) == sorted(expected), f"{path}: keys {sorted(actual)} against {sorted(expected)}"
+        for k in expected:
+            _assert_matches(actual[k], expected[k], f"{path}/{k}")
+    elif isinstance(expected, list) and isinstance(actual, list):
+        assert len(actual) == len(expected), f"{path}: {len(actual)} items against {len(expected)}"
+        for k, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            _assert_matches(a, e, f"{path}[{k}]")
+    else:
+        assert actual == expected, f"{path}: {actual!r} against {expected!r}"
+
+
+async def test_whole_rounds_reproduce_the_recorded_decisions_and_losses(tmp_path: Path) -> None:
+    expected = json.loads(Path(__file__).with_name(RECORDING).read_text(encoding="utf-8"))
+    actual = await scenario(tmp_path)
+    assert set(actual["heads"].values()) == {f"round {ROUNDS - 1}"}, actual["heads"]  # every node, one state
+    for r in range(ROUNDS):  # both validators voted for the one state each round moved to
+        assert actual["rounds"][r]["states"] == {f"round {r}": ["validator-0", "validator-1"]}
+    _assert_matches(actual, expected)
