@@ -12,9 +12,10 @@ published. MERGE: wait for the other validators' reports (half the phase, then a
 then `validator.merge.merge_round` on the SAME plan and the reports as stored whole; its
 MissingBlobError names the candidates this validator did not score, which are fetched and checked once
 into the round's checked-blob cache (`_Checked`, emptied after the merge). The merge gate
-(`validator.merge.gate`) then adopts the lowest of the current, merged and best-single states on held-out
-rows the round seed draws apart from the scored ones, refusing one that forgets more of the general-domain
-file (`validator.general`, where the spec pins one) than the spec's budget. The validators whose reports
+(`validator.merge.gate`) then weighs the current, merged and best-single states, in that order, on held-out
+rows the round seed draws apart from the scored ones, each replacing the one held only on a gain past the
+spec's margin, refusing one that forgets more of the general-domain file (`validator.general`, where the spec
+pins one) than the spec's budget. The validators whose reports
 the merge used are fixed in storage before anything follows from it, so a merge run again after a
 restart ranks, rewards and proposes from the same reports (not from any that came in since), and the
 ledger, leaderboard, round report and vote agree. Rewards and their mark are one storage write; the new
@@ -34,13 +35,12 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-
-import torch
+from typing import Any
 
 from node.duties.consensus import Consensus, wait_until
 from node.duties.plan import make_plan, unpaired
 from node.duties.prefetch import Prefetcher, early_assignment
-from node.duties.report import round_report
+from node.duties.report import outvote, round_report
 from node.duties.results import leaderboard, learn_results
 from node.net.network import NetworkError, PublishRefused
 from node.runtime.context import BuiltOnce, HeartbeatDuties, NodeContext
@@ -60,26 +60,14 @@ from protocol.messages import (
 from protocol.ranking import RoundRanking, update_standing
 from protocol.rounds import Phase
 from protocol.seeds import commitment, new_seed
-from protocol.spec import spec_dir_path
-from training.adapters import tensor_attr
 from training.blob import BlobFile
-from training.data import (
-    check_disjoint,
-    check_heldout_file,
-    file_sha256,
-    heldout_subset,
-    load_sequences,
-    read_documents,
-)
 from training.device import check_device
-from training.experts import Tensors, extract
-from training.model import load_base
+from training.experts import Tensors
 from training.state import GlobalExperts
-from training.tokenizer import load_tokenizer
-from validator.checks import submission_cap
 from validator.device import skeleton
 from validator.merge import Adoption, MergeInputError, MergeResult, MissingBlobError, gate, merge_round
-from validator.scoring import Scorer, apply_global, check_gate_data, gate_measure
+from validator.model import ValidatorModel, check_files
+from validator.scoring import gate_measure
 
 log = logging.getLogger(__name__)
 
@@ -93,16 +81,11 @@ class ValidatorDuties:
     """
 
     def __init__(self, ctx: NodeContext) -> None:
-        heldout = ctx.config.validator.heldout
+        section, spec_path = ctx.config.validator, ctx.config.node.spec
+        heldout = section.heldout
         assert heldout is not None, "the config requires validator.heldout for a validator"
-        try:
-            check_heldout_file(heldout, ctx.spec.data.heldout_sha256)
-        except ValueError as exc:
-            raise ValueError(f"validator.heldout: {exc}") from None
-        _check_disjoint(ctx)
-        _check_general(ctx)
-        section = ctx.config.validator
-        check_device(section.device, skeleton(ctx.spec, ctx.config.node.spec), section.batch_size, ctx.spec.data.seq_len)
+        check_files(ctx.spec, spec_path, heldout, section.general)
+        check_device(section.device, skeleton(ctx.spec, spec_path), section.batch_size, ctx.spec.data.seq_len)
         self.ctx = ctx
         self.me = ctx.identity.node_id
         self.consensus = Consensus(ctx, need_momentum=True)
@@ -110,7 +93,8 @@ class ValidatorDuties:
         self.arrivals = asyncio.Event()
         self.state: GlobalExperts | None = None
         self.synced = False
-        self._loaded = BuiltOnce(lambda: _Loaded.create(ctx))
+        self._loaded = BuiltOnce(lambda: ValidatorModel.load(ctx.spec, spec_path, heldout, section.general,
+                                                              section.device, section.batch_size, section.weights))
         self._checked = _Checked(-1)
         self._prefetch = Prefetcher(ctx.network, report_capacity(ctx.spec.limits.max_message_bytes),
                                     section.prefetch_bytes)
@@ -152,7 +136,7 @@ class ValidatorDuties:
                         self._prefetch.assign(assigned)
         self.arrivals.set()
 
-    async def _load_head(self, loaded: _Loaded) -> None:
+    async def _load_head(self, loaded: ValidatorModel) -> None:
         head = await self.ctx.head()
         if self.state is not None and self.state.hash == head and self.synced:
             return
@@ -208,7 +192,7 @@ class ValidatorDuties:
 
     # -- EVALUATE -----------------------------------------------------------------------------
 
-    async def _evaluate(self, round: int, loaded: _Loaded) -> None:
+    async def _evaluate(self, round: int, loaded: ValidatorModel) -> None:
         plan = await self._plan(round)
         if plan is None or await self._published(round, "score_report"):
             return
@@ -235,7 +219,7 @@ class ValidatorDuties:
                      f"loss {entry.loss:.4f}" if entry.loss is not None else entry.reason)
         await self._publish(fit_report(result.report(round, head), self.ctx.spec.limits.max_message_bytes))
 
-    async def _fetch(self, blob_hash: str, miner: str, loaded: _Loaded) -> Path | None:
+    async def _fetch(self, blob_hash: str, miner: str, loaded: ValidatorModel) -> Path | None:
         """The blob's file in the local store, fetched from its miner if it is not there; None if that fails."""
         await self._prefetch.wait(blob_hash)  # in the local store now, unless that fetch failed
         try:
@@ -245,7 +229,7 @@ class ValidatorDuties:
             return None
 
     async def _check_candidates(self, round: int, plan: RoundPlan, miners: list[str], head: str,
-                                loaded: _Loaded) -> None:
+                                loaded: ValidatorModel) -> None:
         """Fetch and check the blobs of merge candidates this validator did not score itself."""
         for miner in miners:
             path = await self._fetch(plan.revealed[miner], miner, loaded)
@@ -267,7 +251,7 @@ class ValidatorDuties:
 
     # -- MERGE --------------------------------------------------------------------------------
 
-    async def _merge(self, round: int, loaded: _Loaded) -> None:
+    async def _merge(self, round: int, loaded: ValidatorModel) -> None:
         plan = await self._plan(round)
         if plan is None or await self.ctx.storage.round_report(round) is not None:
             return
@@ -305,7 +289,7 @@ class ValidatorDuties:
         proposed = await self._propose(round, adoption, head) if adoption.changed else None
         await self._write_report(round, plan, head, result.ranking, proposed, adoption)
 
-    async def _merge_result(self, round: int, plan: RoundPlan, head: str, loaded: _Loaded,
+    async def _merge_result(self, round: int, plan: RoundPlan, head: str, loaded: ValidatorModel,
                             reports: Mapping[str, ScoreReport]) -> tuple[MergeResult, Adoption]:
         """`merge_round` on `reports` and this round's checked blobs, fetching missing candidates once, and
         the state its gate adopts."""
@@ -378,7 +362,7 @@ class ValidatorDuties:
         await self.ctx.storage.set_round_report(round, round_report(plan, head, ranking, proposed, heard, gated))
         self.ctx.metrics.seeds_withheld(plan.unrevealed_seeds, plan.excluded)
 
-    async def _finish_report(self, round: int, loaded: _Loaded) -> None:
+    async def _finish_report(self, round: int, loaded: ValidatorModel) -> None:
         """Fill in the state round `round` ended on and its loss on that round's held-out subset; again
         when this node later follows another head (node.duties.consensus `follow`)."""
         report = await self.ctx.storage.round_report(round) if round >= 0 else None
@@ -389,7 +373,25 @@ class ValidatorDuties:
             return
         report["global_hash"] = head
         report["global_loss"] = await asyncio.to_thread(loaded.loss, dict(state.tensors), plan.seed)
+        await self._note_outvote(round, report, head)
         await self.ctx.storage.set_round_report(round, report)
+
+    async def _note_outvote(self, round: int, report: dict[str, Any], head: str) -> None:
+        """Say so, once, where validators holding a majority of weight adopted for `round` a state other than the
+        one our gate picked (the report's `gate.outvoted`, one line in the log, a counter)."""
+        gate = report.get("gate")
+        adopted = next((s for s in await self.ctx.storage.global_states(round) if s.hash == head), None)
+        if not gate or not gate.get("losses") or "outvoted" in gate or adopted is None:
+            return
+        note = outvote(gate, report["proposed_hash"], adopted, self.ctx.spec.aggregation.gate_margin)
+        if note is None:
+            return
+        gate["outvoted"] = note
+        self.ctx.metrics.outvoted()
+        gain = "" if note["gain"] is None else f"; here it measured {note['gain']:+.3g} nats against ours"
+        log.warning("round %d: outvoted: my gate adopted the %s state; validators holding a majority of weight "
+                    "adopted the %s state %s%s (the gate changes state only on a gain whose interval clears "
+                    "%g nats)", round, note["mine"], note["majority"], head[:12], gain, note["margin"])
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -421,79 +423,3 @@ class _Checked:
         if round != self.round:
             return {}
         return {miner: t for miner, t in self._tensors.items() if not isinstance(t, BlobFile) or t.path.is_file()}
-
-
-class _Loaded:
-    """What a validator loads once: the scorer (base model + held-out data), the general-domain held-out
-    sequences (None: the spec pins none) and the genesis state."""
-
-    def __init__(self, scorer: Scorer, general: torch.Tensor | None, genesis: GlobalExperts, cap: int) -> None:
-        self.scorer = scorer
-        self.general = general
-        self.genesis = genesis
-        self.cap = cap
-
-    @classmethod
-    def create(cls, ctx: NodeContext) -> _Loaded:
-        spec, spec_path = ctx.spec, ctx.config.node.spec
-        assert ctx.config.validator.heldout is not None
-        device_map = "auto" if ctx.config.validator.device == "auto" else None  # spread over all GPUs
-        model, adapter = load_base(spec, spec_path, device_map=device_map)
-        tokenizer = load_tokenizer(spec.data.tokenizer, spec_path.parent)
-        heldout = load_sequences([ctx.config.validator.heldout], tokenizer, spec.data.seq_len)
-        try:
-            check_gate_data(spec, heldout.shape[0])
-        except ValueError as exc:
-            raise ValueError(f"validator.heldout: {exc}") from None
-        general_file = ctx.config.validator.general
-        general = None if general_file is None else load_sequences([general_file], tokenizer, spec.data.seq_len)
-        section = ctx.config.validator
-        check_device(section.device, model, section.batch_size, spec.data.seq_len)
-        scorer = Scorer(model, adapter, spec, heldout, tokenizer.pad_id, section.device, section.batch_size,
-                        section.weights)
-        # The base's experts in the dtype the model holds them (bf16 for a bf16 checkpoint): their exact values at
-        # half fp32's bytes (0.4 GB at OLMoE-1B-7B's size), as a miner holds them; every use takes them to fp32.
-        held = tensor_attr(adapter.experts(model, min(spec.group)), "gate_up_proj").dtype
-        genesis = GlobalExperts.genesis(spec, extract(model, adapter, spec.group, held))
-        cap = submission_cap(spec, scorer.shapes)  # the format's own cap: a pgrad blob is far smaller
-        return cls(scorer, general, genesis, cap)
-
-    def loss(self, tensors: dict[str, torch.Tensor], seed: str) -> float:
-        """Held-out loss of the model holding `tensors` on the subset `seed` picks."""
-        s = self.scorer
-        apply_global(s.model, s.adapter, tensors)
-        sequences = heldout_subset(s.heldout, seed, s.spec.data.heldout_sequences)
-        return s.loss(sequences)
-
-
-def _check_general(ctx: NodeContext) -> None:
-    """Refuse a general-domain held-out file the spec does not pin, or a missing or other one where it pins one."""
-    pinned, general = ctx.spec.data.general_sha256, ctx.config.validator.general
-    if pinned is None and general is not None:
-        raise ValueError("validator.general: the spec pins no general-domain held-out file (data.general_sha256); "
-                         "remove validator.general")
-    if pinned is None:
-        return
-    if general is None:
-        raise ValueError("validator.general: the spec pins a general-domain held-out file (data.general_sha256); "
-                         "give its path")
-    actual = file_sha256(general) if general.is_file() else None
-    if actual != pinned:
-        raise ValueError(f"validator.general: {general} {'hashes to ' + actual if actual else 'is not a file'}, but "
-                         f"the spec pins data.general_sha256 = {pinned}; use the network's general-domain file")
-
-
-def _check_disjoint(ctx: NodeContext) -> None:
-    """Refuse a held-out file that shares a document with the spec's training files (those present here)."""
-    assert ctx.config.validator.heldout is not None
-    train = [spec_dir_path(ctx.config.node.spec, p) for p in ctx.spec.data.train]
-    present = [p for p in train if p.is_file()]
-    if not present:
-        log.warning("none of the spec's training files is here; cannot check the held-out file is disjoint")
-        return
-    documents = [doc for p in present for doc in read_documents(p)]
-    try:
-        check_disjoint(documents, read_documents(ctx.config.validator.heldout))
-    except ValueError as exc:
-        raise ValueError(f"validator.heldout: {ctx.config.validator.heldout}: {exc}; "
-                         "a held-out file must share nothing with the training files") from exc
