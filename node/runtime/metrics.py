@@ -89,6 +89,9 @@ class NodeMetrics:
                                        ["candidate"], registry=r)
         self.gate_adopted = Gauge("tessera_gate_adopted", "Validators: 1 for the candidate the merge gate adopted in "
                                   "the last round that weighed candidates, 0 for the others.", ["candidate"], registry=r)
+        self.gate_outvoted = Counter("tessera_gate_outvoted", "Validators: rounds in which validators holding a "
+                                     "majority of weight adopted another state than this validator's merge gate "
+                                     "picked.", registry=r)
         self.agreement = Gauge("tessera_validator_agreement", "Share of validator weight behind the most-voted "
                                "global state of the last round with votes.", registry=r)
         self.seed_withheld = Counter("tessera_seed_withheld", "Rounds in which a validator committed a seed "
@@ -131,6 +134,10 @@ class NodeMetrics:
         for verdict, reason in verdicts:
             self.eval_seconds.observe(seconds / len(verdicts))
             self.scored.labels(verdict=verdict, reason=self._scored_reason(reason)).inc()
+
+    def outvoted(self) -> None:
+        """A round settled on another state than the one this validator's gate picked."""
+        self.gate_outvoted.inc()
 
     def seeds_withheld(self, withheld: Sequence[str], excluded: Sequence[str]) -> None:
         """A validator's round plan: validators that withheld their seed in it, and those it excluded."""

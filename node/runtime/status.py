@@ -8,7 +8,8 @@ validator's score. The held-out loss of the state adopted after round r is the v
 of it, else the median base loss of round r+1's score reports (measured against that state): so on a
 miner a round's adopted loss shows once the next round's reports are in, also for a round it could not
 rank (then without miner rows). A validator's rounds also carry its merge gate's verdict (`gate`: the
-candidate adopted, each one's loss). At each scrape, `refresh_metrics` copies the same numbers into the
+candidate adopted, each one's loss, and where it was outvoted, `outvoted`), and its status the latest
+outvote among the rounds shown. At each scrape, `refresh_metrics` copies the same numbers into the
 node's Prometheus gauges. This module knows nothing about HTTP, computes no ranking, and never writes to
 storage.
 """
@@ -81,7 +82,20 @@ class StatusViews:
         status["head_round"] = next((s.round for s in states if s.hash == head), None)
         status["agreement"] = self._agreement(states)
         status["me"] = await self.miner(ctx.identity.node_id) if ctx.config.node.role == "miner" else None
+        status["outvoted"] = await self._outvoted()
         return status
+
+    async def _outvoted(self) -> dict[str, Any] | None:
+        """A validator's latest round among those shown in which validators holding a majority of weight adopted
+        another state than its gate picked (`node.duties.report.outvote`, with its round); else None."""
+        latest = await self.ctx.storage.latest_round()
+        if self.ctx.config.node.role != "validator" or latest is None:
+            return None
+        for r in range(latest, max(-1, latest - ROUNDS_SHOWN), -1):
+            gate = ((await self.ctx.storage.round_report(r)) or {}).get("gate") or {}
+            if gate.get("outvoted"):
+                return {"round": r, **gate["outvoted"]}
+        return None
 
     async def rewards(self) -> dict[str, Any]:
         """The ledger's entries of its last ROUNDS_SHOWN rounds and its STANDINGS_SHOWN best standings (the whole

@@ -93,6 +93,13 @@ function renderGlance(status) {
   $("clock-alert").textContent = behind ? `This node's clock is probably at least ${behind.behind_by_at_least_s} s ` +
     `behind: messages from ${behind.early_validators} validator(s) arrived before their windows opened. Peers judge this ` +
     `node's messages by their clocks; check that this machine keeps time (NTP).` : "";
+  const outvoted = status.outvoted;
+  $("outvote-alert").hidden = !outvoted;
+  $("outvote-alert").textContent = outvoted ? `Outvoted in round ${outvoted.round}: this validator's merge gate ` +
+    `adopted the ${outvoted.mine} state, validators holding a majority of weight the ${outvoted.majority} state ` +
+    `${short(outvoted.state)}` + (outvoted.gain === null ? "" : ` (here it measured ${Number(outvoted.gain).toPrecision(2)} nats ` +
+    `against ours; a change needs a gain whose interval clears ${outvoted.margin} nats)`) +
+    `. This node follows the majority's state.` : "";
   tick();
 }
 

@@ -2,7 +2,8 @@
 reason, a network name) is shown as text and never run as markup, standings are ordered best first,
 a validator's page shows any miner's history from its link, the header says how the network learns,
 a failing node shows an error instead of stale numbers, leaderboards of rounds the node no longer
-serves go, and a node whose key another node uses says so. The page on a real simulation is checked in tests/integration/test_network.py."""
+serves go, a node whose key another node uses says so, and so does a validator outvoted on a round's state.
+The page on a real simulation is checked in tests/integration/test_network.py."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ class FakeValidator:
         self.broken = False
         self.key_used_elsewhere: dict[str, Any] | None = None
         self.clock_behind: dict[str, Any] | None = None
+        self.outvoted: dict[str, Any] | None = None
         self.hold = threading.Event()  # cleared: /status answers only once it is set again
         self.hold.set()
         self.in_flight = self.most_in_flight = 0
@@ -57,7 +59,7 @@ class FakeValidator:
                 "phase": "train", "peers": 2, "head": "ee" * 32, "head_round": 0, "me": None,
                 "agreement": {"round": 0, "share": 1.0}, "next_phase": {"round": 1, "phase": "commit", "in_s": 65},
                 "learning": self.learning, "key_used_elsewhere": self.key_used_elsewhere,
-                "clock_behind": self.clock_behind}
+                "clock_behind": self.clock_behind, "outvoted": self.outvoted}
 
     async def rewards(self) -> dict[str, Any]:
         return {"entries": [], "standings": {B: 0.1, A: 0.3}}
@@ -125,6 +127,14 @@ def test_the_page_renders_peer_text_as_text(browser: Any, served: tuple[HttpApi,
     assert page.locator("#clock-alert").inner_text() == (
         "This node's clock is probably at least 42.5 s behind: messages from 3 validator(s) arrived before their "
         "windows opened. Peers judge this node's messages by their clocks; check that this machine keeps time (NTP).")
+    assert page.locator("#outvote-alert").is_hidden()
+    node.outvoted = {"round": 3, "mine": "merged", "majority": "best_single", "state": "ab" * 32, "gain": -3.8e-9,
+                     "margin": 1e-4}
+    page.wait_for_selector("#outvote-alert:not([hidden])", timeout=10_000)
+    assert page.locator("#outvote-alert").inner_text() == (
+        "Outvoted in round 3: this validator's merge gate adopted the merged state, validators holding a majority "
+        "of weight the best_single state abababababab (here it measured -3.8e-9 nats against ours; a change needs "
+        "a gain whose interval clears 0.0001 nats). This node follows the majority's state.")
 
     node.broken = True
     page.wait_for_selector("#error:not([hidden])", timeout=10_000)

@@ -302,3 +302,18 @@ async def test_a_validator_exports_no_miner_result_gauges(storage: Storage, spec
     await views.refresh_metrics()
     text = views.ctx.metrics.render().decode()
     assert not [line for line in text.splitlines() if line.startswith("tessera_miner_")], text
+
+
+async def test_a_validators_status_names_its_latest_outvote(storage: Storage, spec: NetworkSpec,
+                                                          validator_ids: list[Identity]) -> None:
+    outvote = {"mine": "merged", "majority": "best_single", "state": "ab" * 32, "gain": -4e-9, "margin": 1e-4}
+    for r in range(3):
+        await storage.record_round(r, float(r))
+        gate = {"adopted": "merged", "losses": {"current": 3.0, "merged": 2.5}}
+        await storage.set_round_report(r, {"round": r, "gate": {**gate, "outvoted": outvote} if r == 1 else gate})
+    validator = views_for(storage, spec, validator_ids[0], "validator")
+    assert (await validator.status())["outvoted"] == {"round": 1, **outvote}
+    assert (await views_for(storage, spec, validator_ids[0], "miner").status())["outvoted"] is None
+
+    await storage.record_round(1 + ROUNDS_SHOWN, 9.0)  # the outvoted round is no longer among those shown
+    assert (await validator.status())["outvoted"] is None
