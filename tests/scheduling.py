@@ -4,8 +4,9 @@ A worker runs one file at a time, and the suite ends when the last worker finish
 CPU (4-worker runs of 380-440 s here kept the cores busy for 750-780 core-seconds), so what counts is that every file
 that mostly waits runs beside files that keep the cores busy.
 
-Collection (`pytest_collection_modifyitems`) puts first (FIRST) the network simulation, minutes of waiting on a round
-schedule, and beside it the real-size benchmark's small run (2-3 minutes of commands run one at a time); then the
+Collection (`pytest_collection_modifyitems`) puts first (FIRST) the network simulation and the unlike validators'
+network, minutes of waiting on a round schedule each, and beside them the real-size benchmark's small run (2-3
+minutes of commands run one at a time); then the
 in-process files that take longest, and the benchmarks that mostly wait on a round schedule (WAITING: soak,
 simulation, round), which run among the in-process tests. The other files that start processes of their own (real
 nodes, benchmarks, commands: LAST) come after the in-process ones, so they do not crowd the network's first rounds,
@@ -35,7 +36,7 @@ from xdist.workermanage import WorkerController
 TESTS = Path(__file__).parent
 # The order of the files named here is the docstring's; the others keep pytest's order within their group.
 FIRST = (
-    "integration/test_network.py", "bench/test_real_size.py",
+    "integration/test_network.py", "bench/test_real_size.py", "integration/test_unlike_validators.py",
     "training/test_allocator.py", "node/runtime/test_status_page_render.py", "training/test_trainer_memory.py",
     "training/test_device_memory.py",
     "bench/test_soak.py", "bench/test_simulation.py", "bench/test_round.py",

@@ -139,6 +139,8 @@ class SimNode:
     args: list[str]
     """What follows `tessera` on its command line: the role and `--config FILE`."""
     http_port: int | None
+    program: str = "node.cli.main"
+    """The module whose `main(args)` the process runs: `tessera` itself, or a test's wrapper around it."""
     proc: subprocess.Popen[bytes] | WarmProcess | None = None
     stopped_on_purpose: bool = False
     starts: int = 0
@@ -158,8 +160,8 @@ class SimNode:
 
     @property
     def command(self) -> list[str]:
-        """The node as a program of its own: `python -m node.cli ARGS`."""
-        return [sys.executable, "-m", "node.cli", *self.args]
+        """The node as a program of its own: `python -m node.cli ARGS` (or its `program`)."""
+        return [sys.executable, "-m", "node.cli" if self.program == "node.cli.main" else self.program, *self.args]
 
     def start(self) -> None:
         """Start the node, forked from the warm fork server (node.sim.warm), or, where the environment
@@ -175,7 +177,7 @@ class SimNode:
                 self.proc = subprocess.Popen(self.command, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log,
                                              stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent)
             else:
-                self.proc = WarmProcess(self.args, str(self.log_path), env, str(ROOT))
+                self.proc = WarmProcess(self.args, str(self.log_path), env, str(ROOT), self.program)
         self.starts += 1
         self.stopped_on_purpose = False
 
