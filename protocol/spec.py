@@ -206,6 +206,20 @@ class SubmissionSpec(_Strict):
         return self
 
 
+class Lineage(_Strict):
+    """Where a successor spec comes from (`protocol.successor.successor_spec` derives it); a genesis spec has none."""
+
+    genesis: Hex32 = Field(description="Network id of the network's genesis spec: the gossip topic and every "
+                           "envelope's `network`, for the network's whole life.")
+    predecessor: Hex32 = Field(description="Network id of the spec this one succeeds.")
+    document: Hex32 = Field(description="SHA-256 of the successor document's body (signatures aside).")
+    activation: int = Field(ge=1, description="The first round in which this spec is in force.")
+    base: Hex32 = Field(description="The predecessor's adopted state at the end of round activation - 1: the root "
+                        "of this spec's chain of global states.")
+    inherits: list[Hex32] = Field(default_factory=list, description="Global states of earlier specs, oldest first, "
+                                  "written into the base model before this spec's group is cut from it.")
+
+
 class NetworkSpec(_Strict):
     """Everything one network agrees on. `network_id` hashes its canonical encoding."""
 
@@ -221,6 +235,8 @@ class NetworkSpec(_Strict):
     aggregation: AggregationSpec = AggregationSpec()
     limits: LimitSpec = LimitSpec()
     submission: SubmissionSpec = SubmissionSpec()
+    lineage: Lineage | None = Field(default=None, description="Set in a successor spec only: its predecessor, "
+                                    "activation round and base state.")
 
     @field_validator("genesis")
     @classmethod
@@ -232,16 +248,7 @@ class NetworkSpec(_Strict):
     @field_validator("group")
     @classmethod
     def _group(cls, value: dict[int, list[int]]) -> dict[int, list[int]]:
-        if not value:
-            raise ValueError("the expert group is empty")
-        for layer, experts in value.items():
-            if layer < 0:
-                raise ValueError(f"layer {layer} is negative")
-            if not experts:
-                raise ValueError(f"layer {layer} selects no experts")
-            if any(e < 0 for e in experts) or len(set(experts)) != len(experts):
-                raise ValueError(f"layer {layer}: expert ids must be distinct and non-negative")
-        return {layer: sorted(value[layer]) for layer in sorted(value)}
+        return checked_group(value)
 
     @field_validator("validators")
     @classmethod
@@ -271,9 +278,25 @@ class NetworkSpec(_Strict):
     def total_validator_weight(self) -> float:
         return sum(v.weight for v in self.validators)
 
+    @property
+    def first_round(self) -> int:
+        """The first round in which this spec is in force: 0, or a successor's activation round."""
+        return 0 if self.lineage is None else self.lineage.activation
+
+    @property
+    def root(self) -> str:
+        """The root of this spec's chain of global states: the base model's hash, or a successor's base state."""
+        return self.model.base_hash if self.lineage is None else self.lineage.base
+
+    @property
+    def gossip_id(self) -> str:
+        """The id every envelope carries and the gossip topic is named by: the genesis spec's network id."""
+        return self.network_id if self.lineage is None else self.lineage.genesis
+
     def canonical_bytes(self) -> bytes:
-        """The canonical encoding that `network_id` hashes: every field, defaults and nulls included."""
-        data = self.model_dump(mode="json")
+        """The canonical encoding that `network_id` hashes: every field, defaults and nulls included, but for the
+        `lineage` of a genesis spec (which has none), so that field left the ids of genesis specs as they were."""
+        data = self.model_dump(mode="json", exclude={"lineage"} if self.lineage is None else None)
         data["group"] = {str(k): v for k, v in self.group.items()}
         return canonical_json(data)
 
@@ -283,8 +306,24 @@ class NetworkSpec(_Strict):
         return sha256_hex(self.canonical_bytes())
 
 
-def parse_spec(data: dict[str, object]) -> NetworkSpec:
-    """Validate a spec from already-decoded TOML data; raises SpecError naming the field."""
+def checked_group(value: dict[int, list[int]]) -> dict[int, list[int]]:
+    """An expert group with layers and experts sorted; ValueError for an empty one, a negative layer or a layer
+    naming no, negative or repeated experts."""
+    if not value:
+        raise ValueError("the expert group is empty")
+    for layer, experts in value.items():
+        if layer < 0:
+            raise ValueError(f"layer {layer} is negative")
+        if not experts:
+            raise ValueError(f"layer {layer} selects no experts")
+        if any(e < 0 for e in experts) or len(set(experts)) != len(experts):
+            raise ValueError(f"layer {layer}: expert ids must be distinct and non-negative")
+    return {layer: sorted(value[layer]) for layer in sorted(value)}
+
+
+def int_layer_keys(data: dict[str, object]) -> dict[str, object]:
+    """Decoded TOML or JSON data with its `group` keyed by integer layers (TOML and JSON keys are strings);
+    SpecError for a key that is not an integer or a layer given twice (`1` and `01`)."""
     fixed = dict(data)
     if isinstance(fixed.get("group"), dict):
         group: dict[int, object] = {}
@@ -297,6 +336,12 @@ def parse_spec(data: dict[str, object]) -> NetworkSpec:
                 raise SpecError(f"group: layer {layer} is given twice, as {key!r} and another spelling")
             group[layer] = experts
         fixed["group"] = group
+    return fixed
+
+
+def parse_spec(data: dict[str, object]) -> NetworkSpec:
+    """Validate a spec from already-decoded TOML data; raises SpecError naming the field."""
+    fixed = int_layer_keys(data)
     if isinstance(fixed.get("genesis"), str):
         try:
             fixed["genesis"] = datetime.fromisoformat(fixed["genesis"])  # type: ignore[arg-type]
