@@ -51,7 +51,7 @@ from training.checkpoint import (
 )
 from training.compressed import CompressedModel, compress
 from training.experts import PARAMS, ExpertGroup, check_group, parse_name, tensor_name
-from training.tiny import build_tiny_model, hf_config
+from training.tiny import build_tiny_model, hf_config, meta_tiny_model
 
 DeviceMap = str | dict[str, Any] | None
 
@@ -236,6 +236,22 @@ def load_compressed_base(
         return compress(_tiny_base(spec, spec_path), adapter_for(spec.model.family), spec.group)
     return load_compressed(checked_checkpoint(spec, spec_path), spec.group, dtype=dtype,
                            attn_implementation=attn_implementation or "sdpa", progress=progress)
+
+
+def model_skeleton(spec: NetworkSpec, spec_path: str | Path) -> tuple[PreTrainedModel, MoEAdapter]:
+    """The spec's base model with no weights (on the meta device) and its adapter: its layers, experts and shapes,
+    read from its config alone (`expected_shapes` of a group, `moe_experts`)."""
+    adapter = adapter_for(spec.model.family)
+    if spec.model.config is not None:
+        return meta_tiny_model(spec.model.family, spec_model_config(spec, spec_path)), adapter
+    assert spec.model.checkpoint is not None, "the spec validator requires config or checkpoint"
+    return meta_model(spec_dir_path(spec_path, spec.model.checkpoint)), adapter
+
+
+def moe_experts(model: torch.nn.Module, adapter: MoEAdapter) -> dict[int, int]:
+    """The model's MoE layers -> how many routed experts each holds."""
+    count = adapter.num_experts(model)
+    return {layer: count for layer in adapter.moe_layers(model)}
 
 
 def spec_model_config(spec: NetworkSpec, spec_path: str | Path) -> dict[str, Any]:

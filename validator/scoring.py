@@ -136,6 +136,8 @@ class Scorer:
             commitment=commitment,
             max_header_bytes=self.spec.limits.max_header_bytes,
             pgrad=self.pgrad,
+            predecessor=None if self.spec.lineage is None else self.spec.lineage.predecessor,
+            since_round=self.spec.first_round,
         )
         verdict = check_submission(data, expect)
         if self.pgrad is None or not verdict.ok:
