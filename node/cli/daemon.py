@@ -104,6 +104,7 @@ def run_daemon(args: argparse.Namespace) -> int:
 
 
 def _serve(config: NodeConfig) -> int:
+    from node.duties.succession import Succession
     from node.runtime.daemon import serve
 
     if config.node.role == "miner":
@@ -114,10 +115,10 @@ def _serve(config: NodeConfig) -> int:
             from node.sim.adversaries import miner_factory
 
             duties = miner_factory(config.miner.behaviour)
-        return serve(config, duties)
+        return serve(config, Succession.around(duties))
     from node.duties.validator import ValidatorDuties
 
-    return serve(config, ValidatorDuties)
+    return serve(config, Succession.around(ValidatorDuties))
 
 
 def run_status(args: argparse.Namespace) -> int:

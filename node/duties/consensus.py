@@ -193,7 +193,7 @@ class Consensus:
 
     async def _serve_head(self) -> None:
         head = await self.ctx.storage.head()
-        if head is None or head == self.ctx.spec.model.base_hash or head == self._serving:
+        if head is None or head == self.ctx.spec.root or head == self._serving:
             return
         if not self.ctx.blobs.has(head):
             return  # re-fetched by `load` when next needed
@@ -203,8 +203,9 @@ class Consensus:
         self._serving = head
 
     async def settle(self, round: int, shapes: Shapes) -> str:
-        """At TRAIN of `round`: adopt round-1's majority state (a late joiner learns the head); the head."""
-        if round > 0:
+        """At TRAIN of `round`: adopt round-1's majority state (a late joiner learns the head); the head. A
+        successor spec settles no round before its first: the spec it succeeds settled that one."""
+        if round > self.ctx.spec.first_round:
             await self._adopt(round - 1, shapes)
         await self.ensure_head(round, shapes)
         return await self.ctx.head()
@@ -214,7 +215,7 @@ class Consensus:
         if await self.ctx.storage.head() is not None:
             return True
         if round == 0:
-            await self.ctx.storage.set_head(self.ctx.spec.model.base_hash)
+            await self.ctx.storage.set_head(self.ctx.spec.root)
             return True
         return await self.learn_head(round, shapes)
 
@@ -228,7 +229,7 @@ class Consensus:
         if head is None:
             log.info("round %d: head unknown; waiting for validators' heartbeats or global states", round)
             return False
-        if head != self.ctx.spec.model.base_hash:
+        if head != self.ctx.spec.root:
             try:
                 await self._fetch_checked(head, list(voters), shapes)
             except SyncError as exc:

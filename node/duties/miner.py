@@ -31,6 +31,7 @@ from miner.submission import ErrorFeedback, build_submission, encode_submission
 from node.duties.consensus import Consensus
 from node.duties.feedback import keep_feedback, load_feedback
 from node.duties.results import learn_results, unheard_by
+from node.duties.succession import inherited_paths
 from node.net.network import PublishRefused
 from node.runtime.config import MinerSection
 from node.runtime.context import BuiltOnce, DutiesFactory, HeartbeatDuties, NodeContext
@@ -40,7 +41,7 @@ from protocol.messages import Commit, Envelope, Message, Reveal
 from protocol.rounds import Phase
 from protocol.spec import NetworkSpec, spec_dir_path
 from training.device import check_device
-from training.state import GlobalExperts
+from training.state import GlobalExperts, inherited_experts
 
 log = logging.getLogger(__name__)
 
@@ -135,9 +136,9 @@ class MinerDuties:
         self.heartbeat = HeartbeatDuties(ctx)
         self.arrivals = asyncio.Event()
         section = ctx.config.miner
-        self.model = BuiltOnce(lambda: MinerModel.load(ctx.spec, ctx.config.node.spec,
-                                                       [section.data] if section.data else [],
-                                                       forward=section.forward))
+        self.model = BuiltOnce(lambda: MinerModel.load(
+            ctx.spec, ctx.config.node.spec, [section.data] if section.data else [], forward=section.forward,
+            inherited=inherited_experts(inherited_paths(ctx), ctx.spec.limits.max_header_bytes)))
         self._served: str | None = None
 
     @staticmethod
@@ -163,6 +164,11 @@ class MinerDuties:
     async def on_message(self, envelope: Envelope, message: Message) -> None:
         await self.consensus.on_message(envelope, message)
         self.arrivals.set()
+
+    async def close(self, round: int) -> None:
+        model = await self.model.get()
+        await self.consensus.settle(round, model.shapes)
+        await learn_results(self.ctx.storage, self.ctx.spec, round - 1)
 
     async def _say_if_unheard(self, plan: RoundPlan) -> None:
         """Warn when every validator assigned to this miner reported on the round and none named it."""

@@ -47,7 +47,7 @@ def leaderboard(round: int, head: str, ranking: RoundRanking, reports: Mapping[s
 async def learn_results(storage: Storage, spec: NetworkSpec, round: int) -> RoundPlan | None:
     """Rank a settled round from the public reports, unless its leaderboard is already stored; the plan it
     was ranked on, or None where it was not ranked now."""
-    if round < 0 or await storage.round_results(round) is not None:
+    if round < spec.first_round or await storage.round_results(round) is not None:
         return None
     reports = await storage.score_reports(round)
     plan = await storage.round_plan(round) or await make_plan(storage, spec, round)
@@ -78,4 +78,4 @@ def unheard_by(plan: RoundPlan, reports: Mapping[str, ScoreReport], miner: str) 
 async def _round_head(storage: Storage, spec: NetworkSpec, round: int) -> str:
     """The state `round` built on: the parent of the state it ended on, else the (unchanged) head."""
     adopted = [s for s in await storage.global_states(round) if s.adopted]
-    return adopted[0].parent if adopted else await storage.head() or spec.model.base_hash
+    return adopted[0].parent if adopted else await storage.head() or spec.root

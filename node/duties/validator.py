@@ -42,6 +42,7 @@ from node.duties.plan import make_plan, unpaired
 from node.duties.prefetch import Prefetcher, early_assignment
 from node.duties.report import outvote, round_report
 from node.duties.results import leaderboard, learn_results
+from node.duties.succession import inherited_paths
 from node.net.network import NetworkError, PublishRefused
 from node.runtime.context import BuiltOnce, HeartbeatDuties, NodeContext
 from node.store.records import Proposal, RewardRecord, RoundPlan
@@ -63,10 +64,10 @@ from protocol.seeds import commitment, new_seed
 from training.blob import BlobFile
 from training.device import check_device
 from training.experts import Tensors
-from training.state import GlobalExperts
+from training.state import GlobalExperts, inherited_experts
 from validator.device import skeleton
 from validator.merge import Adoption, MergeInputError, MergeResult, MissingBlobError, gate, merge_round
-from validator.model import ValidatorModel, check_files
+from validator.model import ValidatorModel, check_files, spec_files
 from validator.scoring import gate_measure
 
 log = logging.getLogger(__name__)
@@ -82,9 +83,9 @@ class ValidatorDuties:
 
     def __init__(self, ctx: NodeContext) -> None:
         section, spec_path = ctx.config.validator, ctx.config.node.spec
-        heldout = section.heldout
-        assert heldout is not None, "the config requires validator.heldout for a validator"
-        check_files(ctx.spec, spec_path, heldout, section.general)
+        assert section.heldout is not None, "the config requires validator.heldout for a validator"
+        heldout, general = spec_files(ctx.spec, section.heldout, section.general, section.data)
+        check_files(ctx.spec, spec_path, heldout, general)
         check_device(section.device, skeleton(ctx.spec, spec_path), section.batch_size, ctx.spec.data.seq_len)
         self.ctx = ctx
         self.me = ctx.identity.node_id
@@ -93,8 +94,9 @@ class ValidatorDuties:
         self.arrivals = asyncio.Event()
         self.state: GlobalExperts | None = None
         self.synced = False
-        self._loaded = BuiltOnce(lambda: ValidatorModel.load(ctx.spec, spec_path, heldout, section.general,
-                                                              section.device, section.batch_size, section.weights))
+        self._loaded = BuiltOnce(lambda: ValidatorModel.load(
+            ctx.spec, spec_path, heldout, general, section.device, section.batch_size, section.weights,
+            inherited_experts(inherited_paths(ctx), ctx.spec.limits.max_header_bytes)))
         self._checked = _Checked(-1)
         self._prefetch = Prefetcher(ctx.network, report_capacity(ctx.spec.limits.max_message_bytes),
                                     section.prefetch_bytes)
@@ -122,6 +124,12 @@ class ValidatorDuties:
             await self._evaluate(round, loaded)
         elif phase is Phase.MERGE:
             await self._merge(round, loaded)
+
+    async def close(self, round: int) -> None:
+        loaded = await self._loaded.get()
+        await self.consensus.settle(round, loaded.scorer.shapes)
+        await self._load_head(loaded)
+        await self._finish_report(round - 1, loaded)
 
     async def on_message(self, envelope: Envelope, message: Message) -> None:
         await self.consensus.on_message(envelope, message)
@@ -365,7 +373,7 @@ class ValidatorDuties:
     async def _finish_report(self, round: int, loaded: ValidatorModel) -> None:
         """Fill in the state round `round` ended on and its loss on that round's held-out subset; again
         when this node later follows another head (node.duties.consensus `follow`)."""
-        report = await self.ctx.storage.round_report(round) if round >= 0 else None
+        report = await self.ctx.storage.round_report(round) if round >= self.ctx.spec.first_round else None
         plan = await self.ctx.storage.round_plan(round) if report is not None else None
         head = await self.ctx.head()
         state = self.state  # round + 1's, where a restart late in round + 1's MERGE followed its votes first

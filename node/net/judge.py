@@ -109,7 +109,7 @@ class GossipJudge:
                  node_id: str | None = None) -> None:
         """`node_id`: this node's, which is not counted among the validators that could be early."""
         config = config or P2PConfig()
-        self.network_id = spec.network_id
+        self.network_id = spec.gossip_id
         self.max_bytes = spec.limits.max_message_bytes
         self.sender_budget = config.sender_budget
         self.penalty_threshold = config.penalty_threshold

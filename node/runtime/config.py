@@ -113,6 +113,9 @@ class ValidatorSection(_Section):
     general: ConfigPath | None = Field(
         default=None, description="The general-domain held-out file whose SHA-256 the spec pins as data.general_sha256 "
         "(required where the spec pins one): the merge gate's forgetting check reads it.")
+    data: list[ConfigPath] = Field(
+        default_factory=list, description="Held-out and general-domain files of successor specs: a validator scores "
+        "a successor with the one whose SHA-256 it pins (protocol.successor).")
     device: str = Field(
         default="cpu", description="Torch device for scoring (cpu, cuda, cuda:1); 'auto' spreads the model over all GPUs."
     )
@@ -201,7 +204,8 @@ class NodeConfig(BaseSettings):
                                             "data_dir": fix(self.node.data_dir)})
         miner = self.miner.model_copy(update={"data": fix(self.miner.data)})
         validator = self.validator.model_copy(update={"heldout": fix(self.validator.heldout),
-                                                      "general": fix(self.validator.general)})
+                                                      "general": fix(self.validator.general),
+                                                      "data": [(base / path).resolve() for path in self.validator.data]})
         return self.model_copy(update={"node": node, "miner": miner, "validator": validator})
 
 

@@ -19,7 +19,7 @@ import logging
 import sqlite3
 from collections.abc import Awaitable, Callable, Container, Iterable
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 from node.net.network import Network, NetworkError, PublishRefused
 from node.runtime.clock import Clock
@@ -27,6 +27,7 @@ from node.runtime.config import NodeConfig
 from node.runtime.metrics import NodeMetrics
 from node.store.blobs import BlobStore
 from node.store.db import Storage
+from node.store.records import SuccessorRecord
 from protocol.identity import Identity
 from protocol.messages import Envelope, Heartbeat, Message, seal
 from protocol.rounds import Phase, Schedule
@@ -76,7 +77,7 @@ class NodeContext:
         refused message leaves no trace; a duty that must not repeat an action after a crash in between
         records its intent first (a typed storage write).
         """
-        envelope = seal(message, self.spec.network_id, self.identity)
+        envelope = seal(message, self.spec.gossip_id, self.identity)
         try:
             await self.storage.record_sent(envelope)
         except (sqlite3.Error, OSError) as exc:
@@ -93,7 +94,7 @@ class NodeContext:
 
     async def head(self) -> str:
         """The global state this node builds on: the adopted head, else the base model."""
-        return await self.storage.head() or self.spec.model.base_hash
+        return await self.storage.head() or self.spec.root
 
     async def catch_up(self, round: int) -> int:
         """Ask a peer, validators first (`history_providers`), for the envelopes of `round` it accepted,
@@ -140,8 +141,22 @@ class Duties(Protocol):
         """Called for each accepted envelope (ours too) and its decoded message, after storage recorded it."""
         ...
 
+    async def close(self, round: int) -> None:
+        """The last work on a spec whose successor is in force from `round`: settle round - 1 as TRAIN of `round`
+        would (node.duties.succession then derives the successor on the head this ends on)."""
+        ...
+
 
 DutiesFactory = Callable[[NodeContext], Duties]
+
+
+@runtime_checkable
+class TakesSuccessors(Protocol):
+    """Duties that keep the chain of specs (node.duties.succession): an operator's offer goes to them."""
+
+    async def offer(self, data: bytes) -> SuccessorRecord:
+        """Judge a signed successor document; kept and offered to peers when accepted."""
+        ...
 
 
 class BuiltOnce(Generic[T]):
@@ -176,10 +191,14 @@ class HeartbeatDuties:
         role = self.ctx.config.node.role
         momentum = await self.ctx.storage.momentum() if role == "validator" else None
         try:
-            await self.ctx.publish(Heartbeat(round=round, role=role, head=head, momentum=momentum))
+            spec = None if self.ctx.spec.lineage is None else self.ctx.spec.network_id
+            await self.ctx.publish(Heartbeat(round=round, role=role, head=head, momentum=momentum, spec=spec))
         except PublishRefused as exc:
             log.info("round %d: no heartbeat: %s", round, exc)
         self._announced = round
 
     async def on_message(self, envelope: Envelope, message: Message) -> None:
+        return None
+
+    async def close(self, round: int) -> None:
         return None

@@ -33,7 +33,14 @@ from node.net.judge import GossipJudge, clock_behind, clock_suspects
 from node.net.network import Network, Subscription
 from node.runtime.clock import Clock, SystemClock
 from node.runtime.config import ConfigError, NodeConfig
-from node.runtime.context import Duties, DutiesFactory, HeartbeatDuties, LocalDelivery, NodeContext
+from node.runtime.context import (
+    Duties,
+    DutiesFactory,
+    HeartbeatDuties,
+    LocalDelivery,
+    NodeContext,
+    TakesSuccessors,
+)
 from node.runtime.http import HttpApi
 from node.runtime.metrics import NodeMetrics
 from node.runtime.preflight import alone_hint, check_listen, check_memory, check_role_key
@@ -47,6 +54,7 @@ from protocol.identity import Identity, load_or_create_identity
 from protocol.messages import Envelope, Message
 from protocol.rounds import Phase, Schedule
 from protocol.spec import NetworkSpec, SpecError, load_spec
+from protocol.successor import spec_from_bytes
 from training import allocator
 
 log = logging.getLogger(__name__)
@@ -61,8 +69,11 @@ ROUNDS_LISTED = 32
 class Node:
     """One running node. Build with `await Node.create(...)`; `await run()`; `stop()` from anywhere on the loop."""
 
-    def __init__(self, ctx: NodeContext, duties: Duties, lock: NodeLock, new_data_round: int = -1) -> None:
+    def __init__(self, ctx: NodeContext, duties: Duties, lock: NodeLock, new_data_round: int = -1,
+                 genesis: NetworkSpec | None = None) -> None:
         self.ctx = ctx
+        self.genesis = genesis or ctx.spec
+        """The network's spec file (`ctx.spec` is the spec in force when the node started: a successor's, maybe)."""
         self.duties = duties
         self._lock = lock
         self.scheduler = Scheduler(ctx.schedule, ctx.clock, self._on_phase, self._on_run)
@@ -86,6 +97,9 @@ class Node:
             spec = load_spec(config.node.spec)
         except SpecError as exc:
             raise ConfigError(f"node.spec: {exc}") from exc
+        if spec.lineage is not None:
+            raise ConfigError(f"node.spec: {config.node.spec} is a successor spec; give the network's genesis spec "
+                              "(a node follows the successors from there)")
         identity = await asyncio.to_thread(load_or_create_identity, config.node.key)
         check_role_key(config, spec, identity)
         await asyncio.to_thread(check_memory, config, spec)  # the role's step traced, before any weight loads
@@ -112,7 +126,8 @@ class Node:
             metrics = NodeMetrics()
             metrics.bind_network(lambda: network.stats, lambda: len(network.peers()),
                                  clock_suspects(spec, identity.node_id))
-            ctx = NodeContext(config, spec, schedule, identity, clock, storage, blobs, network,
+            in_force = await spec_in_force(storage, spec)
+            ctx = NodeContext(config, in_force, schedule, identity, clock, storage, blobs, network,
                               metrics, LocalDelivery())
             # in a thread: a factory may hash or read files; it may refuse, e.g. a held-out file with the wrong hash
             node_duties = await asyncio.to_thread(duties or HeartbeatDuties, ctx)
@@ -122,7 +137,7 @@ class Node:
             await storage.close()
             lock.release()
             raise
-        return cls(ctx, node_duties, lock, new_data_round)
+        return cls(ctx, node_duties, lock, new_data_round, spec)
 
     async def run(self) -> None:
         """Serve until `stop()`; always closes HTTP, network and storage on the way out."""
@@ -206,7 +221,7 @@ class Node:
                 if not any(verdict == "accept" for _, verdict in ctx.network.stats.messages):
                     log.warning("p2p: connected to %d peer(s) for a whole round and no message of network %s has "
                                 "arrived: they may run another spec (compare the network ids `tessera spec check` "
-                                "prints), or no other node of this network is up", peers, ctx.spec.network_id[:12])
+                                "prints), or no other node of this network is up", peers, ctx.spec.gossip_id[:12])
             await asyncio.sleep(PEER_WATCH_S)
 
     async def _close(self) -> None:
@@ -309,7 +324,7 @@ class Node:
         return {
             "role": ctx.config.node.role,
             "node_id": ctx.identity.node_id,
-            "network_id": ctx.spec.network_id,
+            "network_id": ctx.spec.gossip_id,
             "network": ctx.spec.name,
             "time": now,
             "round": round_,
@@ -342,6 +357,20 @@ class Node:
 
     def metrics_text(self) -> bytes:
         return self.ctx.metrics.render()
+
+    async def offer_successor(self, data: bytes) -> dict[str, Any]:
+        """An operator's successor document, judged by the node's duties: the verdict and its reason."""
+        if not isinstance(self.duties, TakesSuccessors):
+            return {"verdict": "refuse", "reason": "this node keeps no chain of specs (it runs no role's duties)"}
+        record = await self.duties.offer(data)
+        return {"verdict": record.verdict, "reason": record.reason, "document": record.document,
+                "activation": record.activation, "signed_by": int(record.signed)}
+
+
+async def spec_in_force(storage: Storage, genesis: NetworkSpec) -> NetworkSpec:
+    """The spec this node ran last (node.duties.succession keeps it across restarts), else `genesis`."""
+    spec_id = await storage.spec_in_force()
+    return genesis if spec_id is None else spec_from_bytes((await storage.specs())[spec_id].body)
 
 
 def _run_dict(run: PhaseRun) -> dict[str, Any]:

@@ -16,6 +16,7 @@ storage.
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 from protocol.messages import ScoreReport
 from protocol.ranking import update_standing
 from protocol.rounds import PHASES
+from protocol.spec import SpecError
+from protocol.successor import decode_document, spec_from_bytes
 
 if TYPE_CHECKING:
     from node.runtime.daemon import Node
@@ -83,7 +86,34 @@ class StatusViews:
         status["agreement"] = self._agreement(states)
         status["me"] = await self.miner(ctx.identity.node_id) if ctx.config.node.role == "miner" else None
         status["outvoted"] = await self._outvoted()
+        status["spec"] = await self._spec(status["round"] if status["round"] is not None else -1, now)
         return status
+
+    async def offer_successor(self, data: bytes) -> dict[str, Any]:
+        return await self.node.offer_successor(data)
+
+    async def _spec(self, current: int, now: float) -> dict[str, Any]:
+        """The spec in force (network id, first round, group) and the accepted successor due next, if any: its
+        activation round, the seconds until it, how many validators signed it and its group."""
+        storage, genesis = self.ctx.storage, self.node.genesis
+        spec_id = await storage.spec_in_force()
+        spec = genesis if spec_id is None else spec_from_bytes((await storage.specs())[spec_id].body)
+        due = [s for s in await storage.successors() if s.verdict == "accept" and s.predecessor == spec.network_id
+               and s.activation > current]
+        view: dict[str, Any] = {"id": spec.network_id, "since_round": spec.first_round, "successor": None,
+                                "group": {str(layer): experts for layer, experts in spec.group.items()}}
+        if due:
+            next_ = min(due, key=lambda s: (s.activation, s.document))
+            try:
+                document = decode_document(await asyncio.to_thread(self.ctx.blobs.path(next_.document).read_bytes))
+                group: dict[str, list[int]] | None = {str(k): v for k, v in document.group.items()}
+            except (OSError, SpecError):
+                group = None
+            view["successor"] = {"document": next_.document, "activation": next_.activation,
+                                 "in_s": round(max(0.0, self.ctx.schedule.round_start(next_.activation) - now), 1),
+                                 "signed_by": int(next_.signed), "validators": len(genesis.validators),
+                                 "group": group}
+        return view
 
     async def _outvoted(self) -> dict[str, Any] | None:
         """A validator's latest round among those shown in which validators holding a majority of weight adopted

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
+from node.duties.succession import Succession
 from node.duties.validator import ValidatorDuties
 from node.net.judge import GossipJudge
 from node.net.twin import MemoryHub
@@ -135,6 +136,13 @@ class Twins:
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.behaviours: dict[str, str] = {}
         self.miner_settings: dict[str, dict[str, object]] = {}
+        self.validator_data: list[Path] = []
+        """Validators' `[validator] data`: held-out files of successor specs."""
+        self.chained = False
+        """Whether nodes run their role's duties inside node.duties.succession, as `tessera miner|validator` does
+        (off by default: other tests reach into the role's duties as `node.duties`)."""
+        self.unchained: set[str] = set()
+        """Nodes that run their role's duties alone all the same (they never change spec)."""
 
     async def start(self, name: str, behaviour: str = "honest", miner: dict[str, object] | None = None) -> Node:
         """Create and run node `name` ("validator-0", "miner-3") on its own files (kept across restarts);
@@ -147,10 +155,12 @@ class Twins:
             save_identity(identity(name), key)
         config = NodeConfig(node={"role": role, "spec": self.spec_path, "key": key, "data_dir": self.root / name},
                             http={"enabled": False}, miner={"behaviour": behaviour, **miner},
-                            validator={"heldout": self.root / "net" / "heldout.jsonl"})
+                            validator={"heldout": self.root / "net" / "heldout.jsonl", "data": self.validator_data})
         network = self.hub.join(identity(name).node_id, GossipJudge(self.spec, self.clock.now),
                                 BlobStore(config.blob_dir))
         duties = miner_factory(behaviour) if role == "miner" else ValidatorDuties
+        if self.chained and name not in self.unchained:
+            duties = Succession.around(duties)
         node = await Node.create(config, network=network, clock=self.clock, duties=duties)
         self.nodes[name] = node
         waiting = self.clock.sleepers
