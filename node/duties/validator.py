@@ -57,7 +57,7 @@ from protocol.messages import (
     fit_report,
     report_capacity,
 )
-from protocol.ranking import RoundRanking, update_standing
+from protocol.ranking import NoCountedReports, RoundRanking, update_standing
 from protocol.rounds import Phase
 from protocol.seeds import commitment, new_seed
 from training.blob import BlobFile
@@ -277,7 +277,7 @@ class ValidatorDuties:
             reports = {v: report for v, report in reports.items() if v in merged_from}
         try:
             result, adoption = await self._merge_result(round, plan, head, loaded, reports)
-        except MergeInputError as exc:
+        except (MergeInputError, NoCountedReports) as exc:
             log.warning("round %d: no merge: %s", round, exc)
             await self._write_report(round, plan, head, None, None, None)
             return
