@@ -13,6 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from protocol.files import write_file
+
 if TYPE_CHECKING:
     import torch
 
@@ -87,21 +89,18 @@ def write_new_file(path: Path, data: bytes, flag: str) -> None:
     """Write a result to `path`, which `check_output_file` found free before the work began: through a
     synced temporary sibling linked into place, so it appears whole or not at all, and a file that
     appeared there meanwhile is never replaced (ValueError naming it)."""
-    from training.blob import write_blob_file
-
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        write_blob_file(path, data, replace=False)
+        write_file(path, data, replace=False)
     except FileExistsError:
         raise ValueError(f"{flag} {path}: a file appeared there while this ran; it was not overwritten") from None
 
 
 def write_atomically(path: Path, text: str) -> None:
-    """Write `text` to `path` (replacing it) whole or not at all: `training.blob.write_blob_file`."""
-    from training.blob import write_blob_file
+    """Write `text` to `path` (replacing it) whole or not at all: `protocol.files.write_file`."""
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_blob_file(path, text.encode("utf-8"))
+    write_file(path, text.encode("utf-8"))
 
 
 def round_seed(text: str) -> str:
