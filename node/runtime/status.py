@@ -8,13 +8,14 @@ validator's score. The held-out loss of the state adopted after round r is the v
 of it, else the median base loss of round r+1's score reports (measured against that state): so on a
 miner a round's adopted loss shows once the next round's reports are in, also for a round it could not
 rank (then without miner rows). A validator's rounds also carry its merge gate's verdict (`gate`: the
-candidate adopted, each one's loss). At each scrape, `refresh_metrics` copies the same numbers into the
-node's Prometheus gauges. This module knows nothing about HTTP, computes no ranking, and never writes to
-storage.
+candidate adopted, each one's loss). At each scrape, `refresh_metrics` copies the same numbers, and the
+disk's free and needed bytes, into the node's Prometheus gauges. This module knows nothing about HTTP,
+computes no ranking, and never writes to storage.
 """
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
@@ -117,7 +118,9 @@ class StatusViews:
         return self.node.metrics_text()
 
     async def refresh_metrics(self) -> None:
-        """Set the gauges that come from round results: losses, own rank and reward, agreement, verdicts."""
+        """Set the gauges that come from round results (losses, own rank and reward, agreement, verdicts) and the
+        data directory's free and needed bytes."""
+        await asyncio.to_thread(self.ctx.disk.look)
         views = await self._views()
         states = await self._recent_states()
         me = self.ctx.identity.node_id

@@ -1,7 +1,9 @@
 """Whether a failed write means a full disk: the OS's ENOSPC or EDQUOT, SQLite's SQLITE_FULL, or the blob
-store's budget (`BlobStoreFull`, an ENOSPC), raised itself, behind the error raised (`raise ... from`, or
-raised while handling it) or inside an exception group (a trio nursery's). This module knows nothing about
-what was being written.
+store's budget.
+
+The budget's refusal is `BlobStoreFull`, an ENOSPC. The error may be the one raised, behind it (`raise ...
+from`, or raised while handling it) or inside an exception group (a trio nursery's). This module knows
+nothing about what was being written.
 """
 
 from __future__ import annotations

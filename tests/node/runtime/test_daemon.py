@@ -28,7 +28,7 @@ from protocol.identity import Identity, load_identity, save_identity
 from protocol.messages import Commit, Envelope, GlobalState, Heartbeat, Message, Reveal, seal
 from protocol.rounds import Phase, Schedule
 from protocol.spec import NetworkSpec, load_spec, parse_spec
-from tests.conftest import make_identity, make_spec_dict, to_toml
+from tests.conftest import make_identity, make_spec_dict, to_toml, write_model_config
 
 VALIDATOR = make_identity(0)
 MINER = make_identity(100)
@@ -65,6 +65,7 @@ class Probe(HeartbeatDuties):
 def write_node(tmp_path: Path) -> tuple[NodeConfig, NetworkSpec]:
     spec_path = tmp_path / "spec.toml"
     spec_path.write_text(to_toml(make_spec_dict()), encoding="utf-8")
+    write_model_config(tmp_path)
     save_identity(VALIDATOR, tmp_path / "node.key")
     (tmp_path / "node.toml").write_text(
         '[node]\nrole = "validator"\nspec = "spec.toml"\n[http]\nport = 0\n[validator]\nheldout = "h.jsonl"\n',
