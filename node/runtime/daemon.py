@@ -262,12 +262,14 @@ class Node:
     async def _handle(self, envelope: Envelope, message: Message) -> None:
         """Record an accepted envelope, then hand it and its decoded message to the duties.
 
-        A message that cannot be recorded (a full or failing disk) is logged and left out, and the node
-        goes on: the duties never act on what storage does not hold."""
+        A message that cannot be recorded (a full or failing disk) is logged (a full disk once a round) and
+        left out, and the node goes on: the duties never act on what storage does not hold. The network forgets
+        it was delivered, so catching up from a peer (as at TRAIN, when votes are missing) takes it in again."""
         try:
             if not await self.ctx.storage.record_accepted(envelope, message, self.ctx.clock.now()):
                 return  # stored before a restart (the duties saw it then), or an equivocation across one
         except (sqlite3.Error, OSError) as exc:
+            self.ctx.network.forget(envelope)  # a peer's history may hand it on again, once there is room
             if not self.ctx.disk.quiet(exc):
                 log.error("round %d: cannot record a %s from %s, so it is left out: %s", envelope.round,
                           envelope.kind, envelope.sender[:12], exc)

@@ -220,6 +220,10 @@ async def test_a_message_storage_cannot_record_is_left_out_and_the_node_goes_on(
     assert await node.ctx.storage.commits_for(0) == []
     assert any("cannot record a commit" in r.getMessage() and "database or disk is full" in r.getMessage()
                for r in caplog.records)
+    monkeypatch.undo()  # room again: a peer's history hands the commit on once more, and it is kept
+    assert await node.ctx.network.catch_up(0, [MINER.node_id]) == 1
+    envelope, _ = await asyncio.wait_for(probe.messages.get(), WAIT_S)
+    assert envelope.kind == "commit" and [c.miner for c in await node.ctx.storage.commits_for(0)] == [MINER.node_id]
 
 
 async def test_a_round_far_past_the_last_one_prunes_nothing_until_the_next(setup) -> None:
