@@ -14,8 +14,8 @@ assigned beyond its prefetch budget are not counted: how many there are depends 
 `DiskWatch` compares it with the free bytes of the data directory's filesystem (at start, at each TRAIN,
 and whenever /status or /metrics asks) and says so when they fall short; a write refused because the disk
 (or the blob store's budget) is full is said in one line naming the path, the free bytes and what to do
-(`quiet`, after which the caller logs nothing of it, and no traceback). One such line a round at most,
-whichever comes first. This module knows nothing about what the node writes or why.
+(`quiet`, after which the caller logs nothing of it, and no traceback). One disk line a round at most: the
+warning or the error, whichever comes first. This module knows nothing about what the node writes or why.
 """
 
 from __future__ import annotations
