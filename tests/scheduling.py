@@ -44,7 +44,7 @@ FIRST = (
 WAITING = ("bench/test_soak.py", "bench/test_simulation.py", "bench/test_round.py")  # one at a time
 LAST = ("integration/", "bench/", "deploy/", "node/cli/")
 LAST_LONGEST = (
-    "integration/test_hostile.py", "bench/test_miner.py", "integration/test_p2p.py",
+    "integration/test_full_disk.py", "integration/test_hostile.py", "bench/test_miner.py", "integration/test_p2p.py",
     "node/cli/test_real_checkpoint_cli.py", "integration/test_clock.py", "integration/test_restart.py",
     "bench/test_gpu.py", "node/cli/test_inspect_cli.py", "bench/test_load.py",
 )

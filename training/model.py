@@ -51,7 +51,7 @@ from training.checkpoint import (
 )
 from training.compressed import CompressedModel, compress
 from training.experts import PARAMS, ExpertGroup, check_group, parse_name, tensor_name
-from training.tiny import build_tiny_model, hf_config
+from training.tiny import build_tiny_model, hf_config, meta_tiny_model
 
 DeviceMap = str | dict[str, Any] | None
 
@@ -236,6 +236,18 @@ def load_compressed_base(
         return compress(_tiny_base(spec, spec_path), adapter_for(spec.model.family), spec.group)
     return load_compressed(checked_checkpoint(spec, spec_path), spec.group, dtype=dtype,
                            attn_implementation=attn_implementation or "sdpa", progress=progress)
+
+
+def meta_base(spec: NetworkSpec, spec_path: str | Path) -> PreTrainedModel:
+    """The spec's base model on the meta device: the checkpoint's config.json or the tiny config; reads no weights."""
+    if spec.model.checkpoint is not None:
+        directory = spec_dir_path(spec_path, spec.model.checkpoint)
+        model = meta_model(directory)
+        if model.config.model_type != spec.model.family:
+            raise ValueError(f"{directory}: the checkpoint is {model.config.model_type!r}, "
+                             f"but the spec's family is {spec.model.family!r}")
+        return model
+    return meta_tiny_model(spec.model.family, spec_model_config(spec, spec_path))
 
 
 def spec_model_config(spec: NetworkSpec, spec_path: str | Path) -> dict[str, Any]:
