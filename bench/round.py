@@ -27,6 +27,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report import emit, out_file  # noqa: E402
+from node.sim import defaults  # noqa: E402
 from node.sim.process import SimSettings  # noqa: E402
 from node.sim.run import Simulation  # noqa: E402
 from protocol.rounds import PHASES  # noqa: E402
@@ -83,8 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="rounds to measure (default 2)")
     parser.add_argument("--validators", type=int, default=2, help="validator processes (default 2)")
     parser.add_argument("--miners", type=int, default=4, help="miner processes (default 4)")
-    parser.add_argument("--round-seconds", type=float, default=80.0, help="round length (default 80)")
-    parser.add_argument("--train-share", type=float, default=0.9, help="TRAIN's share of a round (default 0.9)")
+    parser.add_argument("--round-seconds", type=float, default=defaults.ROUND_SECONDS,
+                        help="round length (default %(default)g, as simulate)")
+    parser.add_argument("--train-share", type=float, default=defaults.TRAIN_SHARE,
+                        help="TRAIN's share of a round (default %(default)g)")
     parser.add_argument("--out", type=out_file, help="write the JSON here (default: stdout only)")
     args = parser.parse_args(argv)
     if args.rounds < 1:

@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report import emit, out_file  # noqa: E402
 from node.cli.common import comma_list, spec_setting  # noqa: E402
+from node.sim import defaults  # noqa: E402
 from node.sim.process import SimSettings, SimulationError  # noqa: E402
 from node.sim.run import Simulation  # noqa: E402
 from node.store.blobs import BlobStore  # noqa: E402
@@ -295,10 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6, help="rounds to run (default 6)")
     parser.add_argument("--validators", type=int, default=2, help="validator processes (default 2)")
     parser.add_argument("--miners", type=int, default=4, help="miner processes (default 4)")
-    parser.add_argument("--round-seconds", type=float, default=80.0, help="round length (default 80, as simulate)")
-    parser.add_argument("--train-share", type=float, default=0.9,
-                        help="TRAIN's share of the round (default 0.9, as simulate)")
-    parser.add_argument("--inner-steps", type=int, default=30, help="miners' inner steps per round (default 30, as simulate)")
+    parser.add_argument("--round-seconds", type=float, default=defaults.ROUND_SECONDS,
+                        help="round length (default %(default)g, as simulate)")
+    parser.add_argument("--train-share", type=float, default=defaults.TRAIN_SHARE,
+                        help="TRAIN's share of the round (default %(default)g, as simulate)")
+    parser.add_argument("--inner-steps", type=int, default=defaults.INNER_STEPS,
+                        help="miners' inner steps per round (default %(default)s, as simulate)")
     parser.add_argument("--subsets", type=int, default=200, help="held-out subsets drawn to measure noise (default 200)")
     parser.add_argument("--seed", type=int, default=0, help="seed of model, data and keys (default 0)")
     parser.add_argument("--format", choices=("experts", "pgrad"), default="experts",

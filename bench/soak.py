@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report import emit, out_file  # noqa: E402
 from bench.simulation import _commit, run_rounds  # noqa: E402
+from node.sim import defaults  # noqa: E402
 from node.sim.process import SimNode, SimSettings  # noqa: E402
 from node.sim.run import Simulation  # noqa: E402
 from node.store.blobs import BlobStore  # noqa: E402
@@ -135,9 +136,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="rounds before growth is read (default 6: blob and message retention are 3)")
     parser.add_argument("--validators", type=int, default=2, help="validator processes (default 2)")
     parser.add_argument("--miners", type=int, default=4, help="miner processes (default 4)")
-    parser.add_argument("--round-seconds", type=float, default=80.0, help="round length (default 80, as simulate)")
-    parser.add_argument("--train-share", type=float, default=0.9,
-                        help="TRAIN's share of the round (default 0.9, as simulate)")
+    parser.add_argument("--round-seconds", type=float, default=defaults.ROUND_SECONDS,
+                        help="round length (default %(default)g, as simulate)")
+    parser.add_argument("--train-share", type=float, default=defaults.TRAIN_SHARE,
+                        help="TRAIN's share of the round (default %(default)g, as simulate)")
     parser.add_argument("--dir", type=Path, help="simulation directory, must not exist (default: a new temporary one)")
     parser.add_argument("--out", type=out_file, help="write the JSON here (default: stdout only)")
     args = parser.parse_args(argv)

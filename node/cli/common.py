@@ -125,12 +125,28 @@ def spec_setting(text: str) -> tuple[str, Any]:
 def add_spec_settings(parser: argparse.ArgumentParser, after: str) -> None:
     """The `--set SECTION.FIELD=VALUE` option of `spec new` and `simulate` (into `args.spec_settings`):
     `protocol.spec.SETTABLE_SECTIONS`, applied after the options named in `after`."""
-    parser.add_argument(
-        "--set", action="append", default=[], type=spec_setting, metavar="SECTION.FIELD=VALUE",
-        dest="spec_settings",
-        help="a value for a field of the spec's [timing], [training], [rewards], [aggregation], [submission] or "
-             "[limits], or model.dtype, data.seq_len or data.heldout_sequences (repeatable; after "
-             f"{after}), e.g. --set aggregation.outer_lr=2.5 --set timing.clock_skew_s=1")
+    parser.add_argument("--set", action=_SpecSettings, default=[], type=spec_setting, metavar="SECTION.FIELD=VALUE",
+                        dest="spec_settings", help=after)
+
+
+class _SpecSettings(argparse._AppendAction):
+    """`--set`, appending; its help names what the spec lets a command line set, read from `protocol.spec` only when
+    help is printed (importing it costs `tessera --help` 0.3 s)."""
+
+    @property
+    def help(self) -> str:
+        from protocol.spec import DERIVED_FIELDS, SETTABLE_SECTIONS
+
+        whole = [f"[{name}]" for name in SETTABLE_SECTIONS if name not in DERIVED_FIELDS]
+        some = [f"{name}.{field}" for name, model in SETTABLE_SECTIONS.items() if name in DERIVED_FIELDS
+                for field in model.model_fields if field not in DERIVED_FIELDS[name]]
+        return (f"a value for a field of the spec's {', '.join(whole[:-1])} or {whole[-1]}, or {', '.join(some[:-1])} "
+                f"or {some[-1]} (repeatable; after {self._after}), e.g. --set aggregation.outer_lr=2.5 "
+                "--set timing.clock_skew_s=1")
+
+    @help.setter
+    def help(self, after: str) -> None:
+        self._after = after
 
 
 def comma_list(text: str) -> tuple[str, ...]:
