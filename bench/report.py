@@ -1,6 +1,6 @@
 """Benchmark output: each benchmark prints its JSON report and, given a path, writes it there too.
 
-The file is written whole or not at all (`training.blob.write_blob_file`), so a run that fails while
+The file is written whole or not at all (`protocol.files.write_file`), so a run that fails while
 writing leaves an earlier report at that path as it was.
 """
 
@@ -10,6 +10,8 @@ import argparse
 import json
 from pathlib import Path
 from typing import Any
+
+from protocol.files import write_file
 
 
 def out_file(text: str) -> Path:
@@ -24,7 +26,5 @@ def emit(report: dict[str, Any], out: Path | None) -> None:
     text = json.dumps(report, indent=2)
     print(text)
     if out is not None:
-        from training.blob import write_blob_file  # imports torch: only where a report is written
-
         out.parent.mkdir(parents=True, exist_ok=True)
-        write_blob_file(out, (text + "\n").encode("utf-8"))
+        write_file(out, (text + "\n").encode("utf-8"))

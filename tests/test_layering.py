@@ -100,6 +100,19 @@ def test_node_rooms_only_reach_the_rooms_below_them() -> None:
     assert not violations, "\n".join(violations)
 
 
+# The duties shared by both roles (consensus, results, plans, reports) are protocol: only a role's own duty reaches
+# into its role's package, so a miner's round never passes through validator/ (ranking is protocol.ranking's).
+ROLE_DUTIES = {"validator": ("node/duties/validator.py",), "miner": ("node/duties/miner.py", "node/duties/feedback.py")}
+
+
+def test_only_a_roles_own_duty_reaches_into_its_package() -> None:
+    violations = [f"{path.relative_to(ROOT)} imports {name}" for path in sources("node/duties")
+                  for name in sorted(imported_modules(path)) for role, own in ROLE_DUTIES.items()
+                  if name.split(".")[0] == role and str(path.relative_to(ROOT)) not in own]
+    assert not violations, "\n".join(violations)
+    assert "validator.merge.rank_reports" not in imported_modules(ROOT / "node/duties/results.py")
+
+
 def test_only_the_command_line_uses_the_simulation_package() -> None:
     users = [str(p.relative_to(ROOT)) for p in sources("node") if any(
         m == "node.sim" or m.startswith("node.sim.") for m in imported_modules(p))]

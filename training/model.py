@@ -238,14 +238,16 @@ def load_compressed_base(
                            attn_implementation=attn_implementation or "sdpa", progress=progress)
 
 
-def model_skeleton(spec: NetworkSpec, spec_path: str | Path) -> tuple[PreTrainedModel, MoEAdapter]:
-    """The spec's base model with no weights (on the meta device) and its adapter: its layers, experts and shapes,
-    read from its config alone (`expected_shapes` of a group, `moe_experts`)."""
-    adapter = adapter_for(spec.model.family)
-    if spec.model.config is not None:
-        return meta_tiny_model(spec.model.family, spec_model_config(spec, spec_path)), adapter
-    assert spec.model.checkpoint is not None, "the spec validator requires config or checkpoint"
-    return meta_model(spec_dir_path(spec_path, spec.model.checkpoint)), adapter
+def meta_base(spec: NetworkSpec, spec_path: str | Path) -> PreTrainedModel:
+    """The spec's base model on the meta device: the checkpoint's config.json or the tiny config; reads no weights."""
+    if spec.model.checkpoint is not None:
+        directory = spec_dir_path(spec_path, spec.model.checkpoint)
+        model = meta_model(directory)
+        if model.config.model_type != spec.model.family:
+            raise ValueError(f"{directory}: the checkpoint is {model.config.model_type!r}, "
+                             f"but the spec's family is {spec.model.family!r}")
+        return model
+    return meta_tiny_model(spec.model.family, spec_model_config(spec, spec_path))
 
 
 def moe_experts(model: torch.nn.Module, adapter: MoEAdapter) -> dict[int, int]:

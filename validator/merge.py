@@ -47,14 +47,14 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-from collections.abc import Callable, Container, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from protocol.messages import ScoreReport
-from protocol.ranking import RoundRanking, Score, rank_round, scores_from_report
+from protocol.ranking import RoundRanking, rank_reports
 from protocol.spec import NetworkSpec
 from training.experts import PseudoGradient
 from training.outer import OuterConfig, near_duplicates, outer_step
@@ -66,7 +66,8 @@ Tensors = Mapping[str, torch.Tensor]
 
 
 class MergeInputError(ValueError):
-    """The inputs cannot give a merge every honest validator would agree on."""
+    """The inputs cannot give a merge every honest validator would agree on (and `protocol.ranking.NoCountedReports`
+    where no report counts)."""
 
 
 class MissingBlobError(MergeInputError):
@@ -191,25 +192,6 @@ def as_state(tensors: Tensors) -> dict[str, torch.Tensor]:
     return {name: tensors[name].detach().to("cpu", torch.float32) for name in sorted(tensors)}
 
 
-def counted_reports(reports: Mapping[str, ScoreReport], head: str) -> dict[str, ScoreReport]:
-    """The reports that count: those scored against the current head, by validator id."""
-    return {validator: reports[validator] for validator in sorted(reports) if reports[validator].base == head}
-
-
-def rank_reports(
-    reports: Mapping[str, ScoreReport],
-    assignment: Mapping[str, Iterable[str]],
-    commitments: Mapping[str, str],
-    head: str,
-    spec: NetworkSpec,
-    duplicates: Container[str] = (),
-) -> RoundRanking:
-    """The round's ranking from the reports scored against `head` (every node can compute it; only
-    validators holding the blobs know the near-duplicate flags, `duplicates`)."""
-    scores, base_losses = _scores(reports, commitments, head)
-    return rank_round(scores, assignment, base_losses, commitments, duplicates, spec.rewards.top_k)
-
-
 def merge_round(
     reports: Mapping[str, ScoreReport],
     assignment: Mapping[str, Iterable[str]],
@@ -226,7 +208,7 @@ def merge_round(
     validators; `commitments`: miner -> commitment; `blobs`: miner -> tensors of its checked blob
     (at least every candidate; see MissingBlobError); `head`: hash of the state `global_tensors` is.
     """
-    preliminary = rank_reports(reports, assignment, commitments, head, spec)
+    preliminary = rank_reports(reports, assignment, commitments, head, spec.rewards.top_k)
     needed = sorted(preliminary.ranked())
     missing = [miner for miner in needed if miner not in blobs]
     if missing:
@@ -235,7 +217,7 @@ def merge_round(
     grads = {miner: PseudoGradient(global_tensors, blobs[miner]) for miner in needed}  # computed name by name
     masks = _coverage(reports, needed, global_tensors, spec)
     duplicates = near_duplicates(grads, spec.rewards.duplicate_cosine, masks)
-    ranking = rank_reports(reports, assignment, commitments, head, spec, duplicates)
+    ranking = rank_reports(reports, assignment, commitments, head, spec.rewards.top_k, duplicates)
     contributors = list(ranking.ranked()[: spec.aggregation.top_g])
     best = preliminary.ranked()[0] if needed else None
     if not contributors:
@@ -328,16 +310,3 @@ def _coverage(
     (round,) = rounds
     shapes = {name: tuple(t.shape) for name, t in global_tensors.items()}
     return {miner: coverage(shapes, cfg, chunk_draw(spec.network_id, round, miner)) for miner in miners}
-
-
-def _scores(
-    reports: Mapping[str, ScoreReport], commitments: Mapping[str, str], head: str
-) -> tuple[dict[str, dict[str, Score]], dict[str, float]]:
-    """The counted reports' verdicts by validator, and each one's base loss."""
-    counted = counted_reports(reports, head)
-    if not counted:
-        raise MergeInputError(
-            f"no score report was made against the current head {head[:12]}; keep the state"
-        )
-    return ({validator: scores_from_report(report, commitments) for validator, report in counted.items()},
-            {validator: report.base_loss for validator, report in counted.items()})

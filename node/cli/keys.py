@@ -50,10 +50,10 @@ def run_spec_check(args: argparse.Namespace) -> int:
               "its commit; lengthen REVEAL or narrow the skew", file=sys.stderr)
     source = spec_dir_path(args.file, spec.model.config or f"{spec.model.checkpoint}/config.json")
     if source.is_file():
-        from node.cli.inspect import meta_base
         from node.cli.spec import check_header_cap
         from training.adapters import adapter_for
         from training.experts import expected_shapes
+        from training.model import meta_base
 
         try:
             shapes = expected_shapes(meta_base(spec, Path(args.file)), adapter_for(spec.model.family), spec.group)

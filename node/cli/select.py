@@ -16,9 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import shutil
-import tempfile
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +30,7 @@ from node.cli.common import (
     write_atomically,
     write_new_file,
 )
+from protocol.files import staged_directory
 
 if TYPE_CHECKING:
     import torch
@@ -350,19 +348,11 @@ def run_cluster_data(args: argparse.Namespace) -> int:
         entry["top_tokens"] = [[token, count, tokenizer.decode([token])] for token, count in entry["top_tokens"]]
         entry["file"] = f"cluster-{entry['cluster']}.jsonl"
     report["data"] = _file_record(args.data)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    temp = Path(tempfile.mkdtemp(prefix=f".{args.out.name}.", suffix=".tmp", dir=args.out.parent))
-    temp.chmod(0o755)  # mkdtemp's 0700 would follow the directory to --out
-    try:
+    with staged_directory(args.out) as temp:
         for label in range(clustering.k):
             members = [text for text, lab in zip(texts, clustering.labels, strict=True) if lab == label]
             write_documents(temp / f"cluster-{label}.jsonl", members)
         (temp / "report.json").write_bytes(_json_bytes(report))
-        if args.out.exists():
-            args.out.rmdir()
-        os.replace(temp, args.out)
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
     print(json.dumps({"k": report["k"], "sizes": [c["documents"] for c in report["clusters"]],
                       "out": str(args.out)}, indent=2))
     return 0

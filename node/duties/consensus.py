@@ -233,7 +233,8 @@ class Consensus:
             try:
                 await self._fetch_checked(head, list(voters), shapes)
             except SyncError as exc:
-                log.warning("round %d: cannot take the announced head %s: %s", round, head[:12], exc)
+                if not self.ctx.disk.quiet(exc):
+                    log.warning("round %d: cannot take the announced head %s: %s", round, head[:12], exc)
                 return False
         await self.ctx.storage.set_head(head)
         log.info("round %d: learnt head %s from validators' heartbeats", round, head[:12])
@@ -248,8 +249,9 @@ class Consensus:
         try:
             decoded = await self._fetch_checked(head, list(voters), shapes)
         except SyncError as exc:
-            log.warning("round %d: cannot follow the head %s that validators announce: %s", round, head[:12],
-                        exc)
+            if not self.ctx.disk.quiet(exc):
+                log.warning("round %d: cannot follow the head %s that validators announce: %s", round, head[:12],
+                            exc)
             return
         record = GlobalStateRecord(head, decoded.meta.base, decoded.meta.round, (), False, voters)
         await self.ctx.storage.set_head(head)
@@ -326,7 +328,8 @@ class Consensus:
         try:
             decoded = await self._fetch_checked(winner.hash, list(winner.voters), shapes, round)
         except SyncError as exc:
-            log.error("round %d: cannot adopt %s: %s; the head stays", round, winner.hash[:12], exc)
+            if not self.ctx.disk.quiet(exc):
+                log.error("round %d: cannot adopt %s: %s; the head stays", round, winner.hash[:12], exc)
             return
         moved = await self.ctx.storage.head() != winner.hash
         await self.ctx.storage.mark_adopted(winner.hash, decoded.meta.base)
@@ -342,7 +345,8 @@ class Consensus:
             try:
                 loaded = LoadedState(await self._sync_momentum(winner, decoded, shapes), True)
             except SyncError as exc:
-                log.error("round %d: %s; this validator is out of sync and abstains from merging", round, exc)
+                if not self.ctx.disk.quiet(exc):
+                    log.error("round %d: %s; this validator is out of sync and abstains from merging", round, exc)
         self._adopted = (winner.hash, loaded)
 
     async def _winner(self, round: int) -> GlobalStateRecord | None:
@@ -385,7 +389,8 @@ class Consensus:
                 state = await asyncio.to_thread(GlobalExperts.with_momentum_file, winner.hash, decoded.meta,
                                                 decoded.tensors, path, self.ctx.spec, shapes)
             except (NetworkError, OSError, StateError) as exc:
-                log.warning("momentum %s from %s: %s", momentum[:12], voter[:12], exc)
+                if not self.ctx.disk.quiet(exc):
+                    log.warning("momentum %s from %s: %s", momentum[:12], voter[:12], exc)
                 continue
             if momentum == mine:
                 return state

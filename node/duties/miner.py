@@ -32,7 +32,6 @@ from node.duties.consensus import Consensus
 from node.duties.feedback import keep_feedback, load_feedback
 from node.duties.results import learn_results, unheard_by
 from node.duties.succession import inherited_paths
-from node.net.network import PublishRefused
 from node.runtime.config import MinerSection
 from node.runtime.context import BuiltOnce, DutiesFactory, HeartbeatDuties, NodeContext
 from node.runtime.metrics import NodeMetrics
@@ -209,8 +208,9 @@ class MinerDuties:
             blob_hash = await asyncio.to_thread(self.ctx.blobs.put_bytes, data)
             error_hash = await keep_feedback(self.ctx, feedback)
         except OSError as exc:  # a full or failing disk: no submission recorded, so nothing is committed
-            log.error("round %d: cannot store the submission (%d bytes) in the blob store (%s); "
-                      "no submission this round", round, len(data), exc)
+            if not self.ctx.disk.quiet(exc):
+                log.error("round %d: cannot store the submission (%d bytes) in the blob store (%s); "
+                          "no submission this round", round, len(data), exc)
             return
         await self.ctx.storage.set_submission(round, Submission(blob_hash, len(data)), error_hash)
         log.info("round %d: %s submission %s (%d bytes) from base %s", round, self.strategy.name, blob_hash[:12],
@@ -263,10 +263,7 @@ class MinerDuties:
     # -- helpers for strategies ---------------------------------------------------------------
 
     async def publish(self, message: Commit | Reveal) -> None:
-        try:
-            await self.ctx.publish(message)
-        except PublishRefused as exc:
-            log.warning("round %d: %s refused: %s", message.round, message.kind, exc)
+        await self.ctx.announce(message)
 
     async def own_commit(self, round: int) -> str | None:
         commits = await self.ctx.storage.commits_for(round)

@@ -45,10 +45,10 @@ from protocol.successor import (
     spec_from_bytes,
     successor_spec,
 )
-from training.adapters import MoEAdapter
+from training.adapters import MoEAdapter, adapter_for
 from training.blob import max_blob_bytes
 from training.experts import expected_shapes
-from training.model import model_skeleton, moe_experts
+from training.model import meta_base, moe_experts
 from training.state import adopt
 
 log = logging.getLogger(__name__)
@@ -311,7 +311,8 @@ class Succession:
     async def _model(self) -> tuple[torch.nn.Module, MoEAdapter]:
         """The base model's skeleton (no weights) and adapter, built once."""
         if self._skeleton is None:
-            self._skeleton = await asyncio.to_thread(model_skeleton, self.genesis, self.ctx.config.node.spec)
+            skeleton = await asyncio.to_thread(meta_base, self.genesis, self.ctx.config.node.spec)
+            self._skeleton = skeleton, adapter_for(self.genesis.model.family)
         return self._skeleton
 
     def _round(self) -> int:

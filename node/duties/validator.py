@@ -43,7 +43,7 @@ from node.duties.prefetch import Prefetcher, early_assignment
 from node.duties.report import outvote, round_report
 from node.duties.results import leaderboard, learn_results
 from node.duties.succession import inherited_paths
-from node.net.network import NetworkError, PublishRefused
+from node.net.network import NetworkError
 from node.runtime.context import BuiltOnce, HeartbeatDuties, NodeContext
 from node.store.records import Proposal, RewardRecord, RoundPlan
 from protocol.check import window
@@ -58,7 +58,7 @@ from protocol.messages import (
     fit_report,
     report_capacity,
 )
-from protocol.ranking import RoundRanking, update_standing
+from protocol.ranking import NoCountedReports, RoundRanking, update_standing
 from protocol.rounds import Phase
 from protocol.seeds import commitment, new_seed
 from training.blob import BlobFile
@@ -99,7 +99,7 @@ class ValidatorDuties:
             inherited_experts(inherited_paths(ctx), ctx.spec.limits.max_header_bytes)))
         self._checked = _Checked(-1)
         self._prefetch = Prefetcher(ctx.network, report_capacity(ctx.spec.limits.max_message_bytes),
-                                    section.prefetch_bytes)
+                                    section.prefetch_bytes, ctx.disk.quiet)
         self._cap: int | None = None  # known once the model is loaded
 
     async def on_phase(self, round: int, phase: Phase) -> None:
@@ -233,7 +233,8 @@ class ValidatorDuties:
         try:
             return await self.ctx.network.fetch(blob_hash, [miner], loaded.cap)
         except (NetworkError, OSError) as exc:
-            log.warning("blob %s of miner %s: %s", blob_hash[:12], miner[:12], exc)
+            if not self.ctx.disk.quiet(exc):
+                log.warning("blob %s of miner %s: %s", blob_hash[:12], miner[:12], exc)
             return None
 
     async def _check_candidates(self, round: int, plan: RoundPlan, miners: list[str], head: str,
@@ -285,7 +286,7 @@ class ValidatorDuties:
             reports = {v: report for v, report in reports.items() if v in merged_from}
         try:
             result, adoption = await self._merge_result(round, plan, head, loaded, reports)
-        except MergeInputError as exc:
+        except (MergeInputError, NoCountedReports) as exc:
             log.warning("round %d: no merge: %s", round, exc)
             await self._write_report(round, plan, head, None, None, None)
             return
@@ -340,8 +341,8 @@ class ValidatorDuties:
         try:
             state_hash, momentum_hash = await asyncio.to_thread(store)
         except OSError as exc:  # a full or failing disk: nothing recorded, announced or served
-            log.error("round %d: cannot store the proposed state in the blob store (%s); not proposing a state",
-                      round, exc)
+            if not self.ctx.disk.quiet(exc):
+                log.error("round %d: cannot store the proposed state (%s); not proposing a state", round, exc)
             return None
         await self.ctx.storage.set_proposal(round, Proposal(state_hash, momentum_hash), self.me)
         self.ctx.network.serve(state_hash)
@@ -407,10 +408,7 @@ class ValidatorDuties:
         return any(m.kind == kind and m.sender == self.me for m in await self.ctx.storage.messages(round))
 
     async def _publish(self, message: Message) -> None:
-        try:
-            await self.ctx.publish(message)
-        except PublishRefused as exc:
-            log.warning("round %d: %s refused: %s", message.round, message.kind, exc)
+        await self.ctx.announce(message)
 
 
 class _Checked:

@@ -13,7 +13,8 @@ against the peer but does not add to its penalty, since the relayer accepted it 
 and seen-set (GossipSub peers push their caches of recent messages to a node that just joined, a
 relayer's clock may run a little ahead of ours, and a sender that signs two messages can hand one
 to each of two honest peers, who each relay theirs). The seen-set can be seeded from
-storage after a restart. It also keeps the bytes of the envelopes it accepted in the current and the
+storage after a restart, and an envelope its node could not record (a full disk) taken out of it (`forget`),
+to be judged afresh when a peer's history hands it on again. It also keeps the bytes of the envelopes it accepted in the current and the
 previous round (`recent`, capped at RECENT_BYTES_PER_ROUND), for a restarted peer to catch up on
 (`judge_replayed` judges those on the other side). It notes the validators whose authentic messages
 arrive before their window opens (`NetworkStats.early`): one such validator has a clock that runs
@@ -223,6 +224,14 @@ class GossipJudge:
                 self._seen[message_id] = round
                 self._first_seen.setdefault((kind, sender, round), message_id)
                 self._prune(round)
+
+    def forget(self, envelope: Envelope) -> None:
+        """Take an accepted envelope out of the seen-set, as if it had never come: its node could not record it."""
+        with self._lock:
+            self._seen.pop(envelope.message_id, None)
+            key = (envelope.kind, envelope.sender, envelope.round)
+            if self._first_seen.get(key) == envelope.message_id:
+                del self._first_seen[key]
 
     def _repeats_heartbeat(self, envelope: Envelope) -> bool:
         first = self._first_seen.get(("heartbeat", envelope.sender, envelope.round))

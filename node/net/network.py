@@ -223,6 +223,11 @@ class Gossip(Protocol):
         """
         ...
 
+    def forget(self, envelope: Envelope) -> None:
+        """Judge a delivered envelope afresh when it comes again: this node could not keep it (a full disk),
+        so a peer's history (`catch_up`) may hand it on once more."""
+        ...
+
 
 class BlobTransfer(Protocol):
     async def fetch(self, blob_hash: str, providers: Sequence[str], max_bytes: int) -> Path:

@@ -2,8 +2,9 @@
 
 A duty sees the node only through its `NodeContext`: the config, spec and schedule; the identity it
 signs with; the clock; typed storage and the blob store; the network (peers, blob transfer, catch-up);
-the metrics; and `publish`, which signs, gossips, records and hands one of our own messages back to
-our duties. It never reaches into the Node, the scheduler or the HTTP API. In return it provides
+the metrics; the data directory's disk (`disk`: a write refused for a full disk is said there, once a
+round); and `publish`, which signs, gossips, records and hands one of our own messages back to our
+duties (`announce` logs a refusal instead of raising it). It never reaches into the Node, the scheduler or the HTTP API. In return it provides
 `Duties` (`on_phase`, `on_message`), built by a `DutiesFactory` from the context once, at start;
 `BuiltOnce` loads what a role needs (model, data) in a worker thread at its first phase.
 `HeartbeatDuties`, the minimal duty, announces liveness and head once a round: a node started without
@@ -24,6 +25,7 @@ from typing import Generic, Protocol, TypeVar, runtime_checkable
 from node.net.network import Network, NetworkError, PublishRefused
 from node.runtime.clock import Clock
 from node.runtime.config import NodeConfig
+from node.runtime.disk import DiskWatch
 from node.runtime.metrics import NodeMetrics
 from node.store.blobs import BlobStore
 from node.store.db import Storage
@@ -67,6 +69,7 @@ class NodeContext:
     network: Network
     metrics: NodeMetrics
     local: LocalDelivery
+    disk: DiskWatch
 
     async def publish(self, message: Message) -> Envelope:
         """Sign, gossip, record and hand to our duties one of our own messages; PublishRefused if peers
@@ -91,6 +94,15 @@ class NodeContext:
         assert self.local.handler is not None, "publish before the node was built"
         await self.local.handler(envelope, message)
         return envelope
+
+    async def announce(self, message: Message) -> Envelope | None:
+        """`publish`, with a refusal logged rather than raised (a full disk's once a round, by `disk`); None then."""
+        try:
+            return await self.publish(message)
+        except PublishRefused as exc:
+            if not self.disk.quiet(exc):
+                log.warning("round %d: %s refused: %s", message.round, message.kind, exc)
+            return None
 
     async def head(self) -> str:
         """The global state this node builds on: the adopted head, else the base model."""
@@ -194,7 +206,8 @@ class HeartbeatDuties:
             spec = None if self.ctx.spec.lineage is None else self.ctx.spec.network_id
             await self.ctx.publish(Heartbeat(round=round, role=role, head=head, momentum=momentum, spec=spec))
         except PublishRefused as exc:
-            log.info("round %d: no heartbeat: %s", round, exc)
+            if not self.ctx.disk.quiet(exc):
+                log.info("round %d: no heartbeat: %s", round, exc)
         self._announced = round
 
     async def on_message(self, envelope: Envelope, message: Message) -> None:

@@ -15,7 +15,9 @@ Miner and validator work plugs in through `Duties` (`on_phase`, `on_message`), b
 runs `HeartbeatDuties`, which only announces liveness and head, once a round.
 
 Before it takes the locks, a node refuses what would run but never work (node.runtime.preflight); once
-running it says in its log when it has no peer and what to check, and when it has peers again.
+running it says in its log when it has no peer and what to check, and when it has peers again, and, at
+start and at each TRAIN, when its disk has less room than the rounds ahead need (node.runtime.disk, which
+also says a write refused for a full disk, once a round).
 This module knows nothing about training, scoring or merging, nor about libp2p (node.net.p2p).
 """
 
@@ -41,9 +43,10 @@ from node.runtime.context import (
     NodeContext,
     TakesSuccessors,
 )
+from node.runtime.disk import DiskWatch, group_shapes, round_need
 from node.runtime.http import HttpApi
 from node.runtime.metrics import NodeMetrics
-from node.runtime.preflight import alone_hint, check_listen, check_memory, check_role_key
+from node.runtime.preflight import alone_hint, check_disk, check_listen, check_memory, check_role_key
 from node.runtime.scheduler import Scheduler
 from node.runtime.status import StatusViews, learning_settings
 from node.store.blobs import BlobStore
@@ -76,7 +79,7 @@ class Node:
         """The network's spec file (`ctx.spec` is the spec in force when the node started: a successor's, maybe)."""
         self.duties = duties
         self._lock = lock
-        self.scheduler = Scheduler(ctx.schedule, ctx.clock, self._on_phase, self._on_run)
+        self.scheduler = Scheduler(ctx.schedule, ctx.clock, self._on_phase, self._on_run, quiet=ctx.disk.quiet)
         self.http: HttpApi | None = None
         self._stop = asyncio.Event()
         self.key_elsewhere: dict[str, Any] | None = None
@@ -103,6 +106,12 @@ class Node:
         identity = await asyncio.to_thread(load_or_create_identity, config.node.key)
         check_role_key(config, spec, identity)
         await asyncio.to_thread(check_memory, config, spec)  # the role's step traced, before any weight loads
+        try:
+            shapes = await asyncio.to_thread(group_shapes, spec, config.node.spec)
+        except ValueError as exc:
+            raise ConfigError(f"node.spec: {exc}") from exc
+        need = round_need(config, spec, shapes)
+        check_disk(config, need)
         if network is None:  # before the lock, which makes the data directory: a mistake leaves nothing behind
             await asyncio.to_thread(check_listen, config)
         clock = clock or SystemClock()
@@ -127,8 +136,10 @@ class Node:
             metrics.bind_network(lambda: network.stats, lambda: len(network.peers()),
                                  clock_suspects(spec, identity.node_id))
             in_force = await spec_in_force(storage, spec)
+            disk = DiskWatch(config, blobs, need, metrics,
+                             lambda: schedule.round_at(clock.now()) if clock.now() >= schedule.genesis_ts else -1)
             ctx = NodeContext(config, in_force, schedule, identity, clock, storage, blobs, network,
-                              metrics, LocalDelivery())
+                              metrics, LocalDelivery(), disk)
             # in a thread: a factory may hash or read files; it may refuse, e.g. a held-out file with the wrong hash
             node_duties = await asyncio.to_thread(duties or HeartbeatDuties, ctx)
         except BaseException:
@@ -142,6 +153,7 @@ class Node:
     async def run(self) -> None:
         """Serve until `stop()`; always closes HTTP, network and storage on the way out."""
         try:
+            self.ctx.disk.warn_if_low(await asyncio.to_thread(self.ctx.disk.look))
             if self.ctx.config.http.enabled:
                 self.http = await HttpApi.start(StatusViews(self), self.ctx.config.http.host,
                                                 self.ctx.config.http.port)
@@ -265,20 +277,24 @@ class Node:
     async def _handle(self, envelope: Envelope, message: Message) -> None:
         """Record an accepted envelope, then hand it and its decoded message to the duties.
 
-        A message that cannot be recorded (a full or failing disk) is logged and left out, and the node
-        goes on: the duties never act on what storage does not hold."""
+        A message that cannot be recorded (a full or failing disk) is logged (a full disk once a round) and
+        left out, and the node goes on: the duties never act on what storage does not hold. The network forgets
+        it was delivered, so catching up from a peer (as at TRAIN, when votes are missing) takes it in again."""
         try:
             if not await self.ctx.storage.record_accepted(envelope, message, self.ctx.clock.now()):
                 return  # stored before a restart (the duties saw it then), or an equivocation across one
         except (sqlite3.Error, OSError) as exc:
-            log.error("round %d: cannot record a %s from %s, so it is left out: %s (is the disk of %s full?)",
-                      envelope.round, envelope.kind, envelope.sender[:12], exc, self.ctx.config.db_path)
+            self.ctx.network.forget(envelope)  # a peer's history may hand it on again, once there is room
+            if not self.ctx.disk.quiet(exc):
+                log.error("round %d: cannot record a %s from %s, so it is left out: %s", envelope.round,
+                          envelope.kind, envelope.sender[:12], exc)
             return
         try:
             await self.duties.on_message(envelope, message)
-        except Exception:
-            log.exception("duty failed on %s from %s (round %d)", envelope.kind, envelope.sender[:12],
-                          envelope.round)
+        except Exception as exc:
+            if not self.ctx.disk.quiet(exc):
+                log.exception("duty failed on %s from %s (round %d)", envelope.kind, envelope.sender[:12],
+                              envelope.round)
 
     async def _on_phase(self, round: int, phase: Phase) -> None:
         log.info("round %d: %s", round, phase)
@@ -295,6 +311,7 @@ class Node:
             else:
                 await self.ctx.storage.prune(round - self.ctx.config.storage.message_retention_rounds)
                 await self._prune_blobs(round)
+            self.ctx.disk.warn_if_low(await asyncio.to_thread(self.ctx.disk.look))  # after pruning made room
         await self.duties.on_phase(round, phase)
 
     async def _on_run(self, run: PhaseRun) -> None:
@@ -337,6 +354,7 @@ class Node:
             "last_run": None if not self.scheduler.runs else _run_dict(self.scheduler.runs[-1]),
             "key_used_elsewhere": self.key_elsewhere,
             "clock_behind": clock_behind(ctx.network.stats, clock_suspects(ctx.spec, ctx.identity.node_id)),
+            "disk": ctx.disk.status(await asyncio.to_thread(ctx.disk.look)),
         }
 
     async def rewards(self, last_rounds: int | None = None, top: int | None = None) -> dict[str, Any]:

@@ -6,7 +6,8 @@ counters (messages by kind and verdict, rejects per peer, bytes, blob fetches, p
 scrape time from `NetworkStats` so there is one count, not two; the scheduler's round and phase
 timings, pushed in by the node; and the work and results of the round, pushed in through small
 methods: `train_progress` (miner), `submissions_scored` and `seeds_withheld` (validator),
-`round_results` (any node, from the status views; a validator's also carries its merge gate). Peer ids are unbounded and chosen by peers, so
+`round_results` (any node, from the status views; a validator's also carries its merge gate), and `disk` (the
+data directory's free bytes and what the rounds ahead need, node.runtime.disk). Peer ids are unbounded and chosen by peers, so
 rejects per peer are exported for the top N only (labelled by the id's first 16 alphanumeric
 characters) plus one `other` series; verdict reasons are free text, so they are cut to their first
 clause and bounded in number (the scored counter for the process's life, the last round's verdicts per
@@ -100,6 +101,9 @@ class NodeMetrics:
                                          "round's assignment for withholding a seed.", registry=r)
         self.key_elsewhere = Counter("tessera_key_used_elsewhere", "Messages signed with this node's key that "
                                      "reached it from the network and that it has no record of sending.", registry=r)
+        self.disk_free = Gauge("tessera_disk_free_bytes", "Free bytes of the data directory's disk.", registry=r)
+        self.disk_needed = Gauge("tessera_disk_needed_bytes", "Free bytes the rounds ahead need on the data "
+                                 "directory's disk, as the node estimates them from the spec and its config.", registry=r)
         self._scored_reasons: set[str] = set()
 
     def bind_network(self, stats: Callable[[], NetworkStats], peers: Callable[[], int],
@@ -183,6 +187,11 @@ class NodeMetrics:
             return "other"
         self._scored_reasons.add(label)
         return label
+
+    def disk(self, free_bytes: int, needed_bytes: int) -> None:
+        """The data directory's free bytes and what the rounds ahead need (node.runtime.disk)."""
+        self.disk_free.set(free_bytes)
+        self.disk_needed.set(needed_bytes)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

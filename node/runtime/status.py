@@ -9,9 +9,9 @@ of it, else the median base loss of round r+1's score reports (measured against 
 miner a round's adopted loss shows once the next round's reports are in, also for a round it could not
 rank (then without miner rows). A validator's rounds also carry its merge gate's verdict (`gate`: the
 candidate adopted, each one's loss, and where it was outvoted, `outvoted`), and its status the latest
-outvote among the rounds shown. At each scrape, `refresh_metrics` copies the same numbers into the
-node's Prometheus gauges. This module knows nothing about HTTP, computes no ranking, and never writes to
-storage.
+outvote among the rounds shown. At each scrape, `refresh_metrics` copies the same numbers, and the disk's
+free and needed bytes, into the node's Prometheus gauges. This module knows nothing about HTTP, computes no
+ranking, and never writes to storage.
 """
 
 from __future__ import annotations
@@ -161,7 +161,9 @@ class StatusViews:
         return self.node.metrics_text()
 
     async def refresh_metrics(self) -> None:
-        """Set the gauges that come from round results: losses, own rank and reward, agreement, verdicts."""
+        """Set the gauges that come from round results (losses, own rank and reward, agreement, verdicts) and the
+        data directory's free and needed bytes."""
+        await asyncio.to_thread(self.ctx.disk.look)
         views = await self._views()
         states = await self._recent_states()
         me = self.ctx.identity.node_id

@@ -152,6 +152,9 @@ class P2PNetwork:
         self._to_trio(self._outbox.send_nowait, data)
         self._queued += 1
 
+    def forget(self, envelope: Envelope) -> None:
+        self._judge.forget(envelope)
+
     def serve(self, blob_hash: str) -> None:
         if not self._store.has(blob_hash):
             raise NetworkError(f"cannot serve blob {blob_hash[:12]}: not in the blob store")

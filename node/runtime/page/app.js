@@ -100,7 +100,24 @@ function renderGlance(status) {
     `${short(outvoted.state)}` + (outvoted.gain === null ? "" : ` (here it measured ${Number(outvoted.gain).toPrecision(2)} nats ` +
     `against ours; a change needs a gain whose interval clears ${outvoted.margin} nats)`) +
     `. This node follows the majority's state.` : "";
+  const disk = status.disk && (status.disk.low || status.disk.refused) ? status.disk : null;
+  $("disk-alert").hidden = !disk;
+  $("disk-alert").textContent = disk ? diskText(disk) : "";
   tick();
+}
+
+// Bytes as the node's log writes them: 0 B, 812 KiB, 13.4 MiB, 8.0 GiB.
+function size(n) {
+  if (n < 1024) return `${n} B`;
+  if (n < 1024 ** 2) return `${Math.floor(n / 1024)} KiB`;
+  return n < 1024 ** 3 ? `${(n / 1024 ** 2).toFixed(1)} MiB` : `${(n / 1024 ** 3).toFixed(1)} GiB`;
+}
+
+function diskText(d) {
+  const refused = d.refused ? `A full disk refused a write in round ${d.refused.round} (${d.refused.error}). ` : "";
+  return `${refused}The disk of ${d.path} has ${size(d.free_bytes)} free, and the rounds ahead need about ` +
+    `${size(d.needed_bytes)}: free space there or move node.data_dir to a larger disk. The node goes on, and ` +
+    "catches up once there is room.";
 }
 
 function tick() {
