@@ -124,19 +124,7 @@ def _serve(config: NodeConfig) -> int:
 def run_status(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout}")
-    if args.url is not None:
-        url = args.url.rstrip("/")
-    else:
-        from node.runtime.config import load_config
-
-        api = load_config(args.config).http
-        if not api.enabled:
-            raise ValueError(f"{args.config}: http.enabled is false; the node serves no status")
-        if api.port == 0:
-            raise ValueError(f"{args.config}: http.port is 0 (a free port the node picks as it starts); give "
-                             f"--url with the address its log names (\"http api on ...\")")
-        host = "127.0.0.1" if api.host in ("0.0.0.0", "") else api.host
-        url = f"http://{host}:{api.port}"
+    url = node_url(args.config, args.url)
     try:
         with urllib.request.urlopen(f"{url}/status", timeout=args.timeout) as response:
             body = response.read()
@@ -154,6 +142,23 @@ def run_status(args: argparse.Namespace) -> int:
         raise ValueError(f"{url}/status: the answer is not a node's status (a JSON object); is a Tessera node there?")
     print(json.dumps(status, indent=2, sort_keys=True))
     return 0
+
+
+def node_url(config: str | None, url: str | None) -> str:
+    """A running node's HTTP API: `url` as given, else the address its config file (`--config`) sets."""
+    if url is not None:
+        return url.rstrip("/")
+    from node.runtime.config import load_config
+
+    assert config is not None, "argparse requires --config or --url"
+    api = load_config(config).http
+    if not api.enabled:
+        raise ValueError(f"{config}: http.enabled is false; the node serves no HTTP API")
+    if api.port == 0:
+        raise ValueError(f"{config}: http.port is 0 (a free port the node picks as it starts); give "
+                         f"--url with the address its log names (\"http api on ...\")")
+    host = "127.0.0.1" if api.host in ("0.0.0.0", "") else api.host
+    return f"http://{host}:{api.port}"
 
 
 def _relative(path: Path, directory: Path) -> Path:

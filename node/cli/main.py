@@ -28,6 +28,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "node.cli.simulate",
     "node.cli.bootstrap",
     "node.cli.spec",
+    "node.cli.successor",
     "node.cli.export",
     "node.cli.plan",
 )

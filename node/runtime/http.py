@@ -1,9 +1,9 @@
 """The node's local HTTP API (aiohttp): the status page at /, and /healthz, /status, /rounds, /rounds/{r},
-/miners/{id}, /rewards and /metrics; and POST /successor, where an operator offers a signed successor document
-(`tessera spec offer`): the node judges it at once and answers the verdict.
+/miners/{id}, /rewards, /metrics and POST /successor.
 
-Read-only but for that offer, which changes nothing unless validators holding a majority of weight signed the
-document; binds 127.0.0.1 unless configured otherwise, every address of the host on one
+Read-only but for POST /successor, where an operator offers a signed successor document (`tessera spec offer`):
+the node judges it at once and answers the verdict, and the offer changes nothing unless validators holding a
+majority of weight signed the document. It binds 127.0.0.1 unless configured otherwise, every address of the host on one
 port. Bad input gets a 4xx with a one-line JSON reason, never a 500: a non-numeric or absurd round
 (400), an unknown round or miner (404), a refused successor (400), a query string over MAX_QUERY_CHARS as sent
 (414), any other method (405); a request aiohttp cannot parse (a raw non-ASCII byte in the path, a line too long) gets

@@ -86,7 +86,7 @@ class StatusViews:
         status["agreement"] = self._agreement(states)
         status["me"] = await self.miner(ctx.identity.node_id) if ctx.config.node.role == "miner" else None
         status["outvoted"] = await self._outvoted()
-        status["spec"] = await self._spec(status["round"] if status["round"] is not None else -1, now)
+        status["spec"] = await self._spec(-1 if status.get("round") is None else status["round"], now)
         return status
 
     async def offer_successor(self, data: bytes) -> dict[str, Any]:

@@ -7,18 +7,21 @@ all end on the same spec and state as the others."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import time
 from pathlib import Path
 
 import pytest
 
+from node.cli.main import main
 from node.runtime.daemon import Node
 from node.runtime.status import StatusViews
 from protocol.messages import Successor
 from protocol.rounds import Phase
 from protocol.spec import NetworkSpec
-from protocol.successor import SuccessorDocument, draft
+from protocol.successor import GRACE_ROUNDS, SuccessorDocument, draft, load_document
 from tests.node.twins import Twins, identity
 from training.blob import read_header
 from training.data import file_sha256
@@ -116,8 +119,57 @@ async def test_the_group_changes_at_its_activation_round_on_every_node_without_a
             before = next(e["standing"] for e in ledger if e["miner"] == miner and e["round"] == ACTIVATION - 1)
             after = next(e for e in ledger if e["miner"] == miner and e["round"] == ACTIVATION)
             assert after["standing"] == pytest.approx((1 - alpha) * before + alpha * after["points"])
+        await exported_provenance_names_both_groups(net, v0, base)
+        await the_next_group_is_chosen_from_the_adopted_state(net, v0)
     finally:
         await net.close()
+
+
+async def exported_provenance_names_both_groups(net: Twins, v0: Node, base: str) -> None:
+    """`tessera export` of the final state: every expert of both groups with the round and state that last changed
+    it; the others never trained."""
+    head = await v0.ctx.storage.head()
+    assert head is not None
+    out = net.root / "export"
+    argv = ["export", "--spec", str(net.spec_path), "--state", head, "--data-dir", str(v0.ctx.config.node.data_dir),
+            "--out", str(out)]
+    assert await asyncio.to_thread(main, argv) == 0
+    provenance = json.loads((out / "provenance.json").read_text(encoding="utf-8"))
+    successor = spec_of(v0).network_id
+    assert [s["spec"] for s in provenance["specs"]] == [net.spec.network_id, successor]
+    experts = provenance["experts"]
+    assert len(experts) == 2 * 8 * 2  # every expert tensor of the model: layers x experts x (gate_up, down)
+    base_round = next(s.round for s in await v0.ctx.storage.global_states() if s.hash == base)
+    for layer, ids in NEXT_GROUP.items():
+        for e in ids:
+            record = experts[f"layers.{layer}.experts.{e}.down_proj"]
+            assert (record["spec"], record["round"], record["state"]) == (successor, ACTIVATION + 1, head)
+            assert record["contributors"]
+    for layer, ids in net.spec.group.items():
+        for e in ids:
+            record = experts[f"layers.{layer}.experts.{e}.gate_up_proj"]
+            assert (record["spec"], record["round"], record["state"]) == (net.spec.network_id, base_round, base)
+    assert experts["layers.0.experts.0.down_proj"] == {"trained": False}
+
+
+async def the_next_group_is_chosen_from_the_adopted_state(net: Twins, v0: Node) -> None:
+    """`select-experts --state` measures the node's model and, with --disjoint, leaves out the group trained now;
+    `spec successor --data-dir` drafts its successor after the spec the node runs."""
+    group = net.root / "group3.json"
+    data_dir = str(v0.ctx.config.node.data_dir)
+    argv = ["select-experts", "--spec", str(net.spec_path), "--data", str(net.root / "net" / "train.jsonl"),
+            "--rule", "gate-mass", "--top-d", "2", "--state", data_dir, "--disjoint", "--out", str(group)]
+    assert await asyncio.to_thread(main, argv) == 0
+    chosen = json.loads(group.read_text(encoding="utf-8"))
+    assert chosen["state"] == await v0.ctx.storage.head()
+    assert all(not set(ids) & set(NEXT_GROUP[int(layer)]) for layer, ids in chosen["group"].items())
+    out = net.root / "third.toml"
+    later = max(ACTIVATION + 1, net.schedule.round_at(max(time.time(), net.spec.genesis_ts)) + GRACE_ROUNDS)
+    argv = ["spec", "successor", "--spec", str(net.spec_path), "--data-dir", data_dir, "--round", str(later),
+            "--group", str(group), "--out", str(out)]
+    assert await asyncio.to_thread(main, argv) == 0
+    third = load_document(out)
+    assert third.predecessor == spec_of(v0).network_id and third.data == spec_of(v0).data  # the successor's data
 
 
 async def test_nodes_away_at_the_activation_round_or_new_after_it_end_on_the_network_s_spec(tmp_path: Path) -> None:

@@ -112,5 +112,5 @@ async def test_a_version_2_file_gains_the_note_of_what_was_sent(tmp_path: Path) 
     finally:
         await again.close()
     conn = sqlite3.connect(path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
     conn.close()

@@ -54,6 +54,7 @@ class RoomyDisk:
 class FakeNode:
     def __init__(self, ctx: SimpleNamespace, own_reports: dict[int, dict[str, Any]]) -> None:
         self.ctx = ctx
+        self.genesis = ctx.spec
         self.own_reports = own_reports
 
     async def status(self) -> dict[str, Any]:
