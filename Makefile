@@ -70,6 +70,7 @@ bench: $(STAMP)
 	$(PY) bench/simulation.py --out .bench/simulation.json
 	$(PY) bench/simulation.py --miners 8 --adversaries noise,copier,lazy,garbage --out .bench/simulation-adversarial.json
 	$(PY) bench/soak.py --out .bench/soak.json
+	$(PY) bench/successor.py --out .bench/successor.json
 	$(PY) bench/gpu.py --out .bench/gpu.json
 	$(PY) bench/real_size.py --work .bench/real-size --out .bench/real-size.json  # writes a 13.8 GB checkpoint there
 

@@ -121,13 +121,19 @@ def keep_state(sim: Simulation, state: str, states: Path) -> None:
 
 
 async def node_states(db: Path, rounds: int) -> dict[int, str | None]:
-    """The state each round ended on, as a node's state file records it (None: it holds no adopted state)."""
+    """The state each round ended on, as a node's state file records it: the state it adopted for the round, else
+    (no state won the round's votes) the one before, carried on; None before its first adopted state."""
     storage = await Storage.open(db)
     try:
         records = await storage.global_states()
     finally:
         await storage.close()
-    return {r: next((s.hash for s in records if s.round == r and s.adopted), None) for r in range(rounds)}
+    ended: dict[int, str | None] = {}
+    held = None
+    for r in range(rounds):
+        held = next((s.hash for s in records if s.round == r and s.adopted), held)
+        ended[r] = held
+    return ended
 
 
 def evaluate(spec_path: Path, adopted: list[str], activation: int, states: Path) -> list[dict[str, float]]:
@@ -193,8 +199,10 @@ def main(argv: list[str] | None = None) -> int:
                 sim.wait_phase(r, Phase.TRAIN)
                 late = sim.add_node("honest")
                 pids[late.name] = late.proc.pid if late.proc is not None else -1
+            sim.wait_phase(r, Phase.EVALUATE)
+            status = sim.get(sim.validators()[0].name, "/status") or {}
             reports = sim.wait_round(r)
-            entry = sim.round_entry(r, reports)
+            entry = sim.round_entry(r, reports) | {"spec": status.get("spec")}
             reported.append(entry)
             for state in {v["global_hash"] for v in entry["validators"] if v["global_hash"]}:
                 keep_state(sim, state, directory / STATES)
@@ -228,8 +236,10 @@ def build_report(sim: Simulation, directory: Path, args: argparse.Namespace, rep
     for r, entry in enumerate(reported):
         states = {name: held[r] for name, held in per_node.items()}
         ran = {s for name, s in states.items() if name != late or r >= args.activation + 1}
-        meta_group = _group(directory / STATES / adopted[r]) if r < len(adopted) else None
-        entries.append({"round": r, "group": meta_group, "states": states,
+        spec = entry.get("spec") or {}
+        state_round = _round_of(directory / STATES / adopted[r]) if r < len(adopted) else None
+        entries.append({"round": r, "group": spec.get("group"), "spec": spec.get("id"), "states": states,
+                        "state_adopted_this_round": state_round == r,
                         "one_state": len(ran) == 1 and None not in ran,
                         "heldout_loss": losses[r + 1] if r + 1 < len(losses) else None,
                         "validators_global_loss": entry["global_loss"],
@@ -260,12 +270,11 @@ def build_report(sim: Simulation, directory: Path, args: argparse.Namespace, rep
             "rounds": entries, "checks": checks}
 
 
-def _group(path: Path) -> dict[str, list[int]] | None:
+def _round_of(path: Path) -> int | None:
+    """The round of a state blob's merge (None: no blob, the base)."""
     from training.blob import read_header
 
-    if not path.is_file():
-        return None
-    return {str(k): v for k, v in read_header(path, 1 << 20).meta.group.items()}
+    return read_header(path, 1 << 20).meta.round if path.is_file() else None
 
 
 if __name__ == "__main__":

@@ -33,8 +33,9 @@ a step was taken) and the state holding the best single submission's experts, th
 without near-duplicate flags (with the momentum as it was; weighed once where it is the merged state);
 each is measured by the caller's `measure` (validator.scoring.gate_measure: held-out rows the round seed
 draws apart from the scored ones, row by row, and general-domain rows where the spec pins a file), and a
-candidate that raises the general-domain loss over the current state's by more than
-`aggregation.forgetting_budget` is refused. The rest are taken in the order of `CANDIDATES`, a fixed
+candidate that raises the general-domain loss by more than `aggregation.forgetting_budget` over the current
+state's, or over the caller's `reference` (a successor spec's: its base state's, the value at the switch), is
+refused. The rest are taken in the order of `CANDIDATES`, a fixed
 preference: a candidate replaces the one held so far only on evidence, when the low end of its paired
 gain's 95% interval (row by row over the gate rows) is above `aggregation.gate_margin`. Validators on
 unlike hardware measure the same states a little apart; a decision that needs the gain past a margin far
@@ -248,8 +249,10 @@ def gate(
     momentum: dict[str, torch.Tensor],
     spec: NetworkSpec,
     measure: Callable[[Tensors], GateLoss],
+    reference: float | None = None,
 ) -> Adoption:
-    """The state round `merge` adopts (steps in the module doc); `measure` gives a candidate's losses.
+    """The state round `merge` adopts (steps in the module doc); `measure` gives a candidate's losses, and the
+    forgetting budget counts from `reference`'s general-domain loss where given, else from the current state's.
 
     Without a best single submission there is nothing to weigh: the current state stays, unmeasured. Without a
     merge (every candidate flagged a near-duplicate, or a step that would overflow) the merged candidate is the
@@ -267,7 +270,8 @@ def gate(
     holders = {name: {"current": [], "merged": list(merge.contributors), "best_single": [merge.best]}[name]
                for name in weighed}
     budget = spec.aggregation.forgetting_budget
-    refused = tuple(name for name in weighed[1:] if not _within_budget(losses[name], losses["current"], budget))
+    since = losses["current"].general if reference is None else reference
+    refused = tuple(name for name in weighed[1:] if not _within_budget(losses[name], since, budget))
     held, challenges = "current", {}
     for name in weighed[1:]:
         if name in refused:
@@ -287,14 +291,14 @@ def gate(
     return Adoption(held, list(holders[held]), tensors, moment, losses, refused, challenges, holders)
 
 
-def _within_budget(candidate: GateLoss, current: GateLoss, budget: float | None) -> bool:
-    """A finite gate loss, and no more than `budget` nats of general-domain loss over the current state's
-    (where the spec sets a budget and both were measured)."""
+def _within_budget(candidate: GateLoss, since: float | None, budget: float | None) -> bool:
+    """A finite gate loss, and no more than `budget` nats of general-domain loss over `since` (where the spec sets
+    a budget and both were measured)."""
     if not math.isfinite(candidate.loss):
         return False
-    if budget is None or candidate.general is None or current.general is None:
+    if budget is None or candidate.general is None or since is None:
         return True
-    return math.isfinite(candidate.general) and candidate.general - current.general <= budget
+    return math.isfinite(candidate.general) and candidate.general - since <= budget
 
 
 def _coverage(

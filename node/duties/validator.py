@@ -308,10 +308,14 @@ class ValidatorDuties:
         def merge() -> tuple[MergeResult, Adoption]:
             blobs = self._checked.of(round)
             tensors, momentum = dict(state.tensors), dict(state.momentum)
-            result = merge_round(reports, plan.assignment, plan.revealed, blobs, tensors, momentum, self.ctx.spec,
-                                 head)
-            return result, gate(result, blobs, tensors, momentum, self.ctx.spec,
-                                gate_measure(loaded.scorer, plan.seed, loaded.general))
+            spec = self.ctx.spec
+            result = merge_round(reports, plan.assignment, plan.revealed, blobs, tensors, momentum, spec, head)
+            measure = gate_measure(loaded.scorer, plan.seed, loaded.general)
+            # A successor counts its forgetting budget from its base, the value at the switch: its general-domain
+            # file is the group it replaced, and the budget bounds what the new group takes from it in all.
+            counts_from_base = spec.lineage is not None and spec.aggregation.forgetting_budget is not None
+            reference = measure(loaded.genesis.tensors).general if counts_from_base and result.best else None
+            return result, gate(result, blobs, tensors, momentum, spec, measure, reference)
 
         try:
             return await asyncio.to_thread(merge)

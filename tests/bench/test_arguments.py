@@ -26,6 +26,8 @@ BAD = [
     ("miner", ["--out", "."], "is a directory"),
     ("learning", ["--set", "training.inner_steps=5"], "give it in --networks M@H"),
     ("learning", ["--seeds", "0,x"], "--seeds: expected comma-separated integers"),
+    ("successor", ["--activation", "1"], "--activation must be at least 2"),
+    ("successor", ["--rounds", "4", "--activation", "3"], "--rounds at least --activation + 2"),
 ]
 
 

@@ -62,6 +62,7 @@ function renderGlance(status) {
   document.title = `tessera ${status.role} ${short(status.node_id)}`;
   $("subtitle").textContent = `node ${short(status.node_id)} on network ${status.network} (${short(status.network_id)})`;
   $("learning").textContent = learningLine(status.learning);
+  renderSpec(status.spec);
   const agreement = status.agreement;
   nextPhaseAt = Date.now() + status.next_phase.in_s * 1000;
   nextPhaseName = `${status.next_phase.phase} of round ${status.next_phase.round}`;
@@ -104,6 +105,25 @@ function renderGlance(status) {
   $("disk-alert").hidden = !disk;
   $("disk-alert").textContent = disk ? diskText(disk) : "";
   tick();
+}
+
+// The expert group trained now and, once validators signed its successor, when and to what it changes.
+function renderSpec(spec) {
+  const group = (g) => Object.keys(g).sort((a, b) => a - b).map((l) => `layer ${l}: ${g[l].join(" ")}`).join(" · ");
+  $("spec").textContent = spec ? `expert group ${group(spec.group)}` +
+    (spec.since_round ? ` (successor spec ${short(spec.id)}, since round ${spec.since_round})` : "") : "";
+  const next = spec && spec.successor;
+  $("successor").hidden = !next;
+  $("successor").textContent = next ? `Expert group changes at round ${next.activation}, in ${duration(next.in_s)}; ` +
+    `signed by ${next.signed_by} of ${next.validators} validators` +
+    (next.group ? ` (next group: ${group(next.group)}).` : ".") : "";
+}
+
+// Seconds as the node's log writes a wait: 2 h 10 min, or 4 min 5 s.
+function duration(seconds) {
+  const s = Math.max(0, Math.round(seconds));
+  const h = Math.floor(s / 3600), m = Math.floor((s % 3600) / 60);
+  return h ? `${h} h ${m} min` : `${m} min ${s % 60} s`;
 }
 
 // Bytes as the node's log writes them: 0 B, 812 KiB, 13.4 MiB, 8.0 GiB.

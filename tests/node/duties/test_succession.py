@@ -172,6 +172,36 @@ async def the_next_group_is_chosen_from_the_adopted_state(net: Twins, v0: Node) 
     assert third.predecessor == spec_of(v0).network_id and third.data == spec_of(v0).data  # the successor's data
 
 
+async def test_each_bad_successor_is_refused_in_one_line_and_changes_nothing(tmp_path: Path) -> None:
+    net = Twins(tmp_path)
+    document = successor_network(net)
+    try:
+        validator = await net.start("validator-0")
+        await net.phase(1, Phase.TRAIN)
+        other = draft(net.spec.model_copy(update={"name": "othernet"}), 4, NEXT_GROUP)
+        lacking = draft(net.spec, 4, {0: [3, 8]})
+        offers = {
+            "signed by 1 of 2 validators": signed(document.model_copy(update={"activation": 4}), 0),
+            "it names predecessor": signed(other, 0, 1),
+            "its activation round 1 has already begun (round 1 is in progress)":
+                signed(document.model_copy(update={"activation": 1}), 0, 1),
+            "its activation round 2 is too soon": signed(document.model_copy(update={"activation": 2}), 0, 1),
+            "group layer 0: experts [8] do not exist (the model has 8)": signed(lacking, 0, 1),
+        }
+        for reason, offered in offers.items():
+            verdict = await validator.offer_successor(offered.to_bytes())
+            assert verdict["verdict"] == "refuse" and verdict["reason"].startswith(reason), verdict
+            assert "\n" not in verdict["reason"]
+        malformed = await validator.offer_successor(b"{}")
+        assert malformed["verdict"] == "refuse" and malformed["reason"].startswith("malformed: format")
+        assert await validator.ctx.storage.successors() == []
+        await net.phase(1, Phase.COMMIT)
+        assert spec_of(validator).network_id == net.spec.network_id  # nothing changed
+        assert (await StatusViews(validator).status())["spec"]["successor"] is None
+    finally:
+        await net.close()
+
+
 async def test_nodes_away_at_the_activation_round_or_new_after_it_end_on_the_network_s_spec(tmp_path: Path) -> None:
     net = Twins(tmp_path)
     document = signed(successor_network(net), 0, 1)

@@ -46,6 +46,8 @@ class FakeValidator:
         self.in_flight = self.most_in_flight = 0
         self.rounds_shown = ROUNDS
         self.learning = LEARNING
+        self.spec: dict[str, Any] = {"id": "aa" * 32, "since_round": 0, "group": {"0": [1, 5], "1": [2, 6]},
+                                     "successor": None}
 
     async def status(self) -> dict[str, Any]:
         self.in_flight += 1
@@ -61,7 +63,7 @@ class FakeValidator:
                 "phase": "train", "peers": 2, "head": "ee" * 32, "head_round": 0, "me": None,
                 "agreement": {"round": 0, "share": 1.0}, "next_phase": {"round": 1, "phase": "commit", "in_s": 65},
                 "learning": self.learning, "key_used_elsewhere": self.key_used_elsewhere,
-                "clock_behind": self.clock_behind, "outvoted": self.outvoted, "disk": self.disk}
+                "clock_behind": self.clock_behind, "outvoted": self.outvoted, "disk": self.disk, "spec": self.spec}
 
     async def rewards(self) -> dict[str, Any]:
         return {"entries": [], "standings": {B: 0.1, A: 0.3}}
@@ -77,6 +79,9 @@ class FakeValidator:
 
     async def metrics_text(self) -> bytes:
         return b""
+
+    async def offer_successor(self, data: bytes) -> dict[str, Any]:
+        return {"verdict": "refuse", "reason": "not in this test"}
 
 
 @pytest.fixture
@@ -116,6 +121,18 @@ def test_the_page_renders_peer_text_as_text(browser: Any, served: tuple[HttpApi,
     page.wait_for_selector("#me:not([hidden]) tr.my-round[data-round='0']")
     assert page.locator("#me-title").inner_text() == f"Miner {B[:12]}"
     assert page.locator("tr.my-round td.reason").inner_text() == f"rejected: {EVIL}"
+
+    assert page.locator("#spec").inner_text() == "expert group layer 0: 1 5 · layer 1: 2 6"
+    assert page.locator("#successor").is_hidden()
+    node.spec = {"id": "bb" * 32, "since_round": 3, "group": {"0": [3, 7], "1": [0, 4]}, "successor": {
+        "document": "cc" * 32, "activation": 9, "in_s": 7800.0, "signed_by": 2, "validators": 3,
+        "group": {"0": [2], "1": [5]}}}
+    page.wait_for_selector("#successor:not([hidden])", timeout=10_000)
+    assert page.locator("#spec").inner_text() == ("expert group layer 0: 3 7 · layer 1: 0 4 (successor spec "
+                                                  "bbbbbbbbbbbb, since round 3)")
+    assert page.locator("#successor").inner_text() == (
+        "Expert group changes at round 9, in 2 h 10 min; signed by 2 of 3 validators (next group: layer 0: 2 · "
+        "layer 1: 5).")
 
     assert page.locator("#key-alert").is_hidden()
     node.key_used_elsewhere = {"messages": 2, "last_kind": "commit", "last_round": 1}
