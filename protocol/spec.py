@@ -170,7 +170,8 @@ class AggregationSpec(_Strict):
     forgetting_budget: float | None = Field(
         default=None, ge=0,
         description="Where the spec pins a general-domain held-out file (data.general_sha256): the most a candidate "
-        "state may raise its loss there over the current state, in nats, and still be adopted by the merge gate. "
+        "state may raise its loss there over the current state (a successor spec: over its base state, the value at "
+        "the switch), in nats, and still be adopted by the merge gate. "
         "None: the gate reports each candidate's general-domain loss and refuses none for it (tuning experts to "
         "a domain forgets some general loss; docs/learning.md measures how much against single-node tuning).")
 
