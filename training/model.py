@@ -326,15 +326,10 @@ def _from_pretrained(
     """
     files = weight_files(directory)
     load_dtype = dtype or _stored_dtype(config)
-    # transformers leaves its progress-bar switches unannotated.
-    if progress and sys.stderr.isatty():
-        hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
-    else:
-        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     model: PreTrainedModel
     info: dict[str, Any]
     try:
-        with ExitStack() as stack, _synchronous_loading():
+        with ExitStack() as stack, _synchronous_loading(), _progress_bar(progress and sys.stderr.isatty()):
             # pread, not mmap: mapped file pages would count against the process twice over.
             slices: dict[str, Any] = {}
             for path in files:
@@ -363,6 +358,18 @@ def _from_pretrained(
             requires_grad=placeholder.requires_grad))
     adapter_for(config.model_type).check_layout(model)
     return model.eval()  # type: ignore[no-untyped-call, no-any-return]  # unannotated in transformers
+
+
+@contextmanager
+def _progress_bar(shown: bool) -> Iterator[None]:
+    """Inside, transformers' loading bar is shown or not; after, its process-wide switch is as it was."""
+    was_shown = hf_logging.is_progress_bar_enabled()
+    switch = hf_logging.enable_progress_bar if shown else hf_logging.disable_progress_bar
+    switch()  # type: ignore[no-untyped-call]
+    try:
+        yield
+    finally:
+        (hf_logging.enable_progress_bar if was_shown else hf_logging.disable_progress_bar)()  # type: ignore[no-untyped-call]
 
 
 @contextmanager
