@@ -255,7 +255,7 @@ def _documents(flag: str, path: Path) -> list[str]:
 def _check_top_d(top_d: int | None, checkpoint: Path) -> None:
     """Refuse, before a weight is read, a --top-d over the experts per layer of the checkpoint's config."""
     from training.adapters import adapter_for
-    from training.model import meta_model
+    from training.checkpoint import meta_model
 
     if top_d is None:
         return

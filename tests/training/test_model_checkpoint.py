@@ -11,8 +11,8 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from training.adapters import ADAPTERS
-from training.checkpoint import checkpoint_hash, stored_tensors
-from training.model import load_checkpoint, meta_model, state_hash
+from training.checkpoint import checkpoint_hash, meta_model, stored_tensors
+from training.model import load_checkpoint, state_hash
 from training.tiny import build_tiny_model, tiny_config
 
 FAMILIES = tuple(ADAPTERS)
