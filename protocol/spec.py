@@ -109,9 +109,7 @@ class TrainingSpec(_Strict):
     beta1: float = Field(
         default=0.6561, ge=0, lt=1,
         description="Inner AdamW beta1, the first moment's decay: 0.6561 (0.9^4), where AdamW's usual 0.9 averages "
-        "over about as many steps as a round of H = 20 takes. At H = 20 with 4 miners it ended 0.065 to 0.073 nats "
-        "lower than 0.9 on the learning benchmark's two skills under every seed and level elsewhere "
-        "(docs/learning.md, \"Settings measured at H = 20\").")
+        "over about as many steps as a round of H = 20 takes (docs/learning.md has the measurement).")
     weight_decay: float = Field(default=0.0, ge=0, description="Inner AdamW weight decay.")
     batch_size: int = Field(default=8, ge=1, description="Sequences per inner step.")
     grad_clip: float = Field(default=1.0, gt=0, description="Global gradient-norm clip.")
@@ -140,21 +138,13 @@ class RewardSpec(_Strict):
     ema_alpha: float = Field(default=0.3, gt=0, le=1, description="Weight of this round in the standing EMA.")
     duplicate_cosine: float = Field(
         default=0.9999, gt=0, le=1,
-        description="Cosine at which two updates are copies. Honest miners starting from one state agree closely "
-        "(cosine about 0.995 after 20 steps on the learning benchmark's base, where 0.99 flagged all of them); "
-        "a copied blob has cosine 1 (docs/learning.md).")
+        description="Cosine at which two updates are copies: honest miners starting from one state agree closely, "
+        "a copied blob has cosine 1 (docs/learning.md has how close honest miners come).")
 
 
 class AggregationSpec(_Strict):
-    """The outer optimizer that merges the best pseudo-gradients.
-
-    The defaults are the learning benchmark's pick at the spec's default H = 20 and top-G 3: the average of the
-    merged updates taken 1.25 times, no momentum. Against lr 1 it ended lower or level in all 15 settings and seeds
-    of 4 miners (records by 0.07 nats); lr 1.5 once adopted a state worse than the round's best single
-    submission; DiLoCo's lr 0.7 with momentum 0.9 forgot 2.9 to 11 times as much general-domain loss as lr 1.
-    Changed alone from these defaults, momentum 0.5 and DiLoCo's pair ended higher on records past the noise,
-    and top-G 2 or 4 and utility weights were level (docs/learning.md, "Settings measured at H = 20").
-    """
+    """The outer optimizer that merges the best pseudo-gradients, and the merge gate that adopts a state. The
+    defaults are the learning benchmark's pick at the spec's default H = 20 and top-G 3 (docs/learning.md)."""
 
     top_g: int = Field(default=3, ge=1, description="How many top-ranked miners are merged.")
     outer_lr: float = Field(default=1.25, gt=0, description="Nesterov SGD learning rate; a step over one miner's "
