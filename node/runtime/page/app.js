@@ -93,6 +93,10 @@ function renderGlance(status) {
   $("clock-alert").textContent = behind ? `This node's clock is probably at least ${behind.behind_by_at_least_s} s ` +
     `behind: messages from ${behind.early_validators} validator(s) arrived before their windows opened. Peers judge this ` +
     `node's messages by their clocks; check that this machine keeps time (NTP).` : "";
+  $("protocol-alert").hidden = !status.protocol_alert;
+  $("protocol-alert").textContent = status.protocol_alert ? `${status.protocol_alert} (peers on another ` +
+    `protocol version are refused).` : "";
+  $("version").textContent = `tessera ${status.version} · protocol ${status.protocol}`;
   tick();
 }
 
