@@ -65,8 +65,8 @@ from training.adapters import tensor_attr
 from training.blob import BlobFile
 from training.data import (
     check_disjoint,
+    check_general_file,
     check_heldout_file,
-    file_sha256,
     heldout_subset,
     load_sequences,
     read_documents,
@@ -468,19 +468,7 @@ class _Loaded:
 
 def _check_general(ctx: NodeContext) -> None:
     """Refuse a general-domain held-out file the spec does not pin, or a missing or other one where it pins one."""
-    pinned, general = ctx.spec.data.general_sha256, ctx.config.validator.general
-    if pinned is None and general is not None:
-        raise ValueError("validator.general: the spec pins no general-domain held-out file (data.general_sha256); "
-                         "remove validator.general")
-    if pinned is None:
-        return
-    if general is None:
-        raise ValueError("validator.general: the spec pins a general-domain held-out file (data.general_sha256); "
-                         "give its path")
-    actual = file_sha256(general) if general.is_file() else None
-    if actual != pinned:
-        raise ValueError(f"validator.general: {general} {'hashes to ' + actual if actual else 'is not a file'}, but "
-                         f"the spec pins data.general_sha256 = {pinned}; use the network's general-domain file")
+    check_general_file(ctx.config.validator.general, ctx.spec.data.general_sha256, "validator.general")
 
 
 def _check_disjoint(ctx: NodeContext) -> None:

@@ -132,6 +132,11 @@ class P2PNetwork:
         return list(self._listen_addrs)
 
     @property
+    def announced_addrs(self) -> list[str]:
+        """The addresses peers are told to dial (`P2PConfig.announce`, else the listen ones), with our peer id."""
+        return list(self._announced)
+
+    @property
     def stats(self) -> NetworkStats:
         return self._judge.snapshot()
 
