@@ -6,8 +6,8 @@ that mostly waits runs beside files that keep the cores busy.
 
 Collection (`pytest_collection_modifyitems`) puts first (FIRST) the network simulation, minutes of waiting on a round
 schedule, and beside it the real-size benchmark's small run (2-3 minutes of commands run one at a time); then the
-in-process files that take longest, and the benchmarks that mostly wait on a round schedule (WAITING: soak,
-simulation, round), which run among the in-process tests. The other files that start processes of their own (real
+in-process files that take longest, and the files that mostly wait on a round schedule (WAITING: the soak,
+simulation and round benchmarks, the multi-host network), which run among the in-process tests. The other files that start processes of their own (real
 nodes, benchmarks, commands: LAST) come after the in-process ones, so they do not crowd the network's first rounds,
 the longest first (LAST_LONGEST).
 
@@ -38,9 +38,10 @@ FIRST = (
     "integration/test_network.py", "bench/test_real_size.py",
     "training/test_allocator.py", "node/runtime/test_status_page_render.py", "training/test_trainer_memory.py",
     "training/test_device_memory.py",
-    "bench/test_soak.py", "bench/test_simulation.py", "bench/test_round.py",
+    "bench/test_soak.py", "bench/test_simulation.py", "bench/test_round.py", "integration/test_multihost.py",
 )
-WAITING = ("bench/test_soak.py", "bench/test_simulation.py", "bench/test_round.py")  # one at a time
+WAITING = ("bench/test_soak.py", "bench/test_simulation.py", "bench/test_round.py",
+           "integration/test_multihost.py")  # one at a time
 LAST = ("integration/", "bench/", "deploy/", "node/cli/")
 LAST_LONGEST = (
     "integration/test_hostile.py", "bench/test_miner.py", "integration/test_p2p.py",
