@@ -4,7 +4,7 @@ Soon after a connection is made (the host's supervisor, within a tick), each sid
 other and answers the other's: one JSON frame each way, `{"protocol": N, "release": "X.Y.Z"}`
 (protocol.version). A peer that speaks another protocol version is refused: one warning line in the log
 the first time (per peer and version), counted and kept for the node's status (`GossipJudge.refuse_protocol`),
-disconnected, and not dialled for REFUSED_BACKOFF_S. Gossip topics carry the protocol version too, so
+disconnected HANG_UP_AFTER_S later, and not dialled for REFUSED_BACKOFF_S. Gossip topics carry the protocol version too, so
 the two never exchange a message meanwhile. A peer whose hello fails or does not parse is not refused:
 a busy peer may time out, and its next connection asks again. Runs on the trio thread of
 node.net.p2p.host; knows nothing about gossip or blobs.
