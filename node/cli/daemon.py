@@ -19,12 +19,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from node.net.config import P2PConfig
+from node.runtime.config import MinerSection
 
 if TYPE_CHECKING:
     from node.runtime.config import NodeConfig
 
 CONFIG_NAME = "node.toml"
 P2P_DEFAULTS = P2PConfig()
+MINER_DEFAULTS = MinerSection()
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -46,9 +48,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     init.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
                       help="a bootstrap peer (repeat for several)")
     init.add_argument("--device", metavar="DEVICE", help="the torch device it trains (miner) or scores (validator) on: "
-                      "cpu, cuda, cuda:1 (a validator also auto); default cpu")
-    init.add_argument("--forward", choices=("full", "compressed"), help="miners: hold every expert (full, the default) "
-                      "or only the group's (compressed)")
+                      f"cpu, cuda, cuda:1 (a validator also auto); default {MINER_DEFAULTS.device}")
+    init.add_argument("--forward", choices=("full", "compressed"), help="miners: hold every expert (full) or only the "
+                      f"group's (compressed); default {MINER_DEFAULTS.forward}")
     init.add_argument("--heldout", metavar="FILE", help="validators: the held-out file the spec pins")
     init.add_argument("--general", metavar="FILE",
                       help="validators: the general-domain held-out file the spec pins (data.general_sha256), if any")
