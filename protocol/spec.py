@@ -5,18 +5,19 @@ aggregation and limits. Its SHA-256 over a canonical encoding is the network id 
 message. Paths in a spec are relative to the spec file and stay as written in the canonical form,
 so the id does not depend on where a node keeps its files; the files themselves are pinned by
 hashes (`base_hash` and `config_sha256` for the model, `heldout_sha256` and `general_sha256` for the held-out
-data). This
-module does not load models or data.
+data). The id hashes every field, the defaults of those a file leaves out too, so a spec file that writes every
+field (`written_out`) names the same network in every release, and `defaults_left` names what a file leaves to
+this release's defaults. This module does not load models or data.
 """
 
 from __future__ import annotations
 
 import math
 import tomllib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -358,6 +359,51 @@ def apply_settings(spec: dict[str, Any], settings: Iterable[tuple[str, Any]]) ->
     """Write judged settings (`judge_settings`) into decoded spec data, over what its sections hold."""
     for section, values in judge_settings(settings).items():
         spec[section] = {**spec.get(section, {}), **values}
+
+
+def written_out(spec: NetworkSpec) -> dict[str, Any]:
+    """Every field of `spec` with its value, shaped as decoded TOML, for a spec file that leaves nothing to a
+    release's defaults (`tessera spec new` writes it): parsed back, it is the same spec with the same network id
+    in any release that has the same fields. A field that is unset (None) is left out, as TOML has no null."""
+    data = spec.model_dump(mode="python", exclude_none=True)
+    data["group"] = {str(layer): experts for layer, experts in spec.group.items()}
+    return data
+
+
+def defaults_left(data: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """The fields that a spec, as decoded TOML `data`, leaves to this release's defaults, with the values they take:
+    (`section.field`, value), in the spec's field order. The network id hashes them, so a release with other
+    defaults would read the same file as another network. Fields whose default is unset (None) are not listed:
+    unset means off in every release."""
+    return list(_defaults_left(NetworkSpec, data, ""))
+
+
+def _defaults_left(model: type[BaseModel], data: Mapping[str, Any], prefix: str) -> Iterator[tuple[str, Any]]:
+    for name, info in model.model_fields.items():
+        where, nested = f"{prefix}{name}", _nested_model(info.annotation)
+        if name in data:
+            value = data[name]
+            if nested is not None and isinstance(value, Mapping):
+                yield from _defaults_left(nested, value, f"{where}.")
+            elif nested is not None and isinstance(value, list):
+                for i, item in enumerate(value):
+                    yield from _defaults_left(nested, item if isinstance(item, Mapping) else {}, f"{where}[{i}].")
+            continue
+        if info.is_required():
+            continue
+        default = info.get_default(call_default_factory=True)
+        if isinstance(default, BaseModel):
+            yield from ((f"{where}.{field}", value) for field, value in default.model_dump(mode="json").items()
+                        if value is not None)
+        elif default is not None:
+            yield where, default
+
+
+def _nested_model(annotation: Any) -> type[BaseModel] | None:
+    """The spec model a field holds, itself or in a list (`validators`); None for a plain value."""
+    if get_origin(annotation) is list:
+        annotation = get_args(annotation)[0]
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 
 def load_spec(path: str | Path) -> NetworkSpec:
