@@ -38,7 +38,6 @@ class P2PConfig(BaseModel):
         default=1.0, gt=0, description="How often lost peers are redialled and the peer list refreshed."
     )
     exchange_interval_s: float = Field(default=10.0, gt=0, description="How often each peer is asked for its peers.")
-    max_redial_backoff_s: float = Field(default=5.0, gt=0, description="Longest wait between two dials of a lost peer.")
     dial_timeout_s: float = Field(default=5.0, gt=0, description="Give up one dial after this long.")
     blob_idle_timeout_s: float = Field(default=30.0, gt=0, description="Abort a blob transfer idle this long.")
     # 64 KiB/s is about a 20th of a 10 Mbit/s home uplink: a provider serving a dozen fetchers at once
@@ -51,10 +50,6 @@ class P2PConfig(BaseModel):
     )
     blob_chunk_bytes: int = Field(
         default=1 << 20, ge=1, description="Bytes per write when serving a blob and per disk write when fetching."
-    )
-    start_timeout_s: float = Field(default=30.0, gt=0, description="Give up starting the host after this long.")
-    forget_after_failures: int = Field(
-        default=5, ge=1, description="Stop redialling a discovered (non-bootstrap) peer after this many failed dials."
     )
     max_serves_per_peer: int = Field(
         default=2, ge=1, description="Blob streams served to one peer at once; more are answered busy."

@@ -60,6 +60,9 @@ T = TypeVar("T")
 GOSSIP_PROTOCOLS = [TProtocol("/meshsub/1.1.0"), TProtocol("/meshsub/1.0.0")]
 CLOSE_FLUSH_S = 5.0  # how long closing waits for queued publishes to go out
 REACH_EXCHANGES = 8  # peers asked at once for the addresses of blob providers we cannot reach yet
+START_TIMEOUT_S = 30.0  # the host thread must listen within this long
+MAX_REDIAL_BACKOFF_S = 5.0  # the longest wait between two dials of a lost peer
+FORGET_AFTER_FAILURES = 5  # failed dials after which a discovered (not a bootstrap) peer is no longer redialled
 
 
 class P2PNetwork:
@@ -111,10 +114,10 @@ class P2PNetwork:
         net._thread = threading.Thread(target=net._thread_main, args=(ready,), name="tessera-p2p", daemon=True)
         net._thread.start()
         try:
-            await asyncio.wait_for(asyncio.shield(ready), net.config.start_timeout_s)
+            await asyncio.wait_for(asyncio.shield(ready), START_TIMEOUT_S)
         except TimeoutError as exc:
             await net.close()
-            raise NetworkError(f"libp2p host did not start within {net.config.start_timeout_s} s") from exc
+            raise NetworkError(f"libp2p host did not start within {START_TIMEOUT_S} s") from exc
         return net
 
     # ---- the Network interface (asyncio side) ----
@@ -446,10 +449,10 @@ class P2PNetwork:
         except Exception as exc:
             failures = self._book.failures.get(peer_id, 0) + 1
             self._book.failures[peer_id] = failures
-            backoff = min(self.config.max_redial_backoff_s, self.config.supervise_interval_s * 2 ** (failures - 1))
+            backoff = min(MAX_REDIAL_BACKOFF_S, self.config.supervise_interval_s * 2 ** (failures - 1))
             self._book.next_dial[peer_id] = trio.current_time() + backoff
             log.debug("p2p: dial %s failed (%d): %r", peer_id, failures, exc)
-            if peer_id not in self._book.bootstrap and failures >= self.config.forget_after_failures:
+            if peer_id not in self._book.bootstrap and failures >= FORGET_AFTER_FAILURES:
                 self._book.forget(peer_id)
         finally:
             self._book.dialing.discard(peer_id)
