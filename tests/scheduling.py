@@ -23,7 +23,8 @@ TESTS = Path(__file__).parent
 FIRST = (
     "integration/test_network.py", "bench/test_real_size.py", "integration/test_unlike_validators.py",
     "training/test_allocator.py", "node/runtime/test_status_page_render.py", "training/test_trainer_memory.py",
-    "training/test_device_memory.py", "bench/test_network_benchmarks.py", "bench/test_successor.py",
+    "training/test_device_memory.py", "bench/test_network_benchmarks.py", "integration/test_multihost.py",
+    "bench/test_successor.py",
 )
 LAST = ("integration/", "bench/", "deploy/", "node/cli/")
 LAST_LONGEST = (

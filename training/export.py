@@ -31,9 +31,9 @@ from transformers import PreTrainedModel
 
 from protocol.files import staged_directory
 from training.adapters import adapter_for
-from training.checkpoint import Stored, model_sources, row_pieces, weight_files
+from training.checkpoint import Stored, meta_model, model_sources, row_pieces, weight_files
 from training.experts import check_same_names, expert_names, parse_name
-from training.model import expert_tensor_names, meta_model
+from training.model import expert_tensor_names
 
 PACK_FORMAT = "tessera-expert-pack/1"
 PACK_TENSORS = "experts.safetensors"

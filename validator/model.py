@@ -23,6 +23,7 @@ from protocol.spec import NetworkSpec, spec_dir_path
 from training.adapters import tensor_attr
 from training.data import (
     check_disjoint,
+    check_general_file,
     check_heldout_file,
     file_sha256,
     heldout_subset,
@@ -47,7 +48,7 @@ def check_files(spec: NetworkSpec, spec_path: Path, heldout: Path, general: Path
     except ValueError as exc:
         raise ValueError(f"validator.heldout: {exc}") from None
     _check_disjoint(spec, spec_path, heldout)
-    _check_general(spec, general)
+    check_general_file(general, spec.data.general_sha256, "validator.general")
 
 
 def spec_files(spec: NetworkSpec, heldout: Path, general: Path | None, more: Sequence[Path]) -> tuple[Path, Path | None]:
@@ -110,23 +111,6 @@ class ValidatorModel:
         apply_global(s.model, s.adapter, tensors)
         sequences = heldout_subset(s.heldout, seed, s.spec.data.heldout_sequences)
         return s.loss(sequences)
-
-
-def _check_general(spec: NetworkSpec, general: Path | None) -> None:
-    """Refuse a general-domain held-out file the spec does not pin, or a missing or other one where it pins one."""
-    pinned = spec.data.general_sha256
-    if pinned is None and general is not None:
-        raise ValueError("validator.general: the spec pins no general-domain held-out file (data.general_sha256); "
-                         "remove validator.general")
-    if pinned is None:
-        return
-    if general is None:
-        raise ValueError("validator.general: the spec pins a general-domain held-out file (data.general_sha256); "
-                         "give its path")
-    actual = file_sha256(general) if general.is_file() else None
-    if actual != pinned:
-        raise ValueError(f"validator.general: {general} {'hashes to ' + actual if actual else 'is not a file'}, but "
-                         f"the spec pins data.general_sha256 = {pinned}; use the network's general-domain file")
 
 
 def _check_disjoint(spec: NetworkSpec, spec_path: Path, heldout: Path) -> None:

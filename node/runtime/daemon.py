@@ -31,7 +31,7 @@ import sqlite3
 import time
 from typing import Any
 
-from node.net.judge import GossipJudge, clock_behind, clock_suspects
+from node.net.judge import GossipJudge, clock_behind, clock_suspects, other_protocols
 from node.net.network import Network, Subscription
 from node.runtime.clock import Clock, SystemClock
 from node.runtime.config import ConfigError, NodeConfig
@@ -58,6 +58,7 @@ from protocol.messages import Envelope, Message
 from protocol.rounds import Phase, Schedule
 from protocol.spec import NetworkSpec, SpecError, load_spec
 from protocol.successor import spec_from_bytes
+from protocol.version import PROTOCOL_VERSION, RELEASE, describe, other_protocol_line
 from training import allocator
 
 log = logging.getLogger(__name__)
@@ -338,7 +339,11 @@ class Node:
         ctx = self.ctx
         now = ctx.clock.now()
         round_, phase = ctx.schedule.phase_at(now) if now >= ctx.schedule.genesis_ts else (None, None)
+        stats = ctx.network.stats
+        others = other_protocols(stats)
         return {
+            "version": RELEASE,
+            "protocol": PROTOCOL_VERSION,
             "role": ctx.config.node.role,
             "node_id": ctx.identity.node_id,
             "network_id": ctx.spec.gossip_id,
@@ -348,13 +353,16 @@ class Node:
             "phase": None if phase is None else str(phase),
             "peers": len(ctx.network.peers()),
             "listen": ctx.network.listen_addrs,
+            "announce": list(ctx.config.p2p.announce),
             "head": await ctx.storage.head(),
             "base": ctx.spec.model.base_hash,
             "learning": learning_settings(ctx.spec),
             "last_run": None if not self.scheduler.runs else _run_dict(self.scheduler.runs[-1]),
             "key_used_elsewhere": self.key_elsewhere,
-            "clock_behind": clock_behind(ctx.network.stats, clock_suspects(ctx.spec, ctx.identity.node_id)),
+            "clock_behind": clock_behind(stats, clock_suspects(ctx.spec, ctx.identity.node_id)),
             "disk": ctx.disk.status(await asyncio.to_thread(ctx.disk.look)),
+            "other_protocols": others,
+            "protocol_alert": " · ".join(other_protocol_line(o["peers"], o["protocol"]) for o in others) or None,
         }
 
     async def rewards(self, last_rounds: int | None = None, top: int | None = None) -> dict[str, Any]:
@@ -417,8 +425,10 @@ def serve(config: NodeConfig, duties: DutiesFactory | None = None) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, _on_signal, node, received, sig)
         ctx = node.ctx
-        log.info("%s %s on network %s (%s), listening on %s", config.node.role, ctx.identity.node_id[:12],
-                 ctx.spec.name, ctx.spec.network_id[:12], ", ".join(ctx.network.listen_addrs) or "nothing")
+        log.info("%s: %s %s on network %s (%s), listening on %s%s", describe(), config.node.role,
+                 ctx.identity.node_id[:12], ctx.spec.name, ctx.spec.network_id[:12],
+                 ", ".join(ctx.network.listen_addrs) or "nothing",
+                 f"; peers are told to dial {', '.join(config.p2p.announce)}" if config.p2p.announce else "")
         if (wait := ctx.schedule.genesis_ts - ctx.clock.now()) > 0:
             log.info("genesis (round 0) is at %s UTC, in %s; the node waits for it, and its status page counts down",
                      time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ctx.schedule.genesis_ts)), _duration(wait))

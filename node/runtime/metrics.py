@@ -1,6 +1,6 @@
 """Prometheus metrics for one node, in a registry of its own (several nodes can share a process).
 
-Four sources: the process's own (prometheus-client's `process_*` memory, CPU, open files and
+Five sources: the release and protocol version (`tessera_build_info`); the process's own (prometheus-client's `process_*` memory, CPU, open files and
 threads, `python_gc_*` and `python_info`, as any Prometheus target exports them); the network's
 counters (messages by kind and verdict, rejects per peer, bytes, blob fetches, peers), read at
 scrape time from `NetworkStats` so there is one count, not two; the scheduler's round and phase
@@ -34,8 +34,9 @@ from prometheus_client import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from node.net.judge import CLOCK_SUSPECT_VALIDATORS, OTHER_PEERS, clock_behind
+from node.net.judge import CLOCK_SUSPECT_VALIDATORS, OTHER_PEERS, OTHER_PROTOCOL_SHOWN_S, clock_behind
 from node.net.network import NetworkStats
+from protocol.version import PROTOCOL_VERSION, RELEASE
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 15, 30, 60, 300, 900, 3600)
@@ -104,6 +105,9 @@ class NodeMetrics:
         self.disk_free = Gauge("tessera_disk_free_bytes", "Free bytes of the data directory's disk.", registry=r)
         self.disk_needed = Gauge("tessera_disk_needed_bytes", "Free bytes the rounds ahead need on the data "
                                  "directory's disk, as the node estimates them from the spec and its config.", registry=r)
+        build = Gauge("tessera_build_info", "Always 1: the release this node runs and the protocol version it speaks.",
+                      ["version", "protocol"], registry=r)
+        build.labels(version=RELEASE, protocol=str(PROTOCOL_VERSION)).set(1)
         self._scored_reasons: set[str] = set()
 
     def bind_network(self, stats: Callable[[], NetworkStats], peers: Callable[[], int],
@@ -275,6 +279,10 @@ class _NetworkCollector:
                                 value=len(s.penalised))
         yield GaugeMetricFamily("tessera_early_validators", "Validators whose messages arrived before their "
                                 "window opened in the last two rounds.", value=len(s.early))
+        yield CounterMetricFamily("tessera_protocol_refusals", "Times a peer was refused for speaking another protocol "
+                                  "version.", value=s.protocol_refusals)
+        yield GaugeMetricFamily("tessera_other_protocol_peers", "Peers refused for speaking another protocol version "
+                                f"in the last {OTHER_PROTOCOL_SHOWN_S / 60:g} minutes.", value=len(s.other_protocols))
         behind = clock_behind(s, self._clock_suspects)
         yield GaugeMetricFamily("tessera_clock_behind_seconds", "How far this node's clock lags the validators' "
                                 "at least, where enough of them were early to say (0: not known to lag).",

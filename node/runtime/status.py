@@ -20,7 +20,7 @@ import asyncio
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from protocol.messages import ScoreReport
 from protocol.ranking import update_standing
@@ -29,7 +29,7 @@ from protocol.spec import SpecError
 from protocol.successor import decode_document, spec_from_bytes
 
 if TYPE_CHECKING:
-    from node.runtime.daemon import Node
+    from node.runtime.context import NodeContext
     from node.store.records import GlobalStateRecord
     from protocol.spec import NetworkSpec
 
@@ -65,10 +65,29 @@ class RoundView:
                 "seeds": self.seeds, "proposed_hash": self.proposed_hash, "gate": self.gate}
 
 
+class NodeState(Protocol):
+    """What the views read of a running node (`node.runtime.daemon.Node` is one): its context, and what it says
+    of itself."""
+
+    ctx: NodeContext
+    genesis: NetworkSpec
+    """The network's spec file (`ctx.spec` is the spec in force when the node started)."""
+
+    async def status(self) -> dict[str, Any]: ...
+
+    async def rewards(self, last_rounds: int | None = None, top: int | None = None) -> dict[str, Any]: ...
+
+    async def round_report(self, round: int) -> dict[str, Any] | None: ...
+
+    def metrics_text(self) -> bytes: ...
+
+    async def offer_successor(self, data: bytes) -> dict[str, Any]: ...
+
+
 class StatusViews:
     """The HTTP API's `StatusSource` for one running node: JSON-able views read from its storage."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: NodeState) -> None:
         self.node = node
         self.ctx = node.ctx
 

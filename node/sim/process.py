@@ -24,7 +24,7 @@ from typing import Any, Literal, get_args
 
 from node.runtime.config import MinerSection
 from node.sim import defaults
-from node.sim.warm import WarmProcess
+from node.sim.warm import WarmProcess, die_with_parent
 from protocol.spec import FAMILIES, TimingSpec, judge_settings
 
 # The simulation adversaries are every `miner.behaviour` but "honest".
@@ -220,15 +220,6 @@ def interrupts_noted() -> Iterator[list[int]]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-
-
-def die_with_parent() -> None:
-    """In the child: ask Linux to SIGTERM it if the simulator dies, so no node outlives it."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
 
 
 def first_listen_port() -> int:

@@ -104,6 +104,10 @@ function renderGlance(status) {
   const disk = status.disk && (status.disk.low || status.disk.refused) ? status.disk : null;
   $("disk-alert").hidden = !disk;
   $("disk-alert").textContent = disk ? diskText(disk) : "";
+  $("protocol-alert").hidden = !status.protocol_alert;
+  $("protocol-alert").textContent = status.protocol_alert ? `${status.protocol_alert} (peers on another ` +
+    `protocol version are refused).` : "";
+  $("version").textContent = `tessera ${status.version} · protocol ${status.protocol}`;
   tick();
 }
 

@@ -13,10 +13,10 @@ import pytest
 
 from node.cli.main import main
 from node.runtime.http import HttpApi
+from node.sim.twins import GENESIS, identity, write_network
 from protocol.identity import save_identity
 from protocol.spec import load_spec
 from protocol.successor import judge_document, load_document
-from tests.node.twins import GENESIS, identity, write_network
 
 
 def refused(capsys: pytest.CaptureFixture[str], argv: list[object], match: str) -> None:

@@ -27,11 +27,11 @@ from node.runtime.daemon import Node
 from node.runtime.http import HttpApi
 from node.sim.adversaries import miner_factory
 from node.sim.layout import SimNetwork, make_sim_network, sim_identity, to_toml
+from node.sim.twins import phase_done, write_network
 from node.store.blobs import BlobStore
 from protocol.identity import save_identity
 from protocol.rounds import PHASES, Phase, Schedule
 from protocol.spec import apply_settings, load_spec
-from tests.node.twins import phase_done, write_network
 from training.blob import decode_header
 from training.data import file_sha256
 from training.device import Int8Linear

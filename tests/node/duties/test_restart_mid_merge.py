@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from node.runtime.daemon import Node
+from node.sim.twins import Twins
 from node.store.db import Storage
 from protocol.rounds import Phase
-from tests.node.twins import Twins
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -18,10 +18,10 @@ from node.duties.plan import unpaired
 from node.duties.validator import ValidatorDuties
 from node.net.twin import MemoryNetwork
 from node.runtime.daemon import Node
+from node.sim.twins import Twins, identity, until
 from protocol.messages import SeedCommit, SeedReveal, decode_envelope, seal
 from protocol.rounds import Phase
 from protocol.seeds import commitment, round_seed
-from tests.node.twins import Twins, identity, until
 
 pytestmark = pytest.mark.timeout(180)
 

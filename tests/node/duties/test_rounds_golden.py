@@ -1,7 +1,7 @@
 """Behaviour-unchanged proof: whole rounds on the in-memory twins give the recorded decisions and losses.
 
 Two validators and four miners (two honest, one lazy, one garbage) run three rounds of a tiny
-qwen3_moe model whose config, data and expert group are fixed in tests/node/twins.py, with a fixed
+qwen3_moe model whose config, data and expert group are fixed in node/sim/twins.py, with a fixed
 number of inner steps, a ManualClock moved phase by phase, and validator seeds drawn from a counter
 instead of the OS. What `golden_rounds.json` holds, and how it is compared:
 - decisions, exactly: each miner's verdict, rank, reward and reason, the merge gate's candidate, the ledger's
@@ -36,11 +36,11 @@ from node.runtime.clock import ManualClock
 from node.runtime.config import NodeConfig
 from node.runtime.daemon import Node
 from node.sim.adversaries import miner_factory
+from node.sim.twins import WAIT_S, identity, phase_done, until, write_network
 from node.store.blobs import BlobStore
 from protocol.identity import save_identity
 from protocol.rounds import PHASES, Phase, Schedule
 from protocol.spec import load_spec
-from tests.node.twins import WAIT_S, identity, phase_done, until, write_network
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from node.sim.twins import Twins, until
 from protocol.check import window
 from protocol.rounds import Phase
-from tests.node.twins import Twins, until
 from validator.model import ValidatorModel
 
 

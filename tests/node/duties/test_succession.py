@@ -18,11 +18,11 @@ import pytest
 from node.cli.main import main
 from node.runtime.daemon import Node
 from node.runtime.status import StatusViews
+from node.sim.twins import Twins, identity
 from protocol.messages import Successor
 from protocol.rounds import Phase
 from protocol.spec import NetworkSpec
 from protocol.successor import GRACE_ROUNDS, SuccessorDocument, draft, load_document
-from tests.node.twins import Twins, identity
 from training.blob import read_header
 from training.data import file_sha256
 

@@ -21,6 +21,7 @@ from node.duties.plan import SEED_WITHHOLD_ROUNDS, make_plan
 from node.runtime.daemon import Node
 from node.runtime.metrics import peer_label
 from node.runtime.status import StatusViews
+from node.sim.twins import Twins
 from node.store.blobs import TMP_DIR, BlobStore
 from node.store.db import Storage
 from node.store.records import RoundPlan
@@ -29,7 +30,6 @@ from protocol.rounds import PHASES
 from protocol.seeds import commitment
 from protocol.spec import parse_spec
 from tests.conftest import make_identity, make_spec_dict
-from tests.node.twins import Twins
 
 pytestmark = pytest.mark.timeout(180)
 

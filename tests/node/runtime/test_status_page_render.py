@@ -3,7 +3,8 @@ reason, a network name) is shown as text and never run as markup, standings are 
 a validator's page shows any miner's history from its link, the header says how the network learns,
 a failing node shows an error instead of stale numbers, leaderboards of rounds the node no longer
 serves go, a node whose key another node uses says so, and so do a validator outvoted on a round's state
-and a node whose disk is short of room. The page on a real simulation is checked in tests/integration/test_network.py."""
+and a node whose disk is short of room; the page names the release and protocol version and says when peers on
+another protocol version were refused. The page on a real simulation is checked in tests/integration/test_network.py."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ class FakeValidator:
         self.outvoted: dict[str, Any] | None = None
         self.disk: dict[str, Any] = {"path": "/srv/tessera/data", "free_bytes": 50 << 30, "needed_bytes": 6 << 20,
                                      "low": False, "refused": None}
+        self.protocol_alert: str | None = None
         self.hold = threading.Event()  # cleared: /status answers only once it is set again
         self.hold.set()
         self.in_flight = self.most_in_flight = 0
@@ -63,7 +65,8 @@ class FakeValidator:
                 "phase": "train", "peers": 2, "head": "ee" * 32, "head_round": 0, "me": None,
                 "agreement": {"round": 0, "share": 1.0}, "next_phase": {"round": 1, "phase": "commit", "in_s": 65},
                 "learning": self.learning, "key_used_elsewhere": self.key_used_elsewhere,
-                "clock_behind": self.clock_behind, "outvoted": self.outvoted, "disk": self.disk, "spec": self.spec}
+                "clock_behind": self.clock_behind, "outvoted": self.outvoted, "disk": self.disk, "version": "9.8.7",
+                "protocol": 5, "protocol_alert": self.protocol_alert, "spec": self.spec}
 
     async def rewards(self) -> dict[str, Any]:
         return {"entries": [], "standings": {B: 0.1, A: 0.3}}
@@ -164,6 +167,13 @@ def test_the_page_renders_peer_text_as_text(browser: Any, served: tuple[HttpApi,
         "The node goes on, and catches up once there is room.")
     node.disk = {**node.disk, "free_bytes": 64 << 20, "low": False, "refused": None}  # room again
     page.wait_for_selector("#disk-alert[hidden]", state="attached", timeout=10_000)
+
+    assert page.locator("#version").inner_text() == "tessera 9.8.7 · protocol 5"
+    assert page.locator("#protocol-alert").is_hidden()
+    node.protocol_alert = "2 peers speak protocol 6; this node speaks 5: upgrade"
+    page.wait_for_selector("#protocol-alert:not([hidden])", timeout=10_000)
+    assert page.locator("#protocol-alert").inner_text() == (
+        "2 peers speak protocol 6; this node speaks 5: upgrade (peers on another protocol version are refused).")
 
     node.broken = True
     page.wait_for_selector("#error:not([hidden])", timeout=10_000)
