@@ -1,9 +1,10 @@
 """The next expert group without a flag day, on the in-memory twins: a successor signed by both validators and
 offered to one is taken in by every node over gossip, and at its activation round every node changes group
-without a restart, on the state adopted at the end of the round before; the ledger goes on. A successor signed by
-too few validators is refused everywhere and changes nothing; a miner that keeps the old group is refused with one
-reason; a validator restarted in the activation round, a miner restarted after it and a miner that joins after it
-all end on the same spec and state as the others."""
+without a restart, on the state adopted at the end of the round before; the ledger goes on, and a compressed miner
+loads the new group's experts. A successor signed by too few validators, naming another predecessor, activating in
+a round begun or too soon, or naming experts the model lacks is refused in one line and changes nothing; a miner
+that keeps the old group is refused with one reason; a validator restarted in the activation round, a miner
+restarted after it and a miner that joins after it all end on the same spec and state as the others."""
 
 from __future__ import annotations
 
@@ -71,7 +72,9 @@ async def test_the_group_changes_at_its_activation_round_on_every_node_without_a
     document = successor_network(net)
     net.unchained = {"miner-2"}  # runs the genesis spec's duties alone: it keeps training the old group
     try:
-        nodes = [await net.start(name) for name in ("validator-0", "validator-1", "miner-0", "miner-1", "miner-2")]
+        compressed = {"forward": "compressed"}  # holds only its group's experts: the new group's, after the switch
+        nodes = [await net.start(name, miner=compressed if name == "miner-1" else None)
+                 for name in ("validator-0", "validator-1", "miner-0", "miner-1", "miner-2")]
         await net.phase(0, Phase.TRAIN)
         v0, v1, m0 = nodes[0], nodes[1], nodes[2]
         few = signed(document, 0)  # half the weight is not a majority; offered over gossip by a miner
@@ -109,6 +112,11 @@ async def test_the_group_changes_at_its_activation_round_on_every_node_without_a
                                                   else (net.spec.group, genesis_id))
         late = await v0.round_report(ACTIVATION)
         assert late is not None
+        for r in (ACTIVATION, ACTIVATION + 1):  # both miners of the new group, the compressed one too, are scored
+            report = await v0.round_report(r)
+            assert report is not None
+            verdicts = {m["id"]: m["verdict"] for m in report["miners"]}
+            assert verdicts[net.id("miner-0")] == verdicts[net.id("miner-1")] == "accept", (r, report["miners"])
         old = next(m for m in late["miners"] if m["id"] == net.id("miner-2"))
         assert old["verdict"] == "reject" and old["reason"].startswith("rejected: old expert group: a submission for the "
                                                               "spec that ended at round 2"), old
