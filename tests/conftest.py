@@ -54,13 +54,13 @@ def make_spec_dict(n_validators: int = N_VALIDATORS) -> dict[str, Any]:
     }
 
 
-def write_model_config(directory: Path) -> None:
-    """The tiny model config `make_spec_dict()` names (`tiny.json`), in `directory`."""
+def write_model_config(directory: Path, name: str = "tiny.json") -> None:
+    """The tiny model config `make_spec_dict()` names (`tiny.json`), in `directory` (as `name`)."""
     import json
 
     from training.tiny import tiny_config
 
-    (directory / "tiny.json").write_text(json.dumps(tiny_config("qwen3_moe")), encoding="utf-8")
+    (directory / name).write_text(json.dumps(tiny_config("qwen3_moe")), encoding="utf-8")
 
 
 def to_toml(data: dict[str, Any]) -> str:
