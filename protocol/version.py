@@ -13,9 +13,8 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-PROTOCOL_VERSION = 3
-"""This release's protocol. 3 adds successor specs (the `successor` message, `Heartbeat.spec`); 2 was 0.2.0's; 1
-was the protocol of the releases before 0.2.0, which did not say theirs."""
+PROTOCOL_VERSION = 2
+"""This release's protocol (0.2.0's); 1 was the protocol of the releases before it, which did not say theirs."""
 
 try:
     RELEASE = version("tessera-node")
