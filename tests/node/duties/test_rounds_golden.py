@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-import node.duties.validator as validator_duties
+import node.duties.seeds as validator_seeds
 from node.duties.validator import ValidatorDuties
 from node.net.judge import GossipJudge
 from node.net.twin import MemoryHub
@@ -52,12 +52,12 @@ MINERS = {"miner-0": "honest", "miner-1": "honest", "miner-2": "lazy", "miner-3"
 async def scenario(tmp_path: Path) -> dict[str, Any]:
     """Run the rounds and return everything that must not change."""
     counter = itertools.count()
-    os_seed, validator_duties.new_seed = validator_duties.new_seed, lambda: hashlib.sha256(
+    os_seed, validator_seeds.new_seed = validator_seeds.new_seed, lambda: hashlib.sha256(
         f"golden-seed:{next(counter)}".encode()).hexdigest()
     try:
         return await _run(tmp_path)
     finally:
-        validator_duties.new_seed = os_seed
+        validator_seeds.new_seed = os_seed
 
 
 async def _run(tmp_path: Path) -> dict[str, Any]:

@@ -131,14 +131,15 @@ async def test_a_validator_that_withholds_its_seed_is_named_and_left_out_of_the_
         v1 = await net.start("validator-1")
         v2 = await net.start("validator-2")
         miners = [await net.start(f"miner-{i}") for i in range(3)]
-        reveal = v2.duties._reveal_seed  # type: ignore[attr-defined]
+        seeds = v2.duties.seeds  # type: ignore[attr-defined]
+        reveal = seeds.reveal
 
         async def withhold(round: int) -> None:  # the injected behaviour: commit in TRAIN, never reveal
             return None
 
-        v2.duties._reveal_seed = withhold  # type: ignore[attr-defined]
+        seeds.reveal = withhold
         await net.rounds(0, 0)
-        v2.duties._reveal_seed = reveal  # type: ignore[attr-defined]
+        seeds.reveal = reveal
         await net.rounds(1, 1)
         me = net.id("validator-2")
         assert any(s.validator == me and s.commitment and not s.seed for s in await v0.ctx.storage.seeds_for(0))
