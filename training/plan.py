@@ -19,9 +19,11 @@ Legend: B micro-batch, L sequence length.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -42,13 +44,17 @@ from transformers import AutoModelForCausalLM
 
 from training.adapters import MoEAdapter, adapter_for, family_of
 from training.compressed import compress
-from training.device import hold_int8
+from training.cpu_compute import as_on_accelerator
+from training.device import hold_int8, spread_map
 from training.evaluate import loss_with_experts
 from training.experts import ExpertGroup, check_group, expert_names, parse_name
 from training.tiny import hf_config
 from training.trainer import TrainConfig, train_experts
 
 GIB = 1024**3
+STEPS = 2
+"""Inner steps a miner's plan traces: from the second on, the optimizer state lives through every forward and
+backward, and every later step holds what the second does (tests/training/test_plan_steady.py)."""
 PARTS = ("weights", "trainable_copies", "gradients", "optimizer_state", "activations")
 """What the peak is made of; `activations` holds every temporary too (AdamW's, the loss's)."""
 MARGIN_FIXED = GIB
@@ -78,6 +84,9 @@ class Setting:
     role: Role
     seq_len: int
     micro_batch: int = 1
+    batch_size: int | None = None
+    """A miner's sequences per optimizer step; None: one micro-batch. Above `micro_batch`, gradients accumulate
+    over micro-batches and the trace runs two a step (from the second on, each holds the gradients)."""
     device: str = "cuda"
     """The device planned for; the trace itself runs on the CPU (module docstring)."""
     forward: Forward = "compressed"
@@ -86,8 +95,13 @@ class Setting:
     """bf16 autocast, as a miner on CUDA runs it (no effect on a CPU device, as in the trainer)."""
     optimizer: Literal["adamw", "adamw8bit"] = "adamw"
     """A miner's inner optimizer (`training.trainer.TrainConfig.optimizer`)."""
+    step_in_backward: bool = False
+    """A miner's optimizer step taken in backward, tensor by tensor (`training.trainer.TrainConfig.step_in_backward`)."""
     weights: Literal["checkpoint", "int8"] = "checkpoint"
     """A validator's frozen weights: as the checkpoint holds them, or int8 (`training.device.hold_int8`)."""
+    gpus: int = 1
+    """A validator's model spread over this many GPUs by accelerate's balanced device map (`training.device.spread_map`,
+    as `validator.device = 'auto'` places it); the plan is then each GPU's."""
 
     def __post_init__(self) -> None:
         if self.role not in ("miner", "validator"):
@@ -95,12 +109,24 @@ class Setting:
         if self.seq_len < 2 or self.micro_batch < 1:
             raise ValueError(f"seq_len must be at least 2 and micro_batch at least 1, got {self.seq_len}, "
                              f"{self.micro_batch}")
+        if self.batch_size is not None and self.batch_size < self.micro_batch:
+            raise ValueError(f"batch_size must be at least micro_batch ({self.micro_batch}), got {self.batch_size}")
+        if self.step_in_backward and self.traced_batch > self.micro_batch:
+            raise ValueError("step_in_backward needs a step of one micro-batch (micro_batch equal to batch_size)")
         if self.forward not in ("full", "compressed"):
             raise ValueError(f"forward must be 'full' or 'compressed', got {self.forward!r}")
         if self.optimizer not in ("adamw", "adamw8bit"):
             raise ValueError(f"optimizer must be 'adamw' or 'adamw8bit', got {self.optimizer!r}")
         if self.weights not in ("checkpoint", "int8") or (self.weights == "int8" and self.role != "validator"):
             raise ValueError(f"weights is 'checkpoint', or 'int8' on a validator, got {self.weights!r} on a {self.role}")
+        if self.gpus < 1 or (self.gpus > 1 and (self.role != "validator" or torch.device(self.device).type != "cuda")):
+            raise ValueError(f"gpus is 1, or more for a validator on cuda, got {self.gpus} for a {self.role} on "
+                             f"{self.device}")
+
+    @property
+    def traced_batch(self) -> int:
+        """Sequences a traced miner step takes: one micro-batch, or two where gradients accumulate."""
+        return min(self.batch_size or self.micro_batch, 2 * self.micro_batch)
 
     @property
     def cuda_autocast(self) -> bool:
@@ -116,14 +142,25 @@ class MemoryPlan:
     parts: dict[str, int]
     """PARTS -> bytes live at the peak; they add up to `peak_bytes`."""
     phase: str
-    """Where the peak falls: forward, backward or optimizer step."""
+    """Where the peak falls: forward, backward, optimizer step, or writing back (the trained rows, after the last
+    step)."""
+    step: int
+    """The inner step the peak falls in (a validator's scoring pass is its step 1)."""
+    step_peaks: tuple[int, ...]
+    """The most bytes live in each step traced, in order; the largest is `peak_bytes`."""
     device: str
     seconds: float
+    device_peaks: tuple[int, ...] = ()
+    """A model spread over several GPUs: each GPU's own peak, in order; the others describe the largest's."""
+
+    def margin_of(self, peak_bytes: int) -> int:
+        """The allowance added to a peak of `peak_bytes` (`MARGIN_FIXED`, `MARGIN_SHARE`): each GPU has its own."""
+        return int(MARGIN_FIXED + MARGIN_SHARE * peak_bytes)
 
     @property
     def margin_bytes(self) -> int:
         """The allowance added to the peak for what the trace does not see (`MARGIN_FIXED`, `MARGIN_SHARE`)."""
-        return int(MARGIN_FIXED + MARGIN_SHARE * self.peak_bytes)
+        return self.margin_of(self.peak_bytes)
 
 
 def first_experts(model: torch.nn.Module, adapter: MoEAdapter, per_layer: int) -> dict[int, list[int]]:
@@ -135,7 +172,7 @@ def first_experts(model: torch.nn.Module, adapter: MoEAdapter, per_layer: int) -
 
 
 def plan(config: Mapping[str, Any], setting: Setting, group: ExpertGroup | int, family: str | None = None,
-         dtype: torch.dtype | None = None, attn_implementation: str = "sdpa") -> MemoryPlan:
+         dtype: torch.dtype | None = None, attn_implementation: str = "sdpa", steps: int | None = None) -> MemoryPlan:
     """Trace `setting` on a fake model of `config` (a checkpoint's config.json or a tiny config dict).
 
     `group`: the expert group, or a number of experts per MoE layer. `family`: the model family (default:
@@ -152,12 +189,17 @@ def plan(config: Mapping[str, Any], setting: Setting, group: ExpertGroup | int, 
         model.tie_weights()
         model.eval()
         chosen = first_experts(model, adapter, group) if isinstance(group, int) else group
-        return measure(model, adapter, chosen, setting, fake)
+        return measure(model, adapter, chosen, setting, fake, steps)
 
 
 def measure(model: torch.nn.Module, adapter: MoEAdapter, group: ExpertGroup, setting: Setting,
-            fake: FakeTensorMode | None = None) -> MemoryPlan:
-    """Trace `setting` on `model` as it is: real tensors, or fake ones made under `fake` (still active)."""
+            fake: FakeTensorMode | None = None, steps: int | None = None) -> MemoryPlan:
+    """Trace `steps` inner steps of `setting` on `model` as it is: real tensors, or fake ones made under `fake`
+    (still active). A validator scores `steps` batches (default one: a scoring pass keeps nothing from one batch
+    to the next); a miner takes `STEPS` by default."""
+    steps = steps if steps is not None else STEPS if setting.role == "miner" else 1
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}")
     check_group(model, adapter, group)
     started = time.perf_counter()
     net: Any = model
@@ -170,26 +212,66 @@ def measure(model: torch.nn.Module, adapter: MoEAdapter, group: ExpertGroup, set
         vars(module)["to"] = lambda *_, **__: module
     if setting.weights == "int8":
         hold_int8(module, [adapter.router(module, layer) for layer in adapter.moe_layers(module)])
-    weights = [*module.parameters(), *module.buffers()]
+    named = [*module.named_parameters(), *module.named_buffers()]
+    weights = [tensor for _, tensor in named]
+    places = _places(module, [name for name, _ in named], setting.gpus) if setting.gpus > 1 else None
     submission = _submission(model, adapter, group) if setting.role == "validator" else {}
-    with Trace(weights, fake) as trace, torch.autocast("cpu", torch.bfloat16, enabled=setting.cuda_autocast):
+    narrow = as_on_accelerator() if torch.device(setting.device).type != "cpu" else nullcontext()
+    with (Trace(weights, fake, places) as trace, narrow,
+          torch.autocast("cpu", torch.bfloat16, enabled=setting.cuda_autocast)):
         vocab = int(cast(Any, model).config.vocab_size)
-        ids_BL = torch.arange(setting.micro_batch * setting.seq_len).remainder(vocab).view(setting.micro_batch, -1)
+        rows = setting.traced_batch if setting.role == "miner" else steps * setting.micro_batch
+        ids_BL = torch.arange(rows * setting.seq_len).remainder(vocab).view(rows, -1)
         if setting.role == "miner":
-            _train_step(net, adapter, group, ids_BL, setting)
+            _train(net, adapter, group, ids_BL, setting, steps, trace)
         else:
             loss_with_experts(net, adapter, submission, ids_BL, batch_size=setting.micro_batch, pad_id=_NO_PADDING)
-    peak, parts, phase = trace.peak()
-    return MemoryPlan(peak, parts, phase, setting.device, time.perf_counter() - started)
+    peak, parts, phase, step = trace.peak()
+    step_peaks = tuple(trace.step_peaks[s] for s in sorted(trace.step_peaks))
+    seconds = time.perf_counter() - started
+    if places is None:
+        return MemoryPlan(peak, parts, phase, step, step_peaks, setting.device, seconds)
+    devices = trace.device_peak()
+    peak, parts, phase, step = max(devices.values(), key=lambda d: d[0])
+    return MemoryPlan(peak, parts, phase, step, step_peaks, setting.device, seconds,
+                      tuple(devices.get(d, (0,))[0] for d in range(setting.gpus)))
 
 
-def _train_step(net: Any, adapter: MoEAdapter, group: ExpertGroup, ids_BL: torch.Tensor, setting: Setting) -> None:
-    """One step of the miner's own training (the trainer's copies, forward, backward and AdamW step)."""
-    cfg = TrainConfig(steps=1, batch_size=setting.micro_batch, forward=setting.forward, device="cpu",
-                      checkpointing=setting.checkpointing, autocast=setting.autocast, pad_id=_NO_PADDING,
-                      optimizer=setting.optimizer,
+def _places(model: torch.nn.Module, names: list[str], gpus: int) -> list[int]:
+    """The GPU each named weight of `model` lands on, spread over `gpus` GPUs as a validator spreads it."""
+    quiet = logging.getLogger("accelerate.utils.modeling")  # it warns of every GPU this machine lacks
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        device_map = spread_map(model, dict.fromkeys(range(gpus), 1 << 50))
+    finally:
+        quiet.setLevel(level)
+    prefixes = sorted(device_map, key=len, reverse=True)
+
+    def place(name: str) -> int:
+        prefix = next(p for p in prefixes if p == "" or name == p or name.startswith(p + "."))
+        return int(device_map[prefix])
+
+    return [place(name) for name in names]
+
+
+def _train(net: Any, adapter: MoEAdapter, group: ExpertGroup, ids_BL: torch.Tensor, setting: Setting, steps: int,
+           trace: Trace) -> None:
+    """`steps` steps of the miner's own training (the trainer's copies, forward, backward and optimizer steps, and
+    the trained rows written back), each on `ids_BL`; `trace` is told which step runs."""
+
+    def batches() -> Iterator[torch.Tensor]:
+        for step in range(1, steps + 1):
+            trace.step = step
+            yield ids_BL
+        trace.after_steps = True  # the trainer asks for one more than it is given: the steps are over
+
+    cfg = TrainConfig(steps=steps + 1, batch_size=setting.traced_batch, micro_batch_size=setting.micro_batch,
+                      forward=setting.forward, device="cpu", checkpointing=setting.checkpointing,
+                      autocast=setting.autocast, pad_id=_NO_PADDING, optimizer=setting.optimizer,
+                      step_in_backward=setting.step_in_backward,
                       experts_implementation="grouped_mm" if setting.cuda_autocast else "eager")
-    train_experts(net, adapter, group, iter([ids_BL]), cfg)
+    train_experts(net, adapter, group, batches(), cfg)
 
 
 def _submission(model: torch.nn.Module, adapter: MoEAdapter, group: ExpertGroup) -> dict[str, torch.Tensor]:
@@ -215,12 +297,22 @@ class Trace(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves
     gone, and the storage's own weak reference says whether it is. `weights` are live from the start.
     The optimizer step is marked through torch's step hooks: its parameters are the trainable copies,
     their gradients the gradients, and what its state holds after the step the optimizer state.
-    Tracing stops after the first step (what follows happens in host memory). With `fake`, data-
+    It follows every step the caller runs and what comes after them; the caller says which step runs
+    (`step`) and when they are over (`after_steps`). With `fake`, data-
     dependent operations are answered from real shadows (module docstring).
+    With `places` (the device of each weight, for a model spread over several), every storage is also
+    counted on a device: an operation's results on the last of its inputs' devices (a forward pass moves
+    through the devices in order, and accelerate's hooks move the inputs of each module to its device), or
+    where the last operation ran when it has none; each device's peak is kept apart (`device_peak`).
     """
 
-    def __init__(self, weights: Iterable[torch.Tensor], fake: FakeTensorMode | None) -> None:
+    def __init__(self, weights: Iterable[torch.Tensor], fake: FakeTensorMode | None,
+                 places: Iterable[int] | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
+        self.step = 1
+        """The inner step running now (the caller advances it); its peak is kept apart (`step_peaks`)."""
+        self.after_steps = False
+        """Set by the caller once the last step is over: what follows is the trained rows written back."""
         self._fake = fake
         self._shadows: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._allocations: dict[int, int] = {}
@@ -236,9 +328,19 @@ class Trace(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves
         self._peak: dict[int, int] = {}
         self._peak_bytes = -1
         self._peak_phase = "forward"
+        self._peak_step = 1
+        self.step_peaks: dict[int, int] = {}
+        """Step -> the most bytes live during it (the write-back after the last step counts in the last)."""
         self._in_step = False
-        self._stopped = False
-        for tensor in weights:  # no finalizer: a weakref would stop `Module.to` swapping a fake parameter
+        self._where: dict[int, int] | None = None if places is None else {}
+        """Allocation -> its device, where the model is spread over several."""
+        self._here = self._last = 0
+        self._device_live: dict[int, int] = {}
+        self._device_peak: dict[int, tuple[int, dict[int, int], str, int]] = {}
+        """Device -> (its peak bytes, allocation -> bytes on it then, phase, step)."""
+        weights = list(weights)
+        for tensor, place in zip(weights, places if places is not None else [0] * len(weights), strict=True):
+            self._here = place  # no finalizer: a weakref would stop `Module.to` swapping a fake parameter
             self._labels[self._add(tensor, watch=False)] = "weights"
         self._hooks: list[Any] = []
 
@@ -253,13 +355,23 @@ class Trace(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves
         for hook in self._hooks:
             hook.remove()
 
-    def peak(self) -> tuple[int, dict[str, int], str]:
-        """(peak bytes, PARTS at the peak, its phase)."""
+    def peak(self) -> tuple[int, dict[str, int], str, int]:
+        """(peak bytes, PARTS at the peak, its phase, its step)."""
         parts = dict.fromkeys(PARTS, 0)
         for key, nbytes in self._peak.items():
             parts[self._labels.get(key, "activations")] += nbytes
         assert sum(parts.values()) == self._peak_bytes, "the parts of the peak do not add up to it"
-        return self._peak_bytes, parts, self._peak_phase
+        return self._peak_bytes, parts, self._peak_phase, self._peak_step
+
+    def device_peak(self) -> dict[int, tuple[int, dict[str, int], str, int]]:
+        """Device -> (its peak bytes, PARTS at it, its phase, its step), where the model is spread over several."""
+        out = {}
+        for device, (peak, live, phase, step) in sorted(self._device_peak.items()):
+            parts = dict.fromkeys(PARTS, 0)
+            for key, nbytes in live.items():
+                parts[self._labels.get(key, "activations")] += nbytes
+            out[device] = (peak, parts, phase, step)
+        return out
 
     def _before_step(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
         for group in optimizer.param_groups:
@@ -275,22 +387,40 @@ class Trace(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves
             for value in state.values():
                 if isinstance(value, torch.Tensor):
                     self._labels[self._key(value)] = "optimizer_state"
-        self._stopped = True
+        self._in_step = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs) if self._fake is None else self._fake_call(func, args, kwargs)
-        if not self._stopped:
-            self._collect_frees()
-            for tensor in tree_flatten(out)[0]:
-                if isinstance(tensor, torch.Tensor):
-                    self._add(tensor)
-            if self._live_bytes > self._peak_bytes:
-                self._peak, self._peak_bytes = dict(self._live), self._live_bytes
-                self._peak_phase = ("optimizer step" if self._in_step else
-                                    "backward" if torch._C._current_autograd_node() is not None else "forward")
+        self._collect_frees()
+        if self._where is not None:
+            where, allocations = self._where, self._allocations
+            inputs = [where.get(allocations.get(int(a.untyped_storage()._cdata), -1), -1)
+                      for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+            self._here = max(inputs, default=-1)
+            if self._here < 0:
+                self._here = self._last
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor):
+                self._add(tensor)
+        if self._live_bytes > self.step_peaks.get(self.step, -1):
+            self.step_peaks[self.step] = self._live_bytes
+        if self._live_bytes > self._peak_bytes:
+            self._peak, self._peak_bytes, self._peak_step = dict(self._live), self._live_bytes, self.step
+            self._peak_phase = self._phase()
+        if self._where is not None:
+            self._last = self._here
+            here = self._device_live.get(self._here, 0)
+            if here > self._device_peak.get(self._here, (-1,))[0]:
+                live = {key: n for key, n in self._live.items() if self._where.get(key) == self._here}
+                self._device_peak[self._here] = (here, live, self._phase(), self.step)
         return out
+
+    def _phase(self) -> str:
+        return ("optimizer step" if self._in_step else
+                "backward" if torch._C._current_autograd_node() is not None else
+                "writing back" if self.after_steps else "forward")
 
     def _key(self, tensor: torch.Tensor) -> int:
         return self._allocations[int(tensor.untyped_storage()._cdata)]
@@ -303,8 +433,13 @@ class Trace(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves
             key = self._allocations[int(storage._cdata)] = next(self._count)
             self._refs[key] = (int(storage._cdata), StorageWeakRef(storage))  # type: ignore[no-untyped-call]
             self._live[key] = 0
+            if self._where is not None:
+                self._where[key] = self._here
         if nbytes > self._live[key]:  # new, or resized in place
             self._live_bytes += nbytes - self._live[key]
+            if self._where is not None:
+                device = self._where[key]
+                self._device_live[device] = self._device_live.get(device, 0) + nbytes - self._live[key]
             self._live[key] = nbytes
         if watch:
             weakref.finalize(tensor, self._maybe_freed.add, key)
@@ -317,7 +452,10 @@ class Trace(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves
                 self._maybe_freed.discard(key)
                 if ref is not None:
                     del self._refs[key], self._allocations[ref[0]]
-                    self._live_bytes -= self._live.pop(key)
+                    nbytes = self._live.pop(key)
+                    self._live_bytes -= nbytes
+                    if self._where is not None:
+                        self._device_live[self._where.pop(key)] -= nbytes
 
     def _fake_call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run `func` on fake tensors, answering what depends on values from the shadows."""

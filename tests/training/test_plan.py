@@ -25,30 +25,31 @@ def fake_plan(family: str, setting: Setting, per_layer: int = 2) -> MemoryPlan:
 
 
 def real_plan(family: str, setting: Setting, per_layer: int = 2) -> MemoryPlan:
+    """Three steps on real tensors (a validator's pass: three batches), one more than a plan traces."""
     adapter = adapter_for(family)
     model = build_tiny_model(family, tiny_config(family), seed=0)
-    return measure(model, adapter, first_experts(model, adapter, per_layer), setting)
+    return measure(model, adapter, first_experts(model, adapter, per_layer), setting, steps=3)
 
 
-# A real step beside each trace: `make check` runs the miner's default setting, `make test` every setting and
+# Three real steps beside each trace: `make check` runs the miner's default setting, `make test` every setting and
 # deepseek_v3's sigmoid router too (marked slow: a second or more of CPU each).
 @pytest.mark.parametrize(("family", "name"), [
     ("olmoe", "compressed miner"),
     *(pytest.param("olmoe", name, marks=pytest.mark.slow) for name in SETTINGS if name != "compressed miner"),
     pytest.param("deepseek_v3", "compressed miner", marks=pytest.mark.slow),
 ])
-def test_a_fake_trace_peaks_within_a_tenth_of_the_same_step_on_real_tensors(family: str, name: str) -> None:
+def test_a_fake_trace_peaks_within_a_tenth_of_three_steps_on_real_tensors(family: str, name: str) -> None:
     fake, real = fake_plan(family, SETTINGS[name]), real_plan(family, SETTINGS[name])
     assert fake.parts["weights"] == real.parts["weights"]
     assert abs(fake.peak_bytes - real.peak_bytes) <= 0.1 * real.peak_bytes, (fake, real)
 
 
 def test_the_parts_add_up_to_the_peak_and_a_miners_step_holds_copies_gradients_and_adam_state() -> None:
-    short = Setting(role="miner", seq_len=8, micro_batch=1, device="cpu")  # little activation: the step peaks
+    short = Setting(role="miner", seq_len=8, micro_batch=1, device="cpu")  # little activation: the state dominates
     result = fake_plan("qwen3_moe", short)
     parts = result.parts
     assert set(parts) == set(PARTS) and sum(parts.values()) <= result.peak_bytes
-    assert result.phase == "optimizer step"
+    assert result.step == 2 and result.phase in ("backward", "optimizer step")
     assert parts["weights"] > 0 and parts["activations"] > 0
     assert parts["trainable_copies"] > 0 and parts["gradients"] == parts["trainable_copies"]
     assert parts["optimizer_state"] >= 2 * parts["trainable_copies"]  # AdamW's two moments, fp32
@@ -71,17 +72,17 @@ def test_compressed_holds_fewer_weights_than_full_and_checkpointing_fewer_activa
 def test_a_cuda_plan_traces_the_same_fused_step_as_a_cpu_one_without_fp32_temporaries_of_the_experts() -> None:
     cpu = fake_plan("qwen3_moe", Setting(role="miner", seq_len=8, device="cpu"))
     cuda = fake_plan("qwen3_moe", Setting(role="miner", seq_len=8, device="cuda"))
-    assert cuda.device == "cuda" and cuda.phase == "optimizer step"
+    assert cuda.device == "cuda" and cuda.step == 2 and cuda.parts["optimizer_state"] > 0
     assert cuda.peak_bytes == cpu.peak_bytes and cuda.parts == cpu.parts
-    assert cuda.parts["activations"] < cuda.parts["trainable_copies"] / 4  # fused AdamW: no foreach temporaries
+    assert cuda.parts["activations"] < cuda.parts["trainable_copies"]  # fused AdamW: no foreach temporaries
 
 
-def test_8bit_adamw_lowers_the_peak_of_a_step_that_peaks_at_the_optimizer() -> None:
+def test_8bit_adamw_lowers_the_peak_of_a_step_held_by_the_optimizer_state() -> None:
     short = Setting(role="miner", seq_len=8, micro_batch=1, device="cuda")
     fp32 = fake_plan("qwen3_moe", short, per_layer=4)
     eight = fake_plan("qwen3_moe", Setting(role="miner", seq_len=8, micro_batch=1, device="cuda",
                                            optimizer="adamw8bit"), per_layer=4)
-    assert fp32.phase == "optimizer step"
+    assert fp32.step == 2 and fp32.parts["optimizer_state"] > fp32.parts["activations"]
     assert eight.peak_bytes < fp32.peak_bytes - fp32.parts["optimizer_state"] / 2, (fp32, eight)
     assert eight.parts["optimizer_state"] < fp32.parts["optimizer_state"] / 3
 
