@@ -34,6 +34,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     init.add_argument("--heldout", metavar="FILE", help="validators: the held-out file the spec pins")
     init.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
                       help="a bootstrap peer (repeat for several)")
+    init.add_argument("--device", metavar="DEVICE", help="the role's torch device: cpu, cuda, cuda:N (a validator: "
+                                                         "auto too); default cpu")
+    init.add_argument("--device-memory", type=float, metavar="GIB",
+                      help="GiB of the device the role may use (host memory on a cpu); a miner's memory settings "
+                           "are then chosen, the fastest whose traced plan fits, and written into the config")
     init.set_defaults(run=run_init)
 
     for role in ("miner", "validator"):
@@ -72,20 +77,54 @@ def run_init(args: argparse.Namespace) -> int:
             check_heldout_file(Path(args.heldout), spec.data.heldout_sha256)
         except ValueError as exc:
             raise ValueError(f"--heldout: {exc}") from None
-    text = render_config(
-        role=args.role, spec=_relative(Path(args.spec), directory), key=Path("node.key"), data_dir=Path("data"),
-        p2p_port=args.p2p_port, http_port=args.http_port,
-        heldout=None if args.heldout is None else _relative(Path(args.heldout), directory),
-        bootstrap=tuple(args.bootstrap),
-    )
+    settings: dict[str, str | int | float | bool] = {}
+    if args.device is not None:
+        if args.device != "auto" or args.role != "validator":
+            from torch import device as torch_device
+
+            try:
+                torch_device(args.device)
+            except RuntimeError:
+                raise ValueError(f"--device {args.device!r} is not a torch device; use cpu, cuda or cuda:N") from None
+        settings["device"] = args.device
+    if args.device_memory is not None:
+        if not (math.isfinite(args.device_memory) and args.device_memory > 0):
+            raise ValueError(f"--device-memory must be a positive number of GiB, got {args.device_memory}")
+        if args.device is None:
+            raise ValueError("--device-memory: name the --device it is of (cuda, cuda:N or cpu)")
+        settings["device_memory_gib"] = args.device_memory
+
+    def render() -> str:
+        return render_config(
+            role=args.role, spec=_relative(Path(args.spec), directory), key=Path("node.key"), data_dir=Path("data"),
+            p2p_port=args.p2p_port, http_port=args.http_port,
+            heldout=None if args.heldout is None else _relative(Path(args.heldout), directory),
+            bootstrap=tuple(args.bootstrap), settings=settings)
+
+    text = render()
     config = parse_config(text, config_path)  # ports, bootstrap addresses, environment overrides
+    chosen = None
+    if args.role == "miner" and args.device_memory is not None:
+        from node.runtime.preflight import fit_memory
+
+        fitted, chosen = fit_memory(config, spec)  # the daemon's own choice, made now, before a weight loads
+        settings.update({name: value for name, value in fitted.miner.model_dump().items()
+                         if name in _MEMORY_SETTINGS and value is not None})
+        text = render()
+        config = parse_config(text, config_path)
     if config.node.key.exists():
         load_identity(config.node.key)  # a key already there must be usable before the config points at it
     directory.mkdir(parents=True, exist_ok=True)
     identity = load_or_create_identity(config.node.key)
     write_new_file(config_path, text.encode("utf-8"), "node config")  # another `tessera init` may have run
     print(f"{config_path}\t{identity.node_id}")
+    if chosen is not None:
+        print(chosen)
     return 0
+
+
+_MEMORY_SETTINGS = ("forward", "micro_batch_size", "checkpointing", "autocast", "optimizer", "step_in_backward")
+"""The `[miner]` fields `tessera init --device-memory` chooses (node.runtime.preflight.fit_memory)."""
 
 
 def run_daemon(args: argparse.Namespace) -> int:

@@ -79,7 +79,10 @@ class HttpSection(_Section):
 
 
 class MinerSection(_Section):
-    """How a miner trains."""
+    """How a miner trains. Of its memory settings (`forward`, `micro_batch_size`, `checkpointing`, `autocast`,
+    `optimizer`, `step_in_backward`), those the file and the environment leave unset are chosen as the miner
+    starts on CUDA (or on a CPU with `device_memory_gib` set): the fastest whose traced plan fits
+    (node.runtime.preflight.fit_memory); elsewhere they take their defaults."""
 
     device: str = Field(default="cpu", description="Torch device for training, e.g. cpu or cuda:0.")
     forward: Literal["full", "compressed"] = Field(
@@ -96,9 +99,15 @@ class MinerSection(_Section):
         default="adamw", description="Inner optimizer: 'adamw' (fp32 moments) or 'adamw8bit' (bitsandbytes' 8-bit "
         "moments, about a quarter of the optimizer state's memory)."
     )
+    step_in_backward: bool = Field(
+        default=False, description="Take each expert tensor's optimizer step in backward as its gradient is complete, "
+        "so the group's gradients never all live at once (a step of one micro-batch; a step is clipped by the norm "
+        "of the step before)."
+    )
     device_memory_gib: float | None = Field(
-        default=None, gt=0, description="GiB of the CUDA device training may use; unset: its free memory at start. "
-        "A miner whose traced plan (`tessera plan`) needs more refuses to start."
+        default=None, gt=0, description="GiB training may use: of the CUDA device (unset: its free memory at start), "
+        "or of host memory on a CPU (unset: no plan). A miner whose traced plan (`tessera plan`) needs more refuses "
+        "to start; the memory settings left unset are chosen to fit it."
     )
     data: ConfigPath | None = Field(default=None, description="Local training file overriding the spec's train files.")
     behaviour: Literal["honest", "lazy", "noise", "copier", "late", "garbage"] = Field(
@@ -318,8 +327,10 @@ def _did_you_mean(loc: list[str]) -> str:
 
 
 def render_config(role: Role, spec: Path, key: Path, data_dir: Path, p2p_port: int, http_port: int,
-                  heldout: Path | None = None, bootstrap: tuple[str, ...] = ()) -> str:
-    """A commented node config TOML for `tessera init`; paths are written as given."""
+                  heldout: Path | None = None, bootstrap: tuple[str, ...] = (),
+                  settings: dict[str, str | int | float | bool] | None = None) -> str:
+    """A commented node config TOML for `tessera init`; paths are written as given; `settings` are fields of the
+    role's section (`[miner]` or `[validator]`)."""
     lines = [
         "# Tessera node config. Environment variables TESSERA_<SECTION>__<FIELD> override it.",
         "[node]",
@@ -342,7 +353,17 @@ def render_config(role: Role, spec: Path, key: Path, data_dir: Path, p2p_port: i
     if role == "validator":
         lines += ["", "[validator]"]
         lines.append(f"heldout = {_q(heldout.as_posix())}" if heldout is not None else '# heldout = "heldout.txt"')
+    elif settings:
+        lines += ["", "[miner]"]
+    lines += [f"{name} = {_toml(value)}" for name, value in (settings or {}).items()]
     return "\n".join(lines) + "\n"
+
+
+def _toml(value: str | int | float | bool) -> str:
+    """A TOML value: a string quoted, a boolean in lower case."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return _q(value) if isinstance(value, str) else repr(value)
 
 
 def _q(text: str) -> str:

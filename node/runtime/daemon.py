@@ -36,7 +36,7 @@ from node.runtime.config import ConfigError, NodeConfig
 from node.runtime.context import Duties, DutiesFactory, HeartbeatDuties, LocalDelivery, NodeContext
 from node.runtime.http import HttpApi
 from node.runtime.metrics import NodeMetrics
-from node.runtime.preflight import alone_hint, check_listen, check_memory, check_role_key
+from node.runtime.preflight import alone_hint, check_listen, check_role_key, fit_memory
 from node.runtime.scheduler import Scheduler
 from node.runtime.status import StatusViews, learning_settings
 from node.store.blobs import BlobStore
@@ -88,7 +88,10 @@ class Node:
             raise ConfigError(f"node.spec: {exc}") from exc
         identity = await asyncio.to_thread(load_or_create_identity, config.node.key)
         check_role_key(config, spec, identity)
-        await asyncio.to_thread(check_memory, config, spec)  # the role's step traced, before any weight loads
+        # the role's work traced, before any weight loads; a miner's unset memory settings chosen to fit
+        config, chosen = await asyncio.to_thread(fit_memory, config, spec)
+        if chosen is not None:
+            log.info("%s", chosen)
         if network is None:  # before the lock, which makes the data directory: a mistake leaves nothing behind
             await asyncio.to_thread(check_listen, config)
         clock = clock or SystemClock()

@@ -98,3 +98,13 @@ def test_bad_settings_are_refused() -> None:
         Setting(role="miner", seq_len=8, weights="int8")
     with pytest.raises(ValueError, match="experts per layer"):
         fake_plan("olmoe", SETTINGS["validator"], per_layer=9)
+
+
+def test_a_validator_spread_over_gpus_is_planned_per_gpu() -> None:
+    one = fake_plan("qwen3_moe", Setting(role="validator", seq_len=48, micro_batch=2, device="cuda"))
+    two = fake_plan("qwen3_moe", Setting(role="validator", seq_len=48, micro_batch=2, device="cuda", gpus=2))
+    assert one.device_peaks == () and len(two.device_peaks) == 2 and min(two.device_peaks) > 0
+    assert two.peak_bytes == max(two.device_peaks) < one.peak_bytes <= sum(two.device_peaks)
+    assert two.parts["weights"] < one.parts["weights"]
+    with pytest.raises(ValueError, match="gpus"):
+        Setting(role="miner", seq_len=8, gpus=2)
