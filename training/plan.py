@@ -1,17 +1,20 @@
-"""A node's memory plan: the peak of one training step or scoring pass, traced on fake tensors before anything loads.
+"""A node's memory plan: the peak of a round's training steps or a scoring pass, traced on fake tensors before anything loads.
 
 `plan` builds the model of a config dict on fake tensors (shapes, dtypes and no storage; no weight is
-read), runs the project's own work on it once, a miner's `training.trainer.train_experts` step (fp32
-trainable copies, AdamW) or a validator's `training.evaluate.loss_with_experts` pass, and follows
-every storage it allocates and frees (`Trace`): the peak, split into weights, trainable copies,
-gradients, optimizer state and activations (with every other temporary). `measure` runs the same
-trace on a model already built, real or fake, so a real run checks the fake one.
+read), runs the project's own work on it, a miner's `training.trainer.train_experts` over `STEPS` inner
+steps (fp32 trainable copies, the optimizer, the trained rows written back; two micro-batches a step where
+gradients accumulate), which is its steady state, or a validator's `training.evaluate.loss_with_experts`
+pass, and follows every storage it allocates and frees (`Trace`): the peak, its step and phase, split into
+weights, trainable copies, gradients, optimizer state and activations (with every other temporary); for a
+validator spread over several GPUs, each GPU's. `measure` runs the same trace on a model already built,
+real or fake, so a real run checks the fake one.
 
 Fake tensors hold no values, so an operation whose result depends on them (which experts a token
 picks, a count, `.item()`) gets one from a shadow: integer and other small tensors are computed for
 real beside their fakes, and a router's top-k on value-less scores routes round-robin, every expert
-getting the same share of tokens. A loss read as a number reads 0. The trace runs on the CPU and
-labels the target device; what a CPU trace does not see is in `SEES_NOT` and `margin_bytes`.
+getting the same share of tokens. A loss read as a number reads 0. The trace runs on the CPU, in the
+weights' dtype for an accelerator as it computes (`training.cpu_compute.as_on_accelerator`), and labels the
+target device; what a CPU trace does not see is in `SEES_NOT` and `margin_bytes`.
 This module reads no files and knows nothing about specs, nodes or the network.
 Legend: B micro-batch, L sequence length.
 """

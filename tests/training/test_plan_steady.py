@@ -54,6 +54,7 @@ def test_the_steady_peak_holds_the_two_moments_of_every_trained_tensor() -> None
                                  + result.parts["activations"])
 
 
+@pytest.mark.slow  # two traces of longer sequences
 def test_micro_batches_after_the_first_hold_the_steps_gradients() -> None:
     one_pass = traced(Setting(role="miner", seq_len=96, device="cpu", micro_batch=2))
     accumulated = traced(Setting(role="miner", seq_len=96, device="cpu", micro_batch=2, batch_size=8))
@@ -61,6 +62,7 @@ def test_micro_batches_after_the_first_hold_the_steps_gradients() -> None:
     assert accumulated.peak_bytes >= one_pass.peak_bytes + accumulated.parts["gradients"] // 2
 
 
+@pytest.mark.slow  # two traces
 def test_a_step_in_backward_never_holds_the_whole_groups_gradients() -> None:
     default, in_backward = (traced(Setting(role="miner", seq_len=8, device="cpu", step_in_backward=flag),
                                    family="qwen3_moe", per_layer=2) for flag in (False, True))
