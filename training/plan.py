@@ -71,7 +71,10 @@ SEES_NOT = (
     "bf16 autocast as CUDA applies it (the trace applies the CPU's autocast lists)",
 )
 _SHADOW_NUMEL = 1 << 24
-"""The largest tensor given a real shadow; a bigger one (a float mask of a long sequence) stays fake."""
+"""The largest float tensor given a real shadow; a bigger one (a float mask of a long sequence) stays fake."""
+_SHADOW_NUMEL_EXACT = 1 << 26
+"""The largest integer or boolean tensor given one: routing's one-hot masks of a validator's batch (16 x 2048
+tokens, top-8 of 64 experts: 17 M values) decide which experts run."""
 _NO_PADDING = -1
 """The planned batch's pad id: no token is padding, so every position counts as in a full packed batch."""
 
@@ -284,6 +287,12 @@ def _submission(model: torch.nn.Module, adapter: MoEAdapter, group: ExpertGroup)
                 for name in expert_names(group) for layer, _, param in [parse_name(name)]}
 
 
+def _shadowable(tensor: torch.Tensor) -> bool:
+    """Whether a tensor is small enough to be computed for real beside its fake (`_SHADOW_NUMEL`)."""
+    limit = _SHADOW_NUMEL if tensor.is_floating_point() else _SHADOW_NUMEL_EXACT
+    return tensor.numel() <= limit
+
+
 def _config_dtype(config: Any) -> torch.dtype:
     """The dtype a checkpoint's weights load in: its config's, float32 when it names none."""
     dtype = getattr(config, "dtype", None) or torch.float32
@@ -477,7 +486,7 @@ class Trace(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves
             raise AssertionError(f"the plan cannot trace {func} on values it does not hold") from None
         if func is aten.topk.default and not known:
             self._round_robin(args, out)
-        elif known and all(t.numel() <= _SHADOW_NUMEL for t in tree_flatten(out)[0]
+        elif known and all(_shadowable(t) for t in tree_flatten(out)[0]
                                     if isinstance(t, torch.Tensor)):
             self._shadowed(func, args, kwargs, out)
         elif not known and func._schema.is_mutable:
@@ -498,7 +507,7 @@ class Trace(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves
             fake = self._fake
             out = tree_map(lambda r: fake.from_tensor(r) if isinstance(r, torch.Tensor) else r, real)
         for o, r in zip(tree_flatten(out)[0], tree_flatten(real)[0], strict=True):
-            if isinstance(o, torch.Tensor) and isinstance(r, torch.Tensor) and r.numel() <= _SHADOW_NUMEL:
+            if isinstance(o, torch.Tensor) and isinstance(r, torch.Tensor) and _shadowable(r):
                 self._shadows[o] = r
         return out
 

@@ -178,12 +178,13 @@ def train_experts(
             bar.set_postfix(loss=f"{loss:.4f}")
         for p in params:  # before the fused rows come back (trainable_experts): the last step's gradients
             p.grad = None
+        if hand_on:  # the state's own tensors, not copies
+            result.optimizer_state = optimizer.state_dict()
+        optimizer.state.clear()  # and, unless handed on, its moments: neither is needed to write the rows back
     if not result.losses:
         raise ValueError("the batch iterator gave no batches; there is nothing to train on")
     result.seconds = time.perf_counter() - started
     result.tensors = _named_tensors(copies)
-    if hand_on:
-        result.optimizer_state = optimizer.state_dict()
     if cfg.forward == "compressed" and not isinstance(model, CompressedModel):
         insert(model, adapter, result.tensors)
     return result
