@@ -214,9 +214,9 @@ def render(numbers: dict[str, Any]) -> str:
             row = next(r for r in rows() if r.shape == shape and r.setting.role == "validator" and r.setting.gpus == gpus)
             entry = plans[row.key()]
             gpu = _gib(max(entry["device_needs"])) + " each" if gpus > 1 else _gib(entry["peak_bytes"] + entry["margin_bytes"])
-            lines.append(f"| validator, {row.label} | {gpu} | | | {_validator_host(sizes)} | {_validator_disk(sizes)} "
-                         f"| {_gb(2 * sizes.group(8))} per submission scored at 8/layer ({_gb(2 * sizes.group(2))} "
-                         f"at 2) |")
+            lines.append(f"| validator of a {row.per_layer}/layer group, {row.label} | {gpu} | | | "
+                         f"{_validator_host(sizes)} | {_validator_disk(sizes, row.per_layer)} | "
+                         f"{_gb(2 * sizes.group(row.per_layer))} per submission scored |")
         lines.append(f"| `spec new` host | none (CPU) | | | {_gb(SPEC_NEW_RATIO * 2 * sizes.total)} | "
                      f"{_gb(2 * sizes.total)} | the checkpoint, once |")
         lines.append("")
@@ -264,8 +264,8 @@ def _validator_host(sizes: Sizes) -> str:
     return _gb(RUNTIME_GIB * GIB + 2 * sizes.total)
 
 
-def _validator_disk(sizes: Sizes) -> str:
-    return _gb(2 * sizes.total + RETENTION * 8 * sizes.group(8)) + " + scored blobs"
+def _validator_disk(sizes: Sizes, per_layer: int) -> str:
+    return _gb(2 * sizes.total + RETENTION * 8 * sizes.group(per_layer)) + " + scored blobs"
 
 
 def _parts(parts: dict[str, int]) -> str:
@@ -302,8 +302,8 @@ when this file and the plans disagree.
   copied back, and the blob); for a validator, the checkpoint it loads before moving it. The `spec new` host
   holds 1.08x the checkpoint (measured at OLMoE-1B-7B's size, docs/sizing.md).
 - **Disk**: the checkpoint in bf16, and what the blob store keeps for 3 rounds: a miner its blob (2 bytes a
-  trained parameter) and the state (4); a validator the state and its momentum at 8 experts a layer, and
-  the blobs it scores.
+  trained parameter) and the state (4); a validator the state and its momentum (8 bytes a parameter of the
+  group), and the blobs it scores.
 - **Downloaded a round**: a miner the adopted state (fp32 experts of its group); a validator each
   submission it scores (bf16), M x R / V of them a round (docs/sizing.md).
 """

@@ -70,8 +70,8 @@ def test_a_miners_peak_is_its_steady_state_with_every_copy_and_moment(hardware: 
         parts = entry["parts"]
         assert entry["step"] == 2 and max(entry["step_peaks"]) == entry["peak_bytes"] == sum(parts.values())
         assert parts["trainable_copies"] == 4 * group, row.key()
-        if row.setting.optimizer == "adamw":
-            assert parts["optimizer_state"] == 8 * group, row.key()
+        if row.setting.optimizer == "adamw":  # two fp32 moments, and a step count a tensor
+            assert 8 * group <= parts["optimizer_state"] <= 8 * group + SMALL, row.key()
         else:  # 8 bits a moment and a scale of 4 bytes every 256 values
             assert 2 * group <= parts["optimizer_state"] <= 2.1 * group, row.key()
 
