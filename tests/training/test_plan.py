@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from training.adapters import adapter_for
-from training.plan import PARTS, MemoryPlan, Setting, first_experts, measure, plan
+from training.plan import MemoryPlan, Setting, first_experts, measure, plan
 from training.tiny import build_tiny_model, tiny_config
+from training.trace import PARTS
 
 SETTINGS = {
     "compressed miner": Setting(role="miner", seq_len=48, micro_batch=2, device="cpu", forward="compressed"),
