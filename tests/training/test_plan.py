@@ -101,6 +101,7 @@ def test_bad_settings_are_refused() -> None:
         fake_plan("olmoe", SETTINGS["validator"], per_layer=9)
 
 
+@pytest.mark.slow  # two traces
 def test_a_validator_spread_over_gpus_is_planned_per_gpu() -> None:
     one = fake_plan("qwen3_moe", Setting(role="validator", seq_len=48, micro_batch=2, device="cuda"))
     two = fake_plan("qwen3_moe", Setting(role="validator", seq_len=48, micro_batch=2, device="cuda", gpus=2))

@@ -34,9 +34,8 @@ def traced(setting: Setting, steps: int | None = None, family: str = "olmoe", pe
                 attn_implementation="eager", steps=steps)
 
 
-@pytest.mark.parametrize("name", [
-    "adamw", *(pytest.param(name, marks=pytest.mark.slow) for name in SETTINGS if name != "adamw"),
-])
+@pytest.mark.slow  # two traces each; `make check` runs test_the_steady_peak_holds_the_two_moments_...
+@pytest.mark.parametrize("name", list(SETTINGS))
 def test_the_plan_reports_what_three_steps_hold_and_more_than_the_first_step(name: str) -> None:
     reported, three = traced(SETTINGS[name]), traced(SETTINGS[name], steps=3)
     assert len(reported.step_peaks) == STEPS and len(three.step_peaks) == 3
@@ -71,6 +70,7 @@ def test_a_step_in_backward_never_holds_the_whole_groups_gradients() -> None:
     assert in_backward.peak_bytes < default.peak_bytes
 
 
+@pytest.mark.slow  # two traces
 def test_a_validator_keeps_nothing_from_one_batch_to_the_next() -> None:
     setting = Setting(role="validator", seq_len=SEQ, micro_batch=2, device="cpu")
     one, three = traced(setting), traced(setting, steps=3)

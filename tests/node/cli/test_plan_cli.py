@@ -118,6 +118,7 @@ def test_fit_with_nothing_that_fits_says_so_in_one_line(config_file: Path, capsy
     assert len(err) == 1 and err[0].startswith("tessera: error: nothing fits 0.5 GiB; the nearest, compressed, ")
 
 
+@pytest.mark.slow  # two traces
 def test_a_validator_over_gpus_is_planned_per_gpu(config_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = ("--config", str(config_file), "--role", "validator", "--experts-per-layer", "2", "--seq-len", "16")
     one, two = plan_json(capsys, *args), plan_json(capsys, *args, "--gpus", "2")

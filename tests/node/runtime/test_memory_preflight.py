@@ -102,12 +102,10 @@ async def test_a_miner_that_fits_its_declared_memory_starts(tmp_path: Path) -> N
     assert (tmp_path / "data").exists()
 
 
-def test_a_device_that_holds_no_setting_or_does_not_exist_is_refused_in_one_line(tmp_path: Path) -> None:
-    every = write_miner(tmp_path, f'device = "cuda:0"\n{SET}checkpointing = true\nmicro_batch_size = 1\n'
-                                  'device_memory_gib = 0.5\n')
-    spec = load_spec(every.node.spec)
-    with pytest.raises(ConfigError, match=r"^miner.device: .* 0\.5 GiB; no setting of this node makes it fit"):
-        check_memory(every, spec)
+def test_a_device_that_does_not_exist_is_refused_in_one_line_and_a_cpu_without_a_budget_is_not_planned(
+    tmp_path: Path
+) -> None:
+    spec = load_spec(write_miner(tmp_path, "").node.spec)
     with pytest.raises(ConfigError, match=r"^miner.device = 'cuda:7' does not exist: this machine has \d CUDA"):
         check_memory(write_miner(tmp_path, 'device = "cuda:7"\n'), spec)
     check_memory(write_miner(tmp_path, 'device = "cpu"\n'), spec)  # a CPU miner without a budget: no plan
@@ -115,8 +113,12 @@ def test_a_device_that_holds_no_setting_or_does_not_exist_is_refused_in_one_line
 
 @pytest.mark.slow  # several traces
 def test_a_miner_that_nothing_fits_is_refused_naming_the_nearest_on_cuda_and_in_host_memory(tmp_path: Path) -> None:
+    every = write_miner(tmp_path, f'device = "cuda:0"\n{SET}checkpointing = true\nmicro_batch_size = 1\n'
+                                  'device_memory_gib = 0.5\n')
+    spec = load_spec(every.node.spec)
+    with pytest.raises(ConfigError, match=r"^miner.device: .* 0\.5 GiB; no setting of this node makes it fit"):
+        check_memory(every, spec)
     config = write_miner(tmp_path, 'device = "cuda:0"\ndevice_memory_gib = 0.5\n')
-    spec = load_spec(config.node.spec)
     with pytest.raises(ConfigError, match=r"^miner.device: .* 0\.5 GiB, .* nothing fits 0\.5 GiB; the nearest, "):
         check_memory(config, spec)
     with pytest.raises(ConfigError, match=r"^miner.device: .* of cpu .* 0\.5 GiB; no setting of this node makes it"):
