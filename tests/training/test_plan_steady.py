@@ -19,11 +19,9 @@ SMALL = 4096
 """Bytes two traces of the same work may differ by: what a process makes once, the first time (bitsandbytes' 8-bit
 code tables, 128 bytes; a few small tensors of a first scoring pass), lands in whichever trace runs first."""
 SETTINGS = {
-    "adamw": Setting(role="miner", seq_len=SEQ, device="cpu"),
-    "adamw8bit": Setting(role="miner", seq_len=SEQ, device="cpu", optimizer="adamw8bit"),
-    "checkpointing": Setting(role="miner", seq_len=SEQ, device="cpu", checkpointing=True),
-    "micro-batches": Setting(role="miner", seq_len=SEQ, device="cpu", micro_batch=2, batch_size=6),
-    "step in backward": Setting(role="miner", seq_len=SEQ, device="cpu", step_in_backward=True),
+    "adamw, checkpointing": Setting(role="miner", seq_len=SEQ, device="cpu", checkpointing=True),
+    "adamw8bit, micro-batches": Setting(role="miner", seq_len=SEQ, device="cpu", micro_batch=2, batch_size=6,
+                                        optimizer="adamw8bit"),
     "cuda autocast, 8-bit, step in backward": Setting(role="miner", seq_len=SEQ, autocast=True, optimizer="adamw8bit",
                                                        step_in_backward=True),
 }
