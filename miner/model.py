@@ -4,7 +4,7 @@
 genesis state a miner trains from and the packed training sequences; `MinerModel.train` puts a state's
 experts into the model and runs the inner AdamW steps on this miner's shard of the sequences, in the
 batch order `miner_seed` draws. How it trains on this machine (device, forward mode, micro-batches,
-checkpointing, autocast, optimizer) is a `MinerSettings`. This module knows nothing about the network or the
+checkpointing, autocast, optimizer, the step in backward) is a `MinerSettings`. This module knows nothing about the network or the
 blob a round submits.
 """
 
@@ -45,6 +45,8 @@ class MinerSettings:
     """bf16 autocast when training on CUDA (no effect on CPU)."""
     optimizer: Literal["adamw", "adamw8bit"] = "adamw"
     """Inner optimizer: AdamW with fp32 moments, or bitsandbytes' AdamW8bit (8-bit moments)."""
+    step_in_backward: bool = False
+    """Each tensor's optimizer step taken in backward as its gradient is complete (`TrainConfig.step_in_backward`)."""
 
 
 def miner_seed(miner: str, round: int) -> int:
@@ -118,7 +120,8 @@ class MinerModel:
                           micro_batch_size=settings.micro_batch_size, grad_clip=inner.grad_clip,
                           forward=settings.forward, device=settings.device,
                           checkpointing=settings.checkpointing, autocast=settings.autocast,
-                          optimizer=settings.optimizer, pad_id=self.pad_id, progress=progress)
+                          optimizer=settings.optimizer, step_in_backward=settings.step_in_backward,
+                          pad_id=self.pad_id, progress=progress)
         rows = shard(self.sequences, miner, round)
         order = batches(rows, cfg.batch_size, miner_seed(miner, round))
         return train_experts(self.model, self.adapter, self.spec.group, _while(order, keep_going), cfg,

@@ -10,11 +10,13 @@ stored in their dtype, autograd keeps the stored (narrow) weight for backward ra
 activations are fp32. The trainer and the scorer use it on every CPU, also where bf16 is faster: on an
 AVX-512 and AMX Xeon the same products ran at 470 (forward) and 660 GFLOP/s (backward's layout) in bf16,
 against 160 in fp32, and fp32 keeps every CPU's arithmetic as close to every other's as fp32 sums allow.
+Inside `as_on_accelerator()` it widens nothing: the memory plan traces on the CPU a step as a GPU runs it.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,6 +30,7 @@ NARROW = (torch.bfloat16, torch.float16)
 """The stored dtypes whose arithmetic is widened."""
 BLOCK_BYTES = 64 << 20
 """The most fp32 weight bytes upcast at once (a 50k-token vocabulary's output layer is 0.4 GB in fp32)."""
+_WIDEN = ContextVar("tessera_widen", default=True)
 
 
 def holds_narrow_weights(model: torch.nn.Module) -> bool:
@@ -38,8 +41,19 @@ def holds_narrow_weights(model: torch.nn.Module) -> bool:
 @contextmanager
 def fp32_compute() -> Iterator[None]:
     """Inside: bf16/fp16 linear layers and embeddings compute in fp32 (module docstring)."""
-    with _Widen():
+    with _Widen() if _WIDEN.get() else nullcontext():
         yield
+
+
+@contextmanager
+def as_on_accelerator() -> Iterator[None]:
+    """Inside (in this thread): `fp32_compute` widens nothing, so CPU work computes in the weights' dtype as an
+    accelerator does."""
+    token = _WIDEN.set(False)
+    try:
+        yield
+    finally:
+        _WIDEN.reset(token)
 
 
 class _Widen(TorchFunctionMode):

@@ -14,6 +14,7 @@ Legend: O output features, I input features.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -85,6 +86,23 @@ def check_device(
         backend = getattr(torch, target.type, None)
         if backend is None or not backend.is_available():
             raise ValueError(f"{setting} = {device!r} does not exist on this machine")
+
+
+def spread_map(model: torch.nn.Module, memory: Mapping[int, int]) -> dict[str, int]:
+    """accelerate's balanced device map of `model` over GPUs of `memory` bytes each (index -> bytes), as
+    transformers' `device_map="auto"` makes it: module name -> GPU. ValueError naming the memory when the GPUs
+    cannot hold it without offloading to the CPU or disk."""
+    from accelerate.utils import get_balanced_memory, infer_auto_device_map
+
+    no_split = getattr(model, "_no_split_modules", None)
+    budget: dict[int | str, int] = {index: nbytes for index, nbytes in memory.items()}
+    balanced = get_balanced_memory(model, max_memory=budget, no_split_module_classes=no_split)
+    device_map = infer_auto_device_map(model, max_memory=balanced, no_split_module_classes=no_split)
+    off_gpu = sorted({str(d) for d in device_map.values() if not isinstance(d, int)})
+    if off_gpu:
+        raise ValueError(f"the model does not fit in the GPUs' memory ({sum(memory.values()) / GIB:.1f} GiB) "
+                         f"without offloading to {', '.join(off_gpu)}")
+    return {name: int(d) for name, d in device_map.items()}
 
 
 class Int8Linear(torch.nn.Module):

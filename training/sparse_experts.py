@@ -44,6 +44,8 @@ class LayerCopies:
     w_gu_SIH: torch.nn.Parameter
     w_down_SHI: torch.nn.Parameter
     grouped: bool
+    n_experts: int
+    """Rows of the layer's fused tensors (all of them selected in a compressed layer)."""
 
     @torch.no_grad()
     def write_back(self) -> None:
@@ -61,7 +63,7 @@ def layer_copies(module: torch.nn.Module, layer: int, rows: list[int], ids: list
     index = torch.tensor(rows, device=gate_up_EIH.device)
     w_gu = torch.nn.Parameter(gate_up_EIH.detach()[index].to(torch.float32).clone())
     w_down = torch.nn.Parameter(down_EHI.detach()[index].to(torch.float32).clone())
-    return LayerCopies(layer, module, rows, ids, w_gu, w_down, grouped)
+    return LayerCopies(layer, module, rows, ids, w_gu, w_down, grouped, int(gate_up_EIH.shape[0]))
 
 
 @contextmanager
@@ -69,9 +71,9 @@ def trainable_experts(copies: LayerCopies) -> Iterator[None]:
     """Dispatch the layer's experts module to `tessera_trainable` (on its own config copy) with `copies`; on
     leaving, the copies are written back into the fused tensors.
 
-    Where the copies hold every row of the fused tensors (a compressed layer) and the maths is eager, the
-    fused tensors' storage is released inside, since nothing reads them there: a compressed miner holds its
-    trained experts once in fp32, not also in the checkpoint's dtype."""
+    Where the copies hold every row of the fused tensors (a compressed layer), the fused tensors' storage is
+    released inside, since neither maths reads them there: a compressed miner holds its trained experts once
+    in fp32, not also in the checkpoint's dtype."""
     module = copies.experts
     original = module.config
     module.config = copy.copy(original)
@@ -80,7 +82,7 @@ def trainable_experts(copies: LayerCopies) -> Iterator[None]:
     module.tessera_copies = copies  # type: ignore[assignment]
     fused = [tensor_attr(module, name) for name in ("gate_up_proj", "down_proj")]
     shapes = [t.shape for t in fused]
-    release = not copies.grouped and len(copies.rows) == shapes[0][0]
+    release = len(copies.rows) == copies.n_experts
     if release:
         for tensor in fused:
             tensor.data = tensor.data.new_empty(0)
@@ -131,7 +133,7 @@ def _grouped_forward(
     gate_up_EIH, down_EHI = tensor_attr(module, "gate_up_proj"), tensor_attr(module, "down_proj")
     act_fn = module.get_submodule("act_fn")
     dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else gate_up_EIH.dtype
-    n_experts, n_selected = gate_up_EIH.shape[0], len(copies.rows)
+    n_experts, n_selected = copies.n_experts, len(copies.rows)
     slot_E = torch.full((n_experts,), -1, dtype=torch.long, device=index_TK.device)
     slot_E[torch.tensor(copies.rows, device=index_TK.device)] = torch.arange(n_selected, device=index_TK.device)
     token_P = torch.arange(index_TK.shape[0], device=index_TK.device).repeat_interleave(index_TK.shape[1])

@@ -16,7 +16,8 @@ Forward modes:
   experts, top-k capped at their number. Trained rows are written back into the model passed in.
 
 Memory: frozen weights keep their dtype (bf16 for checkpoints); bf16 autocast on CUDA; activation
-checkpointing of decoder layers, micro-batches with gradient accumulation and 8-bit AdamW moments are options.
+checkpointing of decoder layers, micro-batches with gradient accumulation, 8-bit AdamW moments, and the optimizer
+step taken in backward, each tensor's as its gradient is complete (`step_in_backward`), are options.
 This module knows nothing about data files, blobs or the network; it consumes token batches.
 Legend: B batch, L sequence length.
 """
@@ -76,6 +77,11 @@ class TrainConfig:
     optimizer: Literal["adamw", "adamw8bit"] = "adamw"
     """`adamw`: torch's fused AdamW, fp32 moments; `adamw8bit`: bitsandbytes' AdamW8bit, moments held in 8 bits
     block-wise (about a quarter of the state; tensors under 4096 values keep fp32 moments)."""
+    step_in_backward: bool = False
+    """Take each trained tensor's optimizer step in backward, as soon as its gradient is complete, and free the
+    gradient then: the gradients of the whole group never live at once (a step is one micro-batch). The global
+    norm is still measured, but a step is clipped by the norm of the step before it (the first by none); where
+    no step's norm exceeds `grad_clip`, the updates are the default's."""
     experts_implementation: Literal["auto", "eager", "grouped_mm"] = "auto"
     """Selected-expert maths: `eager` per-expert loop, `grouped_mm` grouped GEMMs; `auto` = grouped on CUDA in bf16."""
     pad_id: int = 256
@@ -98,6 +104,9 @@ class TrainConfig:
             )
         if self.forward not in ("full", "compressed"):
             raise ValueError(f"forward must be 'full' or 'compressed', got {self.forward!r}")
+        if self.step_in_backward and (self.micro_batch_size or self.batch_size) < self.batch_size:
+            raise ValueError("step_in_backward takes the step in a step's only backward: it needs micro_batch_size "
+                             f"unset or equal to batch_size ({self.batch_size}), got {self.micro_batch_size}")
         if self.optimizer not in ("adamw", "adamw8bit"):
             raise ValueError(f"optimizer must be adamw or adamw8bit, got {self.optimizer!r}")
         if self.experts_implementation not in ("auto", "eager", "grouped_mm"):
@@ -160,20 +169,22 @@ def train_experts(
             stack.enter_context(_checkpointed(net, adapter, wide))
         for c in copies:
             stack.enter_context(trainable_experts(c))
+        in_backward = stack.enter_context(_InBackward(optimizer, params, cfg.grad_clip)) if cfg.step_in_backward else None
         for _, ids_BL in zip(range(cfg.steps), batches, strict=False):
-            loss, tokens = _step(net, ids_BL, cfg, device, optimizer, params, wide)
+            loss, tokens = _step(net, ids_BL, cfg, device, optimizer, params, wide, in_backward)
             result.losses.append(loss)
             result.tokens += tokens
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}")
         for p in params:  # before the fused rows come back (trainable_experts): the last step's gradients
             p.grad = None
+        if hand_on:  # the state's own tensors, not copies
+            result.optimizer_state = optimizer.state_dict()
+        optimizer.state.clear()  # and, unless handed on, its moments: neither is needed to write the rows back
     if not result.losses:
         raise ValueError("the batch iterator gave no batches; there is nothing to train on")
     result.seconds = time.perf_counter() - started
     result.tensors = _named_tensors(copies)
-    if hand_on:
-        result.optimizer_state = optimizer.state_dict()
     if cfg.forward == "compressed" and not isinstance(model, CompressedModel):
         insert(model, adapter, result.tensors)
     return result
@@ -251,8 +262,10 @@ def _step(
     optimizer: torch.optim.Optimizer,
     params: list[torch.nn.Parameter],
     wide: bool,
+    in_backward: _InBackward | None = None,
 ) -> tuple[float, int]:
-    """One optimizer step on `ids_BL`; `wide`: compute in fp32 over narrow weights (training.cpu_compute)."""
+    """One optimizer step on `ids_BL`; `wide`: compute in fp32 over narrow weights (training.cpu_compute);
+    `in_backward`: the step is taken inside backward, tensor by tensor."""
     if ids_BL.ndim != 2 or ids_BL.shape[0] != cfg.batch_size or ids_BL.dtype != torch.long:
         raise ValueError(
             f"expected a LongTensor batch of shape [{cfg.batch_size}, L], got "
@@ -272,9 +285,51 @@ def _step(
         if loss_sum.requires_grad:  # else no token of this micro-batch reached the group: no gradient
             (loss_sum / tokens).backward()  # type: ignore[no-untyped-call]  # unannotated in torch
         total += float(loss_sum.detach())
-    torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-    optimizer.step()
+    if in_backward is not None:
+        in_backward.end_step()
+    else:
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        optimizer.step()
     return total / tokens, tokens
+
+
+class _InBackward:
+    """The optimizer step taken in backward (`TrainConfig.step_in_backward`): as a trained tensor's gradient is
+    complete, its squared norm is added up, the gradient is scaled by the clip factor of the step before and
+    the optimizer steps that tensor alone (torch's optimizers skip parameters without a gradient), then the
+    gradient is freed. One optimizer holds every tensor's state, so its state is the default step's."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], clip: float) -> None:
+        self._optimizer, self._params, self._clip = optimizer, params, clip
+        self._factor: torch.Tensor | None = None
+        """The clip factor this step's gradients are scaled by: min(1, clip / the norm of the step before)."""
+        self._squares: list[torch.Tensor] = []
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> _InBackward:
+        # unannotated in torch; a gradient hook that returns a value would replace the gradient: this one returns None
+        self._handles = [p.register_post_accumulate_grad_hook(self._arrived)  # type: ignore[no-untyped-call]
+                         for p in self._params]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _arrived(self, param: torch.nn.Parameter) -> None:
+        assert param.grad is not None, "a post-accumulate hook runs once the gradient is there"
+        self._squares.append(param.grad.detach().float().square().sum())
+        if self._factor is not None:
+            param.grad.mul_(self._factor)
+        self._optimizer.step()
+        param.grad = None
+
+    def end_step(self) -> None:
+        """The step's backward is over: its norm gives the next step's clip factor (torch's clip_grad_norm_'s)."""
+        if self._squares:
+            norm = torch.stack(self._squares).sum().sqrt()
+            self._factor = (self._clip / (norm + 1e-6)).clamp(max=1.0)
+        self._squares = []
 
 
 def _named_tensors(copies: list[LayerCopies]) -> dict[str, torch.Tensor]:

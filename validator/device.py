@@ -2,9 +2,10 @@
 
 `skeleton` is the checkpoint's model without weights, which `training.device.check_device` sizes
 before a validator starts (and the loaded model again once it is). `spread` places a model too large
-for one GPU over all GPUs with accelerate's device map (the same machinery as transformers'
-`device_map="auto"`); it does not offload to CPU memory, because Proof-of-Loss swaps expert rows in
-place and offloaded weights are not resident. This module knows nothing about rounds, submissions or
+for one GPU over all GPUs with accelerate's balanced device map (`training.device.spread_map`, as
+transformers' `device_map="auto"` makes it, and as `tessera plan --gpus N` plans it); it does not
+offload to CPU memory, because Proof-of-Loss swaps expert rows in place and offloaded weights are not
+resident. This module knows nothing about rounds, submissions or
 the network.
 """
 
@@ -16,7 +17,7 @@ import torch
 
 from protocol.spec import NetworkSpec, spec_dir_path
 from training.checkpoint import meta_model
-from training.device import GIB
+from training.device import spread_map
 
 
 def skeleton(spec: NetworkSpec, spec_path: str | Path) -> torch.nn.Module | None:
@@ -27,21 +28,14 @@ def skeleton(spec: NetworkSpec, spec_path: str | Path) -> torch.nn.Module | None
 
 
 def spread(model: torch.nn.Module) -> None:
-    """Place `model` over all CUDA GPUs by accelerate's device map; ValueError if they cannot hold it."""
-    from accelerate import dispatch_model, infer_auto_device_map
+    """Place `model` over all CUDA GPUs by accelerate's balanced device map; ValueError if they cannot hold it."""
+    from accelerate import dispatch_model
 
     if not torch.cuda.is_available():
         raise ValueError("validator.device = 'auto' spreads the model over CUDA GPUs, but this machine has none")
-    max_memory: dict[int | str, int] = {
-        i: torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())
-    }
-    device_map = infer_auto_device_map(
-        model, max_memory=max_memory, no_split_module_classes=getattr(model, "_no_split_modules", None)
-    )
-    off_gpu = sorted({str(d) for d in device_map.values() if d in ("cpu", "disk")})
-    if off_gpu:
-        raise ValueError(
-            f"validator.device = 'auto': the model does not fit in the GPUs' free memory "
-            f"({sum(max_memory.values()) / GIB:.1f} GiB) without offloading to {', '.join(off_gpu)}"
-        )
+    free = {i: torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())}
+    try:
+        device_map = spread_map(model, free)
+    except ValueError as exc:
+        raise ValueError(f"validator.device = 'auto': {exc} (free memory)") from None
     dispatch_model(model, device_map)

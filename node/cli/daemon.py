@@ -48,9 +48,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     init.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
                       help="a bootstrap peer (repeat for several)")
     init.add_argument("--device", metavar="DEVICE", help="the torch device it trains (miner) or scores (validator) on: "
-                      f"cpu, cuda, cuda:1 (a validator also auto); default {MINER_DEFAULTS.device}")
+                      f"cpu, cuda, cuda:N (a validator also auto); default {MINER_DEFAULTS.device}")
+    init.add_argument("--device-memory", type=float, metavar="GIB",
+                      help="GiB of the device the role may use (host memory on a cpu); a miner's memory settings "
+                           "are then chosen, the fastest whose traced plan fits, and written into the config")
     init.add_argument("--forward", choices=("full", "compressed"), help="miners: hold every expert (full) or only the "
-                      f"group's (compressed); default {MINER_DEFAULTS.forward}")
+                      "group's (compressed); default: chosen to fit the device's memory on CUDA, else "
+                      f"{MINER_DEFAULTS.forward}")
     init.add_argument("--heldout", metavar="FILE", help="validators: the held-out file the spec pins")
     init.add_argument("--general", metavar="FILE",
                       help="validators: the general-domain held-out file the spec pins (data.general_sha256), if any")
@@ -97,15 +101,29 @@ def run_init(args: argparse.Namespace) -> int:
     given_key = args.key is not None
     if given_key and not Path(args.key).is_file():
         raise ValueError(f"--key {args.key}: no such key file (create one with `tessera keygen --out {args.key}`)")
-    text = render_config(
-        role=args.role, spec=_relative(Path(args.spec), directory),
-        key=_relative(Path(args.key), directory) if given_key else Path("node.key"), data_dir=Path("data"),
-        host=args.host, p2p_port=args.p2p_port, announce=tuple(args.announce), http_port=args.http_port,
-        bootstrap=tuple(args.bootstrap), device=args.device, forward=args.forward,
-        heldout=None if args.heldout is None else _relative(Path(args.heldout), directory),
-        general=None if args.general is None else _relative(Path(args.general), directory),
-    )
+    settings = _device_settings(args)
+
+    def render() -> str:
+        return render_config(
+            role=args.role, spec=_relative(Path(args.spec), directory),
+            key=_relative(Path(args.key), directory) if given_key else Path("node.key"), data_dir=Path("data"),
+            host=args.host, p2p_port=args.p2p_port, announce=tuple(args.announce), http_port=args.http_port,
+            bootstrap=tuple(args.bootstrap), settings=settings,
+            heldout=None if args.heldout is None else _relative(Path(args.heldout), directory),
+            general=None if args.general is None else _relative(Path(args.general), directory),
+        )
+
+    text = render()
     config = parse_config(text, config_path)  # ports, addresses, devices, environment overrides
+    chosen = None
+    if args.role == "miner" and args.device_memory is not None:
+        from node.runtime.preflight import fit_memory
+
+        fitted, chosen = fit_memory(config, spec)  # the daemon's own choice, made now, before a weight loads
+        settings.update({name: value for name, value in fitted.miner.model_dump().items()
+                         if name in _MEMORY_SETTINGS and value is not None})
+        text = render()
+        config = parse_config(text, config_path)
     if config.node.key.exists():  # a key already there must be usable, and fit the role, before the config names it
         check_role_key(config, spec, load_identity(config.node.key))
     elif args.role == "validator":  # a new key is in no spec's validator set
@@ -115,6 +133,8 @@ def run_init(args: argparse.Namespace) -> int:
     identity = load_or_create_identity(config.node.key)
     write_new_file(config_path, text.encode("utf-8"), "node config")  # another `tessera init` may have run
     print(f"{config_path}\t{identity.node_id}")
+    if chosen is not None:
+        print(chosen)
     return 0
 
 
@@ -127,6 +147,33 @@ def _check_role_options(args: argparse.Namespace) -> None:
         if value is not None:
             raise ValueError(f"{flag} is for {'validators' if args.role == 'miner' else 'miners'}; "
                              f"init --role {args.role} does not take it")
+
+
+def _device_settings(args: argparse.Namespace) -> dict[str, str | int | float | bool]:
+    """The role section's fields the flags set: the device (checked a torch device), its memory, a miner's forward."""
+    settings: dict[str, str | int | float | bool] = {}
+    if args.device is not None:
+        if args.device != "auto" or args.role != "validator":
+            from torch import device as torch_device
+
+            try:
+                torch_device(args.device)
+            except RuntimeError:
+                raise ValueError(f"--device {args.device!r} is not a torch device; use cpu, cuda or cuda:N") from None
+        settings["device"] = args.device
+    if args.device_memory is not None:
+        if not (math.isfinite(args.device_memory) and args.device_memory > 0):
+            raise ValueError(f"--device-memory must be a positive number of GiB, got {args.device_memory}")
+        if args.device is None:
+            raise ValueError("--device-memory: name the --device it is of (cuda, cuda:N or cpu)")
+        settings["device_memory_gib"] = args.device_memory
+    if args.forward is not None:
+        settings["forward"] = args.forward
+    return settings
+
+
+_MEMORY_SETTINGS = ("forward", "micro_batch_size", "checkpointing", "autocast", "optimizer", "step_in_backward")
+"""The `[miner]` fields `tessera init --device-memory` chooses (node.runtime.preflight.fit_memory)."""
 
 
 def run_daemon(args: argparse.Namespace) -> int:

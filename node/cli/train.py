@@ -1,14 +1,17 @@
 """`tessera train`: one miner's local run, offline -> the canonical blob it would submit.
 
     tessera train --spec SPEC --key KEY --round R [--global STATE_BLOB] [--steps H] [--data FILE...]
-                  [--feedback FILE] [--forward full|compressed] --out BLOB
+                  [--feedback FILE] [--forward full|compressed] [--micro-batch N] [--checkpointing]
+                  [--optimizer adamw|adamw8bit] [--step-in-backward] --out BLOB
 
 It calls `miner.submission.build_submission`, the function the miner duty calls, with the same
 seed derivation, shard, dtype and metadata, so for the same key, round and starting state it
 writes the bytes the miner would commit to. `--global` names a global-state blob of this network
 (the base model's experts when absent). `--forward compressed` trains as a miner with `[miner] forward =
 "compressed"` does, on a model holding only the group's experts (`training.model.load_compressed`
-never reads the others), so a miner can be tried on a checkpoint far larger than its memory. In a
+never reads the others), so a miner can be tried on a checkpoint far larger than its memory; `--micro-batch`,
+`--checkpointing`, `--optimizer adamw8bit` and `--step-in-backward` are the `[miner]` memory settings of the same
+names (`tessera plan --device cpu --fit GIB` picks the fastest that fit a memory). In a
 pgrad network `--feedback` is the miner's error-feedback buffer (the fp32 safetensors form of
 `training.pgrad.error_bytes`, the bytes a miner keeps in its blob store): read when the file exists
 (else the buffer starts empty), checked before training (a file without the buffer's mark, a Tessera
@@ -49,6 +52,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--forward", choices=("full", "compressed"), default="full",
                    help="full: load the whole model; compressed: load only the group's experts, as a miner with "
                         "[miner] forward = \"compressed\" does (default full)")
+    p.add_argument("--micro-batch", type=int, metavar="N",
+                   help="sequences per forward pass, gradients accumulated over the spec's batch (default: the "
+                        "whole batch in one pass)")
+    p.add_argument("--checkpointing", action="store_true", help="recompute each decoder layer in backward")
+    p.add_argument("--optimizer", choices=("adamw", "adamw8bit"), default="adamw",
+                   help="the inner optimizer: fp32 moments, or bitsandbytes' 8-bit ones (default adamw)")
+    p.add_argument("--step-in-backward", action="store_true",
+                   help="take each tensor's optimizer step in backward as its gradient is complete (a step of one "
+                        "micro-batch)")
     p.add_argument("--out", required=True, type=Path, metavar="BLOB", help="where to write the blob (a new file)")
     p.set_defaults(run=run_train)
 
@@ -69,6 +81,13 @@ def run_train(args: argparse.Namespace) -> int:
         raise ValueError("--steps must be positive")
     identity = load_identity(args.key)
     spec = load_spec(args.spec)
+    batch = spec.training.batch_size
+    if args.micro_batch is not None and not 1 <= args.micro_batch <= batch:
+        raise ValueError(f"--micro-batch must be from 1 to the spec's training.batch_size ({batch}), got "
+                         f"{args.micro_batch}")
+    if args.step_in_backward and (args.micro_batch or batch) < batch:
+        raise ValueError("--step-in-backward takes the step in a step's only backward: it needs the spec's whole "
+                         f"batch ({batch}) in one pass, not --micro-batch {args.micro_batch}")
     if args.feedback is not None and pgrad_config(spec) is None:
         raise ValueError("--feedback: this network submits full experts, which keep no error-feedback buffer")
     if args.feedback is not None and args.feedback.resolve() == args.out.resolve():
@@ -89,7 +108,8 @@ def run_train(args: argparse.Namespace) -> int:
         except SyncError as exc:
             raise ValueError(f"{args.global_blob}: {exc}") from exc
         head = sha256_hex(data)
-    settings = MinerSettings(forward=args.forward)
+    settings = MinerSettings(forward=args.forward, micro_batch_size=args.micro_batch, checkpointing=args.checkpointing,
+                             optimizer=args.optimizer, step_in_backward=args.step_in_backward)
     blob, result = build_submission(model, identity.node_id, args.round, head, base, settings,
                                     steps=args.steps, progress=True, feedback=feedback)
     write_new_file(args.out, blob, "--out")

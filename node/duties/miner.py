@@ -52,7 +52,7 @@ def miner_settings(section: MinerSection) -> MinerSettings:
     """How this machine trains, from the node config's `[miner]` section."""
     return MinerSettings(device=section.device, forward=section.forward, micro_batch_size=section.micro_batch_size,
                          checkpointing=section.checkpointing, autocast=section.autocast,
-                         optimizer=section.optimizer)
+                         optimizer=section.optimizer, step_in_backward=section.step_in_backward)
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,10 @@ class HttpSection(_Section):
 
 
 class MinerSection(_Section):
-    """How a miner trains."""
+    """How a miner trains. Of its memory settings (`forward`, `micro_batch_size`, `checkpointing`, `autocast`,
+    `optimizer`, `step_in_backward`), those the file and the environment leave unset are chosen as the miner
+    starts on CUDA (or on a CPU with `device_memory_gib` set): the fastest whose traced plan fits
+    (node.runtime.preflight.fit_memory); elsewhere they take their defaults."""
 
     device: str = Field(default="cpu", description="Torch device for training, e.g. cpu or cuda:0.")
     forward: Literal["full", "compressed"] = Field(
@@ -96,9 +99,15 @@ class MinerSection(_Section):
         default="adamw", description="Inner optimizer: 'adamw' (fp32 moments) or 'adamw8bit' (bitsandbytes' 8-bit "
         "moments, about a quarter of the optimizer state's memory)."
     )
+    step_in_backward: bool = Field(
+        default=False, description="Take each expert tensor's optimizer step in backward as its gradient is complete, "
+        "so the group's gradients never all live at once (a step of one micro-batch; a step is clipped by the norm "
+        "of the step before)."
+    )
     device_memory_gib: float | None = Field(
-        default=None, gt=0, description="GiB of the CUDA device training may use; unset: its free memory at start. "
-        "A miner whose traced plan (`tessera plan`) needs more refuses to start."
+        default=None, gt=0, description="GiB training may use: of the CUDA device (unset: its free memory at start), "
+        "or of host memory on a CPU (unset: no plan). A miner whose traced plan (`tessera plan`) needs more refuses "
+        "to start; the memory settings left unset are chosen to fit it."
     )
     data: ConfigPath | None = Field(default=None, description="Local training file overriding the spec's train files.")
     behaviour: Literal["honest", "lazy", "noise", "copier", "late", "garbage"] = Field(
@@ -323,10 +332,11 @@ def _did_you_mean(loc: list[str]) -> str:
 
 def render_config(role: Role, spec: Path, key: Path, data_dir: Path, p2p_port: int, http_port: int,
                   heldout: Path | None = None, bootstrap: tuple[str, ...] = (), host: str = "127.0.0.1",
-                  announce: tuple[str, ...] = (), device: str | None = None, forward: str | None = None,
-                  general: Path | None = None) -> str:
-    """A commented node config TOML for `tessera init`; paths are written as given, and the role's device (and a
-    miner's forward model) always, so an operator sees what the node trains or scores on."""
+                  announce: tuple[str, ...] = (), general: Path | None = None,
+                  settings: dict[str, str | int | float | bool] | None = None) -> str:
+    """A commented node config TOML for `tessera init`; paths are written as given; `settings` are fields of the
+    role's section (`[miner]` or `[validator]`). The role's device is always written, so an operator sees what the
+    node trains or scores on; a miner's memory settings left out are chosen to fit its device as it starts."""
     lines = [
         "# Tessera node config. Environment variables TESSERA_<SECTION>__<FIELD> override it.",
         "[node]",
@@ -348,17 +358,25 @@ def render_config(role: Role, spec: Path, key: Path, data_dir: Path, p2p_port: i
         f"port = {http_port}",
         "",
     ]
-    if role == "miner":
-        section = MinerSection.model_fields
-        lines += ["[miner]", f"device = {_q(device or section['device'].default)}",
-                  f"forward = {_q(forward or section['forward'].default)}  # or compressed: only the group's experts"]
-    else:
-        section = ValidatorSection.model_fields
-        lines += ["[validator]", f"device = {_q(device or section['device'].default)}",
-                  f"heldout = {_q(heldout.as_posix())}" if heldout is not None else '# heldout = "heldout.txt"']
+    fields = dict(settings or {})
+    section = (MinerSection if role == "miner" else ValidatorSection).model_fields
+    lines += [f"[{role}]", f"device = {_q(str(fields.pop('device', section['device'].default)))}"]
+    if role == "validator":
+        lines.append(f"heldout = {_q(heldout.as_posix())}" if heldout is not None else '# heldout = "heldout.txt"')
         if general is not None:
             lines.append(f"general = {_q(general.as_posix())}")
+    elif "forward" not in fields:
+        lines.append(f"# forward = {_q(section['forward'].default)}  # or compressed: only the group's experts "
+                     "(unset on CUDA: chosen to fit the device's memory)")
+    lines += [f"{name} = {_toml(value)}" for name, value in fields.items()]
     return "\n".join(lines) + "\n"
+
+
+def _toml(value: str | int | float | bool) -> str:
+    """A TOML value: a string quoted, a boolean in lower case."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return _q(value) if isinstance(value, str) else repr(value)
 
 
 def _q(text: str) -> str:

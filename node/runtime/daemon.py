@@ -46,7 +46,7 @@ from node.runtime.context import (
 from node.runtime.disk import DiskWatch, group_shapes, round_need
 from node.runtime.http import HttpApi
 from node.runtime.metrics import NodeMetrics
-from node.runtime.preflight import alone_hint, check_disk, check_listen, check_memory, check_role_key
+from node.runtime.preflight import alone_hint, check_disk, check_listen, check_role_key, fit_memory
 from node.runtime.scheduler import Scheduler
 from node.runtime.status import StatusViews, learning_settings
 from node.store.blobs import BlobStore
@@ -106,7 +106,10 @@ class Node:
                               "(a node follows the successors from there)")
         identity = await asyncio.to_thread(load_or_create_identity, config.node.key)
         check_role_key(config, spec, identity)
-        await asyncio.to_thread(check_memory, config, spec)  # the role's step traced, before any weight loads
+        # the role's work traced, before any weight loads; a miner's unset memory settings chosen to fit
+        config, chosen = await asyncio.to_thread(fit_memory, config, spec)
+        if chosen is not None:
+            log.info("%s", chosen)
         try:
             shapes = await asyncio.to_thread(group_shapes, spec, config.node.spec)
         except ValueError as exc:

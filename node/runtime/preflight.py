@@ -2,15 +2,17 @@
 ConfigError naming the field. A key the spec does not name as a validator's on a validator (or names on a
 miner); a p2p or HTTP port another process listens on (libp2p listens with SO_REUSEPORT, so two nodes on
 one port would share it silently and split their peers' connections); a bootstrap address that is not
-one; a CUDA device that does not exist, or that cannot hold the role's step as `training.plan` traces it
-before any weight loads (`check_memory`); a validator whose blob budget, or whole disk, cannot hold one
-round of the network (`check_disk`, on node.runtime.disk's estimate). Also what a node without peers should
+one; a CUDA device that does not exist, or that cannot hold the role's work as `training.plan` traces it
+before any weight loads, over a round's steady state (`fit_memory`, which also picks a miner's memory settings
+that its config leaves unset: the fastest that fit); a validator whose blob budget, or whole disk, cannot hold
+one round of the network (`check_disk`, on node.runtime.disk's estimate). Also what a node without peers should
 check (`alone_hint`), and where py-libp2p's own log lines go. This module knows nothing of what a running node does.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import socket
@@ -70,47 +72,100 @@ def planned_model(spec: NetworkSpec, spec_path: Path) -> PlannedModel:
     return PlannedModel(read_config(spec_dir_path(spec_path, spec.model.checkpoint)), spec.model.family, None, "sdpa")
 
 
-def check_memory(config: NodeConfig, spec: NetworkSpec) -> None:
-    """ConfigError when the role's device is CUDA and the role's own step, traced on fake tensors, needs more
-    than its `device_memory_gib` (unset: the device's free memory) or the device does not exist. The one line
-    names the memory needed and the first of this node's settings, taken in turn, that would make it fit."""
+_MINER_FIELDS = {"forward": "forward", "autocast": "autocast", "micro_batch": "micro_batch_size",
+                 "checkpointing": "checkpointing", "step_in_backward": "step_in_backward", "optimizer": "optimizer"}
+"""`training.fit`'s miner settings -> the `[miner]` fields that hold them."""
+
+
+def fit_memory(config: NodeConfig, spec: NetworkSpec) -> tuple[NodeConfig, str | None]:
+    """The config to run, and a line saying what was chosen (None: nothing was). ConfigError (one line) when the
+    role's work, traced on fake tensors over a round's steady state, needs more memory than it may use.
+
+    A role on CUDA may use its `device_memory_gib` (unset: the device's free memory); a miner on a CPU its
+    `device_memory_gib` of host memory, where that is set (else nothing is traced). A miner whose config leaves
+    memory settings unset gets the fastest combination of them that fits (`training.fit`), written into the
+    config returned; where all are set, the one line names the first of its settings, taken in turn, that would
+    make it fit. A CUDA device that does not exist is refused too."""
     role = config.node.role
     section = config.miner if role == "miner" else config.validator
     field = f"{role}.device"
-    if not section.device.startswith("cuda"):  # cpu, or a validator's 'auto' (training.device sizes that)
-        return
-    from training.device import GIB, check_device
+    if role == "miner":
+        _check_step_in_backward(config, spec)
+    from training.device import GIB
 
-    if section.device_memory_gib is None:
-        try:
-            check_device(section.device, None, 1, spec.data.seq_len, setting=field)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from exc
-        import torch
-
-        free = torch.cuda.mem_get_info(torch.device(section.device).index or 0)[0]
-        where = "has"
-    else:
-        free = int(section.device_memory_gib * GIB)
-        where = f"may use ({role}.device_memory_gib)"
+    budget = _budget(config, field)
+    if budget is None:
+        return config, None
+    free, where = budget
     try:
         model = planned_model(spec, config.node.spec)
     except ValueError as exc:
         raise ConfigError(f"node.spec: {exc}") from exc
     setting = _setting(config, spec)
+    unset = [name for name, key in _MINER_FIELDS.items() if key not in section.model_fields_set] if role == "miner" else []
+    if unset:
+        return _fitted(config, spec, model, setting, unset, free, where)
     result = _plan(model, spec, setting)
     need = result.peak_bytes + result.margin_bytes
     if need <= free:
-        return
-    fix = "no setting of this node makes it fit: use a GPU with more memory"
+        return config, None
+    fix = "no setting of this node makes it fit: use a device with more memory"
     for changes, tried in _fixes(role, setting):
         fitted = _plan(model, spec, tried)
         if fitted.peak_bytes + fitted.margin_bytes <= free:
             fix = f"it fits with {', '.join(changes)} (tessera plan traces any setting)"
             break
     raise ConfigError(f"{field}: this {role} needs about {need / GIB:.1f} GiB of {section.device} (a traced peak of "
-                      f"{result.peak_bytes / GIB:.1f} GiB plus {result.margin_bytes / GIB:.1f} GiB margin) but "
-                      f"{where} {free / GIB:.1f} GiB; {fix}")
+                      f"{result.peak_bytes / GIB:.1f} GiB plus {result.margin_bytes / GIB:.1f} GiB margin, step "
+                      f"{result.step}) but {where} {free / GIB:.1f} GiB; {fix}")
+
+
+def check_memory(config: NodeConfig, spec: NetworkSpec) -> None:
+    """`fit_memory`'s refusal alone: ConfigError when no setting this node may run fits its memory."""
+    fit_memory(config, spec)
+
+
+def _budget(config: NodeConfig, field: str) -> tuple[int, str] | None:
+    """(bytes the role may use, how that is said), or None where nothing is planned."""
+    from training.device import GIB, check_device
+
+    role = config.node.role
+    section = config.miner if role == "miner" else config.validator
+    if not section.device.startswith("cuda"):  # cpu, or a validator's 'auto' (training.device sizes that)
+        if role == "miner" and section.device == "cpu" and section.device_memory_gib is not None:
+            return int(section.device_memory_gib * GIB), f"may use ({role}.device_memory_gib)"
+        return None
+    if section.device_memory_gib is None:
+        try:
+            check_device(section.device, None, 1, 2, setting=field)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        import torch
+
+        return torch.cuda.mem_get_info(torch.device(section.device).index or 0)[0], "has"
+    return int(section.device_memory_gib * GIB), f"may use ({role}.device_memory_gib)"
+
+
+def _fitted(config: NodeConfig, spec: NetworkSpec, model: PlannedModel, setting: Setting, unset: list[str],
+            free: int, where: str) -> tuple[NodeConfig, str]:
+    """The config with the fastest combination of the `unset` miner settings that fits `free` bytes."""
+    from training.device import GIB
+    from training.fit import DoesNotFit, describe, fit
+
+    base = replace(setting, micro_batch=spec.training.batch_size) if "micro_batch" in unset else setting
+    try:
+        choice = fit(lambda tried: _plan(model, spec, tried), base, unset, free)
+    except DoesNotFit as exc:
+        left = ", ".join(_MINER_FIELDS[name] for name in unset)
+        raise ConfigError(f"miner.device: this miner {where} {free / GIB:.1f} GiB, and with the settings its config "
+                          f"leaves unset ({left}) chosen to fit, {exc}") from None
+    chosen = {_MINER_FIELDS[name]: getattr(choice.setting, name) for name in unset}
+    miner = config.miner.model_copy(update=chosen)
+    said = ", ".join(f"miner.{k} = {json.dumps(v)}" for k, v in chosen.items())
+    line = (f"memory: chose {said} ({describe(choice.setting)}): "
+            f"a plan of {choice.need_bytes / GIB:.2f} GiB of the {free / GIB:.2f} GiB it {where.split(' (')[0]}, "
+            f"about x{choice.slowdown:.2f} the fastest step time (" + "; ".join(choice.changes) + ")")
+    return config.model_copy(update={"miner": miner}), line
 
 
 def _setting(config: NodeConfig, spec: NetworkSpec) -> Setting:
@@ -122,9 +177,16 @@ def _setting(config: NodeConfig, spec: NetworkSpec) -> Setting:
                        device=config.validator.device, weights=config.validator.weights)
     miner = config.miner
     return Setting(role="miner", seq_len=spec.data.seq_len,
-                   micro_batch=miner.micro_batch_size or spec.training.batch_size, device=miner.device,
-                   forward=miner.forward, checkpointing=miner.checkpointing, autocast=miner.autocast,
-                   optimizer=miner.optimizer)
+                   micro_batch=miner.micro_batch_size or spec.training.batch_size, batch_size=spec.training.batch_size,
+                   device=miner.device, forward=miner.forward, checkpointing=miner.checkpointing,
+                   autocast=miner.autocast, optimizer=miner.optimizer, step_in_backward=miner.step_in_backward)
+
+
+def _check_step_in_backward(config: NodeConfig, spec: NetworkSpec) -> None:
+    miner = config.miner
+    if miner.step_in_backward and (miner.micro_batch_size or spec.training.batch_size) < spec.training.batch_size:
+        raise ConfigError(f"miner.step_in_backward: takes the step in a step's only backward, but micro_batch_size "
+                          f"{miner.micro_batch_size} splits the spec's batch of {spec.training.batch_size}; unset one")
 
 
 def _fixes(role: str, setting: Setting) -> Iterator[tuple[list[str], Setting]]:
@@ -135,8 +197,11 @@ def _fixes(role: str, setting: Setting) -> Iterator[tuple[list[str], Setting]]:
         steps = [("miner.forward = 'compressed'", {"forward": "compressed"}),
                  ("miner.checkpointing = true", {"checkpointing": True}),
                  ("miner.autocast = true", {"autocast": True}),
-                 ("miner.optimizer = 'adamw8bit'", {"optimizer": "adamw8bit"}),
-                 ("miner.micro_batch_size = 1", {"micro_batch": 1})]
+                 ("miner.optimizer = 'adamw8bit'", {"optimizer": "adamw8bit"})]
+        if setting.micro_batch == (setting.batch_size or setting.micro_batch):
+            steps.append(("miner.step_in_backward = true", {"step_in_backward": True}))
+        if not setting.step_in_backward:
+            steps.append(("miner.micro_batch_size = 1", {"micro_batch": 1}))
     changes: list[str] = []
     for name, change in steps:
         if all(getattr(setting, key) == value for key, value in change.items()):

@@ -295,3 +295,29 @@ def test_a_compressed_layers_fused_rows_are_released_while_its_copies_train(
         assert tuple(fused[layer].shape) == shapes[layer]
         for slot, expert in enumerate(ids):
             assert torch.equal(fused[layer][slot], result.tensors[tensor_name(layer, expert, "gate_up_proj")])
+
+
+@pytest.mark.parametrize("hand_on", [False, True])
+def test_the_moments_are_let_go_before_the_trained_rows_are_written_back(
+    pattern: Callable[..., torch.Tensor], monkeypatch: pytest.MonkeyPatch, hand_on: bool
+) -> None:
+    """Writing back brings the fused rows back beside the copies: the optimizer state, unless handed on, is gone by
+    then (the memory plan's last phase)."""
+    import training.sparse_experts
+    import training.trainer
+    from tests.training.conftest import make_tiny
+
+    made: list[torch.optim.Optimizer] = []
+    states: list[int] = []
+    inner = training.trainer.inner_adamw
+    monkeypatch.setattr(training.trainer, "inner_adamw", lambda *a: made.append(inner(*a)) or made[-1])
+    write_back = training.sparse_experts.LayerCopies.write_back
+    monkeypatch.setattr(training.sparse_experts.LayerCopies, "write_back",
+                        lambda self: states.append(len(made[0].state)) or write_back(self))
+    tiny = make_tiny("olmoe")
+    cfg = TrainConfig(steps=2, batch_size=BATCH, forward="compressed")
+    result = train_experts(tiny.model, tiny.adapter, tiny.group, batches(pattern(8, LENGTH, 3)), cfg, hand_on=hand_on)
+    assert states and set(states) == {0}
+    assert bool(result.optimizer_state) == hand_on
+    if hand_on:
+        assert all(len(s) == 3 for s in result.optimizer_state["state"].values())  # step and both moments

@@ -71,6 +71,8 @@ def test_the_table_names_each_part_and_the_plan(config_file: Path, capsys: pytes
     (["--seq-len", "1"], "--seq-len"),
     (["--experts-per-layer", "99"], "--config"),
     (["--device", "gpu0"], "--device"),
+    (["--fit", "-1"], "--fit"),
+    (["--batch-size", "1", "--micro-batch", "2"], "--micro-batch"),
 ])
 def test_a_bad_flag_is_refused_in_one_line_naming_it(
     config_file: Path, capsys: pytest.CaptureFixture[str], flags: list[str], named: str
@@ -91,3 +93,37 @@ def test_a_config_without_a_group_and_an_unknown_role_are_refused(
     with pytest.raises(SystemExit) as exit_:
         main(["plan", "--config", str(config_file), "--role", "trainer"])
     assert exit_.value.code == 2
+
+
+@pytest.mark.slow  # several traces
+def test_fit_picks_settings_that_fit_keeps_the_ones_given_and_prints_their_config(
+    config_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ("--config", str(config_file), "--role", "miner", "--experts-per-layer", "4", "--seq-len", "64",
+            "--batch-size", "4", "--optimizer", "adamw")
+    roomy = plan_json(capsys, *args, "--fit", "8")
+    assert roomy["fit"]["slowdown"] == 1.0 and roomy["micro_batch"] == 4 and roomy["optimizer"] == "adamw"
+    assert roomy["step"] == 2 and len(roomy["step_peaks_gib"]) == 2
+    budget = (roomy["peak_bytes"] * 0.8 * 1.1 + 1024**3) / 1024**3  # room for four fifths of that peak
+    tight = plan_json(capsys, *args, "--fit", f"{budget:.6f}")
+    assert tight["total_gib"] <= budget and tight["optimizer"] == "adamw"  # given, so kept
+    assert tight["fit"]["slowdown"] >= 1.0 and tight["fit"]["config"][0] == '[miner] forward = "compressed"'
+    assert tight["micro_batch"] < 4 or tight["checkpointing"] or tight["step_in_backward"]
+
+
+def test_fit_with_nothing_that_fits_says_so_in_one_line(config_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--config", str(config_file), "--role", "miner", "--experts-per-layer", "2", "--seq-len", "16",
+                 "--fit", "0.5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tessera: error: nothing fits 0.5 GiB; the nearest, compressed, ")
+
+
+@pytest.mark.slow  # two traces
+def test_a_validator_over_gpus_is_planned_per_gpu(config_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ("--config", str(config_file), "--role", "validator", "--experts-per-layer", "2", "--seq-len", "16")
+    one, two = plan_json(capsys, *args), plan_json(capsys, *args, "--gpus", "2")
+    assert "gpu_total_gib" not in one and len(two["gpu_total_gib"]) == 2 and two["gpus"] == 2
+    assert two["parts"]["weights"] < one["parts"]["weights"]
+    assert main(["plan", "--config", str(config_file), "--role", "miner", "--experts-per-layer", "2",
+                 "--seq-len", "16", "--gpus", "2"]) == 2
+    assert "--gpus 2: only a validator" in capsys.readouterr().err

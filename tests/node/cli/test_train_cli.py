@@ -7,6 +7,7 @@ nothing written or overwritten."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -198,3 +199,26 @@ def test_tessera_train_names_the_data_file_it_cannot_use(tmp_path: Path, capsys,
     assert not out.exists()
     err = capsys.readouterr().err
     assert err.startswith(f"tessera: error: {data}") and says in err and err.count("\n") == 1, err
+
+
+def test_tessera_train_takes_the_miners_memory_settings_as_flags(tmp_path: Path, capsys) -> None:
+    """Checkpointing and micro-batches change no number; 8-bit moments and the step in backward train too."""
+    net = Twins(tmp_path)
+    save_identity(identity("miner-0"), tmp_path / "miner.key")
+    base = ["train", "--spec", str(net.spec_path), "--key", str(tmp_path / "miner.key"), "--round", "0",
+            "--steps", "2"]
+    runs = {"plain": [], "checkpointed": ["--checkpointing", "--micro-batch", "2"],
+            "8-bit": ["--optimizer", "adamw8bit"], "in backward": ["--step-in-backward"]}
+    printed = {}
+    for name, flags in runs.items():
+        assert main([*base, *flags, "--out", str(tmp_path / f"{name}.blob")]) == 0
+        printed[name] = json.loads(capsys.readouterr().out)
+    assert printed["checkpointed"]["first_loss"] == pytest.approx(printed["plain"]["first_loss"], rel=1e-6)
+    assert printed["checkpointed"]["last_loss"] == pytest.approx(printed["plain"]["last_loss"], rel=1e-5)
+    assert all(p["steps"] == 2 for p in printed.values())
+    for flags, says in ((["--micro-batch", "0"], "--micro-batch must be from 1"),
+                        (["--micro-batch", "1", "--step-in-backward"], "--step-in-backward")):
+        assert main([*base, *flags, "--out", str(tmp_path / "refused.blob")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("tessera: error: ") and says in err and err.count("\n") == 1, err
+    assert not (tmp_path / "refused.blob").exists()

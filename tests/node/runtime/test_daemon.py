@@ -29,6 +29,7 @@ from protocol.messages import Commit, Envelope, GlobalState, Heartbeat, Message,
 from protocol.rounds import Phase, Schedule
 from protocol.spec import NetworkSpec, load_spec, parse_spec
 from tests.conftest import make_identity, make_spec_dict, to_toml, write_model_config
+from training.tiny import tiny_config
 
 VALIDATOR = make_identity(0)
 MINER = make_identity(100)
@@ -381,6 +382,35 @@ def test_init_writes_a_config_that_loads_and_a_private_key(tmp_path: Path, capsy
     assert "refusing to overwrite" in capsys.readouterr().err
     assert main(["init", "--role", "validator", "--spec", str(spec_path), "--dir", str(tmp_path / "v")]) == 2
     assert "--heldout" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # several traces
+def test_init_with_a_device_memory_writes_the_miner_settings_the_preflight_would_choose(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from node.cli.main import main
+    from node.runtime.preflight import fit_memory
+
+    (tmp_path / "tiny.json").write_text(json.dumps(tiny_config("qwen3_moe")), encoding="utf-8")
+    spec_path = tmp_path / "spec.toml"
+    spec_path.write_text(to_toml(make_spec_dict()), encoding="utf-8")
+    init = ["init", "--role", "miner", "--spec", str(spec_path), "--device", "cuda"]
+    assert main([*init, "--dir", str(tmp_path / "m"), "--device-memory", "8"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and out[1].startswith("memory: chose miner.forward = ")
+    config = load_config(tmp_path / "m" / "node.toml")
+    assert config.miner.device == "cuda" and config.miner.device_memory_gib == 8
+    assert {"forward", "micro_batch_size", "checkpointing", "autocast", "optimizer", "step_in_backward"} <= (
+        config.miner.model_fields_set)  # all written: the daemon traces them as they are, choosing nothing
+    again, chosen = fit_memory(config, load_spec(spec_path))
+    assert chosen is None and again == config
+    for flags, says in ((["--device-memory", "0"], "--device-memory must be a positive"),
+                        (["--device-memory", "8", "--device", "gpu"], "--device 'gpu' is not a torch device"),
+                        (["--device-memory", "0.01"], "nothing fits 0.0 GiB")):
+        assert main([*init, "--dir", str(tmp_path / "refused"), *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("tessera: error: ") and says in err and err.count("\n") == 1, err
+    assert not (tmp_path / "refused").exists()
 
 
 def test_init_judges_everything_before_writing_so_a_corrected_rerun_works(
