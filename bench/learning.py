@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.learning_data import FULL, SETTINGS, SMALL, VALIDATORS, Size, base_config, identity  # noqa: E402
-from bench.learning_stats import Rows, TaskRows, comparisons, shares  # noqa: E402
+from bench.learning_stats import Rows, TaskRows, comparisons, mean, shares  # noqa: E402
 from bench.report import emit, out_file  # noqa: E402
 from node.cli.common import add_spec_settings, comma_list  # noqa: E402
 from protocol.spec import judge_settings  # noqa: E402
@@ -168,21 +168,27 @@ class Network:
         return state, verdict, accepted
 
     def esft(self, miners: int, rounds: int, rows: TaskRows) -> dict[str, Any]:
-        """ESFT on the first `miners` miners' batches, read after every miner's H steps (`rows`' checkpoints, for
-        forgetting at a matched in-domain loss) and after every round."""
+        """ESFT on the first `miners` miners' batches, read after every round and, for forgetting at a matched
+        in-domain loss, after every miner's H steps: the state whose report loss is nearest the network's adopted
+        state's in each round (where `rows` holds that network's) is read on the general-domain report set."""
         ids = self.ids[:miners]
         state: Mapping[str, torch.Tensor] = self.genesis.tensors
         optimizer: dict[str, Any] | None = None
+        read: list[tuple[float, Mapping[str, torch.Tensor]]] = []
         for r in range(rounds):
             for m in ids:
                 result = self.miners[m].train(m, r, state, self.settings, lambda: True, optimizer_state=optimizer,
                                               hand_on=True)
                 state, optimizer = result.tensors, result.optimizer_state
-                rows.checkpoint(miners, self.rows(state), self.rows(state, self.general_report))
-            rows.put("esft", miners, r, rows.checkpoints[miners][-1][0])
-            rows.put("esft general", miners, r, rows.checkpoints[miners][-1][1])
-        last = rows.get("esft", miners, rounds - 1)
-        return {"esft_loss": round(sum(last) / len(last), 5)}
+                report = self.rows(state)
+                read.append((mean(report), state))
+            rows.put("esft", miners, r, report)
+            rows.put("esft general", miners, r, self.rows(state, self.general_report))
+            if ("adopted", miners, r) in rows.states:
+                target = mean(rows.get("adopted", miners, r))
+                nearest = min(read, key=lambda checkpoint: abs(checkpoint[0] - target))[1]
+                rows.put("esft matched general", miners, r, self.rows(nearest, self.general_report))
+        return {"esft_loss": round(mean(rows.get("esft", miners, rounds - 1)), 5)}
 
     def ceiling(self, miners: int, rounds: int, lr: float) -> tuple[list[Rows], float]:
         """The data-parallel ceiling at `lr` over the first `miners` miners' batches: its report rows after every

@@ -11,12 +11,11 @@ same losses give the same interval.
 
 `TaskRows` holds one setting and seed's states, row by row: for each honest network of M miners and round, the
 adopted state (on the report set and on the general-domain report set) and the round's best single submission; for
-each M, the data-parallel ceiling at its kept lr and ESFT after every round, and ESFT after every miner's H steps
-(its checkpoints). `comparisons` turns the tasks' rows into `COMPARISONS`, each per round, per seed and pooled (a
-comparison of one network names its `miners`), where a gain is the fewer miners' loss minus the more miners',
-the others the named state's loss minus the other's; forgetting is compared with ESFT at equal tokens and at the
-checkpoint whose in-domain loss is nearest the network's (`esft_at`). This module knows nothing about models or how
-the states were trained.
+each M and round, the data-parallel ceiling at its kept lr, ESFT, and on the general-domain report set ESFT at equal
+tokens and at the network's in-domain loss. `comparisons` turns the tasks' rows into `COMPARISONS`, each per round,
+per seed and pooled (a comparison of one network names its `miners`, one of forgetting its `esft_at`), where a gain
+is the fewer miners' loss minus the more miners' and the others the named state's loss minus the other's. This
+module knows nothing about models or how the states were trained.
 """
 
 from __future__ import annotations
@@ -97,17 +96,12 @@ class TaskRows:
     """One setting and seed's states, row by row, by (what, miners, round) (module doc)."""
 
     states: dict[tuple[str, int, int], Rows] = field(default_factory=dict)
-    checkpoints: dict[int, list[tuple[Rows, Rows]]] = field(default_factory=dict)
-    """ESFT of M miners after every miner's H steps, in order: (report rows, general report rows)."""
 
     def put(self, what: str, miners: int, round: int, rows: Rows) -> None:
         self.states[what, miners, round] = rows
 
     def get(self, what: str, miners: int, round: int) -> Rows:
         return self.states[what, miners, round]
-
-    def checkpoint(self, miners: int, report: Rows, general: Rows) -> None:
-        self.checkpoints.setdefault(miners, []).append((report, general))
 
     def diffs(self, what: str, miners: int | None, round: int) -> Rows | None:
         """The row-by-row differences `what` compares for a network of `miners` (None: a gain) in `round`; None where
@@ -119,26 +113,18 @@ class TaskRows:
             if (kind, fewer, round) not in s or (kind, more, round) not in s:
                 return None
             return difference(s[kind, fewer, round], s[kind, more, round])
-        assert miners is not None
-        if ("adopted", miners, round) not in s:
+        other = {"adopted - ceiling": "ceiling", "adopted - best_single": "best single"}[what]
+        if miners is None or ("adopted", miners, round) not in s or (other, miners, round) not in s:
             return None
-        other = {"adopted - ceiling": "ceiling", "adopted - best_single": "best single"}.get(what)
-        if other is not None:
-            return difference(s["adopted", miners, round], s[other, miners, round]) if (
-                other, miners, round) in s else None
-        raise AssertionError(f"no rows for {what!r}")
+        return difference(s["adopted", miners, round], s[other, miners, round])
 
     def forgetting(self, miners: int, round: int, at: str) -> Rows | None:
-        """The network's general-domain loss minus ESFT's, row by row, at equal tokens (ESFT after `round`) or at the
-        ESFT checkpoint whose report loss is nearest the network's (`at` "matched loss")."""
-        s = self.states
-        if ("adopted general", miners, round) not in s or ("esft general", miners, round) not in s:
+        """The network's general-domain loss minus ESFT's, row by row, at equal tokens (ESFT after `round`) or at a
+        matched in-domain loss (`at` "matched loss": ESFT's state whose report loss was nearest the network's)."""
+        esft = ("esft general" if at == "equal tokens" else "esft matched general", miners, round)
+        if ("adopted general", miners, round) not in self.states or esft not in self.states:
             return None
-        if at == "equal tokens":
-            return difference(s["adopted general", miners, round], s["esft general", miners, round])
-        target = mean(s["adopted", miners, round])
-        _, general = min(self.checkpoints[miners], key=lambda c: abs(mean(c[0]) - target))
-        return difference(s["adopted general", miners, round], general)
+        return difference(self.states["adopted general", miners, round], self.states[esft])
 
 
 def mean(rows: Rows) -> float:

@@ -43,8 +43,8 @@ def emit(report: dict[str, Any], out: Path | None) -> None:
 def learning_markdown(report: dict[str, Any]) -> str:
     """The learning report's tables and findings as markdown, between `LEARNING_BEGIN` and `LEARNING_END`."""
     view = _Learning(report)
-    return "\n".join([LEARNING_BEGIN, *view.header(), *view.losses(), *view.pooled(), *view.per_seed(),
-                      *view.single_and_gate(), *view.findings(), LEARNING_END])
+    return "\n".join([LEARNING_BEGIN, *view.header(), *view.losses(), *view.pooled(), *view.by_round(),
+                      *view.per_seed(), *view.single_and_gate(), *view.findings(), LEARNING_END])
 
 
 class _Learning:
@@ -119,6 +119,16 @@ class _Learning:
                 "paired-bootstrap interval (a gain: the fewer miners' loss minus the more miners'; the others: the "
                 "first state's loss minus the second's).", "", *rows, ""]
 
+    def by_round(self) -> list[str]:
+        rounds = list(range(self.last + 1))
+        rows = [_row("pooled, by round", [f"round {r}" for r in rounds]), _row("---", ["---"] * len(rounds))]
+        wanted = [*self.comparisons()[:4], ("adopted - ceiling, 4 miners", "adopted - ceiling", 4, None)]
+        for d in self.domains:
+            for label, what, miners, at in wanted:
+                rows.append(_row(f"{d}: {label}", [_interval(self.get(d, what, miners, esft_at=at, round=r))
+                                                   for r in rounds]))
+        return ["Round by round, pooled over the seeds:", "", *rows, ""]
+
     def share(self, domain: str, step: str) -> str:
         network, ceiling = self.get(domain, f"network {step}"), self.get(domain, f"ceiling {step}")
         if network is None or ceiling is None or ceiling["mean"] <= 0:
@@ -136,12 +146,18 @@ class _Learning:
     def single_and_gate(self) -> list[str]:
         rows = [_row("", [*self.domains]), _row("---", ["---"] * len(self.domains))]
         verdicts: dict[str, list[str]] = {d: [] for d in self.domains}
+        kept: Counter[str] = Counter()
+        gates = {(r["domain"], r["seed"], r["miners"]): r["gates"] for r in self.runs}
         for c in self.report["comparisons"]:
             if c["what"] == "adopted - best_single" and c["seed"] != "pooled":
                 verdicts[c["domain"]].append("above" if c["ci_low"] > 0 else "below" if c["ci_high"] < 0 else "spans")
+                kept[c["domain"]] += c["ci_low"] > 0 and gates[c["domain"], c["seed"], c["miners"]][c["round"]][
+                    "adopted"] == "current"
         for side, label in (("above", "adopted above the best single, interval above zero"),
                             ("spans", "interval spans zero"), ("below", "adopted below it, interval below zero")):
             rows.append(_row(label, [f"{verdicts[d].count(side)} of {len(verdicts[d])}" for d in self.domains]))
+        rows.append(_row("of those above zero, rounds whose gate kept the current state",
+                         [str(kept[d]) for d in self.domains]))
         picks = {d: Counter(g["adopted"] for r in self.runs if r["domain"] == d for g in r["gates"]) for d in self.domains}
         for name in ("current", "merged", "best_single"):
             rows.append(_row(f"gate adopted {name}", [f"{picks[d][name]} of {sum(picks[d].values())}"

@@ -68,14 +68,14 @@ def test_each_comparison_pairs_the_states_it_names(stats: ModuleType) -> None:
             rows.put("best single", m, r, (level - 0.1, level + 0.1))
             rows.put("adopted general", m, r, (5.0, 5.0))
             rows.put("esft general", m, r, (6.0, 6.0))
-    for loss, general in ((3.5, 5.2), (2.9, 5.4), (2.0, 5.6)):  # ESFT of one miner: in-domain loss, general loss
-        rows.checkpoint(1, (loss, loss), (general, general))
+            rows.put("esft matched general", m, r, (5.4, 5.4))
     assert rows.diffs("network 1->4", None, 0) == (1.0, 1.0)  # a gain: fewer miners' loss minus more miners'
     assert rows.diffs("ceiling 4->8", None, 1) == (0.5, 0.5)
     assert rows.diffs("adopted - ceiling", 4, 1) == (0.5, 0.5)
     assert rows.diffs("adopted - best_single", 8, 0) == pytest.approx((0.1, -0.1))
     assert rows.forgetting(1, 0, "equal tokens") == (-1.0, -1.0)
-    assert rows.forgetting(1, 0, "matched loss") == pytest.approx((-0.4, -0.4))  # the network's loss 3.0: ESFT at 2.9
+    assert rows.forgetting(1, 0, "matched loss") == pytest.approx((-0.4, -0.4))
+    assert rows.forgetting(2, 0, "equal tokens") is None  # no network of 2 miners
     assert rows.diffs("network 1->4", None, 2) is None  # no third round
 
 
