@@ -111,7 +111,7 @@ class TrainingSpec(_Strict):
         description="Inner AdamW beta1, the first moment's decay: 0.6561 (0.9^4), where AdamW's usual 0.9 averages "
         "over about as many steps as a round of H = 20 takes. At H = 20 with 4 miners it ended 0.065 to 0.073 nats "
         "lower than 0.9 on the learning benchmark's two skills under every seed and level elsewhere "
-        "(docs/learning.md, \"Settings measured at H = 20\").")
+        "(docs/learning.md as of commit 3cb31c3, \"Settings measured at H = 20\").")
     weight_decay: float = Field(default=0.0, ge=0, description="Inner AdamW weight decay.")
     batch_size: int = Field(default=8, ge=1, description="Sequences per inner step.")
     grad_clip: float = Field(default=1.0, gt=0, description="Global gradient-norm clip.")
@@ -142,7 +142,7 @@ class RewardSpec(_Strict):
         default=0.9999, gt=0, le=1,
         description="Cosine at which two updates are copies. Honest miners starting from one state agree closely "
         "(cosine about 0.995 after 20 steps on the learning benchmark's base, where 0.99 flagged all of them); "
-        "a copied blob has cosine 1 (docs/learning.md).")
+        "a copied blob has cosine 1 (docs/learning.md as of commit 3cb31c3).")
 
 
 class AggregationSpec(_Strict):
@@ -153,7 +153,8 @@ class AggregationSpec(_Strict):
     of 4 miners (records by 0.07 nats); lr 1.5 once adopted a state worse than the round's best single
     submission; DiLoCo's lr 0.7 with momentum 0.9 forgot 2.9 to 11 times as much general-domain loss as lr 1.
     Changed alone from these defaults, momentum 0.5 and DiLoCo's pair ended higher on records past the noise,
-    and top-G 2 or 4 and utility weights were level (docs/learning.md, "Settings measured at H = 20").
+    and top-G 2 or 4 and utility weights were level (docs/learning.md as of commit 3cb31c3, "Settings measured
+    at H = 20"; those were its skill domains, limited by steps).
     """
 
     top_g: int = Field(default=3, ge=1, description="How many top-ranked miners are merged.")
