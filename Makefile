@@ -7,9 +7,8 @@ FIND_LINKS = $(or $(PIP_FIND_LINKS),$(shell python3 -m pip config get global.fin
 
 .PHONY: demo test check bench clean test-tools
 
-# pytest keeps its rewritten test modules, and Python the project's own modules, as bytecode in __pycache__ (which git
-# ignores), even where the environment sets PYTHONDONTWRITEBYTECODE, as this project's machines do: from the second
-# run on, a pytest worker's collection then takes 7.5-8.6 s here instead of 11.2-12.2 s.
+# Test runs keep bytecode in __pycache__ (git ignores it) even where PYTHONDONTWRITEBYTECODE is set: a worker's
+# collection is then about a third shorter from the second run on.
 unexport PYTHONDONTWRITEBYTECODE
 
 $(STAMP): pyproject.toml constraints.txt
@@ -17,12 +16,9 @@ $(STAMP): pyproject.toml constraints.txt
 	@if ! dpkg -s libgmp-dev >/dev/null 2>&1 && command -v apt-get >/dev/null; then \
 		apt-get update -q && apt-get install -y -q libgmp-dev gcc; fi
 	@test -x $(PY) || python3 -m venv $(VENV)
-	@# uv installs everything, torch's CPU wheel from the folder pip's configuration names (FIND_LINKS): the project
-	@# in 10-15 s where pip took two minutes, and torch in 17 s where pip took 31 s.
-	@# uv compiles the packages' bytecode as pip does, once: otherwise the first test run's workers would each compile
-	@# transformers and the rest at import, and, where PYTHONDONTWRITEBYTECODE is set (as on this project's machines),
-	@# every command an operator runs outside make would, about 10 s of CPU each (a pytest worker's collection took
-	@# 20.7 s without, 11.1 s with).
+	@# uv installs everything, torch's CPU wheel from the folder pip's configuration names (FIND_LINKS), several
+	@# times faster than pip; it compiles the packages' bytecode once, so neither the test workers nor an operator's
+	@# commands (where PYTHONDONTWRITEBYTECODE is set) compile transformers and the rest at every start.
 	$(PY) -m pip install -q uv
 	$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) $(foreach d,$(FIND_LINKS),--find-links $(d)) \
 		-c constraints.txt -e '.[dev]'
@@ -43,13 +39,10 @@ test-tools:
 		&& dpkg-deb -x $$tmp/prometheus_*.deb $$tmp/x && cp $$tmp/x/usr/bin/promtool $(VENV)/bin/ && rm -rf $$tmp; fi
 
 # Four pytest workers on two cores, a test file to one worker, in the order tests/scheduling.py gives them: the
-# network simulation (tests/integration/test_network.py) and the benchmarks' small networks spend much of their
-# time waiting for round phases, which the other workers fill (with three workers the suite took 591 s here,
-# with four 495 s; with five, whose collections held the first test back to 43 s, 487 s against four's 403-439 s).
-# One torch thread a worker (OMP_NUM_THREADS=1, which the processes tests start inherit): two workers with two
-# OpenMP threads each, beside node processes, spin instead of working (a 1.3 s test took 164 s in the suite).
-# mypy runs beside the tests and prints its report after theirs: on a fresh clone it spends 40-50 s of one core
-# reading torch's and transformers' types, which would otherwise come before the tests.
+# real networks spend much of their time waiting for round phases, which the other workers fill. One torch thread a
+# worker (OMP_NUM_THREADS=1, inherited by the processes tests start): OpenMP threads beside node processes spin
+# instead of working. mypy runs beside the tests (it spends most of a minute of one core reading torch's types) and
+# prints its report after theirs.
 test: $(STAMP) test-tools
 	$(VENV)/bin/ruff check .
 	@types=$$(mktemp); $(VENV)/bin/mypy >$$types 2>&1 & mypy=$$!; \
@@ -77,6 +70,7 @@ bench: $(STAMP)
 	$(PY) bench/simulation.py --out .bench/simulation.json
 	$(PY) bench/simulation.py --miners 8 --adversaries noise,copier,lazy,garbage --out .bench/simulation-adversarial.json
 	$(PY) bench/soak.py --out .bench/soak.json
+	$(PY) bench/successor.py --out .bench/successor.json
 	$(PY) bench/gpu.py --out .bench/gpu.json
 	$(PY) bench/real_size.py --work .bench/real-size --out .bench/real-size.json  # writes a 13.8 GB checkpoint there
 

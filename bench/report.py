@@ -1,10 +1,9 @@
 """Benchmark output: each benchmark prints its JSON report and, given a path, writes it there too.
 
-The file is written whole or not at all (`training.blob.write_blob_file`), so a run that fails while
+The file is written whole or not at all (`protocol.files.write_file`), so a run that fails while
 writing leaves an earlier report at that path as it was. `python bench/report.py learning FILE` renders
 the learning benchmark's report (bench/learning.py) as the tables and findings of docs/learning.md's
-"What it measured", every number read from the file (`learning_markdown`). This module needs the standard
-library alone until it writes a file.
+"What it measured", every number read from the file (`learning_markdown`).
 """
 
 from __future__ import annotations
@@ -16,6 +15,10 @@ import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a program: `python bench/report.py ...`
+
+from protocol.files import write_file  # noqa: E402
 
 LEARNING_BEGIN = "<!-- bench/report.py learning bench/results/learning.json -->"
 LEARNING_END = "<!-- end of bench/report.py's output -->"
@@ -34,10 +37,8 @@ def emit(report: dict[str, Any], out: Path | None) -> None:
     text = json.dumps(report, indent=2)
     print(text)
     if out is not None:
-        from training.blob import write_blob_file  # imports torch: only where a report is written
-
         out.parent.mkdir(parents=True, exist_ok=True)
-        write_blob_file(out, (text + "\n").encode("utf-8"))
+        write_file(out, (text + "\n").encode("utf-8"))
 
 
 def learning_markdown(report: dict[str, Any]) -> str:
@@ -252,5 +253,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     raise SystemExit(main())

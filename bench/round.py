@@ -1,7 +1,8 @@
 """Round benchmark: where the wall time of a simulated round goes, and how much of it miners train.
 
-Runs `node.sim.run.Simulation` (default: 2 validators, 4 honest miners, and the default
-simulation timing: 80 s rounds with TRAIN 90 % of them) as real processes on loopback for --rounds rounds, then reads
+Runs `tessera simulate`'s network (bench/network.py; default: 2 validators, 4 honest miners, and the default
+simulation timing: 80 s rounds with TRAIN 90 % of them) for --rounds rounds, or reads an earlier run's
+(`--reuse`), then reads
 - each miner's training wall time per round from its log ("round R: trained N steps at lr X in S s"),
 - every node's recorded phase-handler runs (start and end wall time, from its state file).
 Reported:
@@ -11,13 +12,14 @@ Reported:
 - `phase_seconds`: per phase, the mean over rounds of the longest handler run of any node;
 - `rounds`: the per-round report the simulation wrote (losses, verdicts, hashes).
 Usage: python bench/round.py [--rounds N] [--validators V] [--miners M] [--round-seconds S] [--train-share F]
-       [--out FILE.json]
+       [--dir DIR | --reuse DIR] [--out FILE.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -26,9 +28,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import network  # noqa: E402
 from bench.report import emit, out_file  # noqa: E402
+from node.sim import defaults  # noqa: E402
 from node.sim.process import SimSettings  # noqa: E402
-from node.sim.run import Simulation  # noqa: E402
 from protocol.rounds import PHASES  # noqa: E402
 
 TRAINED = re.compile(r"round (?P<round>\d+): trained (?P<steps>\d+) steps [^\n]*?in (?P<seconds>[\d.]+) s")
@@ -46,17 +49,13 @@ def training_runs(logs: list[str], miners: int, rounds: int) -> tuple[list[float
     return [float(m["seconds"]) for m in runs] + [0.0] * (miners * rounds - len(runs)), [int(m["steps"]) for m in runs]
 
 
-def measure(rounds: int, settings: SimSettings) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="tessera-bench-round-") as tmp, \
-            Simulation(Path(tmp) / "sim", settings) as sim:
-        sim.start()
-        entries = []
-        for r in range(rounds):
-            entries.append(sim.round_entry(r, sim.wait_round(r)))
-            print(f"round {r}: {entries[-1]['phase_seconds']}", file=sys.stderr, flush=True)
-        assert sim.schedule is not None
-        round_s, train_s = sim.schedule.round_seconds, sim.schedule.train_s
-        logs = [n.log_path.read_text(errors="replace") for n in sim.nodes.values() if n.role == "miner"]
+def measure(recorded: network.Run) -> dict[str, Any]:
+    """Where the rounds of a recorded network run went (module doc)."""
+    settings, rounds = recorded.sim_settings(), recorded.settings["rounds"]
+    entries = recorded.rounds
+    round_s, train_s = settings.round_seconds, settings.timing()["train_s"]
+    logs = [(path / "log.txt").read_text(errors="replace") for path in sorted((recorded.directory / "nodes").iterdir())
+            if path.name.startswith("miner-")]
     training, steps = training_runs(logs, settings.miners, rounds)
     phase_seconds = {str(p): round(statistics.mean(e["phase_seconds"].get(str(p), 0.0) for e in entries), 3)
                      for p in PHASES}
@@ -83,21 +82,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="rounds to measure (default 2)")
     parser.add_argument("--validators", type=int, default=2, help="validator processes (default 2)")
     parser.add_argument("--miners", type=int, default=4, help="miner processes (default 4)")
-    parser.add_argument("--round-seconds", type=float, default=80.0, help="round length (default 80)")
-    parser.add_argument("--train-share", type=float, default=0.9, help="TRAIN's share of a round (default 0.9)")
+    parser.add_argument("--round-seconds", type=float, default=defaults.ROUND_SECONDS,
+                        help="round length (default %(default)g, as simulate)")
+    parser.add_argument("--train-share", type=float, default=defaults.TRAIN_SHARE,
+                        help="TRAIN's share of a round (default %(default)g)")
+    parser.add_argument("--dir", type=Path, help="simulation directory, must not exist (default: a new temporary one)")
+    parser.add_argument("--reuse", type=Path, metavar="DIR",
+                        help="skip the simulation: read the --dir of an earlier run of a network benchmark "
+                             "(bench/network.py; the options that shape the network are then its own)")
     parser.add_argument("--out", type=out_file, help="write the JSON here (default: stdout only)")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.miners < 1:
         parser.error(f"--miners must be at least 1: the benchmark reads miners' training, got {args.miners}")
-    try:
-        settings = SimSettings(validators=args.validators, miners=args.miners, round_seconds=args.round_seconds,
-                               train_share=args.train_share)
-    except ValueError as exc:
-        parser.error(str(exc))
-    result = measure(args.rounds, settings)
+    if args.dir is not None and args.dir.exists():
+        parser.error(f"--dir {args.dir} exists; give a new directory")
+    if args.reuse is not None:
+        try:
+            recorded = network.load(args.reuse.resolve())
+        except ValueError as exc:
+            parser.error(f"--reuse {exc}")
+    else:
+        try:
+            settings = SimSettings(validators=args.validators, miners=args.miners, round_seconds=args.round_seconds,
+                                   train_share=args.train_share)
+        except ValueError as exc:
+            parser.error(str(exc))
+        recorded = network.run((args.dir or Path(tempfile.mkdtemp(prefix="tessera-bench-round-"))).resolve(),
+                               settings, args.rounds)
+    if recorded.failure or not recorded.rounds:
+        print(f"bench/round.py: the network failed: {recorded.failure}", file=sys.stderr)
+        return 1
+    result = measure(recorded)
     emit(result, args.out)
+    if args.dir is None and args.reuse is None:
+        shutil.rmtree(recorded.directory, ignore_errors=True)
     return 0
 
 

@@ -1,10 +1,8 @@
 """Simulation learning benchmark: does a real process simulation lower the held-out loss by more than noise?
 
-It runs `tessera simulate`'s network (node.sim.run.Simulation: a bootstrap, V validators and M
-miners as separate processes over loopback libp2p, on the pretrained tiny base) for R rounds, and
-copies each round's ADOPTED global state (the hash the validators report for the round, read from
-a validator's blob store while it is still the head, before blob retention prunes it) to
-DIR/adopted-states. Afterwards, with the validators' model and adapter (`training.model.load_base`
+It runs `tessera simulate`'s network for R rounds (bench/network.py, which keeps each round's ADOPTED
+global state, the hash the validators report for the round), or reads an earlier run's (`--reuse`).
+Afterwards, with the validators' model and adapter (`training.model.load_base`
 on the simulation's spec), it scores the base (the state round 0 starts from) and every adopted
 state on every sequence of the simulation's WHOLE held-out file, and reports per round the
 whole-held-out loss and its drop from the previous adopted state.
@@ -28,7 +26,7 @@ This script knows nothing about how the nodes train, score or merge; it reads wh
 Usage: python bench/simulation.py [--rounds 6] [--dir DIR] [--subsets 200] [--out FILE.json]
        [--inner-steps H] [--format pgrad] [--set SECTION.FIELD=VALUE ...]
        [--adversaries KIND,...]
-       python bench/simulation.py --reuse DIR [--out FILE.json]   (evaluate an earlier run's DIR again)
+       python bench/simulation.py --reuse DIR [--out FILE.json]   (evaluate the network an earlier run left)
 """
 
 from __future__ import annotations
@@ -36,14 +34,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import json
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -51,11 +45,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import network  # noqa: E402
 from bench.report import emit, out_file  # noqa: E402
 from node.cli.common import comma_list, spec_setting  # noqa: E402
-from node.sim.process import SimSettings, SimulationError  # noqa: E402
-from node.sim.run import Simulation  # noqa: E402
-from node.store.blobs import BlobStore  # noqa: E402
+from node.sim import defaults  # noqa: E402
+from node.sim.process import SimSettings  # noqa: E402
 from node.store.db import Storage  # noqa: E402
 from protocol.spec import load_spec  # noqa: E402
 from training.data import heldout_subset, load_sequences, not_padding  # noqa: E402
@@ -66,8 +60,6 @@ from training.state import decode_state_blob  # noqa: E402
 from training.tokenizer import load_tokenizer  # noqa: E402
 
 NOISE_SIGMAS = 2.0
-STATES = "adopted-states"  # under the simulation directory: a copy of each adopted state blob
-RUN_RECORD = "simulation-run.json"  # under the simulation directory: settings, failure, seconds of the run
 
 
 # -- statistics (pure) --------------------------------------------------------------------------
@@ -114,58 +106,7 @@ def round_verdict(whole_prev: float, whole_now: float, noise_prev: dict[str, flo
             "paired_drop_min": float(paired_drop_S.min())}
 
 
-# -- the simulation -----------------------------------------------------------------------------
-
-
-def run_rounds(directory: Path, settings: SimSettings, rounds: int,
-               after_round: Callable[[Simulation, int, dict[str, Any]], str]) -> tuple[list[dict[str, Any]], str]:
-    """Run the network for `rounds` rounds, calling `after_round(sim, round, entry)` once the validators have
-    finished each (it returns the line printed for the round).
-
-    Returns report.json's rounds and a failure message ("" when every round completed).
-    """
-    sim = Simulation(directory, settings)
-    entries: list[dict[str, Any]] = []
-    failure = ""
-    try:
-        sim.prepare()
-        sim.start()
-        assert sim.schedule is not None
-        print(f"simulation in {directory}: genesis in {sim.schedule.genesis_ts - time.time():.0f} s",
-              file=sys.stderr, flush=True)
-        for r in range(rounds):
-            entries.append(sim.round_entry(r, sim.wait_round(r)))
-            sim.write_report(entries)
-            print(f"round {r}: {after_round(sim, r, entries[-1])}", file=sys.stderr, flush=True)
-    except SimulationError as exc:
-        failure = str(exc)
-    finally:
-        sim.close()
-    return entries, failure
-
-
-def run_simulation(directory: Path, settings: SimSettings, rounds: int, states: Path) -> tuple[list[dict[str, Any]], str]:
-    """Run the network for `rounds` rounds; copy each adopted state blob into `states`."""
-    def copy_states(sim: Simulation, r: int, entry: dict[str, Any]) -> str:
-        for h in {v["global_hash"] for v in entry["validators"] if v["global_hash"]}:
-            _copy_state(sim, h, states)
-        return f"base {entry['base_loss']} -> global {entry['global_loss']}"
-
-    return run_rounds(directory, settings, rounds, copy_states)
-
-
-def _copy_state(sim: Simulation, state_hash: str, states: Path) -> None:
-    """Copy the state blob from the first validator holding it (the genesis hash has no blob)."""
-    assert sim.network is not None
-    if state_hash == load_spec(sim.network.spec_path).model.base_hash:
-        return
-    for node in sim.validators():
-        data = BlobStore(node.directory / "data" / "blobs").read_checked(state_hash)
-        if data is not None:
-            states.mkdir(parents=True, exist_ok=True)
-            (states / state_hash).write_bytes(data)
-            return
-    raise SimulationError(f"no validator holds the adopted state {state_hash[:12]}")
+# -- the run -----------------------------------------------------------------------------------
 
 
 def round_seeds(directory: Path, rounds: int) -> dict[int, str]:
@@ -295,10 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6, help="rounds to run (default 6)")
     parser.add_argument("--validators", type=int, default=2, help="validator processes (default 2)")
     parser.add_argument("--miners", type=int, default=4, help="miner processes (default 4)")
-    parser.add_argument("--round-seconds", type=float, default=80.0, help="round length (default 80, as simulate)")
-    parser.add_argument("--train-share", type=float, default=0.9,
-                        help="TRAIN's share of the round (default 0.9, as simulate)")
-    parser.add_argument("--inner-steps", type=int, default=30, help="miners' inner steps per round (default 30, as simulate)")
+    parser.add_argument("--round-seconds", type=float, default=defaults.ROUND_SECONDS,
+                        help="round length (default %(default)g, as simulate)")
+    parser.add_argument("--train-share", type=float, default=defaults.TRAIN_SHARE,
+                        help="TRAIN's share of the round (default %(default)g, as simulate)")
+    parser.add_argument("--inner-steps", type=int, default=defaults.INNER_STEPS,
+                        help="miners' inner steps per round (default %(default)s, as simulate)")
     parser.add_argument("--subsets", type=int, default=200, help="held-out subsets drawn to measure noise (default 200)")
     parser.add_argument("--seed", type=int, default=0, help="seed of model, data and keys (default 0)")
     parser.add_argument("--format", choices=("experts", "pgrad"), default="experts",
@@ -309,18 +252,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="make that many of the miners adversaries, as simulate's --adversaries")
     parser.add_argument("--dir", type=Path, help="simulation directory, must not exist (default: a new temporary one)")
     parser.add_argument("--reuse", type=Path, metavar="DIR",
-                        help="skip the simulation: evaluate the --dir of an earlier run of this benchmark")
+                        help="skip the simulation: read the --dir of an earlier run of a network benchmark "
+                             "(bench/network.py; the options that shape the network are then its own)")
     parser.add_argument("--out", type=out_file, help="write the JSON here (default: stdout only)")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.subsets < 4:
         parser.error(f"--rounds must be >= 1 and --subsets >= 4, got {args.rounds} and {args.subsets}")
     if args.dir is not None and args.dir.exists():
         parser.error(f"--dir {args.dir} exists; give a new directory")
-    if args.reuse is not None and not (args.reuse / RUN_RECORD).is_file():
-        parser.error(f"--reuse {args.reuse}: no {RUN_RECORD}; it is not the --dir of a run of this benchmark")
     torch.set_num_threads(1)
     if args.reuse is not None:
-        directory = args.reuse.resolve()
+        try:
+            recorded = network.load(args.reuse.resolve())
+        except ValueError as exc:
+            parser.error(f"--reuse {exc}")
     else:
         try:  # before any directory is made
             settings = SimSettings(validators=args.validators, miners=args.miners, adversaries=args.adversaries,
@@ -329,39 +274,25 @@ def main(argv: list[str] | None = None) -> int:
                                    submission_format=args.format, spec_settings=tuple(args.spec_settings))
         except ValueError as exc:
             parser.error(str(exc))
-        directory = (args.dir or Path(tempfile.mkdtemp(prefix="tessera-simlearn-"))).resolve()
-        started = time.perf_counter()
-        entries, failure = run_simulation(directory, settings, args.rounds, directory / STATES)
-        record = {"settings": {**asdict(settings), "rounds": args.rounds, "commit": _commit()}, "failure": failure,
-                  "rounds_completed": len(entries), "simulation_s": round(time.perf_counter() - started, 1)}
-        (directory / RUN_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    record = json.loads((directory / RUN_RECORD).read_text(encoding="utf-8"))
-    entries = json.loads((directory / "report.json").read_text(encoding="utf-8"))["rounds"] \
-        if record["rounds_completed"] else []
+        recorded = network.run((args.dir or Path(tempfile.mkdtemp(prefix="tessera-simlearn-"))).resolve(),
+                               settings, args.rounds)
+    entries = recorded.rounds
     if not entries:
-        print(f"bench/simulation.py: no round completed: {record['failure']}", file=sys.stderr)
+        print(f"bench/simulation.py: no round completed: {recorded.failure}", file=sys.stderr)
         return 1
     evaluating = time.perf_counter()
-    evaluated = evaluate_states(directory, [adopted_hash(e) for e in entries], directory / STATES)
-    report = build_report(entries, evaluated, round_seeds(directory, len(entries)), args.subsets)
+    evaluated = evaluate_states(recorded.directory, [adopted_hash(e) for e in entries], recorded.states)
+    report = build_report(entries, evaluated, round_seeds(recorded.directory, len(entries)), args.subsets)
     spec = evaluated["spec"]
-    report["settings"] = {**record["settings"], "training": spec.training.model_dump(),
+    report["settings"] = {**recorded.settings, "training": spec.training.model_dump(),
                           "aggregation": spec.aggregation.model_dump(), "submission": spec.submission.model_dump(),
                           "rewards": spec.rewards.model_dump()}
-    report["failure"] = record["failure"]
-    report["seconds"] = {"simulation": record["simulation_s"], "evaluation": round(time.perf_counter() - evaluating, 1)}
+    report["failure"] = recorded.failure
+    report["seconds"] = {"simulation": recorded.seconds, "evaluation": round(time.perf_counter() - evaluating, 1)}
     emit(report, args.out)
     if args.dir is None and args.reuse is None:
-        shutil.rmtree(directory, ignore_errors=True)
-    return 1 if record["failure"] else 0
-
-
-def _commit() -> str:
-    """The checked-out commit, with "+dirty" when tracked files differ from it."""
-    root = Path(__file__).resolve().parents[1]
-    head = subprocess.run(["git", "log", "-1", "--format=%h"], capture_output=True, text=True, cwd=root, check=False)
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=root, check=False).returncode != 0
-    return (head.stdout.strip() or "unknown") + ("+dirty" if dirty else "")
+        shutil.rmtree(recorded.directory, ignore_errors=True)
+    return 1 if recorded.failure else 0
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Load benchmark on the in-memory twins: many miners, a few validators, whole rounds in one process.
 
-Issue 11's load test: 3 validators and 200 miners of the tiny qwen3_moe network fixed in
-tests/node/twins.py (4 inner steps per round) run --rounds rounds on one MemoryHub and one
-ManualClock, moved phase by phase by `tests.node.twins.Twins`. Nothing is mocked: every node runs its
+3 validators and 200 miners of the tiny qwen3_moe network fixed in node/sim/twins.py (4 inner steps per
+round) run --rounds rounds on one MemoryHub and one ManualClock, moved phase by phase by
+`node.sim.twins.Twins`. Nothing is mocked: every node runs its
 real duties, storage and blob store, and every message goes through the same judge as libp2p.
 It checks, and fails loudly otherwise, that
 - every miner is scored in every round (each validator's round report has a loss for it), and
@@ -35,7 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import tests.node.twins as twins  # noqa: E402
+import node.sim.twins as twins  # noqa: E402
 from bench.report import emit, out_file  # noqa: E402
 from protocol.rounds import PHASES, Phase  # noqa: E402
 from validator.scoring import Scorer  # noqa: E402
@@ -78,7 +78,7 @@ def rss_mib() -> float:
 
 async def run_load(root: Path, validators: int, miners: int, rounds: int) -> dict[str, Any]:
     """Run the rounds, check every miner was scored and the validators agree; return the figures."""
-    net = twins.Twins(root, validators)
+    net = twins.Twins(root, validators, wait_s=WAIT_S)
     names = [f"validator-{i}" for i in range(validators)] + [f"miner-{i}" for i in range(miners)]
     started = time.perf_counter()
     for name in names:
@@ -155,7 +155,6 @@ def main(argv: list[str] | None = None) -> None:
     if min(args.validators, args.miners, args.rounds) < 1:
         parser.error("--validators, --miners and --rounds must be at least 1")
     logging.basicConfig(level=logging.ERROR)
-    twins.WAIT_S = WAIT_S
     before = rss_mib()
     with tempfile.TemporaryDirectory(prefix="tessera-twins-load-") as tmp:
         report = asyncio.run(run_load(Path(tmp), args.validators, args.miners, args.rounds))

@@ -74,20 +74,27 @@ class MinerModel:
 
     @classmethod
     def load(cls, spec: NetworkSpec, spec_path: Path, data: Sequence[Path] = (), progress: bool = False,
-             forward: Literal["full", "compressed"] = "full") -> MinerModel:
+             forward: Literal["full", "compressed"] = "full",
+             inherited: Mapping[str, torch.Tensor] | None = None) -> MinerModel:
         """Build the base model and pack the training files (`data`, else the spec's); blocking.
 
         `compressed`: the model is Θ̃0 alone (training.model.load_compressed_base), never holding the
-        unselected experts; it can then only train with `forward = "compressed"`."""
+        unselected experts; it can then only train with `forward = "compressed"`. `inherited`: a successor
+        spec's experts of earlier specs (training.state.inherited_experts), written into the base first."""
         model: torch.nn.Module | CompressedModel
         experts: Mapping[str, torch.Tensor]
+        inherited = inherited or {}
         if forward == "compressed":
             model = load_compressed_base(spec, spec_path, progress=progress)
             # The base's experts in the dtype the checkpoint stores them, a checkpoint's read from its files when
-            # asked for: the model's rows, which hold them now, are overwritten by training.
+            # asked for: the model's rows, which hold them now, are overwritten by training. The unselected experts,
+            # inherited or not, are never loaded.
             adapter, experts, shapes = model.adapter, base_experts(spec, spec_path, model), model.shapes()
+            if inherited.keys() & shapes.keys():  # a group that shares experts with an earlier one starts from them
+                experts = {name: inherited[name] if name in inherited else experts[name] for name in shapes}
         else:
             model, adapter = load_base(spec, spec_path, progress=progress)
+            insert(model, adapter, inherited)
             experts, shapes = extract(model, adapter, spec.group), expected_shapes(model, adapter, spec.group)
         tokenizer = load_tokenizer(spec.data.tokenizer, spec_path.parent)
         sequences = load_sequences(training_files(spec, spec_path, data), tokenizer, spec.data.seq_len)

@@ -95,7 +95,7 @@ def window(kind: str, r: int, schedule: Schedule) -> tuple[float, float]:
         return schedule.phase_window(r, Phase.EVALUATE)[0], schedule.phase_window(r, Phase.MERGE)[1]
     if kind == "global_state":
         return schedule.phase_window(r, Phase.MERGE)[0], schedule.phase_window(r + 1, Phase.TRAIN)[1]
-    if kind == "heartbeat":
+    if kind in ("heartbeat", "successor"):
         return schedule.round_start(r), schedule.round_start(r + 1)
     raise AssertionError(f"no window defined for message kind {kind!r}")
 

@@ -7,9 +7,6 @@ that group or others can read is refused. This module knows nothing about messag
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +14,8 @@ from pathlib import Path
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from protocol.files import write_file
 
 
 class KeyFileError(ValueError):
@@ -99,17 +98,12 @@ def verify(node_id: str, data: bytes, signature: bytes) -> bool:
     return True
 
 
-# What link(2) answers on a filesystem without hard links (some FUSE, SMB and FAT mounts), or with no
-# room for another link to the file.
-_NO_HARD_LINKS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS})
-
-
 def save_identity(identity: Identity, path: str | Path) -> None:
     """Write the key as PKCS#8 PEM with mode 0600, atomically; refuses to overwrite, also a key another
     process wrote while this one ran (the file is linked into place, never renamed over it).
 
-    On a filesystem without hard links the key is created at `path` itself with O_EXCL (so still never
-    over another key), synced, and removed again if writing it fails: no partial key is left there.
+    `protocol.files.write_file` writes it: on a filesystem without hard links too, never over another key
+    and never half-written.
     """
     path = Path(path)
     if path.is_dir():
@@ -121,42 +115,13 @@ def save_identity(identity: Identity, path: str | Path) -> None:
     pem = identity.private_key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _write_synced(tmp, pem, os.O_TRUNC)
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            raise
-        except OSError as exc:
-            if exc.errno not in _NO_HARD_LINKS:
-                raise
-            _write_synced(path, pem, os.O_EXCL)
-        tmp.unlink()
+        write_file(path, pem, replace=False, mode=0o600)
     except FileExistsError:
-        tmp.unlink(missing_ok=True)
         raise KeyFileError(f"{path}: a key file appeared there while this ran; refusing to overwrite it") from None
     except OSError as exc:
-        with contextlib.suppress(OSError):  # the temporary file may never have been created
-            tmp.unlink()
         raise KeyFileError(f"{path}: cannot write the key file: {exc.strerror or exc}") from exc
-
-
-def _write_synced(path: Path, data: bytes, flag: int) -> None:
-    """Create `path` (mode 0600; `flag` O_EXCL or O_TRUNC) holding `data`, synced to disk; a file this
-    call created is removed again when writing it fails, so none is left half-written."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | flag, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        path.unlink(missing_ok=True)
-        raise
-    os.close(fd)
 
 
 def load_identity(path: str | Path) -> Identity:

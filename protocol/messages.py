@@ -111,13 +111,24 @@ class Heartbeat(_Message):
     head: Hex32
     momentum: Hex32 | None = Field(default=None, description="Validators: hash of the outer momentum blob of "
                                    "`head`, so a node that missed the round's votes can follow and re-sync.")
+    spec: Hex32 | None = Field(default=None, description="Network id of the successor spec the sender runs this "
+                               "round (protocol.successor); absent: the genesis spec.")
 
 
-Message = SeedCommit | SeedReveal | Commit | Reveal | ScoreReport | GlobalState | Heartbeat
-Kind = Literal["seed_commit", "seed_reveal", "commit", "reveal", "score_report", "global_state", "heartbeat"]
+class Successor(_Message):
+    """A signed successor document (protocol.successor) is served by its address: any node may offer one."""
+
+    kind: Literal["successor"] = "successor"
+    document: Hex32 = Field(description="SHA-256 of the document's bytes (signatures included): its blob address.")
+    size: int = Field(gt=0)
+
+
+Message = SeedCommit | SeedReveal | Commit | Reveal | ScoreReport | GlobalState | Heartbeat | Successor
+Kind = Literal["seed_commit", "seed_reveal", "commit", "reveal", "score_report", "global_state", "heartbeat",
+               "successor"]
 MESSAGE_TYPES: dict[str, type[_Message]] = {
     cls.model_fields["kind"].default: cls
-    for cls in (SeedCommit, SeedReveal, Commit, Reveal, ScoreReport, GlobalState, Heartbeat)
+    for cls in (SeedCommit, SeedReveal, Commit, Reveal, ScoreReport, GlobalState, Heartbeat, Successor)
 }
 VALIDATOR_KINDS = frozenset({"seed_commit", "seed_reveal", "score_report", "global_state"})
 

@@ -14,6 +14,8 @@ Rules, identical on every node:
   loss ascending, ties broken by commitment hash ascending. Rank k <= K earns
   points(k) = (K - k + 1) / K, so rank 1 earns 1 and rank K earns 1/K.
 - Standing is an exponential moving average of points; a miner absent from a round decays.
+- Only reports scored against the round's head count (`counted_reports`); `rank_reports` ranks a round from
+  them, as every node can (a miner too, from the public reports).
 This module knows nothing about how losses are measured or how near-duplicates are detected.
 """
 
@@ -24,6 +26,10 @@ from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 
 from protocol.messages import ScoreReport
+
+
+class NoCountedReports(ValueError):
+    """No report of the round was scored against the head: the round cannot be ranked."""
 
 
 @dataclass(frozen=True)
@@ -206,3 +212,26 @@ def update_standing(
 
 def _unranked(miner: str, commitment: str, loss: float | None, utility: float, reason: str) -> MinerResult:
     return MinerResult(miner, commitment, loss, utility, None, 0.0, reason)
+
+
+def counted_reports(reports: Mapping[str, ScoreReport], head: str) -> dict[str, ScoreReport]:
+    """The reports that count: those scored against the current head, by validator id."""
+    return {validator: reports[validator] for validator in sorted(reports) if reports[validator].base == head}
+
+
+def rank_reports(
+    reports: Mapping[str, ScoreReport],
+    assignment: Mapping[str, Iterable[str]],
+    commitments: Mapping[str, str],
+    head: str,
+    top_k: int,
+    duplicates: Container[str] = (),
+) -> RoundRanking:
+    """The round's ranking from the reports scored against `head` (every node can compute it; only
+    validators holding the blobs know the near-duplicate flags, `duplicates`). NoCountedReports where none is."""
+    counted = counted_reports(reports, head)
+    if not counted:
+        raise NoCountedReports(f"no score report was made against the current head {head[:12]}; keep the state")
+    scores = {validator: scores_from_report(report, commitments) for validator, report in counted.items()}
+    base_losses = {validator: report.base_loss for validator, report in counted.items()}
+    return rank_round(scores, assignment, base_losses, commitments, duplicates, top_k)

@@ -5,18 +5,19 @@ aggregation and limits. Its SHA-256 over a canonical encoding is the network id 
 message. Paths in a spec are relative to the spec file and stay as written in the canonical form,
 so the id does not depend on where a node keeps its files; the files themselves are pinned by
 hashes (`base_hash` and `config_sha256` for the model, `heldout_sha256` and `general_sha256` for the held-out
-data). This
-module does not load models or data.
+data). The id hashes every field, the defaults of those a file leaves out too, so a spec file that writes every
+field (`written_out`) names the same network in every release, and `defaults_left` names what a file leaves to
+this release's defaults. This module does not load models or data.
 """
 
 from __future__ import annotations
 
 import math
 import tomllib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -109,9 +110,8 @@ class TrainingSpec(_Strict):
     beta1: float = Field(
         default=0.6561, ge=0, lt=1,
         description="Inner AdamW beta1, the first moment's decay: 0.6561 (0.9^4), where AdamW's usual 0.9 averages "
-        "over about as many steps as a round of H = 20 takes. At H = 20 with 4 miners it ended 0.065 to 0.073 nats "
-        "lower than 0.9 on the learning benchmark's two skills under every seed and level elsewhere "
-        "(docs/learning.md as of commit 3cb31c3, \"Settings measured at H = 20\").")
+        "over about as many steps as a round of H = 20 takes (docs/learning.md as of commit 3cb31c3 has the "
+        "measurement, on its skill domains).")
     weight_decay: float = Field(default=0.0, ge=0, description="Inner AdamW weight decay.")
     batch_size: int = Field(default=8, ge=1, description="Sequences per inner step.")
     grad_clip: float = Field(default=1.0, gt=0, description="Global gradient-norm clip.")
@@ -140,22 +140,14 @@ class RewardSpec(_Strict):
     ema_alpha: float = Field(default=0.3, gt=0, le=1, description="Weight of this round in the standing EMA.")
     duplicate_cosine: float = Field(
         default=0.9999, gt=0, le=1,
-        description="Cosine at which two updates are copies. Honest miners starting from one state agree closely "
-        "(cosine about 0.995 after 20 steps on the learning benchmark's base, where 0.99 flagged all of them); "
-        "a copied blob has cosine 1 (docs/learning.md as of commit 3cb31c3).")
+        description="Cosine at which two updates are copies: honest miners starting from one state agree closely, "
+        "a copied blob has cosine 1 (docs/learning.md as of commit 3cb31c3 has how close honest miners come).")
 
 
 class AggregationSpec(_Strict):
-    """The outer optimizer that merges the best pseudo-gradients.
-
-    The defaults are the learning benchmark's pick at the spec's default H = 20 and top-G 3: the average of the
-    merged updates taken 1.25 times, no momentum. Against lr 1 it ended lower or level in all 15 settings and seeds
-    of 4 miners (records by 0.07 nats); lr 1.5 once adopted a state worse than the round's best single
-    submission; DiLoCo's lr 0.7 with momentum 0.9 forgot 2.9 to 11 times as much general-domain loss as lr 1.
-    Changed alone from these defaults, momentum 0.5 and DiLoCo's pair ended higher on records past the noise,
-    and top-G 2 or 4 and utility weights were level (docs/learning.md as of commit 3cb31c3, "Settings measured
-    at H = 20"; those were its skill domains, limited by steps).
-    """
+    """The outer optimizer that merges the best pseudo-gradients, and the merge gate that adopts a state. The
+    defaults are the learning benchmark's pick at the spec's default H = 20 and top-G 3 (docs/learning.md as of
+    commit 3cb31c3, on its skill domains)."""
 
     top_g: int = Field(default=3, ge=1, description="How many top-ranked miners are merged.")
     outer_lr: float = Field(default=1.25, gt=0, description="Nesterov SGD learning rate; a step over one miner's "
@@ -171,7 +163,8 @@ class AggregationSpec(_Strict):
     forgetting_budget: float | None = Field(
         default=None, ge=0,
         description="Where the spec pins a general-domain held-out file (data.general_sha256): the most a candidate "
-        "state may raise its loss there over the current state, in nats, and still be adopted by the merge gate. "
+        "state may raise its loss there over the current state (a successor spec: over its base state, the value at "
+        "the switch), in nats, and still be adopted by the merge gate. "
         "None: the gate reports each candidate's general-domain loss and refuses none for it (tuning experts to "
         "a domain forgets some general loss; docs/learning.md measures how much against single-node tuning).")
 
@@ -207,6 +200,20 @@ class SubmissionSpec(_Strict):
         return self
 
 
+class Lineage(_Strict):
+    """Where a successor spec comes from (`protocol.successor.successor_spec` derives it); a genesis spec has none."""
+
+    genesis: Hex32 = Field(description="Network id of the network's genesis spec: the gossip topic and every "
+                           "envelope's `network`, for the network's whole life.")
+    predecessor: Hex32 = Field(description="Network id of the spec this one succeeds.")
+    document: Hex32 = Field(description="SHA-256 of the successor document's body (signatures aside).")
+    activation: int = Field(ge=1, description="The first round in which this spec is in force.")
+    base: Hex32 = Field(description="The predecessor's adopted state at the end of round activation - 1: the root "
+                        "of this spec's chain of global states.")
+    inherits: list[Hex32] = Field(default_factory=list, description="Global states of earlier specs, oldest first, "
+                                  "written into the base model before this spec's group is cut from it.")
+
+
 class NetworkSpec(_Strict):
     """Everything one network agrees on. `network_id` hashes its canonical encoding."""
 
@@ -222,6 +229,8 @@ class NetworkSpec(_Strict):
     aggregation: AggregationSpec = AggregationSpec()
     limits: LimitSpec = LimitSpec()
     submission: SubmissionSpec = SubmissionSpec()
+    lineage: Lineage | None = Field(default=None, description="Set in a successor spec only: its predecessor, "
+                                    "activation round and base state.")
 
     @field_validator("genesis")
     @classmethod
@@ -233,16 +242,7 @@ class NetworkSpec(_Strict):
     @field_validator("group")
     @classmethod
     def _group(cls, value: dict[int, list[int]]) -> dict[int, list[int]]:
-        if not value:
-            raise ValueError("the expert group is empty")
-        for layer, experts in value.items():
-            if layer < 0:
-                raise ValueError(f"layer {layer} is negative")
-            if not experts:
-                raise ValueError(f"layer {layer} selects no experts")
-            if any(e < 0 for e in experts) or len(set(experts)) != len(experts):
-                raise ValueError(f"layer {layer}: expert ids must be distinct and non-negative")
-        return {layer: sorted(value[layer]) for layer in sorted(value)}
+        return checked_group(value)
 
     @field_validator("validators")
     @classmethod
@@ -272,9 +272,25 @@ class NetworkSpec(_Strict):
     def total_validator_weight(self) -> float:
         return sum(v.weight for v in self.validators)
 
+    @property
+    def first_round(self) -> int:
+        """The first round in which this spec is in force: 0, or a successor's activation round."""
+        return 0 if self.lineage is None else self.lineage.activation
+
+    @property
+    def root(self) -> str:
+        """The root of this spec's chain of global states: the base model's hash, or a successor's base state."""
+        return self.model.base_hash if self.lineage is None else self.lineage.base
+
+    @property
+    def gossip_id(self) -> str:
+        """The id every envelope carries and the gossip topic is named by: the genesis spec's network id."""
+        return self.network_id if self.lineage is None else self.lineage.genesis
+
     def canonical_bytes(self) -> bytes:
-        """The canonical encoding that `network_id` hashes: every field, defaults and nulls included."""
-        data = self.model_dump(mode="json")
+        """The canonical encoding that `network_id` hashes: every field, defaults and nulls included, but for the
+        `lineage` of a genesis spec (which has none), so that field left the ids of genesis specs as they were."""
+        data = self.model_dump(mode="json", exclude={"lineage"} if self.lineage is None else None)
         data["group"] = {str(k): v for k, v in self.group.items()}
         return canonical_json(data)
 
@@ -284,8 +300,24 @@ class NetworkSpec(_Strict):
         return sha256_hex(self.canonical_bytes())
 
 
-def parse_spec(data: dict[str, object]) -> NetworkSpec:
-    """Validate a spec from already-decoded TOML data; raises SpecError naming the field."""
+def checked_group(value: dict[int, list[int]]) -> dict[int, list[int]]:
+    """An expert group with layers and experts sorted; ValueError for an empty one, a negative layer or a layer
+    naming no, negative or repeated experts."""
+    if not value:
+        raise ValueError("the expert group is empty")
+    for layer, experts in value.items():
+        if layer < 0:
+            raise ValueError(f"layer {layer} is negative")
+        if not experts:
+            raise ValueError(f"layer {layer} selects no experts")
+        if any(e < 0 for e in experts) or len(set(experts)) != len(experts):
+            raise ValueError(f"layer {layer}: expert ids must be distinct and non-negative")
+    return {layer: sorted(value[layer]) for layer in sorted(value)}
+
+
+def int_layer_keys(data: dict[str, object]) -> dict[str, object]:
+    """Decoded TOML or JSON data with its `group` keyed by integer layers (TOML and JSON keys are strings);
+    SpecError for a key that is not an integer or a layer given twice (`1` and `01`)."""
     fixed = dict(data)
     if isinstance(fixed.get("group"), dict):
         group: dict[int, object] = {}
@@ -298,6 +330,12 @@ def parse_spec(data: dict[str, object]) -> NetworkSpec:
                 raise SpecError(f"group: layer {layer} is given twice, as {key!r} and another spelling")
             group[layer] = experts
         fixed["group"] = group
+    return fixed
+
+
+def parse_spec(data: dict[str, object]) -> NetworkSpec:
+    """Validate a spec from already-decoded TOML data; raises SpecError naming the field."""
+    fixed = int_layer_keys(data)
     if isinstance(fixed.get("genesis"), str):
         try:
             fixed["genesis"] = datetime.fromisoformat(fixed["genesis"])  # type: ignore[arg-type]
@@ -369,6 +407,51 @@ def apply_settings(spec: dict[str, Any], settings: Iterable[tuple[str, Any]]) ->
     """Write judged settings (`judge_settings`) into decoded spec data, over what its sections hold."""
     for section, values in judge_settings(settings).items():
         spec[section] = {**spec.get(section, {}), **values}
+
+
+def written_out(spec: NetworkSpec) -> dict[str, Any]:
+    """Every field of `spec` with its value, shaped as decoded TOML, for a spec file that leaves nothing to a
+    release's defaults (`tessera spec new` writes it): parsed back, it is the same spec with the same network id
+    in any release that has the same fields. A field that is unset (None) is left out, as TOML has no null."""
+    data = spec.model_dump(mode="python", exclude_none=True)
+    data["group"] = {str(layer): experts for layer, experts in spec.group.items()}
+    return data
+
+
+def defaults_left(data: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """The fields that a spec, as decoded TOML `data`, leaves to this release's defaults, with the values they take:
+    (`section.field`, value), in the spec's field order. The network id hashes them, so a release with other
+    defaults would read the same file as another network. Fields whose default is unset (None) are not listed:
+    unset means off in every release."""
+    return list(_defaults_left(NetworkSpec, data, ""))
+
+
+def _defaults_left(model: type[BaseModel], data: Mapping[str, Any], prefix: str) -> Iterator[tuple[str, Any]]:
+    for name, info in model.model_fields.items():
+        where, nested = f"{prefix}{name}", _nested_model(info.annotation)
+        if name in data:
+            value = data[name]
+            if nested is not None and isinstance(value, Mapping):
+                yield from _defaults_left(nested, value, f"{where}.")
+            elif nested is not None and isinstance(value, list):
+                for i, item in enumerate(value):
+                    yield from _defaults_left(nested, item if isinstance(item, Mapping) else {}, f"{where}[{i}].")
+            continue
+        if info.is_required():
+            continue
+        default = info.get_default(call_default_factory=True)
+        if isinstance(default, BaseModel):
+            yield from ((f"{where}.{field}", value) for field, value in default.model_dump(mode="json").items()
+                        if value is not None)
+        elif default is not None:
+            yield where, default
+
+
+def _nested_model(annotation: Any) -> type[BaseModel] | None:
+    """The spec model a field holds, itself or in a list (`validators`); None for a plain value."""
+    if get_origin(annotation) is list:
+        annotation = get_args(annotation)[0]
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 
 def load_spec(path: str | Path) -> NetworkSpec:

@@ -2,7 +2,8 @@
 headless Chromium (Debian's package, driven by Playwright) for the status-page tests.
 
 Identities come from fixed seeds: `make_identity(i)`; validators are identities 0..2, miners 100+.
-`make_spec_dict()` returns data shaped like decoded TOML, with made-up hashes.
+`make_spec_dict()` returns data shaped like decoded TOML, with made-up hashes; `write_model_config` writes the
+tiny model config it names, which a node reads its expert group's shapes from as it starts.
 
 The order in which `make test`'s workers take the files is tests/scheduling.py's, a plugin loaded here.
 """
@@ -51,6 +52,15 @@ def make_spec_dict(n_validators: int = N_VALIDATORS) -> dict[str, Any]:
         "validators": [{"key": make_identity(i).node_id, "weight": 1.0} for i in range(n_validators)],
         "rewards": {"replication": 2, "top_k": 3},
     }
+
+
+def write_model_config(directory: Path, name: str = "tiny.json") -> None:
+    """The tiny model config `make_spec_dict()` names (`tiny.json`), in `directory` (as `name`)."""
+    import json
+
+    from training.tiny import tiny_config
+
+    (directory / name).write_text(json.dumps(tiny_config("qwen3_moe")), encoding="utf-8")
 
 
 def to_toml(data: dict[str, Any]) -> str:

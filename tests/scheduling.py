@@ -1,27 +1,12 @@
 """How `make test` hands the test files to its four pytest-xdist workers (`-n 4 --dist loadfile`).
 
-A worker runs one file at a time, and the suite ends when the last worker finishes. On two cores the suite is bound by
-CPU (4-worker runs of 380-440 s here kept the cores busy for 750-780 core-seconds), so what counts is that every file
-that mostly waits runs beside files that keep the cores busy.
-
-Collection (`pytest_collection_modifyitems`) puts first (FIRST) the network simulation and the unlike validators'
-network, minutes of waiting on a round schedule each, and beside them the real-size benchmark's small run (2-3
-minutes of commands run one at a time); then the
-in-process files that take longest, and the benchmarks that mostly wait on a round schedule (WAITING: soak,
-simulation, round), which run among the in-process tests. The other files that start processes of their own (real
-nodes, benchmarks, commands: LAST) come after the in-process ones, so they do not crowd the network's first rounds,
-the longest first (LAST_LONGEST).
-
-The scheduler (`pytest_xdist_make_scheduler`) hands the files out:
-- at one test left. A worker runs a test only once it holds the next, so it needs its next file while it runs its
-  current file's last test; xdist hands it one at two tests left, and a worker that took a long file of one to three
-  tests took the next ones with it (soak, simulation and round ran back to back on one worker, from 206 s to 379 s,
-  while the others ended at 330-346 s);
-- after a long file, the last file in the queue, a short one;
-- one WAITING file at a time: with two of them at once, the two workers the network and the real-size run leave free
-  both waited, and the cores were idle for 43 of 200 core-seconds.
-With all three, a 4-worker pytest run here took 379 s, against 403-439 s with the first two alone (three runs, the
-same day), its workers ending within 11 s of each other, and the cores idle for 36 core-seconds of 758.
+The suite is bound by CPU on two cores, so every file that mostly waits on a round schedule runs beside files
+that keep the cores busy. Collection (`pytest_collection_modifyitems`) puts first (FIRST) the real networks,
+which wait for minutes, and the longest in-process files; then the other in-process files; then the files that
+start processes of their own (LAST), longest first (LAST_LONGEST), so they do not crowd the networks' first rounds.
+The scheduler (`pytest_xdist_make_scheduler`) hands a worker its next file at one test left (a worker runs a test
+only once it holds the next, and xdist's two left let one worker take several long files at once), and after a
+long file it hands it the queue's last file, a short one.
 """
 
 from __future__ import annotations
@@ -38,13 +23,12 @@ TESTS = Path(__file__).parent
 FIRST = (
     "integration/test_network.py", "bench/test_real_size.py", "integration/test_unlike_validators.py",
     "training/test_allocator.py", "node/runtime/test_status_page_render.py", "training/test_trainer_memory.py",
-    "training/test_device_memory.py",
-    "bench/test_soak.py", "bench/test_simulation.py", "bench/test_round.py",
+    "training/test_device_memory.py", "bench/test_network_benchmarks.py", "integration/test_multihost.py",
+    "bench/test_successor.py",
 )
-WAITING = ("bench/test_soak.py", "bench/test_simulation.py", "bench/test_round.py")  # one at a time
 LAST = ("integration/", "bench/", "deploy/", "node/cli/")
 LAST_LONGEST = (
-    "integration/test_hostile.py", "bench/test_miner.py", "integration/test_p2p.py",
+    "integration/test_full_disk.py", "integration/test_hostile.py", "bench/test_miner.py", "integration/test_p2p.py",
     "node/cli/test_real_checkpoint_cli.py", "integration/test_clock.py", "integration/test_restart.py",
     "bench/test_gpu.py", "node/cli/test_inspect_cli.py", "bench/test_load.py",
 )
@@ -66,11 +50,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 class LongFilesApart(LoadFileScheduling):
-    """`--dist loadfile`, handing a worker its next file at one test left, a short one after a long file, and one
-    WAITING file at a time."""
+    """`--dist loadfile`, handing a worker its next file at one test left, and a short one after a long file."""
 
     long_files = frozenset(f"tests/{path}" for path in (*FIRST, *LAST_LONGEST))
-    waiting_files = frozenset(f"tests/{path}" for path in WAITING)
 
     def _reschedule(self, node: WorkerController) -> None:
         if node.shutting_down:
@@ -81,17 +63,9 @@ class LongFilesApart(LoadFileScheduling):
         pending = [file for file, tests in self.assigned_work[node].items() for done in tests.values() if not done]
         if len(pending) > 1:
             return
-        if pending and pending[0] in self.long_files:
-            self._first(next(reversed(self.workqueue)))
-        elif any(file in self.waiting_files and not all(tests.values())
-                 for work in self.assigned_work.values() for file, tests in work.items()):
-            self._first(next((file for file in self.workqueue if file not in self.waiting_files), None))
+        if pending and pending[0] in self.long_files:  # the queue's last to the head, where xdist takes from
+            self.workqueue.move_to_end(next(reversed(self.workqueue)), last=False)
         self._assign_work_unit(node)
-
-    def _first(self, file: str | None) -> None:
-        """Moves `file` to the head of the queue, where xdist takes the next file from."""
-        if file is not None:
-            self.workqueue.move_to_end(file, last=False)
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: pytest may run with xdist disabled

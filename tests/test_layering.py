@@ -1,6 +1,6 @@
 """The dependency direction of DESIGN §1, checked on the source tree and on a live import; and what no product
 module may do to the process: patch torch's or transformers' weight inits, set torch's threads or the
-environment on import, or grow past 500 lines."""
+environment on import, or grow past 500 lines; and no import circles among product modules."""
 
 from __future__ import annotations
 
@@ -98,6 +98,19 @@ def test_node_rooms_only_reach_the_rooms_below_them() -> None:
                 violations += [f"{rel} imports {name}" for name in sorted(imported_modules(path))
                                if any(name == f or name.startswith(f + ".") for f in forbidden)]
     assert not violations, "\n".join(violations)
+
+
+# The duties shared by both roles (consensus, results, plans, reports) are protocol: only a role's own duty reaches
+# into its role's package, so a miner's round never passes through validator/ (ranking is protocol.ranking's).
+ROLE_DUTIES = {"validator": ("node/duties/validator.py",), "miner": ("node/duties/miner.py", "node/duties/feedback.py")}
+
+
+def test_only_a_roles_own_duty_reaches_into_its_package() -> None:
+    violations = [f"{path.relative_to(ROOT)} imports {name}" for path in sources("node/duties")
+                  for name in sorted(imported_modules(path)) for role, own in ROLE_DUTIES.items()
+                  if name.split(".")[0] == role and str(path.relative_to(ROOT)) not in own]
+    assert not violations, "\n".join(violations)
+    assert "validator.merge.rank_reports" not in imported_modules(ROOT / "node/duties/results.py")
 
 
 def test_only_the_command_line_uses_the_simulation_package() -> None:
@@ -295,3 +308,44 @@ def test_no_product_file_exceeds_the_line_limit() -> None:
             for path in sorted((ROOT / package).rglob("*")) if path.suffix in (".py", ".js", ".html", ".css")
             if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES]
     assert not long, f"split these files (at most {MAX_LINES} lines each):\n" + "\n".join(long)
+
+
+def _module_of(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_two_product_modules_import_each_other_even_through_others() -> None:
+    """Import circles, counting every import (also those only for type checking or inside a function): a module
+    that needs another's names while that one needs its own has two jobs tangled, or one in the wrong room."""
+    modules = {_module_of(path): path for package in PACKAGES for path in sources(package)}
+    graph = {name: {m for m in imported_modules(path) if m in modules and m != name and not name.startswith(m + ".")}
+             for name, path in modules.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(name: str) -> None:  # Tarjan's strongly connected components
+        index[name] = low[name] = len(index)
+        stack.append(name)
+        for other in sorted(graph[name]):
+            if other not in index:
+                visit(other)
+                low[name] = min(low[name], low[other])
+            elif other in stack:
+                low[name] = min(low[name], index[other])
+        if low[name] == index[name]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == name:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for name in sorted(graph):
+        if name not in index:
+            visit(name)
+    assert not circles, "import circles: " + "; ".join(" <-> ".join(c) for c in circles)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from tests.scheduling import LongFilesApart
 
-SOAK, SIMULATION = "tests/bench/test_soak.py", "tests/bench/test_simulation.py"  # long, and mostly waiting
+LONG, LONGER = "tests/integration/test_unlike_validators.py", "tests/bench/test_network_benchmarks.py"  # long
 
 
 class Worker:
@@ -49,26 +49,11 @@ def test_a_worker_is_handed_its_next_file_when_it_holds_one_test() -> None:
 
 
 def test_a_worker_whose_last_test_is_of_a_long_file_takes_the_last_file_in_the_queue() -> None:
-    scheduler, [worker], collection = scheduled([f"{SOAK}::t", f"{SIMULATION}::t", "tests/a.py::t", "tests/b.py::t"])
-    assert files(worker, collection) == [SOAK, "tests/b.py"]  # not the simulation, behind the soak
+    scheduler, [worker], collection = scheduled([f"{LONG}::t", f"{LONGER}::t", "tests/a.py::t", "tests/b.py::t"])
+    assert files(worker, collection) == [LONG, "tests/b.py"]  # not the simulation, behind the soak
     scheduler.mark_test_complete(worker, 0)  # type: ignore[arg-type]
-    assert files(worker, collection) == [SOAK, "tests/b.py", SIMULATION]
+    assert files(worker, collection) == [LONG, "tests/b.py", LONGER]
     scheduler.mark_test_complete(worker, 3)  # type: ignore[arg-type]
-    assert files(worker, collection) == [SOAK, "tests/b.py", SIMULATION, "tests/a.py"]
+    assert files(worker, collection) == [LONG, "tests/b.py", LONGER, "tests/a.py"]
     scheduler.mark_test_complete(worker, 1)  # type: ignore[arg-type]
     assert worker.shutting_down  # nothing left to hand it: it ends after a.py's test
-
-
-def test_a_file_that_mostly_waits_is_not_handed_out_while_another_runs() -> None:
-    collection = ["tests/a.py::t1", "tests/a.py::t2", "tests/a.py::t3", f"{SOAK}::t1", f"{SOAK}::t2",
-                  f"{SOAK}::t3", f"{SIMULATION}::t", "tests/b.py::t1", "tests/b.py::t2", "tests/c.py::t"]
-    scheduler, (one, two), collection = scheduled(collection, workers=2)
-    assert files(one, collection) == ["tests/a.py"] and files(two, collection) == [SOAK]
-    for test in (0, 1):
-        scheduler.mark_test_complete(one, test)  # type: ignore[arg-type]
-    assert files(one, collection) == ["tests/a.py", "tests/b.py"]  # the soak runs: not the simulation
-    for test in (3, 4):
-        scheduler.mark_test_complete(two, test)  # type: ignore[arg-type]
-    assert files(two, collection) == [SOAK, "tests/c.py"]  # after a long file, the queue's last
-    scheduler.mark_test_complete(two, 5)  # type: ignore[arg-type]
-    assert files(two, collection) == [SOAK, "tests/c.py", SIMULATION]  # the soak has ended

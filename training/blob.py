@@ -11,7 +11,6 @@ about what a validator expects of a blob (see validator.checks) nor where blobs 
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import math
@@ -238,43 +237,6 @@ class BlobFile(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self.header.tensors)
-
-
-# What link(2) answers on a filesystem that has no hard links.
-NO_HARD_LINKS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP})
-
-
-def write_blob_file(path: str | Path, data: bytes, *, replace: bool = True) -> None:
-    """Write `data` to `path` atomically: a temporary file, fsync, then rename over the target (or, with
-    `replace=False`, link it into place: FileExistsError if `path` exists; on a filesystem without hard
-    links, such as FAT, it is checked for and then renamed into place)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        if replace:
-            os.replace(tmp, path)
-        else:
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                raise
-            except OSError as exc:
-                if exc.errno not in NO_HARD_LINKS:
-                    raise
-                if path.exists() or path.is_symlink():
-                    raise FileExistsError(errno.EEXIST, "File exists", str(path)) from None
-                os.rename(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def _header_bytes(tensors: Mapping[str, TensorInfo], meta: BlobMeta) -> bytes:

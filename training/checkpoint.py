@@ -18,7 +18,9 @@ experts it does not train; `row_pieces` says where a row's bytes lie, so an expo
 keys, compact, UTF-8), so key order and whitespace do not count but every value does, including ones
 that change the forward pass without changing a weight (top-k, norm_topk_prob, rope settings). It
 hashes the JSON as written, never transformers' view of it, which differs between transformers
-versions. This module never builds a model, trains or knows about the network.
+versions. `meta_model` is the checkpoint's model on the meta device (names, shapes and layout from
+config.json, no weights), which the hash and the row readers map stored keys onto. This module never
+loads weights into a model, trains or knows about the network.
 """
 
 from __future__ import annotations
@@ -31,17 +33,25 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any, TypeGuard, cast
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from protocol.encoding import canonical_json, sha256_hex
+from training.adapters import adapter_for, family_of
+from training.tiny import hf_config
 
 STATE_TAG = b"tessera-state/1\n"
 _CHUNK = 8 << 20
 _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
            "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 _EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
+_CHECKPOINT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# What building a model from a checkpoint's config.json raises on values it cannot build (a zero head
+# count, a negative vocabulary, an unknown rope type, a field of the wrong type).
+_CONFIG_ERRORS = (ArithmeticError, AssertionError, KeyError, RuntimeError, TypeError, ValueError, StrictDataclassError)
 
 
 @dataclass(frozen=True)
@@ -78,6 +88,48 @@ def read_config(directory: Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ValueError(f"{path}: the model config must be a JSON object")
     return config
+
+
+def meta_model(directory: str | Path) -> PreTrainedModel:
+    """The checkpoint's model with no weights (on the meta device): names, shapes, layout; reads config.json only."""
+    directory = Path(directory)
+    config = checkpoint_config(directory)
+    try:
+        with torch.device("meta"):  # transformers leaves from_config unannotated
+            model: PreTrainedModel = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    except _CONFIG_ERRORS as exc:  # what torch and transformers raise on values they cannot build
+        raise ValueError(f"{directory}: config.json describes no buildable {config.model_type} model: "
+                         f"{type(exc).__name__}: {exc}") from exc
+    adapter_for(config.model_type).check_layout(model)
+    return model
+
+
+def checkpoint_config(directory: Path) -> PretrainedConfig:
+    """The checkpoint's config.json as transformers' config of its family; ValueError naming what is refused
+    (a quantized checkpoint, a dtype Tessera does not load)."""
+    raw = read_config(directory)
+    family = family_of(raw)
+    quantization = raw.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
+        raise ValueError(f"{directory}: quantized checkpoints ({str(method)[:40]}) are not supported; "
+                         "use a bf16/fp16/fp32 checkpoint")
+    config = hf_config(adapter_for(family), raw)
+    try:
+        stored_dtype(config)
+    except ValueError as exc:
+        raise ValueError(f"{directory}: {exc}") from None
+    return config
+
+
+def stored_dtype(config: PretrainedConfig) -> torch.dtype:
+    """The dtype the checkpoint stores its weights in (config.json's `dtype`), one Tessera loads; ValueError else."""
+    dtype = getattr(config, "dtype", None) or torch.float32
+    loaded = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if loaded not in _CHECKPOINT_DTYPES:
+        raise ValueError(f"config.json has dtype {str(dtype)[:40]!r}; Tessera loads float32, bfloat16, float16 "
+                         "or float64 checkpoints")
+    return cast(torch.dtype, loaded)
 
 
 def config_hash(config: dict[str, Any]) -> str:
@@ -188,8 +240,6 @@ def _canonical_parts(directory: Path) -> Iterator[tuple[str, str, tuple[int, ...
         WeightRenaming,
         rename_source_key,
     )
-
-    from training.model import meta_model
 
     model = meta_model(directory)
     expected = model.state_dict()

@@ -43,6 +43,23 @@ def check_heldout_file(path: Path, pinned: str) -> None:
                          "use the network's held-out file")
 
 
+def check_general_file(path: Path | None, pinned: str | None, setting: str) -> None:
+    """ValueError unless the general-domain held-out file `path` (given as `setting`) is what the spec's
+    `data.general_sha256` (`pinned`) asks for: none where it pins none, else a file with that SHA-256."""
+    if pinned is None and path is not None:
+        raise ValueError(f"{setting}: the spec pins no general-domain held-out file (data.general_sha256); "
+                         f"remove {setting}")
+    if pinned is None:
+        return
+    if path is None:
+        raise ValueError(f"{setting}: the spec pins a general-domain held-out file (data.general_sha256); "
+                         "give its path")
+    actual = file_sha256(path) if path.is_file() else None
+    if actual != pinned:
+        raise ValueError(f"{setting}: {path} {'hashes to ' + actual if actual else 'is not a file'}, but the spec "
+                         f"pins data.general_sha256 = {pinned}; use the network's general-domain file")
+
+
 def read_documents(path: str | Path) -> list[str]:
     """The documents of one `.txt`, `.jsonl` or `.parquet` file, in file order; ValueError naming the file."""
     path = Path(path)

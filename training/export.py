@@ -20,8 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +29,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
+from protocol.files import staged_directory
 from training.adapters import adapter_for
-from training.checkpoint import Stored, model_sources, row_pieces, weight_files
+from training.checkpoint import Stored, meta_model, model_sources, row_pieces, weight_files
 from training.experts import check_same_names, expert_names, parse_name
-from training.model import expert_tensor_names, meta_model
+from training.model import expert_tensor_names
 
 PACK_FORMAT = "tessera-expert-pack/1"
 PACK_TENSORS = "experts.safetensors"
@@ -52,7 +52,8 @@ def check_out_dir(out: Path) -> None:
 def export_checkpoint(model: PreTrainedModel, out: Path, tokenizer_dir: Path | None = None,
                       provenance: Mapping[str, Any] | None = None) -> None:
     """Write `model` as an HF checkpoint directory (config, hub-layout safetensors, tokenizer) at `out`."""
-    with _staged(out) as staging:
+    check_out_dir(out)
+    with staged_directory(out) as staging:
         model.save_pretrained(str(staging))
         _finish(staging, tokenizer_dir, provenance)
 
@@ -79,7 +80,8 @@ def patch_checkpoint(base: Path, tensors: Mapping[str, torch.Tensor], out: Path,
         for piece in row_pieces(sources[model_name], shape, expert):
             writes.setdefault(piece.path, []).append((name, at, piece))
             at += piece.nbytes
-    with _staged(out) as staging:
+    check_out_dir(out)
+    with staged_directory(out) as staging:
         for path in weight_files(base):
             target = staging / path.name
             shutil.copyfile(path, target)
@@ -117,7 +119,8 @@ def write_expert_pack(tensors: Mapping[str, torch.Tensor], manifest: Mapping[str
     """Write an expert pack: the group's tensors and a JSON manifest naming their group and provenance."""
     group = {int(layer): list(ids) for layer, ids in manifest["group"].items()}
     check_same_names(dict.fromkeys(expert_names(group)), tensors, "expert pack")
-    with _staged(out) as staging:
+    check_out_dir(out)
+    with staged_directory(out) as staging:
         save_file({k: v.detach().contiguous() for k, v in sorted(tensors.items())}, str(staging / PACK_TENSORS))
         body = {"format": PACK_FORMAT, **manifest, "group": {str(k): v for k, v in sorted(group.items())}}
         (staging / PACK_MANIFEST).write_text(json.dumps(body, indent=2, sort_keys=True) + "\n", encoding="utf-8")
@@ -140,20 +143,3 @@ def read_expert_pack(directory: str | Path) -> tuple[dict[str, Any], dict[str, t
         raise ValueError(f"{directory}: the manifest's group is not {{layer: [expert ids]}}: {exc!r}") from exc
     check_same_names(dict.fromkeys(expert_names(group)), tensors, "expert pack")
     return manifest, tensors
-
-
-@contextmanager
-def _staged(out: Path) -> Iterator[Path]:
-    """A fresh temporary sibling of `out`, renamed to `out` on success and removed on failure."""
-    check_out_dir(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    try:
-        yield staging
-        if out.exists():
-            out.rmdir()
-        os.replace(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)

@@ -26,11 +26,9 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from transformers import (
     MODEL_FOR_CAUSAL_LM_MAPPING,
-    AutoModelForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
 )
@@ -41,43 +39,28 @@ from training.adapters import MoEAdapter, adapter_for, family_of, tensor_attr
 from training.checkpoint import (
     STATE_TAG,
     Stored,
+    checkpoint_config,
     checkpoint_hash,
     config_hash,
+    meta_model,
     model_sources,
     read_config,
     read_rows,
+    stored_dtype,
     tensor_frame,
     weight_files,
 )
 from training.compressed import CompressedModel, compress
 from training.experts import PARAMS, ExpertGroup, check_group, parse_name, tensor_name
-from training.tiny import build_tiny_model, hf_config
+from training.tiny import build_tiny_model, meta_tiny_model
 
 DeviceMap = str | dict[str, Any] | None
 
-_CHECKPOINT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-# What building a model from a checkpoint's config.json raises on values it cannot build (a zero head
-# count, a negative vocabulary, an unknown rope type, a field of the wrong type).
-_CONFIG_ERRORS = (ArithmeticError, AssertionError, KeyError, RuntimeError, TypeError, ValueError, StrictDataclassError)
 _SYNC_LOAD_ENV = "HF_DEACTIVATE_ASYNC_LOAD"
 
 
 class BaseMismatchError(ValueError):
     """The base model does not hash to the spec's `base_hash`, or its config not to `config_sha256`."""
-
-
-def meta_model(directory: str | Path) -> PreTrainedModel:
-    """The checkpoint's model with no weights (on the meta device): names, shapes, layout; reads config.json only."""
-    directory = Path(directory)
-    config = _checkpoint_config(directory)
-    try:
-        with torch.device("meta"):  # transformers leaves from_config unannotated
-            model: PreTrainedModel = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
-    except _CONFIG_ERRORS as exc:  # what torch and transformers raise on values they cannot build
-        raise ValueError(f"{directory}: config.json describes no buildable {config.model_type} model: "
-                         f"{type(exc).__name__}: {exc}") from exc
-    adapter_for(config.model_type).check_layout(model)
-    return model
 
 
 def load_checkpoint(
@@ -100,7 +83,7 @@ def load_checkpoint(
     """
     directory = Path(directory)
     meta_model(directory)  # a config.json no model can be built from is refused here, before any weight is read
-    return _from_pretrained(directory, _checkpoint_config(directory), dtype, device_map, attn_implementation,
+    return _from_pretrained(directory, checkpoint_config(directory), dtype, device_map, attn_implementation,
                             progress, skip_keys=set(), placeholders={})
 
 
@@ -122,7 +105,7 @@ def load_compressed(
     model, tensor for tensor.
     """
     directory = Path(directory)
-    config = _checkpoint_config(directory)
+    config = checkpoint_config(directory)
     adapter = adapter_for(config.model_type)
     meta = meta_model(directory)
     check_group(meta, adapter, group)
@@ -131,7 +114,7 @@ def load_compressed(
     sources = model_sources(directory)
     model = _from_pretrained(directory, config, dtype, None, attn_implementation, progress,
                              skip_keys={part.key for name in shapes for part in sources[name]}, placeholders=shapes)
-    load_dtype = dtype or _stored_dtype(config)
+    load_dtype = dtype or stored_dtype(config)
     rows = {layer: {param: read_rows(sources[fused[layer, param]], shapes[fused[layer, param]],
                                      sorted(group[layer])).to(load_dtype) for param in PARAMS}
             for layer in group}
@@ -238,6 +221,24 @@ def load_compressed_base(
                            attn_implementation=attn_implementation or "sdpa", progress=progress)
 
 
+def meta_base(spec: NetworkSpec, spec_path: str | Path) -> PreTrainedModel:
+    """The spec's base model on the meta device: the checkpoint's config.json or the tiny config; reads no weights."""
+    if spec.model.checkpoint is not None:
+        directory = spec_dir_path(spec_path, spec.model.checkpoint)
+        model = meta_model(directory)
+        if model.config.model_type != spec.model.family:
+            raise ValueError(f"{directory}: the checkpoint is {model.config.model_type!r}, "
+                             f"but the spec's family is {spec.model.family!r}")
+        return model
+    return meta_tiny_model(spec.model.family, spec_model_config(spec, spec_path))
+
+
+def moe_experts(model: torch.nn.Module, adapter: MoEAdapter) -> dict[int, int]:
+    """The model's MoE layers -> how many routed experts each holds."""
+    count = adapter.num_experts(model)
+    return {layer: count for layer in adapter.moe_layers(model)}
+
+
 def spec_model_config(spec: NetworkSpec, spec_path: str | Path) -> dict[str, Any]:
     """The JSON object the spec's `model.config` names; ValueError naming the file when it is not one."""
     assert spec.model.config is not None, "only a spec with model.config has a tiny base"
@@ -287,15 +288,6 @@ def state_hash(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def _stored_dtype(config: PretrainedConfig) -> torch.dtype:
-    dtype = getattr(config, "dtype", None) or torch.float32
-    loaded = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
-    if loaded not in _CHECKPOINT_DTYPES:
-        raise ValueError(f"config.json has dtype {str(dtype)[:40]!r}; Tessera loads float32, bfloat16, float16 "
-                         "or float64 checkpoints")
-    return cast(torch.dtype, loaded)
-
-
 def _from_pretrained(
     directory: Path,
     config: PretrainedConfig,
@@ -313,16 +305,11 @@ def _from_pretrained(
     meta device once the model is loaded.
     """
     files = weight_files(directory)
-    load_dtype = dtype or _stored_dtype(config)
-    # transformers leaves its progress-bar switches unannotated.
-    if progress and sys.stderr.isatty():
-        hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
-    else:
-        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    load_dtype = dtype or stored_dtype(config)
     model: PreTrainedModel
     info: dict[str, Any]
     try:
-        with ExitStack() as stack, _synchronous_loading():
+        with ExitStack() as stack, _synchronous_loading(), _progress_bar(progress and sys.stderr.isatty()):
             # pread, not mmap: mapped file pages would count against the process twice over.
             slices: dict[str, Any] = {}
             for path in files:
@@ -351,6 +338,18 @@ def _from_pretrained(
             requires_grad=placeholder.requires_grad))
     adapter_for(config.model_type).check_layout(model)
     return model.eval()  # type: ignore[no-untyped-call, no-any-return]  # unannotated in transformers
+
+
+@contextmanager
+def _progress_bar(shown: bool) -> Iterator[None]:
+    """Inside, transformers' loading bar is shown or not; after, its process-wide switch is as it was."""
+    was_shown = hf_logging.is_progress_bar_enabled()
+    switch = hf_logging.enable_progress_bar if shown else hf_logging.disable_progress_bar
+    switch()  # type: ignore[no-untyped-call]
+    try:
+        yield
+    finally:
+        (hf_logging.enable_progress_bar if was_shown else hf_logging.disable_progress_bar)()  # type: ignore[no-untyped-call]
 
 
 @contextmanager
@@ -395,19 +394,3 @@ def _check_config(config: dict[str, Any], spec: NetworkSpec, path: Path) -> None
             "this node's config differs from the network's (any value counts, e.g. num_experts_per_tok or "
             "rope settings): use the config file the network started from"
         )
-
-
-def _checkpoint_config(directory: Path) -> PretrainedConfig:
-    raw = read_config(directory)
-    family = family_of(raw)
-    quantization = raw.get("quantization_config")
-    if quantization is not None:
-        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
-        raise ValueError(f"{directory}: quantized checkpoints ({str(method)[:40]}) are not supported; "
-                         "use a bf16/fp16/fp32 checkpoint")
-    config = hf_config(adapter_for(family), raw)
-    try:
-        _stored_dtype(config)
-    except ValueError as exc:
-        raise ValueError(f"{directory}: {exc}") from None
-    return config

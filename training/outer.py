@@ -45,7 +45,8 @@ class OuterConfig:
     """Outer Nesterov SGD over merged pseudo-gradients."""
 
     lr: float = 1.0
-    """Outer learning rate (1 with no momentum: the plain average, the spec's default)."""
+    """Outer learning rate: 1 with no momentum takes the plain average (a network's is the spec's
+    `aggregation.outer_lr`, through `validator.merge.outer_config`)."""
     momentum: float = 0.0
     """Nesterov momentum μ."""
     clip_to_median: bool = True

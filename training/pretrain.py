@@ -28,14 +28,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
 
+from protocol.files import staged_directory
 from training.corpus import DOMAINS, generate
 from training.data import batches, not_padding, pack
 from training.evaluate import token_loss_sum
@@ -171,18 +170,12 @@ def pretrained_base(cache_dir: str | Path, cfg: PretrainConfig | None = None) ->
     target = cache_dir / f"{cfg.family}-{cfg.key()}"
     if (target / "config.json").is_file():
         return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cache_dir / f".{target.name}.{os.getpid()}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        pretrain(cfg).save_pretrained(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with staged_directory(target) as staging:
+            pretrain(cfg).save_pretrained(staging)
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise  # else another process put the same base there first
     return target
 
 

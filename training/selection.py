@@ -29,6 +29,7 @@ I expert intermediate size.
 from __future__ import annotations
 
 import hashlib
+import math
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -252,8 +253,10 @@ def select_experts(
     pad_id: int = 256,
     mode: str = "global",
     progress: bool = False,
+    exclude: Mapping[int, Sequence[int]] | None = None,
 ) -> dict[str, Any]:
-    """The JSON-able selection of every MoE layer's experts (see the module docstring for `domain`, `mode`).
+    """The JSON-able selection of every MoE layer's experts (see the module docstring for `domain`, `mode`);
+    `exclude`: experts no layer may choose (the group trained now, when the next must be disjoint from it).
 
     Keys: "group" {layer: ids}, "rule", "budget", "mode", "pooling" ("tokens" or "documents"),
     "documents" (count, or None for packed rows), "tokens", "data_sha256", "general_sha256" (or None),
@@ -280,7 +283,12 @@ def select_experts(
         tokens = domain_stats.tokens
         for layer in layers:
             scores[layer] = layer_scores[layer]
-            group[layer] = choose(scores[layer], top_d, mass)
+            eligible = scores[layer].clone()
+            eligible[list((exclude or {}).get(layer, []))] = -math.inf  # never in a top-d, no share of the mass
+            group[layer] = choose(eligible, top_d, mass)
+            if set(group[layer]) & set((exclude or {}).get(layer, [])):
+                raise ValueError(f"layer {layer}: fewer experts than the budget asks for are outside the excluded "
+                                 "group; ask for fewer")
     return {
         "group": {str(layer): group[layer] for layer in sorted(group)},
         "rule": rule,

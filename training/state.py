@@ -5,7 +5,9 @@ canonical state blob, an ordinary Tessera blob whose metadata reads
 `{network, round, miner: "", base: parent hash, group, format: "tessera-global/1"}`: the empty miner
 names no one, and `base` links the state to its parent, so the hashes form a chain. The chain's
 root is the genesis state (round -1): the base model's own experts, whose hash is the spec's
-`base_hash` and which has no blob, since every node builds it from the base model.
+`base_hash` and which has no blob, since every node builds it from the base model. A successor spec's
+chain starts again at round -1 from its own group cut from the base model with the earlier specs'
+states written in (`inherited_experts`); its root's hash is the predecessor's state it starts on.
 
 The outer momentum travels in a second blob with `format: "tessera-momentum/1"` and `base` = the
 hash of the state it belongs to, so a validator in the minority re-syncs by fetching two blobs: the
@@ -17,7 +19,7 @@ nothing about how states are computed (see `validator.merge`) or transferred.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -81,8 +83,9 @@ class GlobalExperts:
 
     @cached_property
     def hash(self) -> str:
-        """The state's address: `spec.model.base_hash` at genesis, else SHA-256 of `to_blob()` (streamed)."""
-        return self.spec.model.base_hash if self.is_genesis else encoded_hash(self.tensors, self._state_meta())
+        """The state's address: the root of the spec's chain at genesis (`spec.root`: the base hash, or a successor
+        spec's base state), else SHA-256 of `to_blob()` (streamed)."""
+        return self.spec.root if self.is_genesis else encoded_hash(self.tensors, self._state_meta())
 
     @cached_property
     def momentum_hash(self) -> str:
@@ -205,6 +208,23 @@ def adopt(votes: Mapping[str, str], weights: Mapping[str, float]) -> str | None:
         if 2 * math.fsum(backers[digest]) > total:
             return digest
     return None
+
+
+def inherited_experts(paths: Sequence[Path], max_header_bytes: int) -> dict[str, torch.Tensor]:
+    """The expert tensors of earlier specs' global states (blob files whose bytes hash to their names, oldest
+    first), a later state's over an earlier's: what a successor spec writes into the base model before it cuts
+    its own group from it (`protocol.spec.Lineage.inherits`). StateError for a file that is not a global state."""
+    merged: dict[str, torch.Tensor] = {}
+    for path in paths:
+        try:
+            header = read_header(path, max_header_bytes)
+        except BlobError as exc:
+            raise StateError(f"inherited state {path.name[:12]}: {exc.reason}") from exc
+        if header.meta.format != GLOBAL_FORMAT or header.meta.miner != STATE_MINER:
+            raise StateError(f"inherited state {path.name[:12]} is a {header.meta.format} blob, not a global state")
+        tensors = BlobFile(path, header)
+        merged.update({name: tensors[name] for name in tensors})
+    return merged
 
 
 def decode_state_blob(

@@ -55,6 +55,11 @@ class Expectation:
     max_header_bytes: int
     pgrad: PgradConfig | None = None
     """The compressed format's parameters when the network submits pseudo-gradients; None: full experts."""
+    predecessor: str | None = None
+    """Network id of the spec the one in force succeeds (None: a genesis spec), whose submissions are refused as
+    the old expert group's."""
+    since_round: int = 0
+    """The first round of the spec in force."""
 
     @property
     def draw(self) -> int:
@@ -129,6 +134,9 @@ def _reject(reason: str, meta: BlobMeta | None = None) -> SubmissionVerdict:
 def _meta_mismatch(meta: BlobMeta, expect: Expectation) -> str:
     if meta.format != (BLOB_FORMAT if expect.pgrad is None else PGRAD_FORMAT):
         return "wrong format"
+    if meta.network != expect.network and meta.network == expect.predecessor:
+        return (f"old expert group: a submission for the spec that ended at round {expect.since_round - 1}; "
+                f"from round {expect.since_round} its successor trains another group")
     if meta.network != expect.network:
         return "wrong network"
     if meta.round != expect.round:

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from protocol.spec import NetworkSpec, spec_dir_path
+from training.checkpoint import meta_model
 from training.device import GIB
-from training.model import meta_model
 
 
 def skeleton(spec: NetworkSpec, spec_path: str | Path) -> torch.nn.Module | None:

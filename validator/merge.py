@@ -33,8 +33,9 @@ a step was taken) and the state holding the best single submission's experts, th
 without near-duplicate flags (with the momentum as it was; weighed once where it is the merged state);
 each is measured by the caller's `measure` (validator.scoring.gate_measure: held-out rows the round seed
 draws apart from the scored ones, row by row, and general-domain rows where the spec pins a file), and a
-candidate that raises the general-domain loss over the current state's by more than
-`aggregation.forgetting_budget` is refused. The rest are taken in the order of `CANDIDATES`, a fixed
+candidate that raises the general-domain loss by more than `aggregation.forgetting_budget` over the current
+state's, or over the caller's `reference` (a successor spec's: its base state's, the value at the switch), is
+refused. The rest are taken in the order of `CANDIDATES`, a fixed
 preference: a candidate replaces the one held so far only on evidence, when the low end of its paired
 gain's 95% interval (row by row over the gate rows) is above `aggregation.gate_margin`. Validators on
 unlike hardware measure the same states a little apart; a decision that needs the gain past a margin far
@@ -47,14 +48,14 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-from collections.abc import Callable, Container, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from protocol.messages import ScoreReport
-from protocol.ranking import RoundRanking, Score, rank_round, scores_from_report
+from protocol.ranking import RoundRanking, rank_reports
 from protocol.spec import NetworkSpec
 from training.experts import PseudoGradient
 from training.outer import OuterConfig, near_duplicates, outer_step
@@ -66,7 +67,8 @@ Tensors = Mapping[str, torch.Tensor]
 
 
 class MergeInputError(ValueError):
-    """The inputs cannot give a merge every honest validator would agree on."""
+    """The inputs cannot give a merge every honest validator would agree on (and `protocol.ranking.NoCountedReports`
+    where no report counts)."""
 
 
 class MissingBlobError(MergeInputError):
@@ -191,25 +193,6 @@ def as_state(tensors: Tensors) -> dict[str, torch.Tensor]:
     return {name: tensors[name].detach().to("cpu", torch.float32) for name in sorted(tensors)}
 
 
-def counted_reports(reports: Mapping[str, ScoreReport], head: str) -> dict[str, ScoreReport]:
-    """The reports that count: those scored against the current head, by validator id."""
-    return {validator: reports[validator] for validator in sorted(reports) if reports[validator].base == head}
-
-
-def rank_reports(
-    reports: Mapping[str, ScoreReport],
-    assignment: Mapping[str, Iterable[str]],
-    commitments: Mapping[str, str],
-    head: str,
-    spec: NetworkSpec,
-    duplicates: Container[str] = (),
-) -> RoundRanking:
-    """The round's ranking from the reports scored against `head` (every node can compute it; only
-    validators holding the blobs know the near-duplicate flags, `duplicates`)."""
-    scores, base_losses = _scores(reports, commitments, head)
-    return rank_round(scores, assignment, base_losses, commitments, duplicates, spec.rewards.top_k)
-
-
 def merge_round(
     reports: Mapping[str, ScoreReport],
     assignment: Mapping[str, Iterable[str]],
@@ -226,7 +209,7 @@ def merge_round(
     validators; `commitments`: miner -> commitment; `blobs`: miner -> tensors of its checked blob
     (at least every candidate; see MissingBlobError); `head`: hash of the state `global_tensors` is.
     """
-    preliminary = rank_reports(reports, assignment, commitments, head, spec)
+    preliminary = rank_reports(reports, assignment, commitments, head, spec.rewards.top_k)
     needed = sorted(preliminary.ranked())
     missing = [miner for miner in needed if miner not in blobs]
     if missing:
@@ -235,7 +218,7 @@ def merge_round(
     grads = {miner: PseudoGradient(global_tensors, blobs[miner]) for miner in needed}  # computed name by name
     masks = _coverage(reports, needed, global_tensors, spec)
     duplicates = near_duplicates(grads, spec.rewards.duplicate_cosine, masks)
-    ranking = rank_reports(reports, assignment, commitments, head, spec, duplicates)
+    ranking = rank_reports(reports, assignment, commitments, head, spec.rewards.top_k, duplicates)
     contributors = list(ranking.ranked()[: spec.aggregation.top_g])
     best = preliminary.ranked()[0] if needed else None
     if not contributors:
@@ -266,8 +249,10 @@ def gate(
     momentum: dict[str, torch.Tensor],
     spec: NetworkSpec,
     measure: Callable[[Tensors], GateLoss],
+    reference: float | None = None,
 ) -> Adoption:
-    """The state round `merge` adopts (steps in the module doc); `measure` gives a candidate's losses.
+    """The state round `merge` adopts (steps in the module doc); `measure` gives a candidate's losses, and the
+    forgetting budget counts from `reference`'s general-domain loss where given, else from the current state's.
 
     Without a best single submission there is nothing to weigh: the current state stays, unmeasured. Without a
     merge (every candidate flagged a near-duplicate, or a step that would overflow) the merged candidate is the
@@ -285,7 +270,8 @@ def gate(
     holders = {name: {"current": [], "merged": list(merge.contributors), "best_single": [merge.best]}[name]
                for name in weighed}
     budget = spec.aggregation.forgetting_budget
-    refused = tuple(name for name in weighed[1:] if not _within_budget(losses[name], losses["current"], budget))
+    since = losses["current"].general if reference is None else reference
+    refused = tuple(name for name in weighed[1:] if not _within_budget(losses[name], since, budget))
     held, challenges = "current", {}
     for name in weighed[1:]:
         if name in refused:
@@ -305,14 +291,14 @@ def gate(
     return Adoption(held, list(holders[held]), tensors, moment, losses, refused, challenges, holders)
 
 
-def _within_budget(candidate: GateLoss, current: GateLoss, budget: float | None) -> bool:
-    """A finite gate loss, and no more than `budget` nats of general-domain loss over the current state's
-    (where the spec sets a budget and both were measured)."""
+def _within_budget(candidate: GateLoss, since: float | None, budget: float | None) -> bool:
+    """A finite gate loss, and no more than `budget` nats of general-domain loss over `since` (where the spec sets
+    a budget and both were measured)."""
     if not math.isfinite(candidate.loss):
         return False
-    if budget is None or candidate.general is None or current.general is None:
+    if budget is None or candidate.general is None or since is None:
         return True
-    return math.isfinite(candidate.general) and candidate.general - current.general <= budget
+    return math.isfinite(candidate.general) and candidate.general - since <= budget
 
 
 def _coverage(
@@ -328,16 +314,3 @@ def _coverage(
     (round,) = rounds
     shapes = {name: tuple(t.shape) for name, t in global_tensors.items()}
     return {miner: coverage(shapes, cfg, chunk_draw(spec.network_id, round, miner)) for miner in miners}
-
-
-def _scores(
-    reports: Mapping[str, ScoreReport], commitments: Mapping[str, str], head: str
-) -> tuple[dict[str, dict[str, Score]], dict[str, float]]:
-    """The counted reports' verdicts by validator, and each one's base loss."""
-    counted = counted_reports(reports, head)
-    if not counted:
-        raise MergeInputError(
-            f"no score report was made against the current head {head[:12]}; keep the state"
-        )
-    return ({validator: scores_from_report(report, commitments) for validator, report in counted.items()},
-            {validator: report.base_loss for validator, report in counted.items()})

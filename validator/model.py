@@ -12,6 +12,7 @@ or rounds.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -22,6 +23,7 @@ from protocol.spec import NetworkSpec, spec_dir_path
 from training.adapters import tensor_attr
 from training.data import (
     check_disjoint,
+    check_general_file,
     check_heldout_file,
     file_sha256,
     heldout_subset,
@@ -29,7 +31,7 @@ from training.data import (
     read_documents,
 )
 from training.device import check_device
-from training.experts import extract
+from training.experts import extract, insert
 from training.model import load_base
 from training.state import GlobalExperts
 from training.tokenizer import load_tokenizer
@@ -46,7 +48,26 @@ def check_files(spec: NetworkSpec, spec_path: Path, heldout: Path, general: Path
     except ValueError as exc:
         raise ValueError(f"validator.heldout: {exc}") from None
     _check_disjoint(spec, spec_path, heldout)
-    _check_general(spec, general)
+    check_general_file(general, spec.data.general_sha256, "validator.general")
+
+
+def spec_files(spec: NetworkSpec, heldout: Path, general: Path | None, more: Sequence[Path]) -> tuple[Path, Path | None]:
+    """The held-out and general-domain files a validator scores `spec` with: its configured ones for a genesis
+    spec; for a successor, whichever of those and `more` (`validator.data`) hash to what the successor pins
+    (ValueError naming `validator.data` when none does)."""
+    if spec.lineage is None:
+        return heldout, general
+    by_hash = {file_sha256(p): p for p in (heldout, general, *more) if p is not None and p.is_file()}
+
+    def pinned(sha: str, what: str) -> Path:
+        if sha not in by_hash:
+            raise ValueError(f"validator.data: no file of validator.heldout, validator.general or validator.data "
+                             f"hashes to the {what} {sha} that spec {spec.network_id[:12]} (in force from round "
+                             f"{spec.first_round}) pins; add that file to validator.data")
+        return by_hash[sha]
+
+    chosen = pinned(spec.data.heldout_sha256, "data.heldout_sha256")
+    return chosen, None if spec.data.general_sha256 is None else pinned(spec.data.general_sha256, "data.general_sha256")
 
 
 @dataclass(frozen=True)
@@ -61,9 +82,13 @@ class ValidatorModel:
 
     @classmethod
     def load(cls, spec: NetworkSpec, spec_path: Path, heldout: Path, general: Path | None, device: str,
-             batch_size: int, weights: Literal["checkpoint", "int8"]) -> ValidatorModel:
+             batch_size: int, weights: Literal["checkpoint", "int8"],
+             inherited: Mapping[str, torch.Tensor] | None = None) -> ValidatorModel:
+        """`inherited`: a successor spec's experts of earlier specs (training.state.inherited_experts), written into
+        the base before its group is cut from it."""
         device_map = "auto" if device == "auto" else None  # spread over all GPUs
         model, adapter = load_base(spec, spec_path, device_map=device_map)
+        insert(model, adapter, inherited or {})
         tokenizer = load_tokenizer(spec.data.tokenizer, spec_path.parent)
         sequences = load_sequences([heldout], tokenizer, spec.data.seq_len)
         try:
@@ -86,23 +111,6 @@ class ValidatorModel:
         apply_global(s.model, s.adapter, tensors)
         sequences = heldout_subset(s.heldout, seed, s.spec.data.heldout_sequences)
         return s.loss(sequences)
-
-
-def _check_general(spec: NetworkSpec, general: Path | None) -> None:
-    """Refuse a general-domain held-out file the spec does not pin, or a missing or other one where it pins one."""
-    pinned = spec.data.general_sha256
-    if pinned is None and general is not None:
-        raise ValueError("validator.general: the spec pins no general-domain held-out file (data.general_sha256); "
-                         "remove validator.general")
-    if pinned is None:
-        return
-    if general is None:
-        raise ValueError("validator.general: the spec pins a general-domain held-out file (data.general_sha256); "
-                         "give its path")
-    actual = file_sha256(general) if general.is_file() else None
-    if actual != pinned:
-        raise ValueError(f"validator.general: {general} {'hashes to ' + actual if actual else 'is not a file'}, but "
-                         f"the spec pins data.general_sha256 = {pinned}; use the network's general-domain file")
 
 
 def _check_disjoint(spec: NetworkSpec, spec_path: Path, heldout: Path) -> None:

@@ -12,7 +12,8 @@ with accelerate's device map); batches hold `validator.batch_size` sequences. On
 are bit-for-bit reproducible; on a GPU they may differ from another validator's in the last bits,
 which the median over assigned validators absorbs. The model always holds the global experts when a
 call returns. The merge gate's rows (`gate_rows`: held-out rows the round's scores leave out, picked by
-the gate seed) and its measure of a candidate state (`gate_measure`) live here too. This module knows
+the gate seed) and its measure of a candidate state (`gate_measure`) live here too, and the checked
+submissions a validator keeps from scoring to its merge (`CheckedSubmissions`). This module knows
 nothing about assignment, gossip or how the results are combined across validators.
 """
 
@@ -136,6 +137,8 @@ class Scorer:
             commitment=commitment,
             max_header_bytes=self.spec.limits.max_header_bytes,
             pgrad=self.pgrad,
+            predecessor=None if self.spec.lineage is None else self.spec.lineage.predecessor,
+            since_round=self.spec.first_round,
         )
         verdict = check_submission(data, expect)
         if self.pgrad is None or not verdict.ok:
@@ -250,6 +253,26 @@ def gate_measure(scorer: Scorer, round_seed: str, general: torch.Tensor | None) 
         return GateLoss(target.loss, None if drawn is None else loss(tensors, drawn).loss, shares)
 
     return measure
+
+
+class CheckedSubmissions:
+    """The checked submissions of one round, by miner, as `Scorer.held` keeps them (read from their blob files
+    a tensor at a time): what a validator's EVALUATE and MERGE both use."""
+
+    def __init__(self, round: int) -> None:
+        self.round = round
+        self._tensors: dict[str, Tensors] = {}
+
+    def add(self, round: int, tensors: Mapping[str, Tensors]) -> None:
+        if round != self.round:
+            self.round, self._tensors = round, {}
+        self._tensors.update(tensors)
+
+    def of(self, round: int) -> dict[str, Tensors]:
+        """The round's checked submissions whose blob files are still stored (one gone since is fetched again)."""
+        if round != self.round:
+            return {}
+        return {miner: t for miner, t in self._tensors.items() if not isinstance(t, BlobFile) or t.path.is_file()}
 
 
 def _read(path: Path | None) -> bytes | None:

@@ -2,7 +2,8 @@
 
 It joins the network's gossip topic through the same judge as every node (so it relays only what
 it ACCEPTs and penalises peers that send junk), answers peer exchange, prints its listen
-addresses, and runs until SIGINT/SIGTERM. It keeps no state but its key: no storage, no duties,
+addresses and the one other nodes give as `--bootstrap` (its announced address, `--announce`, with its peer
+id), and runs until SIGINT/SIGTERM. It keeps no state but its key: no storage, no duties,
 no HTTP. This module only parses arguments and wires node.net.p2p together.
 """
 
@@ -34,6 +35,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                       help="where the key is written with --sim-key (needed with it, unused with --key)")
     boot.add_argument("--host", default="127.0.0.1", help="listen IP (0.0.0.0 for other hosts)")
     boot.add_argument("--port", type=int, default=4001, help="listen TCP port (default 4001)")
+    boot.add_argument("--announce", action="append", default=[], metavar="MULTIADDR",
+                      help="the address other nodes dial, e.g. /ip4/203.0.113.7/tcp/4001, for a host behind NAT or "
+                           "a port forward (default: the listen address)")
     boot.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR", help="another bootstrap peer")
     boot.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     boot.set_defaults(run=run_bootstrap)
@@ -71,7 +75,7 @@ def _p2p_config(args: argparse.Namespace) -> P2PConfig:
     from node.net.config import P2PConfig
 
     try:
-        return P2PConfig(host=args.host, port=args.port, bootstrap=tuple(args.bootstrap))
+        return P2PConfig(host=args.host, port=args.port, announce=tuple(args.announce), bootstrap=tuple(args.bootstrap))
     except ValidationError as exc:
         error = exc.errors()[0]
         flag = "--" + str(error["loc"][0]) if error["loc"] else "bootstrap"
@@ -92,7 +96,8 @@ async def _relay(spec: NetworkSpec, identity: Identity, config: P2PConfig) -> No
         net = await P2PNetwork.create(identity, GossipJudge(spec, SystemClock().now, config), BlobStore(Path(blobs)),
                                       config)
         try:
-            print(f"bootstrap {net.node_id} listening on {' '.join(net.listen_addrs)}", flush=True)
+            print(f"bootstrap {net.node_id} listening on {' '.join(net.listen_addrs)}; other nodes join with "
+                  f"{' '.join(f'--bootstrap {addr}' for addr in net.announced_addrs)}", flush=True)
             await stop.wait()
         finally:
             await net.close()

@@ -13,6 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from protocol.files import write_file
+
 if TYPE_CHECKING:
     import torch
 
@@ -87,21 +89,18 @@ def write_new_file(path: Path, data: bytes, flag: str) -> None:
     """Write a result to `path`, which `check_output_file` found free before the work began: through a
     synced temporary sibling linked into place, so it appears whole or not at all, and a file that
     appeared there meanwhile is never replaced (ValueError naming it)."""
-    from training.blob import write_blob_file
-
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        write_blob_file(path, data, replace=False)
+        write_file(path, data, replace=False)
     except FileExistsError:
         raise ValueError(f"{flag} {path}: a file appeared there while this ran; it was not overwritten") from None
 
 
 def write_atomically(path: Path, text: str) -> None:
-    """Write `text` to `path` (replacing it) whole or not at all: `training.blob.write_blob_file`."""
-    from training.blob import write_blob_file
+    """Write `text` to `path` (replacing it) whole or not at all: `protocol.files.write_file`."""
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_blob_file(path, text.encode("utf-8"))
+    write_file(path, text.encode("utf-8"))
 
 
 def round_seed(text: str) -> str:
@@ -126,12 +125,28 @@ def spec_setting(text: str) -> tuple[str, Any]:
 def add_spec_settings(parser: argparse.ArgumentParser, after: str) -> None:
     """The `--set SECTION.FIELD=VALUE` option of `spec new` and `simulate` (into `args.spec_settings`):
     `protocol.spec.SETTABLE_SECTIONS`, applied after the options named in `after`."""
-    parser.add_argument(
-        "--set", action="append", default=[], type=spec_setting, metavar="SECTION.FIELD=VALUE",
-        dest="spec_settings",
-        help="a value for a field of the spec's [timing], [training], [rewards], [aggregation], [submission] or "
-             "[limits], or model.dtype, data.seq_len or data.heldout_sequences (repeatable; after "
-             f"{after}), e.g. --set aggregation.outer_lr=2.5 --set timing.clock_skew_s=1")
+    parser.add_argument("--set", action=_SpecSettings, default=[], type=spec_setting, metavar="SECTION.FIELD=VALUE",
+                        dest="spec_settings", help=after)
+
+
+class _SpecSettings(argparse._AppendAction):
+    """`--set`, appending; its help names what the spec lets a command line set, read from `protocol.spec` only when
+    help is printed (importing it costs `tessera --help` 0.3 s)."""
+
+    @property
+    def help(self) -> str:
+        from protocol.spec import DERIVED_FIELDS, SETTABLE_SECTIONS
+
+        whole = [f"[{name}]" for name in SETTABLE_SECTIONS if name not in DERIVED_FIELDS]
+        some = [f"{name}.{field}" for name, model in SETTABLE_SECTIONS.items() if name in DERIVED_FIELDS
+                for field in model.model_fields if field not in DERIVED_FIELDS[name]]
+        return (f"a value for a field of the spec's {', '.join(whole[:-1])} or {whole[-1]}, or {', '.join(some[:-1])} "
+                f"or {some[-1]} (repeatable; after {self._after}), e.g. --set aggregation.outer_lr=2.5 "
+                "--set timing.clock_skew_s=1")
+
+    @help.setter
+    def help(self, after: str) -> None:
+        self._after = after
 
 
 def comma_list(text: str) -> tuple[str, ...]:

@@ -18,22 +18,42 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from node.net.config import P2PConfig
+from node.runtime.config import MinerSection
+
 if TYPE_CHECKING:
     from node.runtime.config import NodeConfig
 
 CONFIG_NAME = "node.toml"
+P2P_DEFAULTS = P2PConfig()
+MINER_DEFAULTS = MinerSection()
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    init = subparsers.add_parser("init", help="write a node config TOML and a key into a directory")
+    init = subparsers.add_parser("init", help="write a node config TOML (and a key, unless --key names one) into a "
+                                 "directory")
     init.add_argument("--role", required=True, choices=("miner", "validator"))
     init.add_argument("--spec", required=True, metavar="SPEC", help="the network spec TOML")
     init.add_argument("--dir", required=True, metavar="DIR", help="the node's directory (created)")
-    init.add_argument("--p2p-port", type=int, default=4001, metavar="PORT")
+    init.add_argument("--key", metavar="FILE", help="an existing key (`tessera keygen`; a validator's must be one the "
+                      "spec names), which the config points at; default: a new key DIR/node.key (miners only)")
+    init.add_argument("--host", default=P2P_DEFAULTS.host, metavar="IP",
+                      help=f"the IPv4 address libp2p listens on (default {P2P_DEFAULTS.host}: this host only; "
+                           "0.0.0.0: every interface, for peers on other hosts)")
+    init.add_argument("--p2p-port", type=int, default=P2P_DEFAULTS.port, metavar="PORT")
+    init.add_argument("--announce", action="append", default=[], metavar="MULTIADDR",
+                      help="the address peers should dial, e.g. /ip4/203.0.113.7/tcp/4001, for a host behind NAT or a "
+                           "port forward (repeat for several; default: the listen address)")
     init.add_argument("--http-port", type=int, default=8080, metavar="PORT")
-    init.add_argument("--heldout", metavar="FILE", help="validators: the held-out file the spec pins")
     init.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
                       help="a bootstrap peer (repeat for several)")
+    init.add_argument("--device", metavar="DEVICE", help="the torch device it trains (miner) or scores (validator) on: "
+                      f"cpu, cuda, cuda:1 (a validator also auto); default {MINER_DEFAULTS.device}")
+    init.add_argument("--forward", choices=("full", "compressed"), help="miners: hold every expert (full) or only the "
+                      f"group's (compressed); default {MINER_DEFAULTS.forward}")
+    init.add_argument("--heldout", metavar="FILE", help="validators: the held-out file the spec pins")
+    init.add_argument("--general", metavar="FILE",
+                      help="validators: the general-domain held-out file the spec pins (data.general_sha256), if any")
     init.set_defaults(run=run_init)
 
     for role in ("miner", "validator"):
@@ -51,12 +71,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run_init(args: argparse.Namespace) -> int:
-    """Judge everything first (spec, held-out file, the config as written, an existing key), then write."""
+    """Judge everything first (spec, role options, held-out files, the config as written, the key), then write."""
     from node.cli.common import write_new_file
     from node.runtime.config import parse_config, render_config
+    from node.runtime.preflight import check_role_key
     from protocol.identity import load_identity, load_or_create_identity
     from protocol.spec import load_spec
-    from training.data import check_heldout_file
+    from training.data import check_general_file, check_heldout_file
 
     directory = Path(args.dir)
     if directory.exists() and not directory.is_dir():
@@ -65,27 +86,47 @@ def run_init(args: argparse.Namespace) -> int:
     if config_path.exists():
         raise ValueError(f"{config_path}: a node config already exists; refusing to overwrite it")
     spec = load_spec(args.spec)  # refuse to write a config that points at a broken spec
+    _check_role_options(args)
     if args.role == "validator":
-        if args.heldout is None:
-            raise ValueError("init --role validator needs --heldout FILE (the held-out file the spec pins)")
         try:
             check_heldout_file(Path(args.heldout), spec.data.heldout_sha256)
         except ValueError as exc:
             raise ValueError(f"--heldout: {exc}") from None
+        check_general_file(None if args.general is None else Path(args.general), spec.data.general_sha256,
+                           "--general")
+    given_key = args.key is not None
+    if given_key and not Path(args.key).is_file():
+        raise ValueError(f"--key {args.key}: no such key file (create one with `tessera keygen --out {args.key}`)")
     text = render_config(
-        role=args.role, spec=_relative(Path(args.spec), directory), key=Path("node.key"), data_dir=Path("data"),
-        p2p_port=args.p2p_port, http_port=args.http_port,
+        role=args.role, spec=_relative(Path(args.spec), directory),
+        key=_relative(Path(args.key), directory) if given_key else Path("node.key"), data_dir=Path("data"),
+        host=args.host, p2p_port=args.p2p_port, announce=tuple(args.announce), http_port=args.http_port,
+        bootstrap=tuple(args.bootstrap), device=args.device, forward=args.forward,
         heldout=None if args.heldout is None else _relative(Path(args.heldout), directory),
-        bootstrap=tuple(args.bootstrap),
+        general=None if args.general is None else _relative(Path(args.general), directory),
     )
-    config = parse_config(text, config_path)  # ports, bootstrap addresses, environment overrides
-    if config.node.key.exists():
-        load_identity(config.node.key)  # a key already there must be usable before the config points at it
+    config = parse_config(text, config_path)  # ports, addresses, devices, environment overrides
+    if config.node.key.exists():  # a key already there must be usable, and fit the role, before the config names it
+        check_role_key(config, spec, load_identity(config.node.key))
+    elif args.role == "validator":  # a new key is in no spec's validator set
+        raise ValueError("init --role validator needs --key FILE: the key whose node id the spec names in "
+                         "[[validators]] (a new key would be in no spec)")
     directory.mkdir(parents=True, exist_ok=True)
     identity = load_or_create_identity(config.node.key)
     write_new_file(config_path, text.encode("utf-8"), "node config")  # another `tessera init` may have run
     print(f"{config_path}\t{identity.node_id}")
     return 0
+
+
+def _check_role_options(args: argparse.Namespace) -> None:
+    """Refuse an option the role does not take, and a validator without its held-out file."""
+    if args.role == "validator" and args.heldout is None:
+        raise ValueError("init --role validator needs --heldout FILE (the held-out file the spec pins)")
+    given = {"--heldout": args.heldout, "--general": args.general} if args.role == "miner" else {"--forward": args.forward}
+    for flag, value in given.items():
+        if value is not None:
+            raise ValueError(f"{flag} is for {'validators' if args.role == 'miner' else 'miners'}; "
+                             f"init --role {args.role} does not take it")
 
 
 def run_daemon(args: argparse.Namespace) -> int:
@@ -104,6 +145,7 @@ def run_daemon(args: argparse.Namespace) -> int:
 
 
 def _serve(config: NodeConfig) -> int:
+    from node.duties.succession import Succession
     from node.runtime.daemon import serve
 
     if config.node.role == "miner":
@@ -114,28 +156,16 @@ def _serve(config: NodeConfig) -> int:
             from node.sim.adversaries import miner_factory
 
             duties = miner_factory(config.miner.behaviour)
-        return serve(config, duties)
+        return serve(config, Succession.around(duties))
     from node.duties.validator import ValidatorDuties
 
-    return serve(config, ValidatorDuties)
+    return serve(config, Succession.around(ValidatorDuties))
 
 
 def run_status(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout}")
-    if args.url is not None:
-        url = args.url.rstrip("/")
-    else:
-        from node.runtime.config import load_config
-
-        api = load_config(args.config).http
-        if not api.enabled:
-            raise ValueError(f"{args.config}: http.enabled is false; the node serves no status")
-        if api.port == 0:
-            raise ValueError(f"{args.config}: http.port is 0 (a free port the node picks as it starts); give "
-                             f"--url with the address its log names (\"http api on ...\")")
-        host = "127.0.0.1" if api.host in ("0.0.0.0", "") else api.host
-        url = f"http://{host}:{api.port}"
+    url = node_url(args.config, args.url)
     try:
         with urllib.request.urlopen(f"{url}/status", timeout=args.timeout) as response:
             body = response.read()
@@ -153,6 +183,23 @@ def run_status(args: argparse.Namespace) -> int:
         raise ValueError(f"{url}/status: the answer is not a node's status (a JSON object); is a Tessera node there?")
     print(json.dumps(status, indent=2, sort_keys=True))
     return 0
+
+
+def node_url(config: str | None, url: str | None) -> str:
+    """A running node's HTTP API: `url` as given, else the address its config file (`--config`) sets."""
+    if url is not None:
+        return url.rstrip("/")
+    from node.runtime.config import load_config
+
+    assert config is not None, "argparse requires --config or --url"
+    api = load_config(config).http
+    if not api.enabled:
+        raise ValueError(f"{config}: http.enabled is false; the node serves no HTTP API")
+    if api.port == 0:
+        raise ValueError(f"{config}: http.port is 0 (a free port the node picks as it starts); give "
+                         f"--url with the address its log names (\"http api on ...\")")
+    host = "127.0.0.1" if api.host in ("0.0.0.0", "") else api.host
+    return f"http://{host}:{api.port}"
 
 
 def _relative(path: Path, directory: Path) -> Path:

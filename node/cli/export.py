@@ -5,6 +5,8 @@
 
 `--state` names a global state in a node's blob store (`DIR/blobs`, the node's `data_dir`);
 `--blob` names any canonical blob file of this network (a global state or a miner's full-expert submission).
+A state of a successor spec (protocol.successor) is exported with the experts of the specs before it (the
+states it inherits, from the node's blob store), under the spec the node's database says it was made under.
 Without `--experts-only` a checkpoint base is checked against the spec's hash and copied shard by
 shard with the blob's experts written over the base's (`training.export.patch_checkpoint`: no shard
 is ever held in memory); a tiny simulation base is built, the experts inserted and saved
@@ -12,8 +14,9 @@ is ever held in memory); a tiny simulation base is built, the experts inserted a
 `--heldout` loads the base once to record the state's held-out loss in the pack's manifest (and the
 printed summary in either mode). Either way `provenance.json` goes beside the weights: the network
 id, base hash, the state and, from the node's store (with `--state`), the chain of global states from
-genesis with each round's merged miners and their commitments. Nothing is written when a check fails.
-This module only wires arguments; the export logic lives in `training.export`.
+genesis with each round's merged miners and their commitments, the specs the state was trained under, and for
+each expert tensor of the model the spec, round and state that last changed it (node.cli.provenance). Nothing is
+written when a check fails. This module only wires arguments; the export logic lives in `training.export`.
 """
 
 from __future__ import annotations
@@ -49,42 +52,65 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run_export(args: argparse.Namespace) -> int:
+    from node.cli.common import decode_network_blob
+    from node.cli.provenance import read_lineage
     from protocol.spec import load_spec, spec_dir_path
+    from training.blob import BlobError, decode_header
     from training.export import check_out_dir, export_checkpoint, patch_checkpoint, write_expert_pack
+    from training.state import inherited_experts
 
     check_out_dir(args.out)
-    spec = load_spec(args.spec)
-    data, meta, tensors = _read_state(args, spec)
+    genesis = load_spec(args.spec)
+    path, data = _read_blob(args)
     state = hashlib.sha256(data).hexdigest()
+    try:
+        network = decode_header(data, genesis.limits.max_header_bytes).meta.network
+    except BlobError as exc:
+        raise ValueError(f"{path}: not a valid blob: {exc.reason}") from exc
+    eras, states = read_lineage(args.data_dir / "node.db", genesis, network, state)
+    spec = eras[-1].spec  # the spec the blob was made under: the network's, or a successor's
+    meta, tensors = decode_network_blob(path, data, spec)
+    _check_format(path, meta)
+    blobs = args.data_dir / "blobs"
+    inherited = inherited_experts([blobs / s[:2] / s for s in (spec.lineage.inherits if spec.lineage else [])],
+                                  spec.limits.max_header_bytes)
+    written = {**inherited, **tensors}  # the earlier specs' experts, then this state's
     provenance = _provenance(args, spec, state, meta)
-    loss = None if args.heldout is None else _heldout_loss(spec, args, tensors)
+    provenance["specs"] = [{"spec": era.spec.network_id, "since_round": era.spec.first_round,
+                            "group": {str(k): v for k, v in era.spec.group.items()}, "ended_on": era.final}
+                           for era in eras]
+    from training.state import GLOBAL_FORMAT
+
+    if meta.format == GLOBAL_FORMAT:
+        from node.cli.provenance import experts
+
+        provenance["experts"] = experts(eras, args.spec, blobs, states, tensors, meta.round)
+    loss = None if args.heldout is None else _heldout_loss(spec, args, written)
     tokenizer = None if spec.data.tokenizer == "byte" else spec_dir_path(args.spec, spec.data.tokenizer)
     if args.experts_only:
-        write_expert_pack(tensors, {"network": spec.network_id, "round": meta.round, "group": dict(spec.group),
+        group = _group_of(written)
+        write_expert_pack(written, {"network": spec.network_id, "round": meta.round, "group": group,
                                     "base_hash": spec.model.base_hash, "state": state, "heldout_loss": loss,
                                     "family": spec.model.family}, args.out, provenance)
     elif spec.model.checkpoint is not None:
         from training.model import checked_checkpoint
 
-        patch_checkpoint(checked_checkpoint(spec, args.spec), tensors, args.out, tokenizer, provenance)
+        patch_checkpoint(checked_checkpoint(spec, args.spec), written, args.out, tokenizer, provenance)
     else:
         from training.experts import insert
         from training.model import load_base
 
         model, adapter = load_base(spec, args.spec)
-        insert(model, adapter, tensors)
+        insert(model, adapter, written)
         export_checkpoint(model, args.out, tokenizer, provenance)
     print(json.dumps({"out": str(args.out), "state": state, "round": meta.round, "heldout_loss": loss,
-                      "experts_only": args.experts_only}, indent=2, sort_keys=True))
+                      "spec": spec.network_id, "experts_only": args.experts_only}, indent=2, sort_keys=True))
     return 0
 
 
-def _read_state(args: argparse.Namespace, spec: Any) -> tuple[bytes, Any, dict[str, Any]]:
-    """The blob's bytes, metadata and the experts to write."""
-    from node.cli.common import decode_network_blob
+def _read_blob(args: argparse.Namespace) -> tuple[Path, bytes]:
+    """The blob's path and bytes."""
     from protocol.encoding import is_hex_digest
-    from training.blob import BLOB_FORMAT
-    from training.state import GLOBAL_FORMAT
 
     if args.state is not None:
         if not is_hex_digest(args.state):
@@ -98,11 +124,27 @@ def _read_state(args: argparse.Namespace, spec: Any) -> tuple[bytes, Any, dict[s
         raise ValueError(f"{path}: cannot read the state: {exc.strerror or exc}") from exc
     if args.state is not None and hashlib.sha256(data).hexdigest() != args.state:
         raise ValueError(f"{path}: content does not hash to {args.state}; the blob store is damaged")
-    meta, tensors = decode_network_blob(path, data, spec)
+    return path, data
+
+
+def _check_format(path: Path, meta: Any) -> None:
+    from training.blob import BLOB_FORMAT
+    from training.state import GLOBAL_FORMAT
+
     if meta.format not in (BLOB_FORMAT, GLOBAL_FORMAT):  # a pgrad submission or momentum holds no weights
         raise ValueError(f"{path}: the blob is a {meta.format} blob, not expert weights; export a global state "
                          f"({GLOBAL_FORMAT}) or a miner's full-expert submission ({BLOB_FORMAT})")
-    return data, meta, tensors
+
+
+def _group_of(tensors: dict[str, Any]) -> dict[int, list[int]]:
+    """The expert group whose tensors `tensors` are (every spec's, for a successor's state)."""
+    from training.experts import parse_name
+
+    group: dict[int, set[int]] = {}
+    for name in tensors:
+        layer, expert, _ = parse_name(name)
+        group.setdefault(layer, set()).add(expert)
+    return {layer: sorted(ids) for layer, ids in sorted(group.items())}
 
 
 def _heldout_loss(spec: Any, args: argparse.Namespace, tensors: dict[str, Any]) -> float:

@@ -14,15 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from node.cli.main import command_group
 from protocol.encoding import is_hex_digest
-
-if TYPE_CHECKING:
-    import torch
-
-    from protocol.spec import NetworkSpec
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -49,6 +44,7 @@ def run_inspect_blob(args: argparse.Namespace) -> int:
     from training.adapters import adapter_for
     from training.blob import BlobError, blob_hash, decode_header
     from training.experts import expected_shapes
+    from training.model import meta_base
     from validator.checks import Expectation, check_submission
 
     _validate_args(args)
@@ -87,23 +83,6 @@ def run_inspect_blob(args: argparse.Namespace) -> int:
         line |= json.loads(meta.to_json())
     print(json.dumps(line, sort_keys=True))
     return 0 if verdict.ok else 1
-
-
-def meta_base(spec: NetworkSpec, spec_path: Path) -> torch.nn.Module:
-    """The spec's base model on the meta device: the checkpoint's config.json or the tiny config."""
-
-    from protocol.spec import spec_dir_path
-    from training.model import meta_model, spec_model_config
-    from training.tiny import meta_tiny_model
-
-    if spec.model.checkpoint is not None:
-        directory = spec_dir_path(spec_path, spec.model.checkpoint)
-        model = meta_model(directory)
-        if model.config.model_type != spec.model.family:
-            raise ValueError(f"{directory}: the checkpoint is {model.config.model_type!r}, "
-                             f"but the spec's family is {spec.model.family!r}")
-        return model
-    return meta_tiny_model(spec.model.family, spec_model_config(spec, spec_path))
 
 
 def _validate_args(args: argparse.Namespace) -> None:

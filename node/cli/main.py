@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
+from protocol.version import describe
 from training.allocator import set_policy
 
 COMMAND_MODULES: tuple[str, ...] = (
@@ -28,6 +29,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "node.cli.simulate",
     "node.cli.bootstrap",
     "node.cli.spec",
+    "node.cli.successor",
     "node.cli.export",
     "node.cli.plan",
 )
@@ -62,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Node for decentralized Mixture-of-Experts training: miners train target experts, "
         "validators score them by Proof-of-Loss and merge the best updates.",
     )
+    parser.add_argument("--version", action="version", version=describe(),
+                        help="print the release and the protocol version it speaks, and exit")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)

@@ -16,9 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import shutil
-import tempfile
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +30,7 @@ from node.cli.common import (
     write_atomically,
     write_new_file,
 )
+from protocol.files import staged_directory
 
 if TYPE_CHECKING:
     import torch
@@ -65,6 +63,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--stability", type=Path, metavar="REPORT.json",
                    help="also write (to a new file) a Jaccard stability report over seeds and 1/5/10/100 documents "
                    "(of the first --max-sequences documents)")
+    p.add_argument("--state", type=Path, metavar="DIR",
+                   help="a node's data directory: measure the model holding its adopted state (and what its spec "
+                        "inherits), to choose the next group (tessera spec successor)")
+    p.add_argument("--disjoint", action="store_true",
+                   help="choose no expert of the group trained now (the node's spec with --state, else --spec's)")
     p.add_argument("--into", type=Path, metavar="SPEC", help="write the group into this spec (its network id changes)")
     p.add_argument("--out", required=True, type=Path, metavar="GROUP.json", help="where to write the selection (a new file)")
     p.set_defaults(run=run_select_experts)
@@ -144,6 +147,12 @@ def run_select_experts(args: argparse.Namespace) -> int:
             raise ValueError(f"--stability {args.stability}: the same file as --out; give the report its own path")
         check_output_file(args.stability, "--stability")
     spec, model, adapter, tokenizer = load_spec_model(args.spec)
+    state, trained = None, spec.group
+    if args.state is not None:
+        from training.experts import insert
+
+        state, trained, tensors = _node_state(args.state, spec)
+        insert(model, adapter, tensors)
     if args.top_d is not None and args.top_d > adapter.num_experts(model):
         raise ValueError(f"--top-d {args.top_d}: the model has only {adapter.num_experts(model)} experts per layer")
     into = _check_into(args.into, spec) if args.into is not None else None
@@ -164,7 +173,9 @@ def run_select_experts(args: argparse.Namespace) -> int:
         domain = pack(texts, tokenizer, spec.data.seq_len)[: args.max_sequences]
         general = pack(general_texts, tokenizer, spec.data.seq_len)[: args.max_sequences] if general_texts else None
     selection = select_experts(model, adapter, domain, args.rule, top_d=args.top_d, mass=args.mass,
-                               general=general, pad_id=tokenizer.pad_id, mode=args.mode, progress=True)
+                               general=general, pad_id=tokenizer.pad_id, mode=args.mode, progress=True,
+                               exclude=trained if args.disjoint else None)
+    selection |= {"state": state, "excluded": {str(k): v for k, v in trained.items()} if args.disjoint else None}
     selection |= {"model": {"family": spec.model.family, "base_hash": spec.model.base_hash},
                   "data": _file_record(args.data), "general": _file_record(args.general),
                   "examples": args.examples, "shared": args.shared}
@@ -191,6 +202,33 @@ def run_select_experts(args: argparse.Namespace) -> int:
         raise
     print(json.dumps(summary, indent=2, sort_keys=True))
     return 0
+
+
+def _node_state(data_dir: Path, genesis: Any) -> tuple[str, dict[int, list[int]], dict[str, Any]]:
+    """A node's adopted state (its head), the group of the spec it runs, and the expert tensors that make its model:
+    the states its spec inherits, then the head's (none for the base model itself)."""
+    import asyncio
+
+    from node.runtime.daemon import spec_in_force
+    from node.store.db import Storage
+    from training.state import inherited_experts
+
+    async def read() -> tuple[str, Any]:
+        storage = await Storage.open(data_dir / "node.db")
+        try:
+            return await storage.head() or genesis.model.base_hash, await spec_in_force(storage, genesis)
+        finally:
+            await storage.close()
+
+    if not (data_dir / "node.db").is_file():
+        raise ValueError(f"--state {data_dir}: holds no node.db; give a node's data directory")
+    head, spec = asyncio.run(read())
+    states = [*(spec.lineage.inherits if spec.lineage else []), *([head] if head != spec.root else [])]
+    paths = [data_dir / "blobs" / state[:2] / state for state in states]
+    missing = [p for p in paths if not p.is_file()]
+    if missing:
+        raise ValueError(f"--state {data_dir}: the state {missing[0].name[:12]} is not in its blob store")
+    return head, dict(spec.group), inherited_experts(paths, spec.limits.max_header_bytes)
 
 
 @dataclass(frozen=True)
@@ -350,19 +388,11 @@ def run_cluster_data(args: argparse.Namespace) -> int:
         entry["top_tokens"] = [[token, count, tokenizer.decode([token])] for token, count in entry["top_tokens"]]
         entry["file"] = f"cluster-{entry['cluster']}.jsonl"
     report["data"] = _file_record(args.data)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    temp = Path(tempfile.mkdtemp(prefix=f".{args.out.name}.", suffix=".tmp", dir=args.out.parent))
-    temp.chmod(0o755)  # mkdtemp's 0700 would follow the directory to --out
-    try:
+    with staged_directory(args.out) as temp:
         for label in range(clustering.k):
             members = [text for text, lab in zip(texts, clustering.labels, strict=True) if lab == label]
             write_documents(temp / f"cluster-{label}.jsonl", members)
         (temp / "report.json").write_bytes(_json_bytes(report))
-        if args.out.exists():
-            args.out.rmdir()
-        os.replace(temp, args.out)
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
     print(json.dumps({"k": report["k"], "sizes": [c["documents"] for c in report["clusters"]],
                       "out": str(args.out)}, indent=2))
     return 0

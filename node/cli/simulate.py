@@ -20,12 +20,14 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from node.cli.common import add_spec_settings, comma_list
+from node.sim import defaults
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     sim = subparsers.add_parser("simulate", help="run bootstrap, validators and miners as local processes")
-    sim.add_argument("--validators", type=int, default=2, metavar="V", help="validator processes, 1 to 64 (default 2)")
-    sim.add_argument("--miners", type=int, default=4, metavar="M", help="miner processes (default 4)")
+    sim.add_argument("--validators", type=int, default=defaults.VALIDATORS, metavar="V",
+                     help="validator processes, 1 to 64 (default %(default)s)")
+    sim.add_argument("--miners", type=int, default=defaults.MINERS, metavar="M", help="miner processes (default %(default)s)")
     sim.add_argument("--rounds", type=int, default=3, metavar="N", help="rounds to run (default 3)")
     sim.add_argument("--dir", required=True, type=Path, metavar="DIR", help="simulation directory (created)")
     sim.add_argument("--force", action="store_true", help="replace DIR if it holds an earlier simulation")
@@ -33,20 +35,22 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                      help="make that many of the M miners adversaries: lazy, noise, copier, late, garbage")
     sim.add_argument("--base-port", type=int, default=0, metavar="P",
                      help="first TCP port; each node takes two (default: free ports)")
-    sim.add_argument("--round-seconds", type=float, default=80.0, metavar="S", help="round length (default 80)")
-    sim.add_argument("--train-share", type=float, default=0.9, metavar="F",
-                     help="TRAIN's share of the round (default 0.9)")
+    sim.add_argument("--round-seconds", type=float, default=defaults.ROUND_SECONDS, metavar="S",
+                     help="round length (default %(default)g)")
+    sim.add_argument("--train-share", type=float, default=defaults.TRAIN_SHARE, metavar="F",
+                     help="TRAIN's share of the round (default %(default)g)")
     sim.add_argument("--start-delay", type=float, default=None, metavar="S",
-                     help="seconds until genesis (default: 20 + 4 per node)")
-    sim.add_argument("--inner-steps", type=int, default=30, metavar="H",
-                     help="inner AdamW steps each miner takes per round (default 30)")
-    sim.add_argument("--seed", type=int, default=0, help="seed of model, data and keys (default 0)")
-    sim.add_argument("--format", choices=("experts", "pgrad"), default="experts",
+                     help=f"seconds until genesis (default: {defaults.START_DELAY_S:g} + "
+                          f"{defaults.START_DELAY_PER_NODE_S:g} per node)")
+    sim.add_argument("--inner-steps", type=int, default=defaults.INNER_STEPS, metavar="H",
+                     help="inner AdamW steps each miner takes per round (default %(default)s)")
+    sim.add_argument("--seed", type=int, default=defaults.SEED, help="seed of model, data and keys (default %(default)s)")
+    sim.add_argument("--format", choices=("experts", "pgrad"), default=defaults.FORMAT,
                      help="what miners submit: full experts, or compressed pseudo-gradients (top-k per chunk, "
-                          "2-bit, with error feedback; the spec's default [submission] parameters) (default experts)")
-    sim.add_argument("--family", default="qwen3_moe", metavar="FAMILY",
+                          "2-bit, with error feedback; the spec's default [submission] parameters) (default %(default)s)")
+    sim.add_argument("--family", default=defaults.FAMILY, metavar="FAMILY",
                      help="model family of the tiny pretrained base: qwen3_moe, qwen2_moe, olmoe, mixtral, deepseek_v2 "
-                          "or deepseek_v3 (default qwen3_moe)")
+                          "or deepseek_v3 (default %(default)s)")
     add_spec_settings(sim, "--round-seconds, --train-share, --inner-steps and --format")
     sim.set_defaults(run=run_simulate)
 

@@ -9,7 +9,8 @@
 `spec new` hashes the base, its config.json, the held-out file and the general-domain held-out file (if given: the
 merge gate's forgetting check), takes the tokenizer from the
 checkpoint directory, runs Phase 1 selection (`training.selection.select_experts`) on the training
-data and writes a complete spec that `spec check` accepts; paths in it are relative to the spec file.
+data and writes a complete spec that `spec check` accepts, every field written out (so no later release's
+defaults can change its network id); paths in it are relative to the spec file.
 `--set` gives any spec field not derived from those files (`protocol.spec.SETTABLE_SECTIONS`), over what
 the other options wrote (the `--timing` preset, `--seq-len`, the checkpoint's dtype). It checks
 everything before it writes: that the held-out file packs into at least one round's subset of sequences
@@ -91,7 +92,7 @@ def run_hash_model(args: argparse.Namespace) -> int:
 
 
 def run_spec_new(args: argparse.Namespace) -> int:
-    from protocol.spec import DataSpec, apply_settings, judge_settings, parse_spec
+    from protocol.spec import DataSpec, apply_settings, judge_settings, parse_spec, written_out
     from training.adapters import adapter_for
     from training.checkpoint import checkpoint_hash, config_hash, read_config
     from training.data import check_disjoint, file_sha256, pack
@@ -151,7 +152,7 @@ def run_spec_new(args: argparse.Namespace) -> int:
     judged = parse_spec(spec)  # the whole spec is judged before a byte is written
     check_header_cap(judged, expected_shapes(model, adapter, judged.group))
     network_id = judged.network_id
-    _write_new(args.out, spec)
+    _write_new(args.out, written_out(judged))  # every field: a later release's defaults cannot move its id
     print(json.dumps({"spec": str(args.out), "network_id": network_id, "base_hash": base_hash,
                       "group": selection["group"], "rule": args.rule}, indent=2, sort_keys=True))
     return 0
@@ -255,7 +256,7 @@ def _documents(flag: str, path: Path) -> list[str]:
 def _check_top_d(top_d: int | None, checkpoint: Path) -> None:
     """Refuse, before a weight is read, a --top-d over the experts per layer of the checkpoint's config."""
     from training.adapters import adapter_for
-    from training.model import meta_model
+    from training.checkpoint import meta_model
 
     if top_d is None:
         return

@@ -27,6 +27,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from protocol.files import write_file
+
 if TYPE_CHECKING:
     import torch
 
@@ -59,7 +61,6 @@ def run_train(args: argparse.Namespace) -> int:
     from protocol.encoding import sha256_hex
     from protocol.identity import load_identity
     from protocol.spec import load_spec
-    from training.blob import write_blob_file
     from training.pgrad import error_bytes, pgrad_config
 
     if args.round < 0:
@@ -94,7 +95,7 @@ def run_train(args: argparse.Namespace) -> int:
     write_new_file(args.out, blob, "--out")
     if feedback is not None and feedback.error is not None:
         args.feedback.parent.mkdir(parents=True, exist_ok=True)
-        write_blob_file(args.feedback, error_bytes(feedback.error))
+        write_file(args.feedback, error_bytes(feedback.error))
     print(json.dumps({
         "steps": len(result.losses),
         "first_loss": result.losses[0],

@@ -193,7 +193,7 @@ class Consensus:
 
     async def _serve_head(self) -> None:
         head = await self.ctx.storage.head()
-        if head is None or head == self.ctx.spec.model.base_hash or head == self._serving:
+        if head is None or head == self.ctx.spec.root or head == self._serving:
             return
         if not self.ctx.blobs.has(head):
             return  # re-fetched by `load` when next needed
@@ -203,8 +203,9 @@ class Consensus:
         self._serving = head
 
     async def settle(self, round: int, shapes: Shapes) -> str:
-        """At TRAIN of `round`: adopt round-1's majority state (a late joiner learns the head); the head."""
-        if round > 0:
+        """At TRAIN of `round`: adopt round-1's majority state (a late joiner learns the head); the head. A
+        successor spec settles no round before its first: the spec it succeeds settled that one."""
+        if round > self.ctx.spec.first_round:
             await self._adopt(round - 1, shapes)
         await self.ensure_head(round, shapes)
         return await self.ctx.head()
@@ -214,7 +215,7 @@ class Consensus:
         if await self.ctx.storage.head() is not None:
             return True
         if round == 0:
-            await self.ctx.storage.set_head(self.ctx.spec.model.base_hash)
+            await self.ctx.storage.set_head(self.ctx.spec.root)
             return True
         return await self.learn_head(round, shapes)
 
@@ -228,11 +229,12 @@ class Consensus:
         if head is None:
             log.info("round %d: head unknown; waiting for validators' heartbeats or global states", round)
             return False
-        if head != self.ctx.spec.model.base_hash:
+        if head != self.ctx.spec.root:
             try:
                 await self._fetch_checked(head, list(voters), shapes)
             except SyncError as exc:
-                log.warning("round %d: cannot take the announced head %s: %s", round, head[:12], exc)
+                if not self.ctx.disk.quiet(exc):
+                    log.warning("round %d: cannot take the announced head %s: %s", round, head[:12], exc)
                 return False
         await self.ctx.storage.set_head(head)
         log.info("round %d: learnt head %s from validators' heartbeats", round, head[:12])
@@ -247,8 +249,9 @@ class Consensus:
         try:
             decoded = await self._fetch_checked(head, list(voters), shapes)
         except SyncError as exc:
-            log.warning("round %d: cannot follow the head %s that validators announce: %s", round, head[:12],
-                        exc)
+            if not self.ctx.disk.quiet(exc):
+                log.warning("round %d: cannot follow the head %s that validators announce: %s", round, head[:12],
+                            exc)
             return
         record = GlobalStateRecord(head, decoded.meta.base, decoded.meta.round, (), False, voters)
         await self.ctx.storage.set_head(head)
@@ -325,7 +328,8 @@ class Consensus:
         try:
             decoded = await self._fetch_checked(winner.hash, list(winner.voters), shapes, round)
         except SyncError as exc:
-            log.error("round %d: cannot adopt %s: %s; the head stays", round, winner.hash[:12], exc)
+            if not self.ctx.disk.quiet(exc):
+                log.error("round %d: cannot adopt %s: %s; the head stays", round, winner.hash[:12], exc)
             return
         moved = await self.ctx.storage.head() != winner.hash
         await self.ctx.storage.mark_adopted(winner.hash, decoded.meta.base)
@@ -341,7 +345,8 @@ class Consensus:
             try:
                 loaded = LoadedState(await self._sync_momentum(winner, decoded, shapes), True)
             except SyncError as exc:
-                log.error("round %d: %s; this validator is out of sync and abstains from merging", round, exc)
+                if not self.ctx.disk.quiet(exc):
+                    log.error("round %d: %s; this validator is out of sync and abstains from merging", round, exc)
         self._adopted = (winner.hash, loaded)
 
     async def _winner(self, round: int) -> GlobalStateRecord | None:
@@ -384,7 +389,8 @@ class Consensus:
                 state = await asyncio.to_thread(GlobalExperts.with_momentum_file, winner.hash, decoded.meta,
                                                 decoded.tensors, path, self.ctx.spec, shapes)
             except (NetworkError, OSError, StateError) as exc:
-                log.warning("momentum %s from %s: %s", momentum[:12], voter[:12], exc)
+                if not self.ctx.disk.quiet(exc):
+                    log.warning("momentum %s from %s: %s", momentum[:12], voter[:12], exc)
                 continue
             if momentum == mine:
                 return state

@@ -31,7 +31,7 @@ from miner.submission import ErrorFeedback, build_submission, encode_submission
 from node.duties.consensus import Consensus
 from node.duties.feedback import keep_feedback, load_feedback
 from node.duties.results import learn_results, unheard_by
-from node.net.network import PublishRefused
+from node.duties.succession import inherited_paths
 from node.runtime.config import MinerSection
 from node.runtime.context import BuiltOnce, DutiesFactory, HeartbeatDuties, NodeContext
 from node.runtime.metrics import NodeMetrics
@@ -40,7 +40,7 @@ from protocol.messages import Commit, Envelope, Message, Reveal
 from protocol.rounds import Phase
 from protocol.spec import NetworkSpec, spec_dir_path
 from training.device import check_device
-from training.state import GlobalExperts
+from training.state import GlobalExperts, inherited_experts
 
 log = logging.getLogger(__name__)
 
@@ -135,9 +135,9 @@ class MinerDuties:
         self.heartbeat = HeartbeatDuties(ctx)
         self.arrivals = asyncio.Event()
         section = ctx.config.miner
-        self.model = BuiltOnce(lambda: MinerModel.load(ctx.spec, ctx.config.node.spec,
-                                                       [section.data] if section.data else [],
-                                                       forward=section.forward))
+        self.model = BuiltOnce(lambda: MinerModel.load(
+            ctx.spec, ctx.config.node.spec, [section.data] if section.data else [], forward=section.forward,
+            inherited=inherited_experts(inherited_paths(ctx), ctx.spec.limits.max_header_bytes)))
         self._served: str | None = None
 
     @staticmethod
@@ -163,6 +163,11 @@ class MinerDuties:
     async def on_message(self, envelope: Envelope, message: Message) -> None:
         await self.consensus.on_message(envelope, message)
         self.arrivals.set()
+
+    async def close(self, round: int) -> None:
+        model = await self.model.get()
+        await self.consensus.settle(round, model.shapes)
+        await learn_results(self.ctx.storage, self.ctx.spec, round - 1)
 
     async def _say_if_unheard(self, plan: RoundPlan) -> None:
         """Warn when every validator assigned to this miner reported on the round and none named it."""
@@ -203,8 +208,9 @@ class MinerDuties:
             blob_hash = await asyncio.to_thread(self.ctx.blobs.put_bytes, data)
             error_hash = await keep_feedback(self.ctx, feedback)
         except OSError as exc:  # a full or failing disk: no submission recorded, so nothing is committed
-            log.error("round %d: cannot store the submission (%d bytes) in the blob store (%s); "
-                      "no submission this round", round, len(data), exc)
+            if not self.ctx.disk.quiet(exc):
+                log.error("round %d: cannot store the submission (%d bytes) in the blob store (%s); "
+                          "no submission this round", round, len(data), exc)
             return
         await self.ctx.storage.set_submission(round, Submission(blob_hash, len(data)), error_hash)
         log.info("round %d: %s submission %s (%d bytes) from base %s", round, self.strategy.name, blob_hash[:12],
@@ -257,10 +263,7 @@ class MinerDuties:
     # -- helpers for strategies ---------------------------------------------------------------
 
     async def publish(self, message: Commit | Reveal) -> None:
-        try:
-            await self.ctx.publish(message)
-        except PublishRefused as exc:
-            log.warning("round %d: %s refused: %s", message.round, message.kind, exc)
+        await self.ctx.announce(message)
 
     async def own_commit(self, round: int) -> str | None:
         commits = await self.ctx.storage.commits_for(round)

@@ -11,8 +11,8 @@ its seed, is fetched at EVALUATE if this validator is assigned to it (or at MERG
 candidate). An unassigned blob takes what budget the assigned ones offered so far left; reveals come
 at the start of REVEAL, before the seeds, so nearly all are offered before the assignment is known.
 At EVALUATE `wait` lets the scoring path await a fetch already under way instead of starting a
-second one. A failed prefetch is only logged: EVALUATE fetches again. `clear` cancels whatever is
-left when the next round starts.
+second one. A failed prefetch is only logged (one a full disk refused, by `quiet`, once a round): EVALUATE
+fetches again. `clear` cancels whatever is left when the next round starts.
 This module knows nothing about scoring; it moves bytes into the blob store ahead of time.
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from node.duties.plan import make_plan, withheld
@@ -56,8 +57,11 @@ class Prefetcher:
     """Background fetches of revealed blobs, one per blob hash, at most CONCURRENT_FETCHES at a time, at most
     `limit` blobs and `budget_bytes` declared bytes a round."""
 
-    def __init__(self, network: BlobTransfer, limit: int, budget_bytes: int) -> None:
+    def __init__(self, network: BlobTransfer, limit: int, budget_bytes: int,
+                 quiet: Callable[[BaseException], bool] | None = None) -> None:
         self._network = network
+        self._quiet = quiet
+        """Says a failure itself (a full disk: node.runtime.disk.DiskWatch.quiet) when it returns True."""
         self._limit = limit
         self._budget = budget_bytes
         self._spent = 0
@@ -127,5 +131,6 @@ class Prefetcher:
             try:
                 await self._network.fetch(offer.blob_hash, [offer.miner], offer.size)
             except (NetworkError, OSError) as exc:
-                log.info("prefetch of blob %s from miner %s failed (EVALUATE tries again): %s",
-                         offer.blob_hash[:12], offer.miner[:12], exc)
+                if self._quiet is None or not self._quiet(exc):
+                    log.info("prefetch of blob %s from miner %s failed (EVALUATE tries again): %s",
+                             offer.blob_hash[:12], offer.miner[:12], exc)

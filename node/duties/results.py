@@ -2,7 +2,7 @@
 
 A validator stores the ranking its merge produced (`exact`: it knew the near-duplicate flags). Any
 other node, once the round settled (TRAIN of the next round), ranks the round itself from the
-public score reports with the validators' function (`validator.merge.rank_reports`), on the plan
+public score reports with the validators' function (`protocol.ranking.rank_reports`), on the plan
 it computes from the seeds, commits and reveals it heard (`node.duties.plan`), without duplicate
 flags, which only holders of the blobs can see. Leaderboard shape (JSON-able):
     {"round", "base", "base_loss", "exact",
@@ -22,9 +22,8 @@ from node.duties.plan import make_plan
 from node.store.db import Storage
 from node.store.records import RoundPlan
 from protocol.messages import ScoreReport
-from protocol.ranking import RoundRanking
+from protocol.ranking import NoCountedReports, RoundRanking, rank_reports
 from protocol.spec import NetworkSpec
-from validator.merge import MergeInputError, rank_reports
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +46,7 @@ def leaderboard(round: int, head: str, ranking: RoundRanking, reports: Mapping[s
 async def learn_results(storage: Storage, spec: NetworkSpec, round: int) -> RoundPlan | None:
     """Rank a settled round from the public reports, unless its leaderboard is already stored; the plan it
     was ranked on, or None where it was not ranked now."""
-    if round < 0 or await storage.round_results(round) is not None:
+    if round < spec.first_round or await storage.round_results(round) is not None:
         return None
     reports = await storage.score_reports(round)
     plan = await storage.round_plan(round) or await make_plan(storage, spec, round)
@@ -55,8 +54,8 @@ async def learn_results(storage: Storage, spec: NetworkSpec, round: int) -> Roun
         return None
     head = await _round_head(storage, spec, round)
     try:
-        ranking = rank_reports(reports, plan.assignment, plan.revealed, head, spec)
-    except MergeInputError as exc:
+        ranking = rank_reports(reports, plan.assignment, plan.revealed, head, spec.rewards.top_k)
+    except NoCountedReports as exc:
         log.info("round %d: no leaderboard: %s", round, exc)
         return None
     await storage.set_round_results(round, leaderboard(round, head, ranking, reports, exact=False))
@@ -78,4 +77,4 @@ def unheard_by(plan: RoundPlan, reports: Mapping[str, ScoreReport], miner: str) 
 async def _round_head(storage: Storage, spec: NetworkSpec, round: int) -> str:
     """The state `round` built on: the parent of the state it ended on, else the (unchanged) head."""
     adopted = [s for s in await storage.global_states(round) if s.adopted]
-    return adopted[0].parent if adopted else await storage.head() or spec.model.base_hash
+    return adopted[0].parent if adopted else await storage.head() or spec.root

@@ -1,29 +1,18 @@
 """Validator duties: seeds, Proof-of-Loss scoring, and the merge that proposes the next global state.
 
-TRAIN of round r: settle round r-1's global state (node.duties.consensus; a validator in the minority
-re-syncs state and momentum), then commit to a fresh seed, persisted BEFORE it is published so a restart
-reuses it. REVEAL: reveal the seed; the blobs of the round's accepted Reveals are fetched in the background
-(node.duties.prefetch: assigned ones first, within a byte budget), so a miner that goes down after revealing
-is still scored. EVALUATE: a commit here without its reveal (or the reverse) sends us to a peer for the
-round's envelopes; then the round plan (node.duties.plan: seed s_r from the validators that committed and
-revealed, the miners with a Commit and a matching Reveal, the assignment) is fixed and persisted; the blobs of the miners assigned
-to this validator are fetched (capped), checked and scored off the event loop, and a ScoreReport is
-published. MERGE: wait for the other validators' reports (half the phase, then ask a peer for them),
-then `validator.merge.merge_round` on the SAME plan and the reports as stored whole; its
-MissingBlobError names the candidates this validator did not score, which are fetched and checked once
-into the round's checked-blob cache (`_Checked`, emptied after the merge). The merge gate
-(`validator.merge.gate`) then weighs the current, merged and best-single states, in that order, on held-out
-rows the round seed draws apart from the scored ones, each replacing the one held only on a gain past the
-spec's margin, refusing one that forgets more of the general-domain file (`validator.general`, where the spec
-pins one) than the spec's budget. The validators whose reports
-the merge used are fixed in storage before anything follows from it, so a merge run again after a
-restart ranks, rewards and proposes from the same reports (not from any that came in since), and the
-ledger, leaderboard, round report and vote agree. Rewards and their mark are one storage write; the new
-state and momentum are recorded as our proposal, served (again after any restart) and announced in
-GlobalState. A round that merges nothing proposes no state. The round report, with the gate's
-candidates' losses (node.duties.report), and the leaderboard (node.duties.results) are stored; the loss of
-the ADOPTED state on round r's held-out subset is filled in once round r+1 has settled it. Each step checks storage first, so a restarted validator resumes
-without publishing anything twice.
+TRAIN of round r: commit to a fresh seed (node.duties.seeds), settle round r-1's state (node.duties.consensus;
+a validator in the minority re-syncs state and momentum). REVEAL: reveal the seed; the round's revealed blobs
+are fetched in the background (node.duties.prefetch, assigned ones first, within a byte budget). EVALUATE: the
+round plan (node.duties.plan: the round seed, the miners, the assignment) is fixed and persisted, and the blobs
+assigned to this validator are fetched, checked and scored off the event loop; a ScoreReport is published.
+MERGE: after waiting for the other validators' reports (half the phase, then asking a peer),
+`validator.merge.merge_round` on the same plan and the reports as stored, fetching and checking once the
+candidates this validator did not score; then the merge gate (`validator.merge.gate`) adopts a state on held-out
+rows the round seed draws apart from the scored ones. The reports the merge used are fixed in storage before
+anything follows from them, so a merge run again after a restart ranks, rewards and proposes the same; rewards
+and their mark are one write; the adopted state and momentum are stored, served and announced in GlobalState
+(a round that adopts nothing proposes no state). The round report (node.duties.report) is completed once the
+next round settled the state. Each step checks storage first, so a restarted validator publishes nothing twice.
 This module knows nothing about libp2p; torch work runs in worker threads.
 """
 
@@ -35,39 +24,35 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from node.duties.consensus import Consensus, wait_until
 from node.duties.plan import make_plan, unpaired
 from node.duties.prefetch import Prefetcher, early_assignment
-from node.duties.report import outvote, round_report
+from node.duties.report import RoundReports
 from node.duties.results import leaderboard, learn_results
-from node.net.network import NetworkError, PublishRefused
+from node.duties.seeds import Seeds
+from node.duties.succession import inherited_paths
+from node.net.network import NetworkError
 from node.runtime.context import BuiltOnce, HeartbeatDuties, NodeContext
 from node.store.records import Proposal, RewardRecord, RoundPlan
-from protocol.check import window
 from protocol.messages import (
     Envelope,
     GlobalState,
     Message,
     Reveal,
     ScoreReport,
-    SeedCommit,
     SeedReveal,
     fit_report,
     report_capacity,
 )
-from protocol.ranking import RoundRanking, update_standing
+from protocol.ranking import NoCountedReports, update_standing
 from protocol.rounds import Phase
-from protocol.seeds import commitment, new_seed
-from training.blob import BlobFile
 from training.device import check_device
-from training.experts import Tensors
-from training.state import GlobalExperts
+from training.state import GlobalExperts, inherited_experts
 from validator.device import skeleton
 from validator.merge import Adoption, MergeInputError, MergeResult, MissingBlobError, gate, merge_round
-from validator.model import ValidatorModel, check_files
-from validator.scoring import gate_measure
+from validator.model import ValidatorModel, check_files, spec_files
+from validator.scoring import CheckedSubmissions, gate_measure
 
 log = logging.getLogger(__name__)
 
@@ -82,46 +67,55 @@ class ValidatorDuties:
 
     def __init__(self, ctx: NodeContext) -> None:
         section, spec_path = ctx.config.validator, ctx.config.node.spec
-        heldout = section.heldout
-        assert heldout is not None, "the config requires validator.heldout for a validator"
-        check_files(ctx.spec, spec_path, heldout, section.general)
+        assert section.heldout is not None, "the config requires validator.heldout for a validator"
+        heldout, general = spec_files(ctx.spec, section.heldout, section.general, section.data)
+        check_files(ctx.spec, spec_path, heldout, general)
         check_device(section.device, skeleton(ctx.spec, spec_path), section.batch_size, ctx.spec.data.seq_len)
         self.ctx = ctx
         self.me = ctx.identity.node_id
         self.consensus = Consensus(ctx, need_momentum=True)
         self.heartbeat = HeartbeatDuties(ctx)
+        self.seeds = Seeds(ctx, self._publish)
+        self.reports = RoundReports(ctx)
         self.arrivals = asyncio.Event()
         self.state: GlobalExperts | None = None
         self.synced = False
-        self._loaded = BuiltOnce(lambda: ValidatorModel.load(ctx.spec, spec_path, heldout, section.general,
-                                                              section.device, section.batch_size, section.weights))
-        self._checked = _Checked(-1)
+        self._loaded = BuiltOnce(lambda: ValidatorModel.load(
+            ctx.spec, spec_path, heldout, general, section.device, section.batch_size, section.weights,
+            inherited_experts(inherited_paths(ctx), ctx.spec.limits.max_header_bytes)))
+        self._checked = CheckedSubmissions(-1)
         self._prefetch = Prefetcher(ctx.network, report_capacity(ctx.spec.limits.max_message_bytes),
-                                    section.prefetch_bytes)
+                                    section.prefetch_bytes, ctx.disk.quiet)
         self._cap: int | None = None  # known once the model is loaded
 
     async def on_phase(self, round: int, phase: Phase) -> None:
         if phase is Phase.TRAIN:
             # First, and without the model: a validator still loading it (51-62 s at real size, beside a miner
             # loading its own) commits its seed inside the window all the same.
-            await self._commit_seed(round)
+            await self.seeds.commit(round)
         loaded = await self._loaded.get()
         self._cap = loaded.cap
         await self.consensus.on_phase(round, phase, loaded.scorer.shapes)
         await self._load_head(loaded)
         await self.heartbeat.on_phase(round, phase)
         await self._serve_proposals(round)
-        await self._finish_report(round - 1, loaded)
+        await self.reports.finish(round - 1, self.state, loaded.loss)
         if phase is Phase.TRAIN:
-            self._checked = _Checked(round)
+            self._checked = CheckedSubmissions(round)
             self._prefetch.clear()
             await learn_results(self.ctx.storage, self.ctx.spec, round - 1)  # a round it did not merge
         elif phase is Phase.REVEAL:
-            await self._reveal_seed(round)
+            await self.seeds.reveal(round)
         elif phase is Phase.EVALUATE:
             await self._evaluate(round, loaded)
         elif phase is Phase.MERGE:
             await self._merge(round, loaded)
+
+    async def close(self, round: int) -> None:
+        loaded = await self._loaded.get()
+        await self.consensus.settle(round, loaded.scorer.shapes)
+        await self._load_head(loaded)
+        await self.reports.finish(round - 1, self.state, loaded.loss)
 
     async def on_message(self, envelope: Envelope, message: Message) -> None:
         await self.consensus.on_message(envelope, message)
@@ -150,28 +144,6 @@ class ValidatorDuties:
             for blob_hash in () if proposal is None else (proposal.state, proposal.momentum):
                 if self.ctx.blobs.has(blob_hash):
                     self.ctx.network.serve(blob_hash)
-
-    # -- seeds --------------------------------------------------------------------------------
-
-    async def _commit_seed(self, round: int) -> None:
-        seed = await self.ctx.storage.own_seed(round)
-        if seed is None:
-            seed = new_seed()
-            await self.ctx.storage.set_own_seed(round, seed)
-        if not any(s.validator == self.me and s.commitment for s in await self.ctx.storage.seeds_for(round)):
-            await self._publish(SeedCommit(round=round, commitment=commitment(seed)))
-
-    async def _reveal_seed(self, round: int) -> None:
-        """Reveal our seed of `round` when its window opens, 2 x clock_skew_s into REVEAL: until then some node
-        whose clock is behind ours may still take a commit, and a miner that saw the seed could choose its
-        commit by it."""
-        opens = window("seed_reveal", round, self.ctx.schedule)[0]
-        while self.ctx.clock.now() < opens:
-            await self.ctx.clock.sleep_until(opens)
-        seed = await self.ctx.storage.own_seed(round)
-        mine = [s for s in await self.ctx.storage.seeds_for(round) if s.validator == self.me]
-        if seed is not None and mine and mine[0].commitment and not mine[0].seed:
-            await self._publish(SeedReveal(round=round, seed=seed))
 
     # -- the round plan -----------------------------------------------------------------------
 
@@ -225,7 +197,8 @@ class ValidatorDuties:
         try:
             return await self.ctx.network.fetch(blob_hash, [miner], loaded.cap)
         except (NetworkError, OSError) as exc:
-            log.warning("blob %s of miner %s: %s", blob_hash[:12], miner[:12], exc)
+            if not self.ctx.disk.quiet(exc):
+                log.warning("blob %s of miner %s: %s", blob_hash[:12], miner[:12], exc)
             return None
 
     async def _check_candidates(self, round: int, plan: RoundPlan, miners: list[str], head: str,
@@ -277,17 +250,17 @@ class ValidatorDuties:
             reports = {v: report for v, report in reports.items() if v in merged_from}
         try:
             result, adoption = await self._merge_result(round, plan, head, loaded, reports)
-        except MergeInputError as exc:
+        except (MergeInputError, NoCountedReports) as exc:
             log.warning("round %d: no merge: %s", round, exc)
-            await self._write_report(round, plan, head, None, None, None)
+            await self.reports.write(round, plan, head, None, None, None)
             return
         finally:
-            self._checked = _Checked(round + 1)  # accepted submissions are kept only until their merge
+            self._checked = CheckedSubmissions(round + 1)  # accepted submissions are kept only until their merge
         await self.ctx.storage.fix_merged_from(round, reports)
         await self._record_rewards(round, result)
         await self.ctx.storage.set_round_results(round, leaderboard(round, head, result.ranking, reports, exact=True))
         proposed = await self._propose(round, adoption, head) if adoption.changed else None
-        await self._write_report(round, plan, head, result.ranking, proposed, adoption)
+        await self.reports.write(round, plan, head, result.ranking, proposed, adoption.report())
 
     async def _merge_result(self, round: int, plan: RoundPlan, head: str, loaded: ValidatorModel,
                             reports: Mapping[str, ScoreReport]) -> tuple[MergeResult, Adoption]:
@@ -299,10 +272,14 @@ class ValidatorDuties:
         def merge() -> tuple[MergeResult, Adoption]:
             blobs = self._checked.of(round)
             tensors, momentum = dict(state.tensors), dict(state.momentum)
-            result = merge_round(reports, plan.assignment, plan.revealed, blobs, tensors, momentum, self.ctx.spec,
-                                 head)
-            return result, gate(result, blobs, tensors, momentum, self.ctx.spec,
-                                gate_measure(loaded.scorer, plan.seed, loaded.general))
+            spec = self.ctx.spec
+            result = merge_round(reports, plan.assignment, plan.revealed, blobs, tensors, momentum, spec, head)
+            measure = gate_measure(loaded.scorer, plan.seed, loaded.general)
+            # A successor counts its forgetting budget from its base, the value at the switch: its general-domain
+            # file is the group it replaced, and the budget bounds what the new group takes from it in all.
+            counts_from_base = spec.lineage is not None and spec.aggregation.forgetting_budget is not None
+            reference = measure(loaded.genesis.tensors).general if counts_from_base and result.best else None
+            return result, gate(result, blobs, tensors, momentum, spec, measure, reference)
 
         try:
             return await asyncio.to_thread(merge)
@@ -332,8 +309,8 @@ class ValidatorDuties:
         try:
             state_hash, momentum_hash = await asyncio.to_thread(store)
         except OSError as exc:  # a full or failing disk: nothing recorded, announced or served
-            log.error("round %d: cannot store the proposed state in the blob store (%s); not proposing a state",
-                      round, exc)
+            if not self.ctx.disk.quiet(exc):
+                log.error("round %d: cannot store the proposed state (%s); not proposing a state", round, exc)
             return None
         await self.ctx.storage.set_proposal(round, Proposal(state_hash, momentum_hash), self.me)
         self.ctx.network.serve(state_hash)
@@ -353,73 +330,10 @@ class ValidatorDuties:
                    for r in result.ranking.results if r.rank is not None]
         await self.ctx.storage.add_rewards(round, entries, standings)  # one transaction with the mark
 
-    # -- the round report ---------------------------------------------------------------------
-
-    async def _write_report(self, round: int, plan: RoundPlan, head: str, ranking: RoundRanking | None,
-                            proposed: str | None, adoption: Adoption | None) -> None:
-        heard = {n.node_id for n in await self.ctx.storage.nodes() if n.role == "miner" and n.round >= round}
-        gated = None if adoption is None else adoption.report()
-        await self.ctx.storage.set_round_report(round, round_report(plan, head, ranking, proposed, heard, gated))
-        self.ctx.metrics.seeds_withheld(plan.unrevealed_seeds, plan.excluded)
-
-    async def _finish_report(self, round: int, loaded: ValidatorModel) -> None:
-        """Fill in the state round `round` ended on and its loss on that round's held-out subset; again
-        when this node later follows another head (node.duties.consensus `follow`)."""
-        report = await self.ctx.storage.round_report(round) if round >= 0 else None
-        plan = await self.ctx.storage.round_plan(round) if report is not None else None
-        head = await self.ctx.head()
-        state = self.state  # round + 1's, where a restart late in round + 1's MERGE followed its votes first
-        if report is None or plan is None or report["global_hash"] == head or state is None or state.round > round:
-            return
-        report["global_hash"] = head
-        report["global_loss"] = await asyncio.to_thread(loaded.loss, dict(state.tensors), plan.seed)
-        await self._note_outvote(round, report, head)
-        await self.ctx.storage.set_round_report(round, report)
-
-    async def _note_outvote(self, round: int, report: dict[str, Any], head: str) -> None:
-        """Say so, once, where validators holding a majority of weight adopted for `round` a state other than the
-        one our gate picked (the report's `gate.outvoted`, one line in the log, a counter)."""
-        gate = report.get("gate")
-        adopted = next((s for s in await self.ctx.storage.global_states(round) if s.hash == head), None)
-        if not gate or not gate.get("losses") or "outvoted" in gate or adopted is None:
-            return
-        note = outvote(gate, report["proposed_hash"], adopted, self.ctx.spec.aggregation.gate_margin)
-        if note is None:
-            return
-        gate["outvoted"] = note
-        self.ctx.metrics.outvoted()
-        gain = "" if note["gain"] is None else f"; here it measured {note['gain']:+.3g} nats against ours"
-        log.warning("round %d: outvoted: my gate adopted the %s state; validators holding a majority of weight "
-                    "adopted the %s state %s%s (the gate changes state only on a gain whose interval clears "
-                    "%g nats)", round, note["mine"], note["majority"], head[:12], gain, note["margin"])
-
     # -- helpers ------------------------------------------------------------------------------
 
     async def _published(self, round: int, kind: str) -> bool:
         return any(m.kind == kind and m.sender == self.me for m in await self.ctx.storage.messages(round))
 
     async def _publish(self, message: Message) -> None:
-        try:
-            await self.ctx.publish(message)
-        except PublishRefused as exc:
-            log.warning("round %d: %s refused: %s", message.round, message.kind, exc)
-
-
-class _Checked:
-    """The checked submissions of one round, by miner, as `Scorer.held` keeps them (read from their blob files
-    a tensor at a time): what EVALUATE and MERGE both use."""
-
-    def __init__(self, round: int) -> None:
-        self.round = round
-        self._tensors: dict[str, Tensors] = {}
-
-    def add(self, round: int, tensors: Mapping[str, Tensors]) -> None:
-        if round != self.round:
-            self.round, self._tensors = round, {}
-        self._tensors.update(tensors)
-
-    def of(self, round: int) -> dict[str, Tensors]:
-        """The round's checked submissions whose blob files are still stored (one gone since is fetched again)."""
-        if round != self.round:
-            return {}
-        return {miner: t for miner, t in self._tensors.items() if not isinstance(t, BlobFile) or t.path.is_file()}
+        await self.ctx.announce(message)

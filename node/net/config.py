@@ -9,6 +9,7 @@ does not import libp2p. This module knows nothing about sockets, messages or the
 from __future__ import annotations
 
 import ipaddress
+import re
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -20,6 +21,10 @@ class P2PConfig(BaseModel):
 
     host: str = Field(default="127.0.0.1", description="Listen IPv4 address; 0.0.0.0 accepts peers from other hosts.")
     port: int = Field(default=4001, ge=0, le=65535, description="Listen TCP port; 0 picks a free one.")
+    announce: tuple[str, ...] = Field(
+        default=(), description="Addresses peers are told to dial, /ip4/A/tcp/P or /dns4/NAME/tcp/P, for a host behind "
+        "NAT or a port forward (its public address and forwarded port); empty: the listen address."
+    )
     bootstrap: tuple[str, ...] = Field(
         default=(), description="Bootstrap multiaddrs ending in /p2p/<peer id> (give several); redialled forever."
     )
@@ -33,7 +38,6 @@ class P2PConfig(BaseModel):
         default=1.0, gt=0, description="How often lost peers are redialled and the peer list refreshed."
     )
     exchange_interval_s: float = Field(default=10.0, gt=0, description="How often each peer is asked for its peers.")
-    max_redial_backoff_s: float = Field(default=5.0, gt=0, description="Longest wait between two dials of a lost peer.")
     dial_timeout_s: float = Field(default=5.0, gt=0, description="Give up one dial after this long.")
     blob_idle_timeout_s: float = Field(default=30.0, gt=0, description="Abort a blob transfer idle this long.")
     # 64 KiB/s is about a 20th of a 10 Mbit/s home uplink: a provider serving a dozen fetchers at once
@@ -46,10 +50,6 @@ class P2PConfig(BaseModel):
     )
     blob_chunk_bytes: int = Field(
         default=1 << 20, ge=1, description="Bytes per write when serving a blob and per disk write when fetching."
-    )
-    start_timeout_s: float = Field(default=30.0, gt=0, description="Give up starting the host after this long.")
-    forget_after_failures: int = Field(
-        default=5, ge=1, description="Stop redialling a discovered (non-bootstrap) peer after this many failed dials."
     )
     max_serves_per_peer: int = Field(
         default=2, ge=1, description="Blob streams served to one peer at once; more are answered busy."
@@ -85,6 +85,15 @@ class P2PConfig(BaseModel):
             raise ValueError(f"{value!r} is not an IPv4 address like 127.0.0.1 or 0.0.0.0") from None
         return value
 
+    @field_validator("announce")
+    @classmethod
+    def _dialable(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for addr in value:
+            if not _dialable(addr):
+                raise ValueError(f"{addr!r} is not an address peers can dial, like /ip4/203.0.113.7/tcp/4001 or "
+                                 "/dns4/node.example.org/tcp/4001 (the node adds /p2p/<its peer id>)")
+        return value
+
     @field_validator("bootstrap")
     @classmethod
     def _multiaddrs(cls, value: tuple[str, ...]) -> tuple[str, ...]:
@@ -92,3 +101,16 @@ class P2PConfig(BaseModel):
             if not addr.startswith("/") or "/p2p/" not in addr:
                 raise ValueError(f"{addr!r} is not a multiaddr like /ip4/1.2.3.4/tcp/4001/p2p/<peer id>")
         return value
+
+
+def _dialable(addr: str) -> bool:
+    """Whether `addr` is /ip4/A/tcp/P (A an address other hosts can dial, not 0.0.0.0) or /dns4/NAME/tcp/P."""
+    match = re.fullmatch(r"/(ip4|dns4)/([^/]+)/tcp/(\d{1,5})", addr)
+    if match is None or not 1 <= int(match[3]) <= 65535:
+        return False
+    if match[1] == "dns4":
+        return re.fullmatch(r"(?=.*[A-Za-z])[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?", match[2]) is not None
+    try:
+        return not ipaddress.IPv4Address(match[2]).is_unspecified
+    except ValueError:
+        return False

@@ -13,13 +13,15 @@ against the peer but does not add to its penalty, since the relayer accepted it 
 and seen-set (GossipSub peers push their caches of recent messages to a node that just joined, a
 relayer's clock may run a little ahead of ours, and a sender that signs two messages can hand one
 to each of two honest peers, who each relay theirs). The seen-set can be seeded from
-storage after a restart. It also keeps the bytes of the envelopes it accepted in the current and the
+storage after a restart, and an envelope its node could not record (a full disk) taken out of it (`forget`),
+to be judged afresh when a peer's history hands it on again. It also keeps the bytes of the envelopes it accepted in the current and the
 previous round (`recent`, capped at RECENT_BYTES_PER_ROUND), for a restarted peer to catch up on
 (`judge_replayed` judges those on the other side). It notes the validators whose authentic messages
 arrive before their window opens (`NetworkStats.early`): one such validator has a clock that runs
 ahead, several at once mean ours runs behind (`clock_behind`), which the node reports. Only validators
 count: they are few and known, where anyone can make keys, and two fresh keys' heartbeats for a far
-round would otherwise tell every node that its clock is days behind.
+round would otherwise tell every node that its clock is days behind. It also keeps the peers the
+host refused for speaking another protocol version (`refuse_protocol`, `other_protocols`), which the node shows.
 Thread-safe: the libp2p host judges on its own thread. This module knows nothing about transports
 or storage.
 """
@@ -31,6 +33,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
+from typing import Any
 
 from node.net.config import P2PConfig
 from node.net.network import NetworkStats, PublishRefused
@@ -59,6 +62,10 @@ REJECT_PEERS_KEPT = 1024
 """Peers whose REJECT counts are kept one by one; past that the half with the fewest are added up under
 OTHER_PEERS, so that peers that come and go (fresh ids cost nothing) cannot grow the counts without bound."""
 OTHER_PEERS = "other"
+OTHER_PROTOCOL_SHOWN_S = 600.0
+"""How long a peer refused for speaking another protocol version counts among those a node shows: it is redialled
+(and refused again) every minute or so while it is up."""
+OTHER_PROTOCOL_PEERS_KEPT = 256
 SeenEntry = tuple[str, str, str, int]
 """(message id, kind, sender, round) of an envelope accepted earlier, as storage keeps it."""
 
@@ -98,6 +105,16 @@ def clock_behind(stats: NetworkStats, suspects: int) -> dict[str, float] | None:
     return {"early_validators": len(leads), "behind_by_at_least_s": round(leads[suspects - 1], 1)}
 
 
+def other_protocols(stats: NetworkStats) -> list[dict[str, Any]]:
+    """The peers refused for speaking another protocol version (in `stats`, a snapshot) by the version they speak:
+    `[{"protocol": N, "peers": count, "releases": [their releases]}]`, lowest version first."""
+    by_version: dict[int, list[str]] = {}
+    for protocol, release, _ in stats.other_protocols.values():
+        by_version.setdefault(protocol, []).append(release)
+    return [{"protocol": v, "peers": len(releases), "releases": sorted(set(releases))}
+            for v, releases in sorted(by_version.items())]
+
+
 class GossipJudge:
     """Judges incoming gossip and our own envelopes; counts verdicts, budgets senders, penalises peers.
 
@@ -109,7 +126,7 @@ class GossipJudge:
                  node_id: str | None = None) -> None:
         """`node_id`: this node's, which is not counted among the validators that could be early."""
         config = config or P2PConfig()
-        self.network_id = spec.network_id
+        self.network_id = spec.gossip_id
         self.max_bytes = spec.limits.max_message_bytes
         self.sender_budget = config.sender_budget
         self.penalty_threshold = config.penalty_threshold
@@ -224,6 +241,14 @@ class GossipJudge:
                 self._first_seen.setdefault((kind, sender, round), message_id)
                 self._prune(round)
 
+    def forget(self, envelope: Envelope) -> None:
+        """Take an accepted envelope out of the seen-set, as if it had never come: its node could not record it."""
+        with self._lock:
+            self._seen.pop(envelope.message_id, None)
+            key = (envelope.kind, envelope.sender, envelope.round)
+            if self._first_seen.get(key) == envelope.message_id:
+                del self._first_seen[key]
+
     def _repeats_heartbeat(self, envelope: Envelope) -> bool:
         first = self._first_seen.get(("heartbeat", envelope.sender, envelope.round))
         return first is not None and first != envelope.message_id
@@ -292,6 +317,17 @@ class GossipJudge:
             self.stats.peer_scores[peer] = 0
             self.stats.penalties += 1
 
+    def refuse_protocol(self, peer: str, protocol: int, release: str) -> bool:
+        """Note that `peer`, which speaks protocol version `protocol` of release `release`, was refused; True the
+        first time it is noted with that version (the host logs it then, and only counts it later)."""
+        with self._lock:
+            known = self.stats.other_protocols.pop(peer, None)
+            self.stats.other_protocols[peer] = (protocol, release, self._now())
+            self.stats.protocol_refusals += 1
+            if len(self.stats.other_protocols) > OTHER_PROTOCOL_PEERS_KEPT:  # fresh ids cost a peer nothing
+                del self.stats.other_protocols[next(iter(self.stats.other_protocols))]  # the longest not refused
+            return known is None or known[0] != protocol
+
     def is_penalised(self, peer: str) -> bool:
         """Whether `peer` is serving a penalty now (disconnect it, do not dial it)."""
         with self._lock:
@@ -324,4 +360,6 @@ class GossipJudge:
             return replace(s, messages=Counter(s.messages), rejects_by_peer=Counter(s.rejects_by_peer),
                            peer_scores=dict(s.peer_scores),
                            penalised={p: t for p, t in s.penalised.items() if t > now},
-                           early=self._recent_early(now))
+                           early=self._recent_early(now),
+                           other_protocols={p: o for p, o in s.other_protocols.items()
+                                            if o[2] > now - OTHER_PROTOCOL_SHOWN_S})

@@ -67,6 +67,11 @@ class NetworkStats:
     early: dict[str, tuple[float, float]] = field(default_factory=dict)
     """Validators whose authentic messages arrived before their window opened, beyond the clock-skew tolerance,
     in about the last two rounds -> (the most seconds one arrived before its window, when the last arrived)."""
+    other_protocols: dict[str, tuple[int, str, float]] = field(default_factory=dict)
+    """Peers refused because they speak another protocol version -> (their protocol, their release, when last
+    refused)."""
+    protocol_refusals: int = 0
+    """How many times a peer was refused for speaking another protocol version since start."""
 
 
 @dataclass(frozen=True)
@@ -221,6 +226,11 @@ class Gossip(Protocol):
         that answers with any envelopes is the last one asked (one with none restarted or joined since,
         and holds no history). Never raises for what a provider sends.
         """
+        ...
+
+    def forget(self, envelope: Envelope) -> None:
+        """Judge a delivered envelope afresh when it comes again: this node could not keep it (a full disk),
+        so a peer's history (`catch_up`) may hand it on once more."""
         ...
 
 

@@ -129,6 +129,9 @@ class MemoryNetwork:
                 return delivered
         return 0
 
+    def forget(self, envelope: Envelope) -> None:
+        self._judge.forget(envelope)
+
     def serve(self, blob_hash: str) -> None:
         if not self._store.has(blob_hash):
             raise NetworkError(f"cannot serve blob {blob_hash[:12]}: not in the blob store")

@@ -113,6 +113,9 @@ class ValidatorSection(_Section):
     general: ConfigPath | None = Field(
         default=None, description="The general-domain held-out file whose SHA-256 the spec pins as data.general_sha256 "
         "(required where the spec pins one): the merge gate's forgetting check reads it.")
+    data: list[ConfigPath] = Field(
+        default_factory=list, description="Held-out and general-domain files of successor specs: a validator scores "
+        "a successor with the one whose SHA-256 it pins (protocol.successor).")
     device: str = Field(
         default="cpu", description="Torch device for scoring (cpu, cuda, cuda:1); 'auto' spreads the model over all GPUs."
     )
@@ -201,7 +204,8 @@ class NodeConfig(BaseSettings):
                                             "data_dir": fix(self.node.data_dir)})
         miner = self.miner.model_copy(update={"data": fix(self.miner.data)})
         validator = self.validator.model_copy(update={"heldout": fix(self.validator.heldout),
-                                                      "general": fix(self.validator.general)})
+                                                      "general": fix(self.validator.general),
+                                                      "data": [(base / path).resolve() for path in self.validator.data]})
         return self.model_copy(update={"node": node, "miner": miner, "validator": validator})
 
 
@@ -318,8 +322,11 @@ def _did_you_mean(loc: list[str]) -> str:
 
 
 def render_config(role: Role, spec: Path, key: Path, data_dir: Path, p2p_port: int, http_port: int,
-                  heldout: Path | None = None, bootstrap: tuple[str, ...] = ()) -> str:
-    """A commented node config TOML for `tessera init`; paths are written as given."""
+                  heldout: Path | None = None, bootstrap: tuple[str, ...] = (), host: str = "127.0.0.1",
+                  announce: tuple[str, ...] = (), device: str | None = None, forward: str | None = None,
+                  general: Path | None = None) -> str:
+    """A commented node config TOML for `tessera init`; paths are written as given, and the role's device (and a
+    miner's forward model) always, so an operator sees what the node trains or scores on."""
     lines = [
         "# Tessera node config. Environment variables TESSERA_<SECTION>__<FIELD> override it.",
         "[node]",
@@ -329,8 +336,9 @@ def render_config(role: Role, spec: Path, key: Path, data_dir: Path, p2p_port: i
         f"data_dir = {_q(data_dir.as_posix())}",
         "",
         "[p2p]",
-        'host = "127.0.0.1"',
+        f"host = {_q(host)}  # the address libp2p listens on; 0.0.0.0 for peers on other hosts",
         f"port = {p2p_port}",
+        f"announce = [{', '.join(_q(a) for a in announce)}]  # what peers are told to dial; empty: the listen address",
         f"bootstrap = [{', '.join(_q(b) for b in bootstrap)}]",
         f"# penalty_threshold = {P2PConfig().penalty_threshold}  # REJECTs a peer may send in one round before it is cut off",
         f"# penalty_backoff_s = {P2PConfig().penalty_backoff_s}  # how long it then stays disconnected and undialled",
@@ -338,10 +346,18 @@ def render_config(role: Role, spec: Path, key: Path, data_dir: Path, p2p_port: i
         "[http]",
         'host = "127.0.0.1"',
         f"port = {http_port}",
+        "",
     ]
-    if role == "validator":
-        lines += ["", "[validator]"]
-        lines.append(f"heldout = {_q(heldout.as_posix())}" if heldout is not None else '# heldout = "heldout.txt"')
+    if role == "miner":
+        section = MinerSection.model_fields
+        lines += ["[miner]", f"device = {_q(device or section['device'].default)}",
+                  f"forward = {_q(forward or section['forward'].default)}  # or compressed: only the group's experts"]
+    else:
+        section = ValidatorSection.model_fields
+        lines += ["[validator]", f"device = {_q(device or section['device'].default)}",
+                  f"heldout = {_q(heldout.as_posix())}" if heldout is not None else '# heldout = "heldout.txt"']
+        if general is not None:
+            lines.append(f"general = {_q(general.as_posix())}")
     return "\n".join(lines) + "\n"
 
 

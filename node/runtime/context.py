@@ -2,8 +2,9 @@
 
 A duty sees the node only through its `NodeContext`: the config, spec and schedule; the identity it
 signs with; the clock; typed storage and the blob store; the network (peers, blob transfer, catch-up);
-the metrics; and `publish`, which signs, gossips, records and hands one of our own messages back to
-our duties. It never reaches into the Node, the scheduler or the HTTP API. In return it provides
+the metrics; the data directory's disk (`disk`: a write refused for a full disk is said there, once a
+round); and `publish`, which signs, gossips, records and hands one of our own messages back to our
+duties (`announce` logs a refusal instead of raising it). It never reaches into the Node, the scheduler or the HTTP API. In return it provides
 `Duties` (`on_phase`, `on_message`), built by a `DutiesFactory` from the context once, at start;
 `BuiltOnce` loads what a role needs (model, data) in a worker thread at its first phase.
 `HeartbeatDuties`, the minimal duty, announces liveness and head once a round: a node started without
@@ -19,14 +20,16 @@ import logging
 import sqlite3
 from collections.abc import Awaitable, Callable, Container, Iterable
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 from node.net.network import Network, NetworkError, PublishRefused
 from node.runtime.clock import Clock
 from node.runtime.config import NodeConfig
+from node.runtime.disk import DiskWatch
 from node.runtime.metrics import NodeMetrics
 from node.store.blobs import BlobStore
 from node.store.db import Storage
+from node.store.records import SuccessorRecord
 from protocol.identity import Identity
 from protocol.messages import Envelope, Heartbeat, Message, seal
 from protocol.rounds import Phase, Schedule
@@ -66,6 +69,7 @@ class NodeContext:
     network: Network
     metrics: NodeMetrics
     local: LocalDelivery
+    disk: DiskWatch
 
     async def publish(self, message: Message) -> Envelope:
         """Sign, gossip, record and hand to our duties one of our own messages; PublishRefused if peers
@@ -76,7 +80,7 @@ class NodeContext:
         refused message leaves no trace; a duty that must not repeat an action after a crash in between
         records its intent first (a typed storage write).
         """
-        envelope = seal(message, self.spec.network_id, self.identity)
+        envelope = seal(message, self.spec.gossip_id, self.identity)
         try:
             await self.storage.record_sent(envelope)
         except (sqlite3.Error, OSError) as exc:
@@ -91,9 +95,18 @@ class NodeContext:
         await self.local.handler(envelope, message)
         return envelope
 
+    async def announce(self, message: Message) -> Envelope | None:
+        """`publish`, with a refusal logged rather than raised (a full disk's once a round, by `disk`); None then."""
+        try:
+            return await self.publish(message)
+        except PublishRefused as exc:
+            if not self.disk.quiet(exc):
+                log.warning("round %d: %s refused: %s", message.round, message.kind, exc)
+            return None
+
     async def head(self) -> str:
         """The global state this node builds on: the adopted head, else the base model."""
-        return await self.storage.head() or self.spec.model.base_hash
+        return await self.storage.head() or self.spec.root
 
     async def catch_up(self, round: int) -> int:
         """Ask a peer, validators first (`history_providers`), for the envelopes of `round` it accepted,
@@ -140,8 +153,22 @@ class Duties(Protocol):
         """Called for each accepted envelope (ours too) and its decoded message, after storage recorded it."""
         ...
 
+    async def close(self, round: int) -> None:
+        """The last work on a spec whose successor is in force from `round`: settle round - 1 as TRAIN of `round`
+        would (node.duties.succession then derives the successor on the head this ends on)."""
+        ...
+
 
 DutiesFactory = Callable[[NodeContext], Duties]
+
+
+@runtime_checkable
+class TakesSuccessors(Protocol):
+    """Duties that keep the chain of specs (node.duties.succession): an operator's offer goes to them."""
+
+    async def offer(self, data: bytes) -> SuccessorRecord:
+        """Judge a signed successor document; kept and offered to peers when accepted."""
+        ...
 
 
 class BuiltOnce(Generic[T]):
@@ -176,10 +203,15 @@ class HeartbeatDuties:
         role = self.ctx.config.node.role
         momentum = await self.ctx.storage.momentum() if role == "validator" else None
         try:
-            await self.ctx.publish(Heartbeat(round=round, role=role, head=head, momentum=momentum))
+            spec = None if self.ctx.spec.lineage is None else self.ctx.spec.network_id
+            await self.ctx.publish(Heartbeat(round=round, role=role, head=head, momentum=momentum, spec=spec))
         except PublishRefused as exc:
-            log.info("round %d: no heartbeat: %s", round, exc)
+            if not self.ctx.disk.quiet(exc):
+                log.info("round %d: no heartbeat: %s", round, exc)
         self._announced = round
 
     async def on_message(self, envelope: Envelope, message: Message) -> None:
+        return None
+
+    async def close(self, round: int) -> None:
         return None

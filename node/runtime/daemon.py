@@ -15,7 +15,9 @@ Miner and validator work plugs in through `Duties` (`on_phase`, `on_message`), b
 runs `HeartbeatDuties`, which only announces liveness and head, once a round.
 
 Before it takes the locks, a node refuses what would run but never work (node.runtime.preflight); once
-running it says in its log when it has no peer and what to check, and when it has peers again.
+running it says in its log when it has no peer and what to check, and when it has peers again, and, at
+start and at each TRAIN, when its disk has less room than the rounds ahead need (node.runtime.disk, which
+also says a write refused for a full disk, once a round).
 This module knows nothing about training, scoring or merging, nor about libp2p (node.net.p2p).
 """
 
@@ -29,14 +31,22 @@ import sqlite3
 import time
 from typing import Any
 
-from node.net.judge import GossipJudge, clock_behind, clock_suspects
+from node.net.judge import GossipJudge, clock_behind, clock_suspects, other_protocols
 from node.net.network import Network, Subscription
 from node.runtime.clock import Clock, SystemClock
 from node.runtime.config import ConfigError, NodeConfig
-from node.runtime.context import Duties, DutiesFactory, HeartbeatDuties, LocalDelivery, NodeContext
+from node.runtime.context import (
+    Duties,
+    DutiesFactory,
+    HeartbeatDuties,
+    LocalDelivery,
+    NodeContext,
+    TakesSuccessors,
+)
+from node.runtime.disk import DiskWatch, group_shapes, round_need
 from node.runtime.http import HttpApi
 from node.runtime.metrics import NodeMetrics
-from node.runtime.preflight import alone_hint, check_listen, check_memory, check_role_key
+from node.runtime.preflight import alone_hint, check_disk, check_listen, check_memory, check_role_key
 from node.runtime.scheduler import Scheduler
 from node.runtime.status import StatusViews, learning_settings
 from node.store.blobs import BlobStore
@@ -47,6 +57,8 @@ from protocol.identity import Identity, load_or_create_identity
 from protocol.messages import Envelope, Message
 from protocol.rounds import Phase, Schedule
 from protocol.spec import NetworkSpec, SpecError, load_spec
+from protocol.successor import spec_from_bytes
+from protocol.version import PROTOCOL_VERSION, RELEASE, describe, other_protocol_line
 from training import allocator
 
 log = logging.getLogger(__name__)
@@ -61,11 +73,14 @@ ROUNDS_LISTED = 32
 class Node:
     """One running node. Build with `await Node.create(...)`; `await run()`; `stop()` from anywhere on the loop."""
 
-    def __init__(self, ctx: NodeContext, duties: Duties, lock: NodeLock, new_data_round: int = -1) -> None:
+    def __init__(self, ctx: NodeContext, duties: Duties, lock: NodeLock, new_data_round: int = -1,
+                 genesis: NetworkSpec | None = None) -> None:
         self.ctx = ctx
+        self.genesis = genesis or ctx.spec
+        """The network's spec file (`ctx.spec` is the spec in force when the node started: a successor's, maybe)."""
         self.duties = duties
         self._lock = lock
-        self.scheduler = Scheduler(ctx.schedule, ctx.clock, self._on_phase, self._on_run)
+        self.scheduler = Scheduler(ctx.schedule, ctx.clock, self._on_phase, self._on_run, quiet=ctx.disk.quiet)
         self.http: HttpApi | None = None
         self._stop = asyncio.Event()
         self.key_elsewhere: dict[str, Any] | None = None
@@ -86,9 +101,18 @@ class Node:
             spec = load_spec(config.node.spec)
         except SpecError as exc:
             raise ConfigError(f"node.spec: {exc}") from exc
+        if spec.lineage is not None:
+            raise ConfigError(f"node.spec: {config.node.spec} is a successor spec; give the network's genesis spec "
+                              "(a node follows the successors from there)")
         identity = await asyncio.to_thread(load_or_create_identity, config.node.key)
         check_role_key(config, spec, identity)
         await asyncio.to_thread(check_memory, config, spec)  # the role's step traced, before any weight loads
+        try:
+            shapes = await asyncio.to_thread(group_shapes, spec, config.node.spec)
+        except ValueError as exc:
+            raise ConfigError(f"node.spec: {exc}") from exc
+        need = round_need(config, spec, shapes)
+        check_disk(config, need)
         if network is None:  # before the lock, which makes the data directory: a mistake leaves nothing behind
             await asyncio.to_thread(check_listen, config)
         clock = clock or SystemClock()
@@ -112,8 +136,11 @@ class Node:
             metrics = NodeMetrics()
             metrics.bind_network(lambda: network.stats, lambda: len(network.peers()),
                                  clock_suspects(spec, identity.node_id))
-            ctx = NodeContext(config, spec, schedule, identity, clock, storage, blobs, network,
-                              metrics, LocalDelivery())
+            in_force = await spec_in_force(storage, spec)
+            disk = DiskWatch(config, blobs, need, metrics,
+                             lambda: schedule.round_at(clock.now()) if clock.now() >= schedule.genesis_ts else -1)
+            ctx = NodeContext(config, in_force, schedule, identity, clock, storage, blobs, network,
+                              metrics, LocalDelivery(), disk)
             # in a thread: a factory may hash or read files; it may refuse, e.g. a held-out file with the wrong hash
             node_duties = await asyncio.to_thread(duties or HeartbeatDuties, ctx)
         except BaseException:
@@ -122,11 +149,12 @@ class Node:
             await storage.close()
             lock.release()
             raise
-        return cls(ctx, node_duties, lock, new_data_round)
+        return cls(ctx, node_duties, lock, new_data_round, spec)
 
     async def run(self) -> None:
         """Serve until `stop()`; always closes HTTP, network and storage on the way out."""
         try:
+            self.ctx.disk.warn_if_low(await asyncio.to_thread(self.ctx.disk.look))
             if self.ctx.config.http.enabled:
                 self.http = await HttpApi.start(StatusViews(self), self.ctx.config.http.host,
                                                 self.ctx.config.http.port)
@@ -206,7 +234,7 @@ class Node:
                 if not any(verdict == "accept" for _, verdict in ctx.network.stats.messages):
                     log.warning("p2p: connected to %d peer(s) for a whole round and no message of network %s has "
                                 "arrived: they may run another spec (compare the network ids `tessera spec check` "
-                                "prints), or no other node of this network is up", peers, ctx.spec.network_id[:12])
+                                "prints), or no other node of this network is up", peers, ctx.spec.gossip_id[:12])
             await asyncio.sleep(PEER_WATCH_S)
 
     async def _close(self) -> None:
@@ -250,20 +278,24 @@ class Node:
     async def _handle(self, envelope: Envelope, message: Message) -> None:
         """Record an accepted envelope, then hand it and its decoded message to the duties.
 
-        A message that cannot be recorded (a full or failing disk) is logged and left out, and the node
-        goes on: the duties never act on what storage does not hold."""
+        A message that cannot be recorded (a full or failing disk) is logged (a full disk once a round) and
+        left out, and the node goes on: the duties never act on what storage does not hold. The network forgets
+        it was delivered, so catching up from a peer (as at TRAIN, when votes are missing) takes it in again."""
         try:
             if not await self.ctx.storage.record_accepted(envelope, message, self.ctx.clock.now()):
                 return  # stored before a restart (the duties saw it then), or an equivocation across one
         except (sqlite3.Error, OSError) as exc:
-            log.error("round %d: cannot record a %s from %s, so it is left out: %s (is the disk of %s full?)",
-                      envelope.round, envelope.kind, envelope.sender[:12], exc, self.ctx.config.db_path)
+            self.ctx.network.forget(envelope)  # a peer's history may hand it on again, once there is room
+            if not self.ctx.disk.quiet(exc):
+                log.error("round %d: cannot record a %s from %s, so it is left out: %s", envelope.round,
+                          envelope.kind, envelope.sender[:12], exc)
             return
         try:
             await self.duties.on_message(envelope, message)
-        except Exception:
-            log.exception("duty failed on %s from %s (round %d)", envelope.kind, envelope.sender[:12],
-                          envelope.round)
+        except Exception as exc:
+            if not self.ctx.disk.quiet(exc):
+                log.exception("duty failed on %s from %s (round %d)", envelope.kind, envelope.sender[:12],
+                              envelope.round)
 
     async def _on_phase(self, round: int, phase: Phase) -> None:
         log.info("round %d: %s", round, phase)
@@ -280,6 +312,7 @@ class Node:
             else:
                 await self.ctx.storage.prune(round - self.ctx.config.storage.message_retention_rounds)
                 await self._prune_blobs(round)
+            self.ctx.disk.warn_if_low(await asyncio.to_thread(self.ctx.disk.look))  # after pruning made room
         await self.duties.on_phase(round, phase)
 
     async def _on_run(self, run: PhaseRun) -> None:
@@ -306,22 +339,30 @@ class Node:
         ctx = self.ctx
         now = ctx.clock.now()
         round_, phase = ctx.schedule.phase_at(now) if now >= ctx.schedule.genesis_ts else (None, None)
+        stats = ctx.network.stats
+        others = other_protocols(stats)
         return {
+            "version": RELEASE,
+            "protocol": PROTOCOL_VERSION,
             "role": ctx.config.node.role,
             "node_id": ctx.identity.node_id,
-            "network_id": ctx.spec.network_id,
+            "network_id": ctx.spec.gossip_id,
             "network": ctx.spec.name,
             "time": now,
             "round": round_,
             "phase": None if phase is None else str(phase),
             "peers": len(ctx.network.peers()),
             "listen": ctx.network.listen_addrs,
+            "announce": list(ctx.config.p2p.announce),
             "head": await ctx.storage.head(),
             "base": ctx.spec.model.base_hash,
             "learning": learning_settings(ctx.spec),
             "last_run": None if not self.scheduler.runs else _run_dict(self.scheduler.runs[-1]),
             "key_used_elsewhere": self.key_elsewhere,
-            "clock_behind": clock_behind(ctx.network.stats, clock_suspects(ctx.spec, ctx.identity.node_id)),
+            "clock_behind": clock_behind(stats, clock_suspects(ctx.spec, ctx.identity.node_id)),
+            "disk": ctx.disk.status(await asyncio.to_thread(ctx.disk.look)),
+            "other_protocols": others,
+            "protocol_alert": " · ".join(other_protocol_line(o["peers"], o["protocol"]) for o in others) or None,
         }
 
     async def rewards(self, last_rounds: int | None = None, top: int | None = None) -> dict[str, Any]:
@@ -342,6 +383,20 @@ class Node:
 
     def metrics_text(self) -> bytes:
         return self.ctx.metrics.render()
+
+    async def offer_successor(self, data: bytes) -> dict[str, Any]:
+        """An operator's successor document, judged by the node's duties: the verdict and its reason."""
+        if not isinstance(self.duties, TakesSuccessors):
+            return {"verdict": "refuse", "reason": "this node keeps no chain of specs (it runs no role's duties)"}
+        record = await self.duties.offer(data)
+        return {"verdict": record.verdict, "reason": record.reason, "document": record.document,
+                "activation": record.activation, "signed_by": int(record.signed)}
+
+
+async def spec_in_force(storage: Storage, genesis: NetworkSpec) -> NetworkSpec:
+    """The spec this node ran last (node.duties.succession keeps it across restarts), else `genesis`."""
+    spec_id = await storage.spec_in_force()
+    return genesis if spec_id is None else spec_from_bytes((await storage.specs())[spec_id].body)
 
 
 def _run_dict(run: PhaseRun) -> dict[str, Any]:
@@ -370,8 +425,10 @@ def serve(config: NodeConfig, duties: DutiesFactory | None = None) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, _on_signal, node, received, sig)
         ctx = node.ctx
-        log.info("%s %s on network %s (%s), listening on %s", config.node.role, ctx.identity.node_id[:12],
-                 ctx.spec.name, ctx.spec.network_id[:12], ", ".join(ctx.network.listen_addrs) or "nothing")
+        log.info("%s: %s %s on network %s (%s), listening on %s%s", describe(), config.node.role,
+                 ctx.identity.node_id[:12], ctx.spec.name, ctx.spec.network_id[:12],
+                 ", ".join(ctx.network.listen_addrs) or "nothing",
+                 f"; peers are told to dial {', '.join(config.p2p.announce)}" if config.p2p.announce else "")
         if (wait := ctx.schedule.genesis_ts - ctx.clock.now()) > 0:
             log.info("genesis (round 0) is at %s UTC, in %s; the node waits for it, and its status page counts down",
                      time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ctx.schedule.genesis_ts)), _duration(wait))

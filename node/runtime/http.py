@@ -1,10 +1,12 @@
 """The node's local HTTP API (aiohttp): the status page at /, and /healthz, /status, /rounds, /rounds/{r},
-/miners/{id}, /rewards and /metrics.
+/miners/{id}, /rewards, /metrics and POST /successor.
 
-Read-only and GET only; binds 127.0.0.1 unless configured otherwise, every address of the host on one
+Read-only but for POST /successor, where an operator offers a signed successor document (`tessera spec offer`):
+the node judges it at once and answers the verdict, and the offer changes nothing unless validators holding a
+majority of weight signed the document. It binds 127.0.0.1 unless configured otherwise, every address of the host on one
 port. Bad input gets a 4xx with a one-line JSON reason, never a 500: a non-numeric or absurd round
-(400), an unknown round or miner (404), a query string over MAX_QUERY_CHARS as sent (414), any other
-method (405); a request aiohttp cannot parse (a raw non-ASCII byte in the path, a line too long) gets
+(400), an unknown round or miner (404), a refused successor (400), a query string over MAX_QUERY_CHARS as sent
+(414), any other method (405); a request aiohttp cannot parse (a raw non-ASCII byte in the path, a line too long) gets
 aiohttp's own plain-text 400 and one log line, no traceback. A view that fails (a storage error) gets a
 500 with a one-line JSON reason, its traceback logged once. The page is three static files shipped in
 node/runtime/page/ (no CDN, and a Content-Security-Policy that lets it load nothing from elsewhere); it
@@ -35,6 +37,7 @@ PAGE_DIR = Path(__file__).with_name("page")
 PAGE_FILES = {"/": ("index.html", "text/html"), "/app.js": ("app.js", "text/javascript"),
               "/style.css": ("style.css", "text/css")}
 MAX_QUERY_CHARS = 512
+OFFER_PATH = "/successor"
 MAX_ROUND_DIGITS = 12
 _CSP = "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:"
 
@@ -53,6 +56,8 @@ class StatusSource(Protocol):
     async def miner(self, miner: str) -> list[dict[str, Any]]: ...
 
     async def metrics_text(self) -> bytes: ...
+
+    async def offer_successor(self, data: bytes) -> dict[str, Any]: ...
 
 
 class HttpApi:
@@ -76,6 +81,7 @@ class HttpApi:
             web.get("/rounds", _json(source.rounds)),
             web.get("/rounds/{round}", _round(source)),
             web.get("/miners/{miner}", _miner(source)),
+            web.post(OFFER_PATH, _offer(source)),
         ])
         logging.getLogger("aiohttp.server").addFilter(_BAD_REQUESTS)  # once: a filter is added only once
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
@@ -144,8 +150,9 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Refuse what no endpoint takes before any handler runs; give every 4xx a JSON reason."""
     if len(request.rel_url.raw_query_string) > MAX_QUERY_CHARS:  # as sent: %41 is three characters
         return _error(414, f"query string over {MAX_QUERY_CHARS} characters")
-    if request.method not in ("GET", "HEAD"):
-        return _error(405, f"method {request.method[:16]} not allowed; this API is read-only (GET)")
+    if request.method not in ("GET", "HEAD") and (request.method, request.path) != ("POST", OFFER_PATH):
+        return _error(405, f"method {request.method[:16]} not allowed; this API is read-only (GET), but for "
+                      f"POST {OFFER_PATH}")
     try:
         return await handler(request)
     except web.HTTPException as exc:
@@ -190,6 +197,14 @@ def _miner(source: StatusSource) -> Handler:
         if not history:
             return _error(404, f"no results for miner {miner[:12]} in the rounds this node keeps")
         return web.json_response(history, dumps=_dumps)
+
+    return handler
+
+
+def _offer(source: StatusSource) -> Handler:
+    async def handler(request: web.Request) -> web.Response:
+        verdict = await source.offer_successor(await request.read())
+        return web.json_response(verdict, status=200 if verdict["verdict"] == "accept" else 400, dumps=_dumps)
 
     return handler
 

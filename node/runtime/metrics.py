@@ -1,12 +1,13 @@
 """Prometheus metrics for one node, in a registry of its own (several nodes can share a process).
 
-Four sources: the process's own (prometheus-client's `process_*` memory, CPU, open files and
+Five sources: the release and protocol version (`tessera_build_info`); the process's own (prometheus-client's `process_*` memory, CPU, open files and
 threads, `python_gc_*` and `python_info`, as any Prometheus target exports them); the network's
 counters (messages by kind and verdict, rejects per peer, bytes, blob fetches, peers), read at
 scrape time from `NetworkStats` so there is one count, not two; the scheduler's round and phase
 timings, pushed in by the node; and the work and results of the round, pushed in through small
 methods: `train_progress` (miner), `submissions_scored` and `seeds_withheld` (validator),
-`round_results` (any node, from the status views; a validator's also carries its merge gate). Peer ids are unbounded and chosen by peers, so
+`round_results` (any node, from the status views; a validator's also carries its merge gate), and `disk` (the
+data directory's free bytes and what the rounds ahead need, node.runtime.disk). Peer ids are unbounded and chosen by peers, so
 rejects per peer are exported for the top N only (labelled by the id's first 16 alphanumeric
 characters) plus one `other` series; verdict reasons are free text, so they are cut to their first
 clause and bounded in number (the scored counter for the process's life, the last round's verdicts per
@@ -33,8 +34,9 @@ from prometheus_client import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from node.net.judge import CLOCK_SUSPECT_VALIDATORS, OTHER_PEERS, clock_behind
+from node.net.judge import CLOCK_SUSPECT_VALIDATORS, OTHER_PEERS, OTHER_PROTOCOL_SHOWN_S, clock_behind
 from node.net.network import NetworkStats
+from protocol.version import PROTOCOL_VERSION, RELEASE
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 15, 30, 60, 300, 900, 3600)
@@ -100,6 +102,12 @@ class NodeMetrics:
                                          "round's assignment for withholding a seed.", registry=r)
         self.key_elsewhere = Counter("tessera_key_used_elsewhere", "Messages signed with this node's key that "
                                      "reached it from the network and that it has no record of sending.", registry=r)
+        self.disk_free = Gauge("tessera_disk_free_bytes", "Free bytes of the data directory's disk.", registry=r)
+        self.disk_needed = Gauge("tessera_disk_needed_bytes", "Free bytes the rounds ahead need on the data "
+                                 "directory's disk, as the node estimates them from the spec and its config.", registry=r)
+        build = Gauge("tessera_build_info", "Always 1: the release this node runs and the protocol version it speaks.",
+                      ["version", "protocol"], registry=r)
+        build.labels(version=RELEASE, protocol=str(PROTOCOL_VERSION)).set(1)
         self._scored_reasons: set[str] = set()
 
     def bind_network(self, stats: Callable[[], NetworkStats], peers: Callable[[], int],
@@ -184,6 +192,11 @@ class NodeMetrics:
         self._scored_reasons.add(label)
         return label
 
+    def disk(self, free_bytes: int, needed_bytes: int) -> None:
+        """The data directory's free bytes and what the rounds ahead need (node.runtime.disk)."""
+        self.disk_free.set(free_bytes)
+        self.disk_needed.set(needed_bytes)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -266,6 +279,10 @@ class _NetworkCollector:
                                 value=len(s.penalised))
         yield GaugeMetricFamily("tessera_early_validators", "Validators whose messages arrived before their "
                                 "window opened in the last two rounds.", value=len(s.early))
+        yield CounterMetricFamily("tessera_protocol_refusals", "Times a peer was refused for speaking another protocol "
+                                  "version.", value=s.protocol_refusals)
+        yield GaugeMetricFamily("tessera_other_protocol_peers", "Peers refused for speaking another protocol version "
+                                f"in the last {OTHER_PROTOCOL_SHOWN_S / 60:g} minutes.", value=len(s.other_protocols))
         behind = clock_behind(s, self._clock_suspects)
         yield GaugeMetricFamily("tessera_clock_behind_seconds", "How far this node's clock lags the validators' "
                                 "at least, where enough of them were early to say (0: not known to lag).",

@@ -3,8 +3,9 @@ ConfigError naming the field. A key the spec does not name as a validator's on a
 miner); a p2p or HTTP port another process listens on (libp2p listens with SO_REUSEPORT, so two nodes on
 one port would share it silently and split their peers' connections); a bootstrap address that is not
 one; a CUDA device that does not exist, or that cannot hold the role's step as `training.plan` traces it
-before any weight loads (`check_memory`). Also what a node without peers should check (`alone_hint`), and
-where py-libp2p's own log lines go. This module knows nothing of what a running node does.
+before any weight loads (`check_memory`); a validator whose blob budget, or whole disk, cannot hold one
+round of the network (`check_disk`, on node.runtime.disk's estimate). Also what a node without peers should
+check (`alone_hint`), and where py-libp2p's own log lines go. This module knows nothing of what a running node does.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from node.net.config import P2PConfig
 from node.net.network import Network
 from node.runtime.config import ConfigError, NodeConfig
+from node.runtime.disk import DATABASE_HEADROOM, RoundNeed, size_text, total_bytes
 from protocol.identity import Identity
 from protocol.spec import NetworkSpec, spec_dir_path
 
@@ -149,6 +151,26 @@ def _plan(model: PlannedModel, spec: NetworkSpec, setting: Setting) -> MemoryPla
 
     group = {layer: list(ids) for layer, ids in spec.group.items()}
     return plan(model.config, setting, group, family=model.family, dtype=model.dtype, attn_implementation=model.attn)
+
+
+def check_disk(config: NodeConfig, need: RoundNeed) -> None:
+    """ConfigError when this node is a validator and `storage.blob_budget_bytes`, or the whole disk its data
+    directory is on, cannot hold one round of what it stores (`need`): it could not keep what it scores and
+    merges. A miner, and a disk with too little free now, are told of in the log once running (DiskWatch)."""
+    if config.node.role != "validator":
+        return
+    one, parts = need.round_bytes, need.parts()
+    budget = config.storage.blob_budget_bytes
+    if budget is not None and budget < one:
+        raise ConfigError(f"storage.blob_budget_bytes: {budget} bytes cannot hold a round of this network, in which "
+                          f"a validator stores up to {one} bytes ({parts}); raise it to at least {one}, or lower "
+                          "validator.prefetch_bytes")
+    data_dir, total = config.node.data_dir, total_bytes(config.node.data_dir)
+    if total < one + DATABASE_HEADROOM:
+        raise ConfigError(f"node.data_dir: {data_dir} is on a disk of {size_text(total)} in all, and a validator "
+                          f"of this network stores up to {size_text(one)} a round ({parts}) and "
+                          f"{size_text(DATABASE_HEADROOM)} for its database; put node.data_dir on a larger disk, or "
+                          "lower validator.prefetch_bytes")
 
 
 def check_listen(config: NodeConfig) -> None:

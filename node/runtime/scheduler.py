@@ -8,7 +8,9 @@ Semantics:
 - a node started mid-phase runs that phase's handler at once (it resumes in the current round);
 - handlers run one at a time: one that overruns its phase delays the next, never overlaps it, and
   phases whose window passed meanwhile are skipped (logged) in favour of the one now in progress;
-- a handler that raises is logged and recorded as a failed run; the loop goes on;
+- a handler that raises is logged with its traceback and recorded as a failed run, and the loop goes on; a
+  run that cannot be recorded is logged the same way; `quiet(exc)`, when given, may say either error itself
+  instead (a full disk: one line, no traceback, node.runtime.disk);
 - a clock stepped back waits for the phase that ran to end (no phase runs twice), unless it went
   back more than a round before that phase began: then it is a clock that had been set ahead being
   corrected, and the loop resumes at the phase of the corrected time (logged as an error; duties
@@ -36,11 +38,13 @@ class Scheduler:
     """Fires `handler(round, phase)` at each phase start; `await run()` until cancelled."""
 
     def __init__(self, schedule: Schedule, clock: Clock, handler: PhaseHandler,
-                 on_run: Callable[[PhaseRun], Awaitable[None]] | None = None, history: int = 64) -> None:
+                 on_run: Callable[[PhaseRun], Awaitable[None]] | None = None, history: int = 64,
+                 quiet: Callable[[BaseException], bool] | None = None) -> None:
         self.schedule = schedule
         self.clock = clock
         self._handler = handler
         self._on_run = on_run
+        self._quiet = quiet
         self.current: tuple[int, Phase] | None = None
         self.runs: deque[PhaseRun] = deque(maxlen=history)
         self.skipped = 0
@@ -80,14 +84,19 @@ class Scheduler:
             await self._handler(r, phase)
         except Exception as exc:  # a failing duty must not stop the node; the run records it
             error = f"{type(exc).__name__}: {exc}"
-            log.exception("round %d %s: phase handler failed", r, phase)
+            if not self._told(exc):
+                log.exception("round %d %s: phase handler failed", r, phase)
         run = PhaseRun(r, str(phase), started, self.clock.now(), not error, error, phase_start)
         self.runs.append(run)
         if self._on_run is not None:
             try:
                 await self._on_run(run)
-            except Exception:
-                log.exception("round %d %s: recording the phase run failed", r, phase)
+            except Exception as exc:
+                if not self._told(exc):
+                    log.exception("round %d %s: recording the phase run failed", r, phase)
+
+    def _told(self, exc: Exception) -> bool:
+        return self._quiet is not None and self._quiet(exc)
 
 
 def _index(at: tuple[int, Phase]) -> int:

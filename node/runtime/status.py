@@ -9,24 +9,27 @@ of it, else the median base loss of round r+1's score reports (measured against 
 miner a round's adopted loss shows once the next round's reports are in, also for a round it could not
 rank (then without miner rows). A validator's rounds also carry its merge gate's verdict (`gate`: the
 candidate adopted, each one's loss, and where it was outvoted, `outvoted`), and its status the latest
-outvote among the rounds shown. At each scrape, `refresh_metrics` copies the same numbers into the
-node's Prometheus gauges. This module knows nothing about HTTP, computes no ranking, and never writes to
-storage.
+outvote among the rounds shown. At each scrape, `refresh_metrics` copies the same numbers, and the disk's
+free and needed bytes, into the node's Prometheus gauges. This module knows nothing about HTTP, computes no
+ranking, and never writes to storage.
 """
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from protocol.messages import ScoreReport
 from protocol.ranking import update_standing
 from protocol.rounds import PHASES
+from protocol.spec import SpecError
+from protocol.successor import decode_document, spec_from_bytes
 
 if TYPE_CHECKING:
-    from node.runtime.daemon import Node
+    from node.runtime.context import NodeContext
     from node.store.records import GlobalStateRecord
     from protocol.spec import NetworkSpec
 
@@ -62,10 +65,29 @@ class RoundView:
                 "seeds": self.seeds, "proposed_hash": self.proposed_hash, "gate": self.gate}
 
 
+class NodeState(Protocol):
+    """What the views read of a running node (`node.runtime.daemon.Node` is one): its context, and what it says
+    of itself."""
+
+    ctx: NodeContext
+    genesis: NetworkSpec
+    """The network's spec file (`ctx.spec` is the spec in force when the node started)."""
+
+    async def status(self) -> dict[str, Any]: ...
+
+    async def rewards(self, last_rounds: int | None = None, top: int | None = None) -> dict[str, Any]: ...
+
+    async def round_report(self, round: int) -> dict[str, Any] | None: ...
+
+    def metrics_text(self) -> bytes: ...
+
+    async def offer_successor(self, data: bytes) -> dict[str, Any]: ...
+
+
 class StatusViews:
     """The HTTP API's `StatusSource` for one running node: JSON-able views read from its storage."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: NodeState) -> None:
         self.node = node
         self.ctx = node.ctx
 
@@ -83,7 +105,34 @@ class StatusViews:
         status["agreement"] = self._agreement(states)
         status["me"] = await self.miner(ctx.identity.node_id) if ctx.config.node.role == "miner" else None
         status["outvoted"] = await self._outvoted()
+        status["spec"] = await self._spec(-1 if status.get("round") is None else status["round"], now)
         return status
+
+    async def offer_successor(self, data: bytes) -> dict[str, Any]:
+        return await self.node.offer_successor(data)
+
+    async def _spec(self, current: int, now: float) -> dict[str, Any]:
+        """The spec in force (network id, first round, group) and the accepted successor due next, if any: its
+        activation round, the seconds until it, how many validators signed it and its group."""
+        storage, genesis = self.ctx.storage, self.node.genesis
+        spec_id = await storage.spec_in_force()
+        spec = genesis if spec_id is None else spec_from_bytes((await storage.specs())[spec_id].body)
+        due = [s for s in await storage.successors() if s.verdict == "accept" and s.predecessor == spec.network_id
+               and s.activation > current]
+        view: dict[str, Any] = {"id": spec.network_id, "since_round": spec.first_round, "successor": None,
+                                "group": {str(layer): experts for layer, experts in spec.group.items()}}
+        if due:
+            next_ = min(due, key=lambda s: (s.activation, s.document))
+            try:
+                document = decode_document(await asyncio.to_thread(self.ctx.blobs.path(next_.document).read_bytes))
+                group: dict[str, list[int]] | None = {str(k): v for k, v in document.group.items()}
+            except (OSError, SpecError):
+                group = None
+            view["successor"] = {"document": next_.document, "activation": next_.activation,
+                                 "in_s": round(max(0.0, self.ctx.schedule.round_start(next_.activation) - now), 1),
+                                 "signed_by": int(next_.signed), "validators": len(genesis.validators),
+                                 "group": group}
+        return view
 
     async def _outvoted(self) -> dict[str, Any] | None:
         """A validator's latest round among those shown in which validators holding a majority of weight adopted
@@ -131,7 +180,9 @@ class StatusViews:
         return self.node.metrics_text()
 
     async def refresh_metrics(self) -> None:
-        """Set the gauges that come from round results: losses, own rank and reward, agreement, verdicts."""
+        """Set the gauges that come from round results (losses, own rank and reward, agreement, verdicts) and the
+        data directory's free and needed bytes."""
+        await asyncio.to_thread(self.ctx.disk.look)
         views = await self._views()
         states = await self._recent_states()
         me = self.ctx.identity.node_id

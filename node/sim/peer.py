@@ -2,13 +2,13 @@
 
     python -m node.sim.peer --key K --network-spec SPEC --data-dir DIR [--host IP] [--port P]
                         [--bootstrap ADDR ...] [--serve-rate B/S] [--penalty-threshold N]
-                        [--supervise-interval S]
+                        [--supervise-interval S] [--protocol N]
 
 A test harness (integration tests, benchmarks), not a production node (that relay is `tessera
 bootstrap`, node.cli.bootstrap): it reads one JSON command per line on stdin and answers one JSON
 line `{"id": ..., "ok": true, ...}` per command; commands run concurrently, so a slow fetch does
 not hold up the others:
-    info | peers (and failed dials in a row) | stats | received | rejects
+    info | peers (and failed dials in a row) | stats (and peers refused for their protocol) | received | rejects
     publish {forge: null|"bad_signature"|"wrong_network", head}    a Heartbeat, optionally spoiled
     put_blob {size, seed, serve}    store (and serve) deterministic random bytes
     fetch {hash, providers, max_bytes} | has_blob {hash} | tmp_files | quit
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from node.net.config import P2PConfig
-from node.net.judge import GossipJudge
+from node.net.judge import GossipJudge, other_protocols
 from node.net.network import Delivery, NetworkError
 from node.net.p2p import P2PNetwork
 from node.runtime.clock import SystemClock
@@ -47,6 +47,7 @@ from protocol.identity import Identity, load_or_create_identity, save_identity
 from protocol.messages import Envelope, Heartbeat, seal
 from protocol.rounds import Schedule
 from protocol.spec import NetworkSpec, load_spec
+from protocol.version import PROTOCOL_VERSION
 from training.allocator import set_policy
 
 
@@ -92,6 +93,7 @@ class Peer:
                 "messages": {f"{k}/{v}": n for (k, v), n in stats.messages.items()},
                 "blob_bytes_in": stats.blob_bytes_in,
                 "blob_bytes_out": stats.blob_bytes_out,
+                "other_protocols": other_protocols(stats),
             }
         if cmd == "publish":
             forge = command.get("forge")
@@ -177,7 +179,7 @@ async def run_peer(args: argparse.Namespace) -> None:
                        serve_rate_bytes_s=args.serve_rate, penalty_threshold=args.penalty_threshold,
                        supervise_interval_s=args.supervise_interval)
     judge = GossipJudge(spec, SystemClock().now, config)
-    net = await P2PNetwork.create(identity, judge, store, config)
+    net = await P2PNetwork.create(identity, judge, store, config, args.protocol)
     peer = Peer(net, identity, spec, store)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -289,6 +291,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="REJECTs per round before a peer is disconnected")
     parser.add_argument("--supervise-interval", type=float, default=P2PConfig().supervise_interval_s,
                         help="seconds between two rounds of redials and peer exchanges")
+    parser.add_argument("--protocol", type=int, default=PROTOCOL_VERSION,
+                        help="the protocol version it says it speaks: another plays a node of another release")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")

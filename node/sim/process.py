@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from node.runtime.config import MinerSection
-from node.sim.warm import WarmProcess
+from node.sim import defaults
+from node.sim.warm import WarmProcess, die_with_parent
 from protocol.spec import FAMILIES, TimingSpec, judge_settings
 
 # The simulation adversaries are every `miner.behaviour` but "honest".
@@ -46,31 +47,31 @@ class SimulationError(RuntimeError):
 class SimSettings:
     """The shape and timing of a local simulation."""
 
-    validators: int = 2
+    validators: int = defaults.VALIDATORS
     """Validator processes (equal weight)."""
-    miners: int = 4
+    miners: int = defaults.MINERS
     """Miner processes, adversaries included."""
     adversaries: tuple[str, ...] = ()
     """Kinds of the adversarial miners (the last ones), from ADVERSARY_KINDS."""
-    round_seconds: float = 80.0
+    round_seconds: float = defaults.ROUND_SECONDS
     """Length of a round."""
-    train_share: float = 0.9
+    train_share: float = defaults.TRAIN_SHARE
     """TRAIN's share of the round; the rest goes to COMMIT, REVEAL, EVALUATE, MERGE."""
-    inner_steps: int = 30
+    inner_steps: int = defaults.INNER_STEPS
     """H written into the spec. Miners that trained until TRAIN ended (thousands of steps on a small shard)
     overfit it: after round 0 they gained less than the held-out noise, and in rounds 3 and 5 no submission
     beat the state (docs/architecture.md, "A simulation learns every round"). At 30 steps a round every round
     of a 6-round run gains more than the noise (bench/results/simulation.json)."""
     start_delay_s: float | None = None
-    """Seconds from writing the spec to genesis; None = 10 s + 2 s per node. The nodes' fork server has
-    imported torch by then (node.sim.warm); each node still loads its model and starts libp2p."""
+    """Seconds from writing the spec to genesis; None = defaults.START_DELAY_S + defaults.START_DELAY_PER_NODE_S per node. The nodes'
+    fork server has imported torch by then (node.sim.warm); each node still loads its model and starts libp2p."""
     base_port: int = 0
     """First TCP port (each node takes two: p2p, http); 0 picks free ports below the ephemeral range."""
-    seed: int = 0
+    seed: int = defaults.SEED
     """Seed of the model, data and keys."""
-    family: str = "qwen3_moe"
+    family: str = defaults.FAMILY
     """Model family of the tiny pretrained base (`protocol.spec.FAMILIES`)."""
-    submission_format: Literal["experts", "pgrad"] = "experts"
+    submission_format: Literal["experts", "pgrad"] = defaults.FORMAT
     """What miners submit: full experts, or compressed pseudo-gradients (the spec's `[submission]`)."""
     spec_settings: tuple[tuple[str, Any], ...] = ()
     """(`section.field`, value) pairs written into the spec after everything else (timing, inner_steps, the
@@ -124,7 +125,7 @@ class SimSettings:
 
     def delay_s(self) -> float:
         nodes = 1 + self.validators + self.miners
-        return self.start_delay_s if self.start_delay_s is not None else 10.0 + 2.0 * nodes
+        return self.start_delay_s if self.start_delay_s is not None else defaults.START_DELAY_S + defaults.START_DELAY_PER_NODE_S * nodes
 
 
 @dataclass
@@ -219,15 +220,6 @@ def interrupts_noted() -> Iterator[list[int]]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-
-
-def die_with_parent() -> None:
-    """In the child: ask Linux to SIGTERM it if the simulator dies, so no node outlives it."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
 
 
 def first_listen_port() -> int:

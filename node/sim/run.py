@@ -37,6 +37,7 @@ from node.sim.process import (
 from node.sim.warm import warm_up
 from node.store.db import Storage
 from node.store.records import PhaseRun
+from protocol.files import write_file
 from protocol.identity import save_identity
 from protocol.rounds import PHASES, Phase, Schedule
 from protocol.spec import load_spec
@@ -332,9 +333,7 @@ class Simulation:
 
     def write_report(self, rounds: list[dict[str, Any]]) -> Path:
         path = self.directory / "report.json"
-        tmp = path.with_name(".report.json.tmp")
-        tmp.write_text(json.dumps({"rounds": rounds}, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        write_file(path, (json.dumps({"rounds": rounds}, indent=2) + "\n").encode("utf-8"))
         return path
 
 

@@ -92,8 +92,6 @@ class WarmProcess:
 def _run(program: str, argv: list[str], log_path: str, env: dict[str, str], cwd: str,
          stdin: socket.socket | None, stdout: socket.socket | None) -> None:
     """In the forked child: become `python -m PROGRAM ARGV` and exit with what its `main` returns."""
-    from node.sim.process import die_with_parent
-
     die_with_parent()  # the fork server ends with the simulator, and the node with the fork server
     os.chdir(cwd)
     os.environ.clear()
@@ -114,3 +112,11 @@ def _run(program: str, argv: list[str], log_path: str, env: dict[str, str], cwd:
     torch.set_num_threads(1)  # OMP_NUM_THREADS in `env` comes too late for the fork server's torch
     code = importlib.import_module(program).main(argv)
     sys.exit(code)
+
+
+def die_with_parent() -> None:
+    """In the child: ask Linux to SIGTERM it if the simulator dies, so no node outlives it."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

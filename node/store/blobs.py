@@ -313,6 +313,14 @@ class BlobStore:
             if p.is_file() and is_hex_digest(p.name)
         )
 
+    def stored_bytes(self) -> int:
+        """Bytes of every blob stored now, counted from the files (in a store with or without a budget)."""
+        total = 0
+        for blob_hash in self.hashes():
+            with contextlib.suppress(FileNotFoundError):  # pruned meanwhile
+                total += self.size(blob_hash)
+        return total
+
     def retain(self, keep: set[str], max_age_s: float, now: float | None = None) -> list[str]:
         """Delete blobs not in `keep` whose files are older than `max_age_s`; returns what was deleted."""
         now = time.time() if now is None else now

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from node.store.chain import ChainStorage, chain_blobs, prune_offers
 from node.store.records import (
     CommitRecord,
     GlobalStateRecord,
@@ -38,16 +39,18 @@ from node.store.records import (
     RoundPlan,
     ScoreRecord,
     SeedRecord,
+    SpecRecord,
     StorageError,
     Submission,
+    SuccessorRecord,
 )
 from node.store.schema import SCHEMA_VERSION, get, insert_message, put, state_record, store_payload
-from node.store.sqlite import SqliteWorker, read, write
+from node.store.sqlite import read, write
 from protocol.messages import Envelope, Message, ScoreReport
 
 __all__ = ["SCHEMA_VERSION", "CommitRecord", "GlobalStateRecord", "MessageRecord", "NodeRecord", "Proposal",
-           "RevealRecord", "RewardRecord", "RewardsLedger", "RoundPlan", "ScoreRecord", "SeedRecord", "Storage",
-           "StorageError", "Submission"]
+           "RevealRecord", "RewardRecord", "RewardsLedger", "RoundPlan", "ScoreRecord", "SeedRecord", "SpecRecord",
+           "Storage", "StorageError", "Submission", "SuccessorRecord"]
 
 _HEAD = "head"
 _MOMENTUM = "momentum"  # hash of the blob holding a validator's outer-optimizer momentum
@@ -61,7 +64,7 @@ _PROPOSAL = "proposal:{}"  # round -> JSON {state, momentum} this validator prop
 _MERGED_FROM = "merged_from:{}"  # round -> JSON list of the validators whose reports this validator's merge used
 _EXPORTED = "rewards_exported_through"
 
-class Storage(SqliteWorker):
+class Storage(ChainStorage):
     """The node's SQLite state. Make it with `await Storage.open(path)`; `await close()` when done."""
 
     # -- messages ---------------------------------------------------------------------------
@@ -119,7 +122,7 @@ class Storage(SqliteWorker):
         the first-message-per-sender rule, which do not depend on this log.
         """
         gone = conn.execute("DELETE FROM messages WHERE round < ?", (before_round,)).rowcount
-        gone += conn.execute("DELETE FROM sent WHERE round < ?", (before_round,)).rowcount
+        gone += conn.execute("DELETE FROM sent WHERE round < ?", (before_round,)).rowcount + prune_offers(conn, before_round)
         for prefix in (_SEED, _SUBMISSION, _PROPOSAL, _MERGED_FROM):
             head = prefix.format("")
             gone += conn.execute("DELETE FROM kv WHERE substr(key, 1, ?) = ? AND CAST(substr(key, ?) AS INTEGER) < ?",
@@ -219,7 +222,7 @@ class Storage(SqliteWorker):
     @read
     def nodes(self, conn: sqlite3.Connection) -> list[NodeRecord]:
         """Peers' latest heartbeats."""
-        rows = conn.execute("SELECT node_id, role, head, round, last_seen FROM nodes ORDER BY node_id").fetchall()
+        rows = conn.execute("SELECT node_id, role, head, round, last_seen, spec FROM nodes ORDER BY node_id").fetchall()
         return [NodeRecord(*row) for row in rows]
 
     # -- rewards ----------------------------------------------------------------------------
@@ -300,11 +303,11 @@ class Storage(SqliteWorker):
     @read
     def blobs_in_use(self, conn: sqlite3.Connection, since_round: int) -> set[str]:
         """The blobs this node keeps however old they are: the head, the outer momentum and every momentum
-        announced for the head (what a re-syncing validator asks the head's voters for), and its own
-        proposals and submissions from `since_round` on (what it serves). The error-feedback buffer ages
-        out like any blob (node.duties.feedback)."""
+        announced for the head (what a re-syncing validator asks the head's voters for), the chain of specs'
+        (`node.store.chain.chain_blobs`), and its own proposals and submissions from `since_round` on (what it
+        serves). The error-feedback buffer ages out like any blob (node.duties.feedback)."""
         head = get(conn, _HEAD)
-        kept = {value for value in (head, get(conn, _MOMENTUM)) if value is not None}
+        kept = {value for value in (head, get(conn, _MOMENTUM)) if value is not None} | chain_blobs(conn)
         if head is not None:
             announced = _MOMENTUM_OF.format(head, "")  # "momentum_of:<head>:", then the voter
             kept.update(value for (value,) in conn.execute("SELECT value FROM kv WHERE substr(key, 1, ?) = ?",

@@ -24,6 +24,8 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from protocol.files import write_file
+
 log = logging.getLogger(__name__)
 
 LOCK_NAME = "node.lock"
@@ -98,12 +100,7 @@ def claim(data_dir: Path, owner: Owner) -> None:
     except FileNotFoundError:
         text = None
     if text is None:
-        tmp = path.with_name(f".{OWNER_NAME}.tmp")
-        with open(tmp, "w", encoding="utf-8") as file:
-            file.write(json.dumps(asdict(owner), indent=2) + "\n")
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
+        write_file(path, (json.dumps(asdict(owner), indent=2) + "\n").encode("utf-8"))
         return
     try:
         found = Owner(**json.loads(text))

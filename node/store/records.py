@@ -93,6 +93,8 @@ class NodeRecord:
     head: str
     round: int
     last_seen: float
+    spec: str | None = None
+    """The successor spec its heartbeat names (None: the genesis spec)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,3 +193,33 @@ class RoundPlan:
                     assignment={m: tuple(v) for m, v in data["assignment"].items()},
                     unrevealed_seeds=tuple(data["unrevealed_seeds"]),
                     excluded=tuple(data.get("excluded", ())))  # plans stored before exclusions existed
+
+
+@dataclass(frozen=True, slots=True)
+class SuccessorRecord:
+    """A successor document this node judged: its address, body hash, what it succeeds and when, the verdict
+    (`accept`, `refuse`, or `void`: accepted, then left behind by validators that stayed on its predecessor),
+    the reason, and the validator weight that signed it."""
+
+    document: str
+    body_hash: str
+    predecessor: str
+    activation: int
+    verdict: str
+    reason: str
+    signed: float
+
+
+@dataclass(frozen=True, slots=True)
+class SpecRecord:
+    """A successor spec this node knows: its network id, predecessor, first round and canonical bytes."""
+
+    id: str
+    predecessor: str
+    first_round: int
+    body: bytes
+
+    @property
+    def inherits(self) -> list[str]:
+        """The states the spec inherits (its lineage's), read from its body."""
+        return list(json.loads(self.body)["lineage"]["inherits"])

@@ -5,8 +5,10 @@ Version 2 adds `round_plans` (the plan a validator fixes when EVALUATE starts), 
 (`score_reports.body`, the report's canonical JSON); version 3 adds `sent` (the id of every envelope this
 node signed and handed to the network, written before it goes out, so that a restarted node knows its own
 messages when peers hand them back). Older files are migrated in place on open, one version after the
-other. Functions here take an open connection inside the caller's transaction. This module knows nothing
-about asyncio or about what the rows mean to a duty.
+other; version 4 adds the chain of specs: `successor_offers` (the documents peers offered), `successors` (each
+document this node judged, and its verdict), `specs` (the successor specs it knows) and the spec each peer's
+heartbeat names (`nodes.spec`). Functions here take an open connection inside the caller's transaction. This
+module knows nothing about asyncio or about what the rows mean to a duty.
 """
 
 from __future__ import annotations
@@ -27,14 +29,23 @@ from protocol.messages import (
     ScoreReport,
     SeedCommit,
     SeedReveal,
+    Successor,
 )
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 _V2 = ("CREATE TABLE round_plans (round INTEGER PRIMARY KEY, plan TEXT NOT NULL)",
        "CREATE TABLE round_results (round INTEGER PRIMARY KEY, results TEXT NOT NULL)")
 # IF NOT EXISTS: a version-1 or -2 file may be one that tests turned back from a current one
 _V3 = ("CREATE TABLE IF NOT EXISTS sent (id TEXT PRIMARY KEY, kind TEXT NOT NULL, round INTEGER NOT NULL)",)
+_V4 = ("ALTER TABLE nodes ADD COLUMN spec TEXT",
+       "CREATE TABLE successor_offers (round INTEGER, sender TEXT, document TEXT NOT NULL, size INTEGER NOT NULL, "
+       "PRIMARY KEY (round, sender))",
+       "CREATE TABLE successors (document TEXT PRIMARY KEY, body_hash TEXT NOT NULL, predecessor TEXT NOT NULL, "
+       "activation INTEGER NOT NULL, verdict TEXT NOT NULL, reason TEXT NOT NULL, signed REAL NOT NULL, "
+       "judged_at REAL NOT NULL)",
+       "CREATE TABLE specs (id TEXT PRIMARY KEY, predecessor TEXT NOT NULL, first_round INTEGER NOT NULL, "
+       "body TEXT NOT NULL)")
 
 _SCHEMA = """
 CREATE TABLE rounds (round INTEGER PRIMARY KEY, started_at REAL NOT NULL, seed TEXT);
@@ -61,7 +72,7 @@ CREATE TABLE standings (miner TEXT PRIMARY KEY, standing REAL NOT NULL, round IN
 CREATE TABLE nodes (node_id TEXT PRIMARY KEY, role TEXT NOT NULL, head TEXT NOT NULL, round INTEGER NOT NULL,
     last_seen REAL NOT NULL);
 CREATE TABLE kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-""" + "".join(f"{statement};\n" for statement in (*_V2, *_V3))
+""" + "".join(f"{statement};\n" for statement in (*_V2, *_V3, *_V4))
 
 
 
@@ -107,8 +118,18 @@ def _prepare(conn: sqlite3.Connection, path: Path) -> None:
             _migrate_v1(conn)
         for statement in _V3:
             conn.execute(statement)
+        if version < 4:
+            _migrate_v3(conn)
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         conn.execute("COMMIT")
+
+
+def _migrate_v3(conn: sqlite3.Connection) -> None:
+    """Add the chain of specs (what a file that tests turned back from a current one still has stays)."""
+    if "spec" not in {row[1] for row in conn.execute("PRAGMA table_info(nodes)")}:
+        conn.execute(_V4[0])
+    for statement in _V4[1:]:
+        conn.execute(statement.replace("CREATE TABLE", "CREATE TABLE IF NOT EXISTS", 1))
 
 
 def _refusal(path: Path, exc: sqlite3.DatabaseError) -> StorageError:
@@ -169,11 +190,14 @@ def store_payload(conn: sqlite3.Connection, sender: str, m: Message, at: float) 
         if cur.rowcount == 1:
             conn.execute("INSERT OR IGNORE INTO global_states (hash, parent, round, contributors) VALUES (?, ?, ?, ?)",
                          (m.hash, m.parent, m.round, json.dumps(list(m.contributors))))
+    elif isinstance(m, Successor):
+        cur = conn.execute("INSERT OR IGNORE INTO successor_offers VALUES (?, ?, ?, ?)",
+                           (m.round, sender, m.document, m.size))
     elif isinstance(m, Heartbeat):  # one of an earlier round (a catch-up hands them on late) changes nothing
-        conn.execute("INSERT INTO nodes VALUES (?, ?, ?, ?, ?) ON CONFLICT (node_id) DO UPDATE SET "
+        conn.execute("INSERT INTO nodes VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (node_id) DO UPDATE SET "
                      "role = excluded.role, head = excluded.head, round = excluded.round, "
-                     "last_seen = excluded.last_seen WHERE excluded.round >= nodes.round",
-                     (sender, m.role, m.head, m.round, at))
+                     "last_seen = excluded.last_seen, spec = excluded.spec WHERE excluded.round >= nodes.round",
+                     (sender, m.role, m.head, m.round, at, m.spec))
         return True
     else:
         raise AssertionError(f"no table for message kind {m.kind!r}")

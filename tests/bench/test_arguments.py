@@ -26,6 +26,8 @@ BAD = [
     ("miner", ["--out", "."], "is a directory"),
     ("learning", ["--networks", "4,4/4"], "'4/4': need M >= 1 and 0 <= A < M"),
     ("learning", ["--seeds", "0,x"], "--seeds: expected comma-separated integers"),
+    ("successor", ["--activation", "1"], "--activation must be at least 2"),
+    ("successor", ["--rounds", "4", "--activation", "3"], "--rounds at least --activation + 2"),
 ]
 
 

@@ -15,10 +15,10 @@ from safetensors import safe_open
 
 from tests.bench.scripts import BENCH, load_bench, run_bench
 from training.adapters import adapter_for
-from training.checkpoint import checkpoint_hash, weight_files
+from training.checkpoint import checkpoint_hash, meta_model, weight_files
 from training.experts import extract, insert
 from training.export import patch_checkpoint
-from training.model import load_checkpoint, meta_model, state_hash
+from training.model import load_checkpoint, state_hash
 from validator.merge import CANDIDATES
 
 pytestmark = pytest.mark.slow

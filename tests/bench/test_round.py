@@ -1,15 +1,12 @@
 """bench/round.py's reading of the miners' logs: a miner-round with no training run counts as 0 s of
-training, so a miner that missed a round lowers the train share instead of dropping out of it; and the
-benchmark end to end on its smallest network (one validator, one miner, one round)."""
+training, so a miner that missed a round lowers the train share instead of dropping out of it. The benchmark
+end to end is in test_network_benchmarks.py."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from protocol.rounds import PHASES
-from tests.bench.scripts import assert_positive, load_bench, run_bench
+from tests.bench.scripts import load_bench
 
 pytestmark = pytest.mark.slow
 
@@ -30,20 +27,3 @@ def test_a_miner_round_without_a_training_run_counts_as_no_training() -> None:
     assert sorted(steps) == [28, 30, 30]
     with pytest.raises(SystemExit, match="no miner logged a training run"):
         bench_round.training_runs(["nothing here\n"], miners=1, rounds=1)
-
-
-@pytest.mark.integration
-def test_one_round_of_the_smallest_network_reports_where_its_time_went(tmp_path: Path) -> None:
-    report = run_bench("round", tmp_path / "round.json", "--rounds", "1", "--validators", "1", "--miners", "1",
-                       "--round-seconds", "30", "--train-share", "0.5")
-    assert (report["rounds_measured"], report["validators"], report["miners"]) == (1, 1, 1)
-    assert report["round_seconds"] == 30.0 and report["timing"]["train_s"] == 15.0
-    train = report["miner_train_seconds"]
-    assert (train["runs"], train["runs_expected"]) == (1, 1)
-    assert_positive(train, "mean", "min", "max")
-    assert_positive(report["miner_inner_steps"], "mean", "min", "max")
-    assert report["train_share"] > 0 and report["train_window_share"] == pytest.approx(2 * report["train_share"],
-                                                                                      abs=0.002)
-    assert set(report["phase_seconds"]) == {str(p) for p in PHASES}
-    assert all(seconds >= 0 for seconds in report["phase_seconds"].values())
-    assert [entry["round"] for entry in report["rounds"]] == [0]

@@ -1,10 +1,9 @@
-"""bench/soak.py's readings and growth arithmetic: a real process read through /proc, slopes on
-hand-made series that start with a warm-up, and the benchmark end to end on its smallest network (one
-validator, one miner, the two rounds a slope needs)."""
+"""bench/soak.py's readings (bench/network.py's `sample`) and growth arithmetic: a real process read through
+/proc, and slopes on hand-made series that start with a warm-up. The benchmark end to end is in
+test_network_benchmarks.py."""
 
 from __future__ import annotations
 
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -12,9 +11,10 @@ from types import ModuleType
 
 import pytest
 
+from bench import network
 from node.sim.process import SimNode
 from node.store.blobs import BlobStore
-from tests.bench.scripts import load_bench, run_bench
+from tests.bench.scripts import load_bench
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ def soak() -> ModuleType:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the soak benchmark reads /proc")
-def test_a_reading_sees_the_process_memory_files_and_its_data_directory(soak: ModuleType, tmp_path: Path) -> None:
+def test_a_reading_sees_the_process_memory_files_and_its_data_directory(tmp_path: Path) -> None:
     store = BlobStore(tmp_path / "data" / "blobs")
     for i in range(3):
         store.put_bytes(bytes([i]) * 2**20)
@@ -38,7 +38,7 @@ def test_a_reading_sees_the_process_memory_files_and_its_data_directory(soak: Mo
     node.proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
     try:
         assert node.proc.stdout is not None and node.proc.stdout.readline() == b"ready\n"
-        reading = soak.sample(node)
+        reading = network.sample(node)
     finally:
         node.kill()
     assert reading is not None
@@ -48,7 +48,7 @@ def test_a_reading_sees_the_process_memory_files_and_its_data_directory(soak: Mo
     assert reading["data_mib"] == pytest.approx(3.5)
     assert reading["blobs"] == 3
     assert "metrics_rss_mib" not in reading  # no HTTP port: nothing to scrape
-    assert soak.sample(node) is None  # no longer running
+    assert network.sample(node) is None  # no longer running
 
 
 def test_growth_is_read_after_the_warm_up(soak: ModuleType) -> None:
@@ -65,22 +65,3 @@ def test_growth_is_read_after_the_warm_up(soak: ModuleType) -> None:
     assert summary["flat"]["rss_mib"]["max"] == 411.0 and summary["flat"]["peak_rss_mib"] == 411.0
     assert summary["flat"]["data_mib"]["per_round"] == 0.0  # the first rounds' extra megabyte is before the warm-up
     assert soak.growth([3], [1.0]) == 0.0
-
-
-@pytest.mark.integration
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the soak benchmark reads /proc")
-def test_two_rounds_of_the_smallest_network_report_every_node_s_growth(tmp_path: Path) -> None:
-    report = run_bench("soak", tmp_path / "soak.json", "--rounds", "2", "--warmup", "0", "--validators", "1",
-                       "--miners", "1", "--round-seconds", "30", "--train-share", "0.5")
-    assert report["failure"] == "" and report["rounds_completed"] == 2
-    assert report["settings"]["rounds"] == 2 and report["settings"]["train_share"] == 0.5
-    assert report["seconds"] > 0 and report["one_global_state_every_round"] is True
-    assert len(report["global_loss"]) == 2
-    for key in ("max_rss_growth_mib_per_round", "max_fd_growth_per_round", "max_thread_growth_per_round",
-                "max_data_growth_mib_per_round"):
-        assert math.isfinite(report[key]), key
-    assert set(report["nodes"]) == set(report["series"]) == {"bootstrap", "validator-0", "miner-0"}
-    for name, node in report["nodes"].items():
-        assert [r["round"] for r in report["series"][name]] == [0, 1], name
-        assert node["rss_mib"]["at_end"] > 0 and node["fds"]["at_end"] > 0 and node["threads"]["at_end"] > 0, name
-        assert node["peak_rss_mib"] >= node["rss_mib"]["max"] - 0.05, name  # one decimal against two

@@ -17,6 +17,7 @@ import pytest
 
 from node.sim.peer import PeerProcess
 from protocol.identity import Identity
+from tests.conftest import write_model_config
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -60,6 +61,7 @@ heldout_sha256 = "{"cd" * 32}"
 """
     path = directory / "spec.toml"
     path.write_text(text)
+    write_model_config(directory, "model.json")  # a node reads the group's shapes from it when it starts
     return path
 
 

@@ -73,6 +73,7 @@ def test_message_kinds_and_entry_consistency() -> None:
         "score_report",
         "global_state",
         "heartbeat",
+        "successor",
     }
     assert VALIDATOR_KINDS < set(MESSAGE_TYPES)
     with pytest.raises(ValueError, match="loss exactly when"):

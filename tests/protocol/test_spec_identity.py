@@ -50,13 +50,17 @@ def _leaf_fields(model: type[BaseModel], prefix: str = "") -> list[str]:
         inner = [a for a in typing.get_args(info.annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
         if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
             leaves += _leaf_fields(info.annotation, f"{prefix}{name}.")
-        elif inner:
+        elif inner and typing.get_origin(info.annotation) is list:
             leaves += _leaf_fields(inner[0], f"{prefix}{name}[].")
+        elif inner:  # an optional table: its fields are named as a table's
+            leaves += _leaf_fields(inner[0], f"{prefix}{name}.")
         else:
             leaves.append(prefix + name)
     return leaves
 
 
+LINEAGE = {"genesis": "a1" * 32, "predecessor": "a2" * 32, "document": "a3" * 32, "activation": 3,
+           "base": "a4" * 32, "inherits": ["a4" * 32]}
 # Each leaf field: (settings that make the fixture's spec a base to change it from, mostly none; another value).
 CHANGES: dict[str, tuple[dict[str, object], object]] = {
     "name": ({}, "othernet"),
@@ -83,6 +87,9 @@ CHANGES: dict[str, tuple[dict[str, object], object]] = {
     "limits.max_message_bytes": ({}, 32768), "limits.max_header_bytes": ({}, 1 << 19),
     "submission.format": ({}, "pgrad"), "submission.chunk": ({}, 128), "submission.topk": ({}, 36),
     "submission.quant": ({}, "int8"), "submission.partitions": ({}, 4),
+    "lineage.genesis": ({"lineage": LINEAGE}, "b1" * 32), "lineage.predecessor": ({"lineage": LINEAGE}, "b2" * 32),
+    "lineage.document": ({"lineage": LINEAGE}, "b3" * 32), "lineage.activation": ({"lineage": LINEAGE}, 4),
+    "lineage.base": ({"lineage": LINEAGE}, "b4" * 32), "lineage.inherits": ({"lineage": LINEAGE}, []),
 }
 
 
@@ -100,6 +107,14 @@ def test_every_field_is_in_the_network_id_and_changing_it_changes_the_id(spec_di
     assert f'"{name.removesuffix("[]")}":'.encode() in spec.canonical_bytes()  # written even at its default
     changed = _set(spec_dict, field.replace("[]", ".0"), value)
     assert parse_spec(changed).network_id != spec.network_id
+
+
+def test_a_genesis_spec_has_no_lineage_in_its_canonical_bytes_so_its_id_did_not_move(spec_dict) -> None:
+    spec = parse_spec(spec_dict)
+    assert spec.lineage is None and b'"lineage"' not in spec.canonical_bytes()
+    assert spec.gossip_id == spec.network_id and spec.root == spec.model.base_hash and spec.first_round == 0
+    successor = parse_spec({**spec_dict, "lineage": LINEAGE})
+    assert (successor.gossip_id, successor.root, successor.first_round) == ("a1" * 32, "a4" * 32, 3)
 
 
 def test_genesis_as_iso_string(spec_dict) -> None:

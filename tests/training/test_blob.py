@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 import struct
 import subprocess
 import sys
@@ -29,7 +27,6 @@ from training.blob import (
     encoded_parts,
     max_blob_bytes,
     read_header,
-    write_blob_file,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,7 +110,7 @@ def test_safetensors_library_reads_our_blob(tmp_path: Path) -> None:
     assert set(loaded) == set(tensors)
     assert all(torch.equal(loaded[k], tensors[k]) for k in tensors)
     path = tmp_path / "blob.safetensors"
-    write_blob_file(path, data)
+    path.write_bytes(data)
     with safetensors.safe_open(str(path), framework="pt") as fh:
         assert fh.metadata() == {"tessera": META.to_json()}
 
@@ -169,31 +166,6 @@ def test_dtype_names() -> None:
         blob_dtype("int8")
     with pytest.raises(ValueError, match="unsupported blob dtype"):
         encode_blob({"x": torch.zeros(2, dtype=torch.int64)}, META)
-
-
-def test_write_blob_file_is_atomic_and_overwrites(tmp_path: Path) -> None:
-    path = tmp_path / "b.safetensors"
-    write_blob_file(path, b"old contents")
-    data = encode_blob(make_tensors(torch.float32), META)
-    write_blob_file(path, data)
-    assert path.read_bytes() == data
-    assert [p.name for p in tmp_path.iterdir()] == ["b.safetensors"]
-
-
-@pytest.mark.parametrize("hard_links", [True, False], ids=["hard links", "no hard links (FAT)"])
-def test_write_blob_file_without_replace_never_overwrites(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hard_links: bool
-) -> None:
-    if not hard_links:
-        def no_link(src: object, dst: object) -> None:
-            raise PermissionError(errno.EPERM, "Operation not permitted")
-        monkeypatch.setattr(os, "link", no_link)
-    path = tmp_path / "out.json"
-    write_blob_file(path, b"first", replace=False)
-    with pytest.raises(FileExistsError):
-        write_blob_file(path, b"second", replace=False)
-    assert path.read_bytes() == b"first"
-    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]  # no temporary file left behind
 
 
 def _reheadered(edit) -> bytes:
@@ -272,19 +244,6 @@ def test_every_header_is_padded_to_a_multiple_of_eight_bytes() -> None:
                                                                  base="ef", group=GROUP))
         (n,) = struct.unpack("<Q", data[:8])
         assert n % 8 == 0, extra
-
-
-def test_write_blob_file_without_hard_links_never_replaces_a_dangling_symlink(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    def no_link(src: object, dst: object) -> None:
-        raise PermissionError(errno.EPERM, "Operation not permitted")
-    monkeypatch.setattr(os, "link", no_link)
-    path = tmp_path / "out.json"
-    path.symlink_to(tmp_path / "nowhere")
-    with pytest.raises(FileExistsError):
-        write_blob_file(path, b"data", replace=False)
-    assert path.is_symlink() and not (tmp_path / "nowhere").exists()
 
 
 def test_a_blob_in_pieces_is_the_blob_and_its_header_reads_from_the_file(tmp_path: Path) -> None:

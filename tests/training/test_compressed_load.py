@@ -14,10 +14,10 @@ from safetensors.torch import load_file, save_file
 
 from training.adapters import adapter_for
 from training.blob import BlobMeta, encode_blob
-from training.checkpoint import Stored, model_sources, read_rows
+from training.checkpoint import Stored, meta_model, model_sources, read_rows
 from training.compressed import CompressedModel, compress, count_expert_rows
 from training.experts import parse_name
-from training.model import StoredExperts, load_checkpoint, load_compressed, meta_model
+from training.model import StoredExperts, load_checkpoint, load_compressed
 from training.tiny import build_tiny_model, tiny_config
 from training.trainer import TrainConfig, train_experts
 

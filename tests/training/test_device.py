@@ -10,8 +10,8 @@ import torch
 
 from node.duties.validator import ValidatorDuties
 from node.runtime.config import NodeConfig
+from node.sim.twins import write_network
 from protocol.spec import load_spec
-from tests.node.twins import write_network
 from training.device import GIB, check_device, scoring_bytes
 from training.tiny import build_tiny_model, tiny_config
 

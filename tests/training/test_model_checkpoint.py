@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
 import pytest
 import torch
+from transformers.utils import logging as hf_logging
 
 from training.adapters import ADAPTERS
-from training.checkpoint import checkpoint_hash, stored_tensors
-from training.model import load_checkpoint, meta_model, state_hash
+from training.checkpoint import checkpoint_hash, meta_model, stored_tensors
+from training.model import load_checkpoint, state_hash
 from training.tiny import build_tiny_model, tiny_config
 
 FAMILIES = tuple(ADAPTERS)
@@ -87,3 +89,19 @@ def test_bad_checkpoint_directories_are_refused(tmp_path: Path) -> None:
         load_checkpoint(tmp_path)
     with pytest.raises(ValueError, match="pickled"):
         checkpoint_hash(tmp_path)
+
+
+@pytest.mark.parametrize("shown", [True, False])
+def test_a_load_leaves_transformers_progress_bar_and_async_loading_as_they_were(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch,
+                                                                               shown: bool) -> None:
+    build_tiny_model("qwen3_moe", tiny_config("qwen3_moe"), 1).save_pretrained(str(tmp_path))
+    before = hf_logging.is_progress_bar_enabled()
+    (hf_logging.enable_progress_bar if shown else hf_logging.disable_progress_bar)()
+    monkeypatch.delenv("HF_DEACTIVATE_ASYNC_LOAD", raising=False)
+    try:
+        load_checkpoint(tmp_path, progress=not shown)
+        assert hf_logging.is_progress_bar_enabled() is shown
+        assert "HF_DEACTIVATE_ASYNC_LOAD" not in os.environ
+    finally:
+        (hf_logging.enable_progress_bar if before else hf_logging.disable_progress_bar)()

@@ -146,6 +146,27 @@ def test_a_candidate_over_the_forgetting_budget_is_refused(spec: NetworkSpec) ->
     assert kept.adopted == "current" and kept.refused == ("merged", "best_single") and not kept.changed
 
 
+def test_a_budget_counted_from_a_reference_refuses_what_the_current_state_would_allow(spec: NetworkSpec) -> None:
+    budget = 0.1
+    spec = spec.model_copy(update={"aggregation": spec.aggregation.model_copy(update={"forgetting_budget": budget})})
+    losses = {"current": GateLoss(3.0, general=2.0 + budget),  # spent the budget since the base already
+              "merged": GateLoss(1.0, general=2.0 + 1.5 * budget),
+              "best_single": GateLoss(1.5, general=2.0 + budget / 2)}
+    per_round, _, _, _ = _gated(spec, losses)
+    assert per_round.adopted == "merged" and per_round.refused == ()  # half a budget over the current state
+    rnd, best = _round(spec)
+    merged = rnd.merge()
+    by_state = {"current": dict(rnd.head.tensors), "merged": merged.new_global, "best_single": rnd.blobs[best]}
+
+    def measure(tensors: Mapping[str, torch.Tensor]) -> GateLoss:
+        [name] = [n for n, held in by_state.items()
+                  if all(torch.equal(tensors[k].float(), held[k].float()) for k in held)]
+        return losses[name]
+
+    from_base = gate(merged, rnd.blobs, by_state["current"], dict(rnd.head.momentum), spec, measure, reference=2.0)
+    assert from_base.adopted == "best_single" and from_base.refused == ("merged",)
+
+
 def test_without_a_forgetting_budget_general_losses_are_reported_and_refuse_nothing(spec: NetworkSpec) -> None:
     assert spec.aggregation.forgetting_budget is None
     losses = {"current": GateLoss(3.0, general=2.0), "merged": GateLoss(1.0, general=9.0),

@@ -12,6 +12,7 @@ import torch
 
 from protocol.assignment import assign
 from protocol.messages import ScoreEntry, ScoreReport
+from protocol.ranking import NoCountedReports
 from protocol.spec import NetworkSpec, parse_spec
 from tests.conftest import MINER_OFFSET, make_identity, make_spec_dict
 from training.outer import OuterConfig
@@ -154,7 +155,7 @@ def test_reports_against_another_head_do_not_count(spec: NetworkSpec) -> None:
     glob = _global(spec)
     rnd = Round(spec, {a: _moved(glob, 1), b: _moved(glob, 2)}, {a: 2.5, b: 2.0})
     stale = {v: r.model_copy(update={"base": "ee" * 32}) for v, r in rnd.reports.items()}
-    with pytest.raises(MergeInputError, match="no score report"):
+    with pytest.raises(NoCountedReports, match="no score report"):
         rnd.merge(reports=stale)
     one_fresh = {**stale, spec.validators[0].key: rnd.reports[spec.validators[0].key]}
     result = rnd.merge(reports=one_fresh)

@@ -2,7 +2,8 @@
 
 A request is the 32-byte hash; the answer is a status byte, an 8-byte size and the bytes. The
 fetching side checks the announced size against the cap and the blob store's budget (a fetch the
-budget refuses ends there, with BlobStoreFull, whichever provider is asked), reads no more than the
+budget refuses ends there, with BlobStoreFull, whichever provider is asked, and so does one the full disk
+refuses, with the OSError it raised, node.store.full), reads no more than the
 announced size, hashes while it reads and lets the blob store verify and rename (nothing partial is
 left behind: not when the provider stops mid-blob, nor when the disk fills). Either side gives up a transfer that is
 idle for `blob_idle_timeout_s`, or not done by its deadline (that timeout plus the size at
@@ -30,7 +31,8 @@ from node.net.network import BlobFetchError
 from node.net.p2p.peers import node_id_for
 from node.net.p2p.streams import read_exact, reset
 from node.net.p2p.wire import FRAME_PAYLOAD_BYTES
-from node.store.blobs import BlobStore, BlobStoreFull, BlobWriter
+from node.store.blobs import BlobStore, BlobWriter
+from node.store.full import full_disk
 
 log = logging.getLogger(__name__)
 
@@ -111,10 +113,10 @@ class BlobStreams:
         for peer_id in providers:
             try:
                 path = await self._fetch_from(host, peer_id, blob_hash, max_bytes)
-            except BlobStoreFull:
-                self.judge.count_blob(failed=1)
-                raise
             except Exception as exc:
+                if (full := full_disk(exc)) is not None:  # no other provider's bytes would fit either
+                    self.judge.count_blob(failed=1)
+                    raise full from None
                 failures.append(f"{node_id_for(peer_id)[:12]}: {exc!r}")
                 continue
             self.judge.count_blob(fetched=1)

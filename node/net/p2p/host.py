@@ -6,7 +6,9 @@ loop ever blocks on the other. One GossipSub topic per network carries every mes
 topic validator is `GossipJudge`, so only ACCEPTed envelopes are delivered and relayed. Publishes
 are queued and paced, and closing sends what is queued first. Blobs travel over node.net.p2p.blobs,
 a round's history for a restarted node over node.net.p2p.history; peers learn about each other
-through node.net.p2p.peers, and a supervisor redials bootstrap and known peers that went away. A
+through node.net.p2p.peers (each told the addresses in `P2PConfig.announce`, else those it listens on),
+and a supervisor redials bootstrap and known peers that went away. Peers say their protocol version as
+they connect (node.net.p2p.hello; the gossip topic names it too), and one on another version is refused. A
 peer the judge penalises is disconnected at once and not redialled until its penalty runs out
 (py-libp2p 0.8.1's GossipSub v1.1 scorer only gates gossip and never disconnects). This module
 knows nothing about rounds, duties or storage but blobs.
@@ -43,12 +45,14 @@ from node.net.config import P2PConfig
 from node.net.judge import GossipJudge
 from node.net.network import Delivery, NetworkError, NetworkStats, Subscribers, Subscription
 from node.net.p2p.blobs import BLOB_PROTOCOL, BlobStreams
+from node.net.p2p.hello import HELLO_PROTOCOL, Hellos
 from node.net.p2p.history import HISTORY_PROTOCOL, HistoryStreams
 from node.net.p2p.peers import PEX_PROTOCOL, PeerBook, keypair_for, node_id_for, parse_bootstrap, peer_id_for
 from node.net.p2p.wire import TunedNoise
 from node.store.blobs import BlobStore
 from protocol.identity import Identity
 from protocol.messages import Envelope
+from protocol.version import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -56,27 +60,35 @@ T = TypeVar("T")
 GOSSIP_PROTOCOLS = [TProtocol("/meshsub/1.1.0"), TProtocol("/meshsub/1.0.0")]
 CLOSE_FLUSH_S = 5.0  # how long closing waits for queued publishes to go out
 REACH_EXCHANGES = 8  # peers asked at once for the addresses of blob providers we cannot reach yet
+START_TIMEOUT_S = 30.0  # the host thread must listen within this long
+MAX_REDIAL_BACKOFF_S = 5.0  # the longest wait between two dials of a lost peer
+FORGET_AFTER_FAILURES = 5  # failed dials after which a discovered (not a bootstrap) peer is no longer redialled
 
 
 class P2PNetwork:
     """A libp2p host in its own trio thread, behind the asyncio `Network` interface."""
 
-    def __init__(self, identity: Identity, judge: GossipJudge, store: BlobStore, config: P2PConfig) -> None:
+    def __init__(self, identity: Identity, judge: GossipJudge, store: BlobStore, config: P2PConfig,
+                 protocol: int = PROTOCOL_VERSION) -> None:
+        """`protocol`: the version this host says it speaks (another than this release's only where a test plays a
+        node of another release)."""
         self.config = config
         self._identity = identity
         self._judge = judge
         self._store = store
-        self._topic = f"tessera/{judge.network_id}"
+        self._topic = f"tessera/{protocol}/{judge.network_id}"
         self._key_pair = keypair_for(identity)
         self._peer_id = ID.from_pubkey(self._key_pair.public_key)
         self._subscribers = Subscribers(judge.stats)
         self._blobs = BlobStreams(store, judge, config)
         self._history = HistoryStreams(judge, config)
+        self._hellos = Hellos(judge, protocol, config.dial_timeout_s)
         self._book = PeerBook({info.peer_id: info for info in map(parse_bootstrap, config.bootstrap)})
         self._disconnecting: set[ID] = set()
         self._peer_snapshot: list[str] = []
         self._failure_snapshot: dict[str, int] = {}
         self._listen_addrs: list[str] = []
+        self._announced: list[str] = []  # what peer exchange tells peers to dial
         self._loop: asyncio.AbstractEventLoop | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._nursery: trio.Nursery | None = None
@@ -92,19 +104,20 @@ class P2PNetwork:
 
     @classmethod
     async def create(
-        cls, identity: Identity, judge: GossipJudge, store: BlobStore, config: P2PConfig | None = None
+        cls, identity: Identity, judge: GossipJudge, store: BlobStore, config: P2PConfig | None = None,
+        protocol: int = PROTOCOL_VERSION,
     ) -> P2PNetwork:
         """Start the host thread and return once it listens; NetworkError if it cannot start."""
-        net = cls(identity, judge, store, config or P2PConfig(port=0))
+        net = cls(identity, judge, store, config or P2PConfig(port=0), protocol)
         net._loop = asyncio.get_running_loop()
         ready: asyncio.Future[None] = net._loop.create_future()
         net._thread = threading.Thread(target=net._thread_main, args=(ready,), name="tessera-p2p", daemon=True)
         net._thread.start()
         try:
-            await asyncio.wait_for(asyncio.shield(ready), net.config.start_timeout_s)
+            await asyncio.wait_for(asyncio.shield(ready), START_TIMEOUT_S)
         except TimeoutError as exc:
             await net.close()
-            raise NetworkError(f"libp2p host did not start within {net.config.start_timeout_s} s") from exc
+            raise NetworkError(f"libp2p host did not start within {START_TIMEOUT_S} s") from exc
         return net
 
     # ---- the Network interface (asyncio side) ----
@@ -120,6 +133,11 @@ class P2PNetwork:
     @property
     def listen_addrs(self) -> list[str]:
         return list(self._listen_addrs)
+
+    @property
+    def announced_addrs(self) -> list[str]:
+        """The addresses peers are told to dial (`P2PConfig.announce`, else the listen ones), with our peer id."""
+        return list(self._announced)
 
     @property
     def stats(self) -> NetworkStats:
@@ -151,6 +169,9 @@ class P2PNetwork:
         assert self._outbox is not None, "publish before create() finished"
         self._to_trio(self._outbox.send_nowait, data)
         self._queued += 1
+
+    def forget(self, envelope: Envelope) -> None:
+        self._judge.forget(envelope)
 
     def serve(self, blob_hash: str) -> None:
         if not self._store.has(blob_hash):
@@ -186,7 +207,7 @@ class P2PNetwork:
                 async with trio.open_nursery() as nursery:
                     for peer_id in sorted(connected, key=lambda p: p not in book.bootstrap)[:REACH_EXCHANGES]:
                         book.last_exchange[peer_id] = trio.current_time()
-                        nursery.start_soon(book.exchange, self._host, peer_id, self._listen_addrs, timeout)
+                        nursery.start_soon(book.exchange, self._host, peer_id, self._announced, timeout)
             async with trio.open_nursery() as nursery:
                 for peer_id in missing:
                     if (peer_id in book.bootstrap or peer_id in book.discovered) and peer_id not in book.dialing:
@@ -302,8 +323,9 @@ class P2PNetwork:
         self._stop = trio.Event()
         noise = TunedNoise(self._key_pair, noise_privkey=new_noise_key_pair().private_key)
         connections = ConnectionConfig(max_connections_per_peer=1, dial_timeout=self.config.dial_timeout_s)
+        announce = [multiaddr.Multiaddr(addr) for addr in self.config.announce]
         host = new_host(key_pair=self._key_pair, sec_opt={NOISE_PROTOCOL_ID: noise}, muxer_preference="YAMUX",
-                        connection_config=connections)
+                        connection_config=connections, announce_addrs=announce or None)
         # The default 10 msgs/s per topic would drop bursts; IP-diversity grafting means nothing when
         # every peer shares one address (loopback, one docker host). A mesh is pruned only past max_peers
         # (at least 12) links: a node every peer dials (a bootstrap validator) is grafted by all of them, and a
@@ -316,6 +338,7 @@ class P2PNetwork:
         pubsub.set_topic_validator(self._topic, self._validate, False)
         host.set_stream_handler(BLOB_PROTOCOL, self._blobs.handle)
         host.set_stream_handler(HISTORY_PROTOCOL, self._history.serve)
+        host.set_stream_handler(HELLO_PROTOCOL, lambda stream: self._hellos.serve(host, stream))
         host.set_stream_handler(PEX_PROTOCOL, lambda stream: self._book.serve_exchange(host, stream, self.config.dial_timeout_s))
         self._host, self._pubsub = host, pubsub
         outbox, inbox = trio.open_memory_channel[bytes](float("inf"))
@@ -330,9 +353,10 @@ class P2PNetwork:
             # no commit or seed of a whole round.
             subscription = await pubsub.subscribe(self._topic)
             async with host.run([listen]):
-                self._listen_addrs = [str(a) for a in host.get_addrs()]
+                self._listen_addrs = [f"{a}/p2p/{self._peer_id}" for a in host.get_transport_addrs()]
                 if not self._listen_addrs:  # py-libp2p logs a failed listen and carries on
                     raise NetworkError(f"cannot listen on {listen}: the port is taken or the address is not local")
+                self._announced = [str(a) for a in host.get_addrs()]  # the announced ones, else the listen ones
                 async with trio.open_nursery() as nursery:
                     self._nursery = nursery
                     nursery.start_soon(self._drain, subscription)
@@ -393,20 +417,21 @@ class P2PNetwork:
         self._peer_snapshot = sorted(node_id_for(p) for p in connected)
         self._failure_snapshot = {node_id_for(p): n for p, n in self._book.failures.items()}
         now = trio.current_time()
+        self._hellos.greet(self._host, connected, self._nursery)  # new connections say their protocol version
         for peer_id in connected:
             if self._judge.is_penalised(node_id_for(peer_id)):  # it dialled us again while barred
                 self._drop(peer_id)
         for peer_id in self._book.known():
             room = peer_id in self._book.bootstrap or len(connected) < self.config.max_peers
             due = self._book.next_dial.get(peer_id, 0.0) <= now
-            barred = self._judge.is_penalised(node_id_for(peer_id))
+            barred = self._judge.is_penalised(node_id_for(peer_id)) or self._hellos.is_barred(peer_id)
             if peer_id not in connected and peer_id not in self._book.dialing and room and due and not barred:
                 self._book.dialing.add(peer_id)
                 self._nursery.start_soon(self._redial, peer_id)
         for peer_id in connected:
             if now - self._book.last_exchange.get(peer_id, -1e9) >= self.config.exchange_interval_s:
                 self._book.last_exchange[peer_id] = now
-                self._nursery.start_soon(self._book.exchange, self._host, peer_id, self._listen_addrs,
+                self._nursery.start_soon(self._book.exchange, self._host, peer_id, self._announced,
                                          self.config.dial_timeout_s)
 
     async def _redial(self, peer_id: ID) -> None:
@@ -424,10 +449,10 @@ class P2PNetwork:
         except Exception as exc:
             failures = self._book.failures.get(peer_id, 0) + 1
             self._book.failures[peer_id] = failures
-            backoff = min(self.config.max_redial_backoff_s, self.config.supervise_interval_s * 2 ** (failures - 1))
+            backoff = min(MAX_REDIAL_BACKOFF_S, self.config.supervise_interval_s * 2 ** (failures - 1))
             self._book.next_dial[peer_id] = trio.current_time() + backoff
             log.debug("p2p: dial %s failed (%d): %r", peer_id, failures, exc)
-            if peer_id not in self._book.bootstrap and failures >= self.config.forget_after_failures:
+            if peer_id not in self._book.bootstrap and failures >= FORGET_AFTER_FAILURES:
                 self._book.forget(peer_id)
         finally:
             self._book.dialing.discard(peer_id)

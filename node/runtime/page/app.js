@@ -62,6 +62,7 @@ function renderGlance(status) {
   document.title = `tessera ${status.role} ${short(status.node_id)}`;
   $("subtitle").textContent = `node ${short(status.node_id)} on network ${status.network} (${short(status.network_id)})`;
   $("learning").textContent = learningLine(status.learning);
+  renderSpec(status.spec);
   const agreement = status.agreement;
   nextPhaseAt = Date.now() + status.next_phase.in_s * 1000;
   nextPhaseName = `${status.next_phase.phase} of round ${status.next_phase.round}`;
@@ -100,7 +101,47 @@ function renderGlance(status) {
     `${short(outvoted.state)}` + (outvoted.gain === null ? "" : ` (here it measured ${Number(outvoted.gain).toPrecision(2)} nats ` +
     `against ours; a change needs a gain whose interval clears ${outvoted.margin} nats)`) +
     `. This node follows the majority's state.` : "";
+  const disk = status.disk && (status.disk.low || status.disk.refused) ? status.disk : null;
+  $("disk-alert").hidden = !disk;
+  $("disk-alert").textContent = disk ? diskText(disk) : "";
+  $("protocol-alert").hidden = !status.protocol_alert;
+  $("protocol-alert").textContent = status.protocol_alert ? `${status.protocol_alert} (peers on another ` +
+    `protocol version are refused).` : "";
+  $("version").textContent = `tessera ${status.version} · protocol ${status.protocol}`;
   tick();
+}
+
+// The expert group trained now and, once validators signed its successor, when and to what it changes.
+function renderSpec(spec) {
+  const group = (g) => Object.keys(g).sort((a, b) => a - b).map((l) => `layer ${l}: ${g[l].join(" ")}`).join(" · ");
+  $("spec").textContent = spec ? `expert group ${group(spec.group)}` +
+    (spec.since_round ? ` (successor spec ${short(spec.id)}, since round ${spec.since_round})` : "") : "";
+  const next = spec && spec.successor;
+  $("successor").hidden = !next;
+  $("successor").textContent = next ? `Expert group changes at round ${next.activation}, in ${duration(next.in_s)}; ` +
+    `signed by ${next.signed_by} of ${next.validators} validators` +
+    (next.group ? ` (next group: ${group(next.group)}).` : ".") : "";
+}
+
+// Seconds as the node's log writes a wait: 2 h 10 min, or 4 min 5 s.
+function duration(seconds) {
+  const s = Math.max(0, Math.round(seconds));
+  const h = Math.floor(s / 3600), m = Math.floor((s % 3600) / 60);
+  return h ? `${h} h ${m} min` : `${m} min ${s % 60} s`;
+}
+
+// Bytes as the node's log writes them: 0 B, 812 KiB, 13.4 MiB, 8.0 GiB.
+function size(n) {
+  if (n < 1024) return `${n} B`;
+  if (n < 1024 ** 2) return `${Math.floor(n / 1024)} KiB`;
+  return n < 1024 ** 3 ? `${(n / 1024 ** 2).toFixed(1)} MiB` : `${(n / 1024 ** 3).toFixed(1)} GiB`;
+}
+
+function diskText(d) {
+  const refused = d.refused ? `A full disk refused a write in round ${d.refused.round} (${d.refused.error}). ` : "";
+  return `${refused}The disk of ${d.path} has ${size(d.free_bytes)} free, and the rounds ahead need about ` +
+    `${size(d.needed_bytes)}: free space there or move node.data_dir to a larger disk. The node goes on, and ` +
+    "catches up once there is room.";
 }
 
 function tick() {

@@ -1,4 +1,4 @@
-"""The `tessera` CLI as a user meets it: help, keygen, spec check, placeholders and error lines."""
+"""The `tessera` CLI as a user meets it: help, --version, keygen, spec check, placeholders and error lines."""
 
 from __future__ import annotations
 
@@ -32,6 +32,15 @@ def test_help_lists_commands_without_importing_torch() -> None:
     code = "import sys; from node.cli.main import build_parser; build_parser(); print('torch' in sys.modules)"
     probe = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert probe.stdout.strip() == "False", probe.stderr
+
+
+def test_version_names_the_release_and_its_protocol(capsys: pytest.CaptureFixture[str]) -> None:
+    from protocol.version import PROTOCOL_VERSION, RELEASE
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"tessera {RELEASE} (protocol {PROTOCOL_VERSION})\n"
 
 
 def test_keygen_writes_0600_and_prints_id(tmp_path: Path) -> None:

@@ -28,10 +28,10 @@ import training.checkpoint
 import training.model
 from miner.model import MinerModel, MinerSettings
 from miner.submission import build_submission, encode_submission
+from node.sim.twins import Twins
 from protocol.identity import Identity, save_identity
 from protocol.spec import load_spec
 from tests.node.cli.test_real_checkpoint_cli import new_network, run
-from tests.node.twins import Twins
 from training.blob import blob_hash, decode_blob
 from training.compressed import CompressedModel, count_expert_rows
 from training.experts import extract, insert

@@ -20,6 +20,7 @@ KEY = "ab" * 32
 
 
 def refused(capsys: pytest.CaptureFixture[str], argv: list[object], match: str) -> None:
+    capsys.readouterr()  # what the test printed before (a checkpoint's writing bar) is not the command's
     code = main([str(a) for a in argv])
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and match in err, err

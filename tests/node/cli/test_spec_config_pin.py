@@ -30,6 +30,8 @@ from training.tiny import build_tiny_model, tiny_config
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
+    """The command's exit code and what it printed (not what the test printed before it, such as a load's bar)."""
+    capsys.readouterr()
     code = main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return code, out, err

@@ -16,8 +16,8 @@ import torch
 from miner.model import MinerModel, MinerSettings
 from miner.submission import ErrorFeedback, build_submission, encode_submission
 from node.cli.main import main
+from node.sim.twins import Twins, identity
 from protocol.identity import save_identity
-from tests.node.twins import Twins, identity
 from training.blob import BlobMeta, encode_blob
 from training.pgrad import error_bytes
 

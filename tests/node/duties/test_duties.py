@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 import torch
 
-from node.duties.validator import ValidatorDuties, _Loaded
+from node.duties.validator import ValidatorDuties
 from node.net.judge import GossipJudge
 from node.net.twin import MemoryHub
 from node.runtime.clock import ManualClock
@@ -27,15 +27,16 @@ from node.runtime.daemon import Node
 from node.runtime.http import HttpApi
 from node.sim.adversaries import miner_factory
 from node.sim.layout import SimNetwork, make_sim_network, sim_identity, to_toml
+from node.sim.twins import phase_done, write_network
 from node.store.blobs import BlobStore
 from protocol.identity import save_identity
 from protocol.rounds import PHASES, Phase, Schedule
 from protocol.spec import apply_settings, load_spec
-from tests.node.twins import phase_done, write_network
 from training.blob import decode_header
 from training.data import file_sha256
 from training.device import Int8Linear
 from training.state import GlobalExperts
+from validator.model import ValidatorModel
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -289,5 +290,8 @@ def test_a_validator_set_to_int8_weights_scores_with_its_frozen_layers_in_int8(t
     spec_path = write_network(tmp_path / "net")
     config = NodeConfig(node={"role": "validator", "spec": spec_path, "data_dir": tmp_path / "v"},
                         validator={"heldout": tmp_path / "net" / "heldout.jsonl", "weights": "int8"})
-    loaded = _Loaded.create(SimpleNamespace(config=config, spec=load_spec(spec_path)))  # type: ignore[arg-type]
+    section = config.validator
+    assert section.heldout is not None
+    loaded = ValidatorModel.load(load_spec(spec_path), spec_path, section.heldout, None, section.device,
+                                 section.batch_size, section.weights)
     assert any(isinstance(module, Int8Linear) for module in loaded.scorer.model.modules())

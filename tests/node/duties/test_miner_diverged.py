@@ -14,10 +14,10 @@ import torch
 
 from miner.model import MinerModel, MinerSettings
 from miner.submission import ErrorFeedback, build_submission, encode_submission
+from node.sim.twins import Twins
 from protocol.rounds import Phase
 from protocol.spec import parse_spec
 from tests.conftest import make_spec_dict
-from tests.node.twins import Twins
 from training.trainer import TrainResult
 
 pytestmark = pytest.mark.timeout(120)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from node.duties.miner import TRAIN_MARGIN_SHARE
+from node.sim.twins import Twins
 from protocol.rounds import Phase
-from tests.node.twins import Twins
 
 pytestmark = pytest.mark.timeout(120)
 

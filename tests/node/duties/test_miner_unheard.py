@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from node.duties.results import unheard_by
+from node.sim.twins import Twins
 from node.store.records import RoundPlan
 from protocol.messages import ScoreEntry, ScoreReport, decode_envelope
 from protocol.rounds import PHASES, Phase
-from tests.node.twins import Twins
 
 pytestmark = pytest.mark.timeout(180)
 

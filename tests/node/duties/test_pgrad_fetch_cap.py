@@ -11,8 +11,8 @@ import torch
 
 from node.duties.miner import Job
 from node.sim.adversaries import STRATEGIES, Lazy
+from node.sim.twins import Twins
 from protocol.rounds import Phase
-from tests.node.twins import Twins
 from training.blob import decode_blob, encode_blob, max_blob_bytes
 from training.pgrad import pgrad_config
 from validator.checks import Expectation, submission_cap

@@ -22,8 +22,8 @@ from miner.model import MinerModel, MinerSettings
 from miner.submission import ErrorFeedback, build_submission
 from node.duties.consensus import decode_state
 from node.runtime.daemon import Node
+from node.sim.twins import Twins
 from protocol.rounds import PHASES
-from tests.node.twins import Twins
 from training.blob import PGRAD_FORMAT, decode_blob, decode_header
 from training.outer import norm
 from training.pgrad import chunk_draw, compressed_bytes, coverage, decode, load_error, pgrad_config

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from node.runtime.daemon import Node
+from node.sim.twins import Twins
 from node.store.db import Storage
 from protocol.rounds import Phase
-from tests.node.twins import Twins
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -27,7 +27,7 @@ async def _restarted_after_its_vote(net: Twins, monkeypatch: pytest.MonkeyPatch)
     """Run round 0 up to a MERGE in which validator-0 merges on its own report alone (the others' are kept
     from it), records its rewards and votes, then dies before its round report is written; restart it
     (it catches up on the others' reports and merges again). The restarted node and the state it voted for."""
-    monkeypatch.setattr("node.duties.validator.new_seed", lambda: SEED)
+    monkeypatch.setattr("node.duties.seeds.new_seed", lambda: SEED)
     nodes = [await net.start(n) for n in ("validator-0", "validator-1", "validator-2", "miner-0", "miner-1",
                                           "miner-2")]
     v0: Node = nodes[0]

@@ -18,10 +18,10 @@ from node.duties.plan import unpaired
 from node.duties.validator import ValidatorDuties
 from node.net.twin import MemoryNetwork
 from node.runtime.daemon import Node
+from node.sim.twins import Twins, identity, until
 from protocol.messages import SeedCommit, SeedReveal, decode_envelope, seal
 from protocol.rounds import Phase
 from protocol.seeds import commitment, round_seed
-from tests.node.twins import Twins, identity, until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -345,7 +345,7 @@ async def test_a_report_of_a_round_keeps_its_state_when_the_head_is_a_later_roun
         assert await v0.ctx.storage.head() not in (None, after_round_0)  # round 1 moved the state
         duties = v0.duties
         assert isinstance(duties, ValidatorDuties)
-        await duties._finish_report(0, await duties._loaded.get())
+        await duties.reports.finish(0, duties.state, (await duties._loaded.get()).loss)
         assert (await v0.round_report(0))["global_hash"] == after_round_0
     finally:
         await net.close()

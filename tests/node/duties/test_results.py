@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.node.twins import Twins
+from node.sim.twins import Twins
 
 pytestmark = pytest.mark.timeout(180)
 

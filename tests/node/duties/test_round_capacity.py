@@ -8,10 +8,10 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from node.sim.twins import Twins
 from protocol.identity import Identity
 from protocol.messages import Commit, Reveal, report_capacity, seal
 from protocol.rounds import Phase
-from tests.node.twins import Twins
 
 MAX_BYTES = 2048
 

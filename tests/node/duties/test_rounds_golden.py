@@ -1,7 +1,7 @@
 """Behaviour-unchanged proof: whole rounds on the in-memory twins give the recorded decisions and losses.
 
 Two validators and four miners (two honest, one lazy, one garbage) run three rounds of a tiny
-qwen3_moe model whose config, data and expert group are fixed in tests/node/twins.py, with a fixed
+qwen3_moe model whose config, data and expert group are fixed in node/sim/twins.py, with a fixed
 number of inner steps, a ManualClock moved phase by phase, and validator seeds drawn from a counter
 instead of the OS. What `golden_rounds.json` holds, and how it is compared:
 - decisions, exactly: each miner's verdict, rank, reward and reason, the merge gate's candidate, the ledger's
@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-import node.duties.validator as validator_duties
+import node.duties.seeds as validator_seeds
 from node.duties.validator import ValidatorDuties
 from node.net.judge import GossipJudge
 from node.net.twin import MemoryHub
@@ -36,11 +36,11 @@ from node.runtime.clock import ManualClock
 from node.runtime.config import NodeConfig
 from node.runtime.daemon import Node
 from node.sim.adversaries import miner_factory
+from node.sim.twins import WAIT_S, identity, phase_done, until, write_network
 from node.store.blobs import BlobStore
 from protocol.identity import save_identity
 from protocol.rounds import PHASES, Phase, Schedule
 from protocol.spec import load_spec
-from tests.node.twins import WAIT_S, identity, phase_done, until, write_network
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -52,12 +52,12 @@ MINERS = {"miner-0": "honest", "miner-1": "honest", "miner-2": "lazy", "miner-3"
 async def scenario(tmp_path: Path) -> dict[str, Any]:
     """Run the rounds and return everything that must not change."""
     counter = itertools.count()
-    os_seed, validator_duties.new_seed = validator_duties.new_seed, lambda: hashlib.sha256(
+    os_seed, validator_seeds.new_seed = validator_seeds.new_seed, lambda: hashlib.sha256(
         f"golden-seed:{next(counter)}".encode()).hexdigest()
     try:
         return await _run(tmp_path)
     finally:
-        validator_duties.new_seed = os_seed
+        validator_seeds.new_seed = os_seed
 
 
 async def _run(tmp_path: Path) -> dict[str, Any]:

@@ -8,14 +8,14 @@ from __future__ import annotations
 import asyncio
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from node.duties.validator import _Loaded
-from node.runtime.context import NodeContext
+from node.sim.twins import Twins, until
 from protocol.check import window
 from protocol.rounds import Phase
-from tests.node.twins import Twins, until
+from validator.model import ValidatorModel
 
 
 async def test_a_validator_reveals_its_seed_only_once_no_node_takes_a_commit(tmp_path: Path) -> None:
@@ -47,13 +47,13 @@ async def test_a_validator_still_loading_its_model_commits_its_seed_in_train(
     own, longer than TRAIN; its seed commit needs no model and goes out at TRAIN all the same (it went out once the
     model was loaded, after the window)."""
     loaded = threading.Event()  # set only when the test ends: until then the model never finishes loading
-    create = _Loaded.create
+    load = ValidatorModel.load
 
-    def slow_create(ctx: NodeContext) -> _Loaded:
+    def slow_load(*args: Any) -> ValidatorModel:
         loaded.wait(timeout=60)
-        return create(ctx)
+        return load(*args)
 
-    monkeypatch.setattr(_Loaded, "create", staticmethod(slow_create))
+    monkeypatch.setattr(ValidatorModel, "load", staticmethod(slow_load))
     net = Twins(tmp_path, validators=1)
     await net.start("validator-0")
     try:

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from node.runtime.daemon import Node
+from node.sim.twins import WAIT_S, Twins, identity
 from protocol.messages import GlobalState, Message, seal
 from protocol.rounds import Phase
-from tests.node.twins import WAIT_S, Twins, identity
 
 pytestmark = pytest.mark.timeout(300)
 

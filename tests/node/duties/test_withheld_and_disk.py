@@ -1,7 +1,8 @@
 """Issue 11: a validator that commits a seed and does not reveal it loses its place in the assignment
 for the next SEED_WITHHOLD_ROUNDS rounds (named in the stored plan, /rounds/{r} and /metrics,
 computed the same by every node, miners too); a disk that refuses writes (ENOSPC from the blob store)
-leaves no partial blob or row, logs what failed, and the node takes part normally the next round."""
+leaves no partial blob or row, is said once in the round (naming the data directory, its free bytes and what
+to do), and the node takes part normally the next round."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from node.duties.plan import SEED_WITHHOLD_ROUNDS, make_plan
 from node.runtime.daemon import Node
 from node.runtime.metrics import peer_label
 from node.runtime.status import StatusViews
+from node.sim.twins import Twins
 from node.store.blobs import TMP_DIR, BlobStore
 from node.store.db import Storage
 from node.store.records import RoundPlan
@@ -28,7 +30,6 @@ from protocol.rounds import PHASES
 from protocol.seeds import commitment
 from protocol.spec import parse_spec
 from tests.conftest import make_identity, make_spec_dict
-from tests.node.twins import Twins
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -130,14 +131,15 @@ async def test_a_validator_that_withholds_its_seed_is_named_and_left_out_of_the_
         v1 = await net.start("validator-1")
         v2 = await net.start("validator-2")
         miners = [await net.start(f"miner-{i}") for i in range(3)]
-        reveal = v2.duties._reveal_seed  # type: ignore[attr-defined]
+        seeds = v2.duties.seeds  # type: ignore[attr-defined]
+        reveal = seeds.reveal
 
         async def withhold(round: int) -> None:  # the injected behaviour: commit in TRAIN, never reveal
             return None
 
-        v2.duties._reveal_seed = withhold  # type: ignore[attr-defined]
+        seeds.reveal = withhold
         await net.rounds(0, 0)
-        v2.duties._reveal_seed = reveal  # type: ignore[attr-defined]
+        seeds.reveal = reveal
         await net.rounds(1, 1)
         me = net.id("validator-2")
         assert any(s.validator == me and s.commitment and not s.seed for s in await v0.ctx.storage.seeds_for(0))
@@ -224,8 +226,11 @@ async def test_a_disk_that_refuses_writes_for_a_round_costs_that_round_only(
             for phase in PHASES:
                 await net.phase(0, phase)
         errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-        assert any("round 0: cannot store the submission" in e and "No space left" in e for e in errors), errors
-        assert any("round 0: cannot store the proposed state" in e and "No space left" in e for e in errors), errors
+        for node in (v0, m0):  # the refused submission or proposal, said once with the room it has and needs
+            [said] = [e for e in errors if str(node.ctx.config.node.data_dir) in e]
+            assert said.startswith("round 0: the disk is full: writing") and "No space left" in said, said
+            assert " free, and the rounds ahead need about " in said and "free space there" in said, said
+        assert sum("No space left" in e for e in errors) == 2, errors
         assert await m0.ctx.storage.submission(0) is None
         assert all(c.miner != net.id("miner-0") for c in await v1.ctx.storage.commits_for(0))
         assert await v0.ctx.storage.proposal(0) is None

@@ -28,7 +28,7 @@ from protocol.identity import Identity, load_identity, save_identity
 from protocol.messages import Commit, Envelope, GlobalState, Heartbeat, Message, Reveal, seal
 from protocol.rounds import Phase, Schedule
 from protocol.spec import NetworkSpec, load_spec, parse_spec
-from tests.conftest import make_identity, make_spec_dict, to_toml
+from tests.conftest import make_identity, make_spec_dict, to_toml, write_model_config
 
 VALIDATOR = make_identity(0)
 MINER = make_identity(100)
@@ -65,6 +65,7 @@ class Probe(HeartbeatDuties):
 def write_node(tmp_path: Path) -> tuple[NodeConfig, NetworkSpec]:
     spec_path = tmp_path / "spec.toml"
     spec_path.write_text(to_toml(make_spec_dict()), encoding="utf-8")
+    write_model_config(tmp_path)
     save_identity(VALIDATOR, tmp_path / "node.key")
     (tmp_path / "node.toml").write_text(
         '[node]\nrole = "validator"\nspec = "spec.toml"\n[http]\nport = 0\n[validator]\nheldout = "h.jsonl"\n',
@@ -219,6 +220,10 @@ async def test_a_message_storage_cannot_record_is_left_out_and_the_node_goes_on(
     assert await node.ctx.storage.commits_for(0) == []
     assert any("cannot record a commit" in r.getMessage() and "database or disk is full" in r.getMessage()
                for r in caplog.records)
+    monkeypatch.undo()  # room again: a peer's history hands the commit on once more, and it is kept
+    assert await node.ctx.network.catch_up(0, [MINER.node_id]) == 1
+    envelope, _ = await asyncio.wait_for(probe.messages.get(), WAIT_S)
+    assert envelope.kind == "commit" and [c.miner for c in await node.ctx.storage.commits_for(0)] == [MINER.node_id]
 
 
 async def test_a_round_far_past_the_last_one_prunes_nothing_until_the_next(setup) -> None:

@@ -27,7 +27,7 @@ from node.store.blobs import BlobStore
 from node.store.lock import NodeLock, Owner
 from protocol.identity import save_identity
 from protocol.spec import load_spec
-from tests.conftest import make_identity, make_spec_dict, to_toml
+from tests.conftest import make_identity, make_spec_dict, to_toml, write_model_config
 
 ROOT = Path(__file__).resolve().parents[3]
 VALIDATOR = make_identity(0)
@@ -37,6 +37,7 @@ BOOT = "/ip4/127.0.0.1/tcp/{port}/p2p/12D3KooWGXZ2GHu78yvJNtGaaYae2C8avDKw8TDByJ
 
 def write_node(tmp_path: Path, role: str = "miner", extra: str = "", key_seed: int | None = None) -> Path:
     (tmp_path / "spec.toml").write_text(to_toml(make_spec_dict()), encoding="utf-8")
+    write_model_config(tmp_path)
     if not (tmp_path / "node.key").exists():
         save_identity(make_identity(key_seed if key_seed is not None else (0 if role == "validator" else 100)),
                       tmp_path / "node.key")
@@ -73,6 +74,7 @@ def heartbeats_only(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def refused(config: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    capsys.readouterr()  # what the test printed before is not the command's
     assert main(["miner" if "miner" in config.read_text() else "validator", "--config", str(config)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("tessera: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
@@ -121,6 +123,19 @@ def test_a_key_that_does_not_fit_the_role_is_refused(
     err = refused(config, capsys)
     assert err.startswith(f"tessera: error: {config}: node.key: ") and reason in err, err
     assert not (tmp_path / "data").exists()
+
+
+def test_a_validator_whose_blob_budget_cannot_hold_a_round_is_refused_naming_the_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A round of the test spec's tiny group stores a few MiB on a validator (blob caps include the spec's
+    1 MiB header limit); a budget of 1 MiB cannot hold it."""
+    config = write_node(tmp_path, "validator", f"[p2p]\nport = 0\n[http]\nport = 0\n[storage]\nblob_budget_bytes = {1 << 20}\n")
+    err = refused(config, capsys)
+    assert err.startswith(f"tessera: error: {config}: storage.blob_budget_bytes: 1048576 bytes cannot hold a round "
+                          "of this network, in which a validator stores up to "), err
+    assert "its proposed state and momentum " in err and "raise it to at least" in err, err
+    assert not (tmp_path / "data").exists()  # refused before it locked or opened anything
 
 
 def test_a_data_directory_is_refused_to_a_node_of_another_role_network_or_key(tmp_path: Path) -> None:

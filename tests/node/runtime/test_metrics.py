@@ -14,6 +14,7 @@ from node.net.judge import REJECT_PEERS_KEPT, GossipJudge
 from node.net.network import NetworkStats
 from node.runtime.metrics import MAX_REASONS, NodeMetrics
 from protocol.spec import NetworkSpec
+from protocol.version import PROTOCOL_VERSION, RELEASE
 
 
 def samples(metrics: NodeMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -134,6 +135,19 @@ def test_network_penalties_are_exported() -> None:
     assert got[("tessera_penalised_peers", ())] == 1
     assert got[("tessera_peers", ())] == 2
 
+
+
+def test_the_build_and_peers_refused_for_their_protocol_version_are_exported(spec: NetworkSpec) -> None:
+    judge = GossipJudge(spec, lambda: spec.genesis_ts)
+    metrics = NodeMetrics()
+    metrics.bind_network(judge.snapshot, lambda: 0)
+    got = samples(metrics)
+    assert got[("tessera_build_info", (("protocol", str(PROTOCOL_VERSION)), ("version", RELEASE)))] == 1
+    assert got[("tessera_protocol_refusals_total", ())] == 0 and got[("tessera_other_protocol_peers", ())] == 0
+    for peer in ("aa" * 32, "bb" * 32, "aa" * 32):
+        judge.refuse_protocol(peer, PROTOCOL_VERSION + 1, "9.9.9")
+    got = samples(metrics)
+    assert got[("tessera_protocol_refusals_total", ())] == 3 and got[("tessera_other_protocol_peers", ())] == 2
 
 
 def test_blob_counts_are_exported() -> None:

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from node.net.network import PublishRefused
+from node.sim.twins import Twins, identity
 from node.store.db import SCHEMA_VERSION, Storage
 from protocol.messages import Commit, Envelope, Heartbeat, Message, seal
 from protocol.rounds import Phase
 from protocol.spec import parse_spec
 from tests.conftest import make_identity, make_spec_dict
-from tests.node.twins import Twins, identity
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -112,5 +112,5 @@ async def test_a_version_2_file_gains_the_note_of_what_was_sent(tmp_path: Path) 
     finally:
         await again.close()
     conn = sqlite3.connect(path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
     conn.close()

@@ -2,8 +2,9 @@
 reason, a network name) is shown as text and never run as markup, standings are ordered best first,
 a validator's page shows any miner's history from its link, the header says how the network learns,
 a failing node shows an error instead of stale numbers, leaderboards of rounds the node no longer
-serves go, a node whose key another node uses says so, and so does a validator outvoted on a round's state.
-The page on a real simulation is checked in tests/integration/test_network.py."""
+serves go, a node whose key another node uses says so, and so do a validator outvoted on a round's state
+and a node whose disk is short of room; the page names the release and protocol version and says when peers on
+another protocol version were refused. The page on a real simulation is checked in tests/integration/test_network.py."""
 
 from __future__ import annotations
 
@@ -39,11 +40,16 @@ class FakeValidator:
         self.key_used_elsewhere: dict[str, Any] | None = None
         self.clock_behind: dict[str, Any] | None = None
         self.outvoted: dict[str, Any] | None = None
+        self.disk: dict[str, Any] = {"path": "/srv/tessera/data", "free_bytes": 50 << 30, "needed_bytes": 6 << 20,
+                                     "low": False, "refused": None}
+        self.protocol_alert: str | None = None
         self.hold = threading.Event()  # cleared: /status answers only once it is set again
         self.hold.set()
         self.in_flight = self.most_in_flight = 0
         self.rounds_shown = ROUNDS
         self.learning = LEARNING
+        self.spec: dict[str, Any] = {"id": "aa" * 32, "since_round": 0, "group": {"0": [1, 5], "1": [2, 6]},
+                                     "successor": None}
 
     async def status(self) -> dict[str, Any]:
         self.in_flight += 1
@@ -59,7 +65,8 @@ class FakeValidator:
                 "phase": "train", "peers": 2, "head": "ee" * 32, "head_round": 0, "me": None,
                 "agreement": {"round": 0, "share": 1.0}, "next_phase": {"round": 1, "phase": "commit", "in_s": 65},
                 "learning": self.learning, "key_used_elsewhere": self.key_used_elsewhere,
-                "clock_behind": self.clock_behind, "outvoted": self.outvoted}
+                "clock_behind": self.clock_behind, "outvoted": self.outvoted, "disk": self.disk, "version": "9.8.7",
+                "protocol": 5, "protocol_alert": self.protocol_alert, "spec": self.spec}
 
     async def rewards(self) -> dict[str, Any]:
         return {"entries": [], "standings": {B: 0.1, A: 0.3}}
@@ -75,6 +82,9 @@ class FakeValidator:
 
     async def metrics_text(self) -> bytes:
         return b""
+
+    async def offer_successor(self, data: bytes) -> dict[str, Any]:
+        return {"verdict": "refuse", "reason": "not in this test"}
 
 
 @pytest.fixture
@@ -115,6 +125,18 @@ def test_the_page_renders_peer_text_as_text(browser: Any, served: tuple[HttpApi,
     assert page.locator("#me-title").inner_text() == f"Miner {B[:12]}"
     assert page.locator("tr.my-round td.reason").inner_text() == f"rejected: {EVIL}"
 
+    assert page.locator("#spec").inner_text() == "expert group layer 0: 1 5 · layer 1: 2 6"
+    assert page.locator("#successor").is_hidden()
+    node.spec = {"id": "bb" * 32, "since_round": 3, "group": {"0": [3, 7], "1": [0, 4]}, "successor": {
+        "document": "cc" * 32, "activation": 9, "in_s": 7800.0, "signed_by": 2, "validators": 3,
+        "group": {"0": [2], "1": [5]}}}
+    page.wait_for_selector("#successor:not([hidden])", timeout=10_000)
+    assert page.locator("#spec").inner_text() == ("expert group layer 0: 3 7 · layer 1: 0 4 (successor spec "
+                                                  "bbbbbbbbbbbb, since round 3)")
+    assert page.locator("#successor").inner_text() == (
+        "Expert group changes at round 9, in 2 h 10 min; signed by 2 of 3 validators (next group: layer 0: 2 · "
+        "layer 1: 5).")
+
     assert page.locator("#key-alert").is_hidden()
     node.key_used_elsewhere = {"messages": 2, "last_kind": "commit", "last_round": 1}
     page.wait_for_selector("#key-alert:not([hidden])", timeout=10_000)
@@ -135,6 +157,23 @@ def test_the_page_renders_peer_text_as_text(browser: Any, served: tuple[HttpApi,
         "Outvoted in round 3: this validator's merge gate adopted the merged state, validators holding a majority "
         "of weight the best_single state abababababab (here it measured -3.8e-9 nats against ours; a change needs "
         "a gain whose interval clears 0.0001 nats). This node follows the majority's state.")
+    assert page.locator("#disk-alert").is_hidden()
+    node.disk = {**node.disk, "free_bytes": 0, "low": True,
+                 "refused": {"round": 1, "error": "database or disk is full"}}
+    page.wait_for_selector("#disk-alert:not([hidden])", timeout=10_000)
+    assert page.locator("#disk-alert").inner_text() == (
+        "A full disk refused a write in round 1 (database or disk is full). The disk of /srv/tessera/data has 0 B "
+        "free, and the rounds ahead need about 6.0 MiB: free space there or move node.data_dir to a larger disk. "
+        "The node goes on, and catches up once there is room.")
+    node.disk = {**node.disk, "free_bytes": 64 << 20, "low": False, "refused": None}  # room again
+    page.wait_for_selector("#disk-alert[hidden]", state="attached", timeout=10_000)
+
+    assert page.locator("#version").inner_text() == "tessera 9.8.7 · protocol 5"
+    assert page.locator("#protocol-alert").is_hidden()
+    node.protocol_alert = "2 peers speak protocol 6; this node speaks 5: upgrade"
+    page.wait_for_selector("#protocol-alert:not([hidden])", timeout=10_000)
+    assert page.locator("#protocol-alert").inner_text() == (
+        "2 peers speak protocol 6; this node speaks 5: upgrade (peers on another protocol version are refused).")
 
     node.broken = True
     page.wait_for_selector("#error:not([hidden])", timeout=10_000)

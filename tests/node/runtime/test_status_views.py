@@ -16,6 +16,7 @@ import pytest
 from node.duties.results import learn_results
 from node.runtime.clock import ManualClock
 from node.runtime.daemon import Node
+from node.runtime.disk import DiskLook
 from node.runtime.metrics import NodeMetrics
 from node.runtime.status import ROUNDS_SHOWN, STANDINGS_SHOWN, RoundView, StatusViews, learning_settings
 from node.store.db import Storage
@@ -43,9 +44,17 @@ LOSSES = {0: 2.0, 1: 2.5}  # miners 0 and 1 by index; miner 2 is refused, miner 
 SEEDS = ["1" * 64, "2" * 64, "3" * 64]
 
 
+class RoomyDisk:
+    """The data directory's space as `node.runtime.disk.DiskWatch` looks at it: room to spare."""
+
+    def look(self) -> DiskLook:
+        return DiskLook(free_bytes=1 << 30, needed_bytes=1 << 20)
+
+
 class FakeNode:
     def __init__(self, ctx: SimpleNamespace, own_reports: dict[int, dict[str, Any]]) -> None:
         self.ctx = ctx
+        self.genesis = ctx.spec
         self.own_reports = own_reports
 
     async def status(self) -> dict[str, Any]:
@@ -107,7 +116,7 @@ def views_for(storage: Storage, spec: NetworkSpec, me: Identity, role: str,
     schedule = Schedule.from_spec(spec)
     ctx = SimpleNamespace(storage=storage, spec=spec, identity=me, metrics=NodeMetrics(),
                           config=SimpleNamespace(node=SimpleNamespace(role=role)), schedule=schedule,
-                          clock=ManualClock(schedule.round_start(1) + 1.0))
+                          clock=ManualClock(schedule.round_start(1) + 1.0), disk=RoomyDisk())
     return StatusViews(FakeNode(ctx, own_reports or {}))  # type: ignore[arg-type]
 
 
@@ -197,7 +206,7 @@ async def test_status_and_a_scrape_read_only_the_last_rounds_global_states(
     storage.global_states = spy  # type: ignore[method-assign]
     ctx = SimpleNamespace(storage=storage, spec=spec, identity=validator_ids[0], metrics=NodeMetrics(),
                           config=SimpleNamespace(node=SimpleNamespace(role="validator")),
-                          clock=ManualClock(schedule.round_start(rounds) + 1.0), schedule=schedule)
+                          clock=ManualClock(schedule.round_start(rounds) + 1.0), schedule=schedule, disk=RoomyDisk())
     views = StatusViews(FakeNode(ctx, {}))  # type: ignore[arg-type]
     status = await views.status()
     assert status["head_round"] == rounds - 1

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from node.duties.miner import HonestStrategy, Job
+from node.sim.twins import Twins
 from protocol.rounds import Phase
-from tests.node.twins import Twins
 from validator.scoring import Scorer
 
 pytestmark = pytest.mark.timeout(120)

@@ -11,8 +11,8 @@ import pytest
 from node.duties.miner import HonestStrategy, MinerDuties
 from node.runtime.config import MinerSection
 from node.sim.adversaries import STRATEGIES, miner_factory
+from node.sim.twins import Twins
 from protocol.rounds import Phase
-from tests.node.twins import Twins
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -18,7 +18,7 @@ import pytest
 
 from node.store.lock import AlreadyRunning, NodeLock
 from protocol.identity import save_identity
-from tests.conftest import make_identity, make_spec_dict, to_toml
+from tests.conftest import make_identity, make_spec_dict, to_toml, write_model_config
 
 ROOT = Path(__file__).resolve().parents[3]
 HOLD = """
@@ -33,6 +33,7 @@ time.sleep(120)
 
 def write_validator(tmp_path: Path) -> Path:
     (tmp_path / "spec.toml").write_text(to_toml(make_spec_dict()), encoding="utf-8")
+    write_model_config(tmp_path)
     save_identity(make_identity(0), tmp_path / "node.key")
     config = tmp_path / "node.toml"
     config.write_text('[node]\nrole = "validator"\nspec = "spec.toml"\n[http]\nport = 0\n'

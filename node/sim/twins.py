@@ -1,10 +1,11 @@
-"""Whole rounds on the in-memory twins for tests: a tiny network fixed here, nodes on one MemoryHub and
-one ManualClock, moved phase by phase; a node can be stopped and started again on its own files.
+"""Whole rounds of a network in one process: a tiny network fixed here, nodes on one in-memory hub and one
+manual clock, moved phase by phase; a node can be stopped and started again on its own files.
 
-`write_network` writes a network directory whose model config, data and expert group are fixed in
-this file (not the simulation layout's), so recorded numbers stay valid while the layout changes.
-`Twins.phase(r, phase)` sets the clock to the phase start and waits until every running node ran
-that phase and consumed its gossip; nothing sleeps on the wall clock.
+`write_network` writes a network directory whose model config, data and expert group are fixed in this file
+(not the simulation layout's), so numbers recorded from it stay valid while the layout changes. `Twins.phase(r,
+phase)` sets the clock to the phase start and waits until every running node ran that phase and consumed its
+gossip; nothing sleeps on the wall clock. Tests drive whole rounds with it, and bench/twins_load.py hundreds of
+miners. Every node runs its real duties, storage and blob store, and every message passes the libp2p judge.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
+from node.duties.succession import Succession
 from node.duties.validator import ValidatorDuties
 from node.net.judge import GossipJudge
 from node.net.twin import MemoryHub
@@ -42,6 +44,7 @@ MODEL = {
     "norm_topk_prob": True,
 }
 WAIT_S = 120.0
+"""Seconds of wall time a wait on a few nodes may take before it fails."""
 
 
 def identity(name: str) -> Identity:
@@ -112,20 +115,22 @@ def phase_done(schedule: Schedule, r: int, phase: Phase) -> float:
     return schedule.phase_window(r, phase)[0]
 
 
-async def until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
+async def until(condition: Callable[[], bool], what: str, wait_s: float = WAIT_S) -> None:
+    """Return once `condition` holds; AssertionError naming `what` after `wait_s` seconds of wall time."""
+    deadline = time.monotonic() + wait_s
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.005)
 
 
-
 class Twins:
     """Nodes of one network written by `write_network`, on one MemoryHub and one ManualClock."""
 
-    def __init__(self, root: Path, validators: int = 2, extra: str = "") -> None:
+    def __init__(self, root: Path, validators: int = 2, extra: str = "", wait_s: float = WAIT_S) -> None:
+        """`wait_s`: how long any one wait on the nodes (a phase, a start, a stop) may take."""
         self.root = root
+        self.wait_s = wait_s
         self.spec_path = write_network(root / "net", validators, extra)
         self.spec = load_spec(self.spec_path)
         self.schedule = Schedule.from_spec(self.spec)
@@ -135,6 +140,13 @@ class Twins:
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.behaviours: dict[str, str] = {}
         self.miner_settings: dict[str, dict[str, object]] = {}
+        self.validator_data: list[Path] = []
+        """Validators' `[validator] data`: held-out files of successor specs."""
+        self.chained = False
+        """Whether nodes run their role's duties inside node.duties.succession, as `tessera miner|validator` does
+        (off by default: other tests reach into the role's duties as `node.duties`)."""
+        self.unchained: set[str] = set()
+        """Nodes that run their role's duties alone all the same (they never change spec)."""
 
     async def start(self, name: str, behaviour: str = "honest", miner: dict[str, object] | None = None) -> Node:
         """Create and run node `name` ("validator-0", "miner-3") on its own files (kept across restarts);
@@ -147,10 +159,12 @@ class Twins:
             save_identity(identity(name), key)
         config = NodeConfig(node={"role": role, "spec": self.spec_path, "key": key, "data_dir": self.root / name},
                             http={"enabled": False}, miner={"behaviour": behaviour, **miner},
-                            validator={"heldout": self.root / "net" / "heldout.jsonl"})
+                            validator={"heldout": self.root / "net" / "heldout.jsonl", "data": self.validator_data})
         network = self.hub.join(identity(name).node_id, GossipJudge(self.spec, self.clock.now),
                                 BlobStore(config.blob_dir))
         duties = miner_factory(behaviour) if role == "miner" else ValidatorDuties
+        if self.chained and name not in self.unchained:
+            duties = Succession.around(duties)
         node = await Node.create(config, network=network, clock=self.clock, duties=duties)
         self.nodes[name] = node
         waiting = self.clock.sleepers
@@ -159,7 +173,8 @@ class Twins:
             # Before genesis a node has nothing to catch up on, and waits on the clock for genesis. Moving the
             # clock before it got there would make it a node started after genesis, and one alone on the hub
             # would wait CATCH_UP_WAIT_S of wall time for a peer to catch up from.
-            await until(lambda: self.clock.sleepers > waiting or task.done(), f"{name} to wait for genesis")
+            await until(lambda: self.clock.sleepers > waiting or task.done(), f"{name} to wait for genesis",
+                        self.wait_s)
             if task.done():
                 task.result()  # it failed while starting: its error, not a timeout
         return node
@@ -168,7 +183,7 @@ class Twins:
         """Stop one node (as a kill would, between phases) and take it off the hub."""
         node = self.nodes.pop(name)
         node.stop()
-        await asyncio.wait_for(self.tasks.pop(name), WAIT_S)
+        await asyncio.wait_for(self.tasks.pop(name), self.wait_s)
         del self.hub.nodes[node.ctx.identity.node_id]
 
     async def restart(self, name: str) -> Node:
@@ -184,8 +199,8 @@ class Twins:
 
     async def ran(self, r: int, phase: Phase) -> None:
         await until(lambda: all(any((run.round, run.phase) == (r, str(phase)) for run in n.scheduler.runs)
-                                for n in self.nodes.values()), f"round {r} {phase}")
-        await until(lambda: all(n.gossip_idle for n in self.nodes.values()), "gossip to be consumed")
+                                for n in self.nodes.values()), f"round {r} {phase}", self.wait_s)
+        await until(lambda: all(n.gossip_idle for n in self.nodes.values()), "gossip to be consumed", self.wait_s)
 
     async def rounds(self, first: int, last: int) -> None:
         """Run every phase of rounds `first`..`last`, then TRAIN of the next (which settles `last`)."""
