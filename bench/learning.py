@@ -169,8 +169,9 @@ class Network:
 
     def esft(self, miners: int, rounds: int, rows: TaskRows) -> dict[str, Any]:
         """ESFT on the first `miners` miners' batches, read after every round and, for forgetting at a matched
-        in-domain loss, after every miner's H steps: the state whose report loss is nearest the network's adopted
-        state's in each round (where `rows` holds that network's) is read on the general-domain report set."""
+        in-domain loss, after every miner's H steps: of all those states, the one whose report loss is nearest the
+        network's adopted state's in each round (where `rows` holds that network's) is read on the general-domain
+        report set."""
         ids = self.ids[:miners]
         state: Mapping[str, torch.Tensor] = self.genesis.tensors
         optimizer: dict[str, Any] | None = None
@@ -184,6 +185,7 @@ class Network:
                 read.append((mean(report), state))
             rows.put("esft", miners, r, report)
             rows.put("esft general", miners, r, self.rows(state, self.general_report))
+        for r in range(rounds):
             if ("adopted", miners, r) in rows.states:
                 target = mean(rows.get("adopted", miners, r))
                 nearest = min(read, key=lambda checkpoint: abs(checkpoint[0] - target))[1]
