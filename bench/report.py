@@ -170,7 +170,7 @@ class _Learning:
                 f"{sum(merged[d]) / len(merged[d]):.1f} ({merged[d].count(0)} of {len(merged[d])})" if merged[d] else "-"
                 for d in self.domains]))
         flips = {d: self.unproven_merges(d) for d in self.domains}
-        rows.append(_row("merged adopted without evidence over the best single: interval of adopted - best single "
+        rows.append(_row("merged adopted, its gain over the best single short of the margin: adopted - best single "
                          "below / spanning / above zero", [
                              f"{sides.count('below')} / {sides.count('spans')} / {sides.count('above')}"
                              for sides in flips.values()]))
@@ -179,8 +179,8 @@ class _Learning:
 
     def unproven_merges(self, domain: str) -> list[str]:
         """For each round whose gate adopted the merged state though its gain over the best single submission did
-        not clear the margin (where the other order of preference keeps the best single): where the report set puts
-        the adopted state against the round's best single submission."""
+        not clear the margin (the rounds in which the order of preference, not evidence, chose between the two):
+        where the report set puts the adopted state against the round's best single submission."""
         from protocol.spec import AggregationSpec
 
         margin = float(self.report["spec_overrides"].get("aggregation.gate_margin",

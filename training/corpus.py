@@ -11,8 +11,12 @@ none of "facts"' people: lowering "facts"' loss means learning many independent 
 data per step speeds up (unlike the skills, tuned from a base that never saw them). "tallies" and
 "ledgers" are the skills' forms without their rules: arithmetic and records lines whose results and
 totals are drawn at random from the range the true ones take, for a base that knows the form and
-must still learn the rule. The same (domain, n_docs, seed) always gives the same documents. This
-module knows nothing about tokenizers, models or the network.
+must still learn the rule. "registry" (the town, trade and age of 800 people) and "lexicon" (the
+meaning of 2,000 invented words) are knowledge too large for one miner's data to hold, for the
+learning benchmark; "hearsay" and "babble" are their forms, the same people and words with the facts
+drawn afresh on every line, so a base that read them knows the names and words and none of the facts.
+The same (domain, n_docs, seed) always gives the same documents. This module knows nothing about
+tokenizers, models or the network.
 """
 
 from __future__ import annotations
