@@ -1,32 +1,24 @@
-"""Learning benchmark: the network's adopted state round by round against one node and the data-parallel ceiling.
+"""Learning benchmark: does a network learn faster with more miners, against the data-parallel ceiling on the same tokens?
 
-For each setting (a target domain, on a base that did or did not read the domain's form), seed and
-network (M miners at H inner steps, A of them adversarial) it writes a network as `tessera spec new`
-would, with the spec's defaults, H and then `--set`, on the pretrained tiny base (`training.pretrain`)
-and the setting's training, held-out and general-domain held-out files. Then it runs `--rounds` rounds
-through the product's code alone: the validators' seeds give the round seed (`protocol.seeds`); every
-honest miner trains from the adopted state and builds its blob with the honest builder
-(`miner.submission.build_submission`), an adversary with the simulation's noise strategy
-(`node.sim.adversaries`); each validator scores the miners assigned to it (`protocol.assignment`) with
-`validator.scoring.Scorer`; `validator.merge.merge_round` ranks, rewards and merges, and
-`validator.merge.gate` weighs the current, merged and best-single states on the gate rows
-(`validator.scoring.gate_measure`, with the forgetting budget on the general-domain file the spec pins).
-This file has no round logic of its own: it changes only the inputs.
-Read on held-out documents the validators never score (the report set), per run: `base_loss`,
-`adopted_losses` (the state adopted at the end of each round), `best_single_losses` (the lowest single
-accepted submission of the round), `gates` (the gate's verdict each round: the candidate adopted, every
-candidate's gate and general-domain losses, those refused, and how many updates were merged and are in
-the adopted state), `noise` (the mean over the run's states of half the gap between their losses on
-the two halves of the report set: the sampling noise of one held-out subset) and `forgetting` (the rise of
-the last adopted state's loss on a general-domain report set over the base's). `baselines`, per setting,
-seed, H and M, from the same base and batches at the same tokens: single-node expert tuning (ESFT: the
-miners' own training code over every miner's batches in turn, one AdamW run) and the data-parallel
-ceiling (one AdamW run whose every step takes the M miners' batches of that step together), each read
-after every round's tokens, and ESFT's forgetting. `summary` reads the issue's questions off them per run
-(`summarise`): the rounds the adopted loss rose, whether it fell, the rounds it read above the best single
-submission, its share of the ceiling's drop, 8 miners against 4 and forgetting against ESFT's.
-Usage: python bench/learning.py [--domain S,...] [--networks M@H[/A],...] [--rounds R] [--seeds S,...]
-       [--workers W] [--set SECTION.FIELD=VALUE]... [--small] [--cache DIR] [--out FILE.json]
+For each setting (`bench.learning_data`: two domains of facts limited by data and one heterogeneous mix) and seed it
+writes a network as `tessera spec new` would, with the spec's defaults and then `--set`, where every miner holds its
+own file. Then each network (M miners, A of them adversarial, at the spec's H) runs `--rounds` rounds through the
+product's code alone: the validators' seeds give the round seed (`protocol.seeds`); every honest miner trains from
+the adopted state on its own data and builds its blob with the honest builder (`miner.submission.build_submission`),
+an adversary with the simulation's noise strategy (`node.sim.adversaries`); each validator scores the miners
+assigned to it (`protocol.assignment`) with `validator.scoring.Scorer`; `validator.merge.merge_round` ranks, rewards
+and merges, and `validator.merge.gate` decides what is adopted (`validator.scoring.gate_measure`, with the
+general-domain file the spec pins). This file has no round logic of its own: it changes only the inputs.
+From the same base and the same miners' batches it runs two references at equal tokens: ESFT (the miners' own
+training code over every miner's batches in turn, one AdamW run) and the data-parallel ceiling (one AdamW run whose
+every step takes the M miners' batches of that step together) at each of `Size.dp_lr_scales` times the miners' lr,
+the one kept whose last state reads lowest on the validators' held-out file. Every state is read on a report set of
+held-out documents the validators never see, sequence by sequence, and on a general-domain report set for
+forgetting; `comparisons` holds every paired difference (`bench.learning_stats`) per round, per seed and pooled.
+The JSON: `runs` (`base_loss`, the `adopted_losses` and `best_single_losses` of every round, the gate's verdicts),
+`baselines` (`dp_lr`, `dp_ceiling_loss`, `esft_loss` after the last round) and `comparisons` (`bench.learning_report`).
+Usage: python bench/learning.py [--domain S,...] [--networks M[/A],...] [--rounds R] [--seeds S,...] [--workers W]
+       [--set SECTION.FIELD=VALUE]... [--small] [--cache DIR] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -37,13 +29,13 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.learning_data import FULL, SETTINGS, SMALL, VALIDATORS, Size, base_config, identity  # noqa: E402
+from bench.learning_stats import Rows, TaskRows, comparisons, mean, shares  # noqa: E402
 from bench.report import emit, out_file  # noqa: E402
 from node.cli.common import add_spec_settings, comma_list  # noqa: E402
 from protocol.spec import judge_settings  # noqa: E402
@@ -55,129 +47,15 @@ if TYPE_CHECKING:
 
     from miner.model import MinerModel
     from protocol.spec import NetworkSpec
-    from training.pretrain import PretrainConfig
     from training.state import GlobalExperts
     from validator.scoring import Scorer
 
-SETTINGS = {"arithmetic": ("arithmetic", False), "records": ("records", False), "facts": ("facts", True),
-            "arithmetic-form": ("arithmetic", True), "records-form": ("records", True)}
-"""Each setting's target domain and whether its base read the domain's form (`training.pretrain.base_config`)."""
-VALIDATORS = 2
-"""Validators in every spec: the spec's default replication (2) then has each miner scored by two."""
-SEQ_LEN = 64
-SELECTION_SEQUENCES = 64
-GENESIS = datetime(2026, 1, 1, tzinfo=UTC)
-"""A fixed genesis, so that the same arguments write the same spec (its network id names blobs)."""
-
-
-@dataclass(frozen=True)
-class Net:
-    """One network of a run: M miners, A of them adversarial, at H inner steps."""
-
-    miners: int
-    inner_steps: int
-    adversaries: int = 0
-
-
-@dataclass(frozen=True)
-class Size:
-    """How large the base, the data and (unless given) the runs are."""
-
-    train_docs: int
-    heldout_docs: int
-    report_docs: int
-    """The held-out documents kept for the report set; the validators' file holds the rest."""
-    general_docs: int
-    """General-domain documents per general domain in the validators' file, and again in the report set."""
-    settings: tuple[str, ...]
-    networks: tuple[Net, ...]
-    seeds: tuple[int, ...]
-    rounds: int
-    quick_base: bool
-    """A base trained for 30 steps on little data instead of the full pretraining."""
-
-
-FULL = Size(train_docs=3000, heldout_docs=600, report_docs=200, general_docs=100, settings=tuple(SETTINGS),
-            networks=(Net(1, 20), Net(4, 20), Net(8, 20), Net(4, 20, 2), Net(4, 50)), seeds=(0, 1, 2), rounds=3,
-            quick_base=False)
-SMALL = Size(train_docs=200, heldout_docs=200, report_docs=40, general_docs=20, settings=("arithmetic",),
-             networks=(Net(2, 2), Net(2, 2, 1)), seeds=(0,), rounds=2, quick_base=True)
-"""A few seconds on a CPU, for the test suite: a base trained for 30 steps, small data, 2 rounds of H = 2."""
-
-
-def base_of(setting: str, size: Size) -> PretrainConfig:
-    """The pretrained base a setting is tuned from."""
-    from dataclasses import replace
-
-    from training.pretrain import base_config
-
-    domain, knows_form = SETTINGS[setting]
-    cfg = base_config(domain, knows_form)
-    return replace(cfg, steps=30, batch_size=4, docs_per_domain=40) if size.quick_base else cfg
-
-
-def identity(role: str, index: int, seed: int = 0) -> Any:
-    """The key of `role` `index` under `seed` (validators use seed 0, so every seed runs the same spec)."""
-    from protocol.identity import Identity
-
-    return Identity.from_seed(hashlib.sha256(f"tessera-learning:{seed}:{role}:{index}".encode()).digest())
-
-
-def write_network(directory: Path, setting: str, inner_steps: int, size: Size, cache: Path,
-                  settings: list[tuple[str, Any]]) -> Path:
-    """Write a network of `setting` into `directory` (spec.toml, base/, data/) as `tessera spec new` would; the
-    spec path. The report sets go to data/report.jsonl and data/general-report.jsonl, which the spec does not name."""
-    import torch
-
-    from node.sim.layout import DEFAULT_TIMING, to_toml
-    from protocol.spec import apply_settings
-    from training.adapters import adapter_for
-    from training.checkpoint import checkpoint_hash, config_hash, read_config
-    from training.corpus import generate, write_documents
-    from training.data import check_disjoint, file_sha256, pack
-    from training.model import load_checkpoint
-    from training.pretrain import GENERAL_DOMAINS, pretrained_base
-    from training.selection import select_experts
-    from training.tokenizer import ByteTokenizer
-
-    base = pretrained_base(cache, base_of(setting, size))
-    (directory / "base").symlink_to(base, target_is_directory=True)
-    domain = SETTINGS[setting][0]
-    train = generate(domain, size.train_docs, 11)
-    held = generate(domain, size.heldout_docs, 12)
-    check_disjoint(train, held)  # as `spec new`: validators refuse held-out data the miners train on
-    data = directory / "data"
-    write_documents(data / "train.jsonl", train)
-    write_documents(data / "heldout.jsonl", held[size.report_docs:])
-    write_documents(data / "report.jsonl", held[: size.report_docs])
-    for name, seed in (("general.jsonl", 13), ("general-report.jsonl", 14)):  # the base read seed 0's documents
-        write_documents(data / name, [doc for d in GENERAL_DOMAINS for doc in generate(d, size.general_docs, seed)])
-    model = load_checkpoint(base, dtype=torch.float32, attn_implementation="eager")
-    adapter = adapter_for(model.config.model_type)
-    sequences = pack(train, ByteTokenizer(), SEQ_LEN)[:SELECTION_SEQUENCES]
-    group = select_experts(model, adapter, sequences, "gate-mass", top_d=2)["group"]
-    spec: dict[str, Any] = {
-        "name": f"learning-{setting}",
-        "genesis": GENESIS,
-        "timing": dict(DEFAULT_TIMING),
-        "model": {"family": adapter.family, "checkpoint": "base", "base_hash": checkpoint_hash(base),
-                  "config_sha256": config_hash(read_config(base))},
-        "group": {str(layer): experts for layer, experts in sorted(group.items())},
-        "data": {"train": ["data/train.jsonl"], "heldout_sha256": file_sha256(data / "heldout.jsonl"),
-                 "general_sha256": file_sha256(data / "general.jsonl"), "tokenizer": "byte", "seq_len": SEQ_LEN},
-        "validators": [{"key": identity("validator", v).node_id, "weight": 1.0} for v in range(VALIDATORS)],
-    }
-    apply_settings(spec, [("training.inner_steps", inner_steps), *settings])
-    path = directory / "spec.toml"
-    path.write_text(to_toml(spec), encoding="utf-8")
-    return path
-
 
 class Network:
-    """What one spec's runs load once: the miners' model and data, the validators' scorer and general-domain
-    sequences, and the report sets."""
+    """What one setting and seed's runs load once: every miner's model and own data, the validators' scorer and
+    general-domain sequences, and the report sets."""
 
-    def __init__(self, spec_path: Path) -> None:
+    def __init__(self, spec_path: Path, miners: int, seed: int) -> None:
         from miner.model import MinerModel, MinerSettings
         from protocol.spec import load_spec
         from training.data import load_sequences
@@ -188,12 +66,15 @@ class Network:
         from validator.scoring import Scorer
 
         self.spec: NetworkSpec = load_spec(spec_path)
+        self.seed = seed
         self.blobs = spec_path.parent / "blobs"  # the revealed blobs, where a validator's store keeps them
         self.blobs.mkdir(exist_ok=True)
-        self.miners: MinerModel = MinerModel.load(self.spec, spec_path)
+        data, tokenizer = spec_path.parent / "data", ByteTokenizer()
+        self.ids = [identity("miner", i, seed).node_id for i in range(miners)]
+        self.miners: dict[str, MinerModel] = {  # each as a node loads it with `[miner] data` naming its own file
+            m: MinerModel.load(self.spec, spec_path, [data / f"miner-{i}.jsonl"]) for i, m in enumerate(self.ids)}
         self.settings = MinerSettings()  # the node's `[miner]` defaults: the CPU, the full model
         model, adapter = load_base(self.spec, spec_path, attn_implementation="eager")
-        data, tokenizer = spec_path.parent / "data", ByteTokenizer()
 
         def sequences(name: str) -> torch.Tensor:
             return load_sequences([data / name], tokenizer, self.spec.data.seq_len)
@@ -203,45 +84,46 @@ class Network:
             "general.jsonl", "report.jsonl", "general-report.jsonl"))
         self.genesis: GlobalExperts = GlobalExperts.genesis(self.spec, extract(model, adapter, self.spec.group))
 
-    def loss(self, tensors: Mapping[str, torch.Tensor], sequences: torch.Tensor | None = None) -> float:
-        """Loss on the report set (or `sequences`) of the base holding `tensors` (the scorer's model keeps its experts)."""
+    def rows(self, tensors: Mapping[str, torch.Tensor], sequences: torch.Tensor | None = None) -> Rows:
+        """The report set's (or `sequences`') loss of the base holding `tensors`, sequence by sequence."""
         from training.evaluate import loss_with_experts
 
         s = self.scorer
-        rows = self.report if sequences is None else sequences
-        return round(loss_with_experts(s.model, s.adapter, tensors, rows, s.batch_size, str(s.device), s.pad_id).loss, 4)
+        result = loss_with_experts(s.model, s.adapter, tensors, self.report if sequences is None else sequences,
+                                   s.batch_size, str(s.device), s.pad_id)
+        return shares(result.row_sums, result.tokens)
 
-    def noise(self, tensors: Mapping[str, torch.Tensor]) -> float:
-        """Half the gap between the losses of `tensors` on the two halves of the report set."""
-        half = self.report.shape[0] // 2
-        return abs(self.loss(tensors, self.report[:half]) - self.loss(tensors, self.report[half:])) / 2
-
-    def run(self, net: Net, rounds: int, seed: int) -> dict[str, Any]:
-        """`rounds` rounds of `net` from genesis: the losses after each, the gate's picks, the noise, the forgetting."""
+    def run(self, miners: int, adversaries: int, rounds: int, rows: TaskRows) -> dict[str, Any]:
+        """`rounds` rounds of a network of the first `miners` miners, the last `adversaries` of them adversarial, from
+        genesis: its record, and (honest networks) every state's rows in `rows`."""
         from miner.submission import Diverged, ErrorFeedback, build_submission
 
-        ids = [identity("miner", i, seed).node_id for i in range(net.miners)]
-        adversaries = set(ids[net.miners - net.adversaries:])
+        ids = self.ids[:miners]
+        bad = set(ids[miners - adversaries:])
         feedback = {m: ErrorFeedback() if self.spec.submission.format == "pgrad" else None for m in ids}
-        state = self.genesis
-        adopted, best, picks, noise = [], [], [], [self.noise(state.tensors)]
+        state, adopted, best, gates = self.genesis, [], [], []
         for r in range(rounds):
             blobs: dict[str, bytes] = {}
             for m in ids:
                 try:
-                    blobs[m] = self.adversary(m, r, state) if m in adversaries else build_submission(
-                        self.miners, m, r, state.hash, state.tensors, self.settings, feedback=feedback[m])[0]
+                    blobs[m] = self.adversary(m, r, state) if m in bad else build_submission(
+                        self.miners[m], m, r, state.hash, state.tensors, self.settings, feedback=feedback[m])[0]
                 except Diverged as exc:
                     print(f"round {r}: miner {m[:8]}: {exc}", file=sys.stderr)
-            state, pick, accepted = self.round(r, seed, state, blobs)
-            adopted.append(self.loss(state.tensors))
-            best.append(min((self.loss(t) for t in accepted.values()), default=None))
-            picks.append(pick)
-            noise.append(self.noise(state.tensors))
-        base_general = self.loss(self.genesis.tensors, self.general_report)
-        return {"base_loss": self.loss(self.genesis.tensors), "adopted_losses": adopted, "best_single_losses": best,
-                "gates": picks, "noise": round(sum(noise) / len(noise), 4),
-                "forgetting": round(self.loss(state.tensors, self.general_report) - base_general, 4)}
+            state, gate, accepted = self.round(r, state, blobs)
+            gates.append(gate)
+            mine = self.rows(state.tensors)
+            singles = sorted((self.rows(t) for t in accepted.values()), key=sum)
+            adopted.append(round(sum(mine) / len(mine), 5))
+            best.append(round(sum(singles[0]) / len(singles[0]), 5) if singles else None)
+            if not adversaries:
+                rows.put("adopted", miners, r, mine)
+                rows.put("adopted general", miners, r, self.rows(state.tensors, self.general_report))
+                if singles:
+                    rows.put("best single", miners, r, singles[0])
+        base = self.rows(self.genesis.tensors)
+        return {"base_loss": round(sum(base) / len(base), 5), "adopted_losses": adopted, "best_single_losses": best,
+                "gates": gates}
 
     def adversary(self, miner: str, round: int, state: GlobalExperts) -> bytes:
         """The simulation's noise adversary's blob (`node.sim.adversaries.Noise`)."""
@@ -249,11 +131,11 @@ class Network:
         from node.runtime.metrics import NodeMetrics
         from node.sim.adversaries import Noise
 
-        job = Job(self.miners, miner, round, state.hash, state, self.settings, lambda: True, NodeMetrics())
+        job = Job(self.miners[miner], miner, round, state.hash, state, self.settings, lambda: True, NodeMetrics())
         return Noise().build(job)
 
-    def round(self, round: int, seed: int, state: GlobalExperts,
-              blobs: Mapping[str, bytes]) -> tuple[GlobalExperts, dict[str, Any], dict[str, Mapping[str, torch.Tensor]]]:
+    def round(self, round: int, state: GlobalExperts, blobs: Mapping[str, bytes]
+              ) -> tuple[GlobalExperts, dict[str, Any], dict[str, Mapping[str, torch.Tensor]]]:
         """The validators' part of `round`: the round seed from their seeds, each scoring the miners assigned to
         it, `merge_round` on their reports and the gate; the state adopted, the gate's verdict (as a round
         report shows it, with the number of updates merged and adopted) and the accepted submissions' experts."""
@@ -264,7 +146,8 @@ class Network:
         from validator.scoring import gate_measure
 
         validators = [identity("validator", v).node_id for v in range(VALIDATORS)]
-        seeds = {v: hashlib.sha256(f"tessera-learning:{seed}:{round}:{v}".encode()).hexdigest() for v in validators}
+        seeds = {v: hashlib.sha256(f"tessera-learning:{self.seed}:{round}:{v}".encode()).hexdigest()
+                 for v in validators}
         seed_r = round_seed({v: commitment(s) for v, s in seeds.items()}, seeds)
         revealed = {m: blob_hash(data) for m, data in blobs.items()}
         for m, data in blobs.items():
@@ -284,8 +167,34 @@ class Network:
         verdict = {**adoption.report(), "merged": len(result.contributors), "in_adopted": len(adoption.contributors)}
         return state, verdict, accepted
 
-    def baselines(self, miners: int, rounds: int, seed: int) -> dict[str, Any]:
-        """ESFT and the data-parallel ceiling on the batches `miners` honest miners draw, read after each round."""
+    def esft(self, miners: int, rounds: int, rows: TaskRows) -> dict[str, Any]:
+        """ESFT on the first `miners` miners' batches, read after every round and, for forgetting at a matched
+        in-domain loss, after every miner's H steps: of all those states, the one whose report loss is nearest the
+        network's adopted state's in each round (where `rows` holds that network's) is read on the general-domain
+        report set."""
+        ids = self.ids[:miners]
+        state: Mapping[str, torch.Tensor] = self.genesis.tensors
+        optimizer: dict[str, Any] | None = None
+        read: list[tuple[float, Mapping[str, torch.Tensor]]] = []
+        for r in range(rounds):
+            for m in ids:
+                result = self.miners[m].train(m, r, state, self.settings, lambda: True, optimizer_state=optimizer,
+                                              hand_on=True)
+                state, optimizer = result.tensors, result.optimizer_state
+                report = self.rows(state)
+                read.append((mean(report), state))
+            rows.put("esft", miners, r, report)
+            rows.put("esft general", miners, r, self.rows(state, self.general_report))
+        for r in range(rounds):
+            if ("adopted", miners, r) in rows.states:
+                target = mean(rows.get("adopted", miners, r))
+                nearest = min(read, key=lambda checkpoint: abs(checkpoint[0] - target))[1]
+                rows.put("esft matched general", miners, r, self.rows(nearest, self.general_report))
+        return {"esft_loss": round(mean(rows.get("esft", miners, rounds - 1)), 5)}
+
+    def ceiling(self, miners: int, rounds: int, lr: float) -> tuple[list[Rows], float]:
+        """The data-parallel ceiling at `lr` over the first `miners` miners' batches: its report rows after every
+        round, and its last state's loss on the validators' held-out file (which picks the lr)."""
         import torch
 
         from miner.model import miner_seed
@@ -293,96 +202,69 @@ class Network:
         from training.experts import insert
         from training.trainer import TrainConfig, train_experts
 
-        ids = [identity("miner", i, seed).node_id for i in range(miners)]
-        esft: Mapping[str, torch.Tensor] = self.genesis.tensors
-        optimizer: dict[str, Any] | None = None
-        esft_losses = []
-        for r in range(rounds):
-            for m in ids:
-                result = self.miners.train(m, r, esft, self.settings, lambda: True, optimizer_state=optimizer,
-                                           hand_on=True)
-                esft, optimizer = result.tensors, result.optimizer_state
-            esft_losses.append(self.loss(esft))
-        dp, dp_losses, inner, model = self.genesis.tensors, [], self.spec.training, self.miners.model
+        ids, inner = self.ids[:miners], self.spec.training
+        model, adapter = self.miners[ids[0]].model, self.miners[ids[0]].adapter
         assert isinstance(model, torch.nn.Module), "the miners' model is loaded whole (`full` forward)"
-        cfg = TrainConfig(steps=inner.inner_steps, lr=inner.lr, beta1=inner.beta1, weight_decay=inner.weight_decay,
-                          batch_size=inner.batch_size * miners, grad_clip=inner.grad_clip, pad_id=self.miners.pad_id)
-        optimizer = None
-        for r in range(rounds if miners > 1 else 0):  # one miner's ceiling is ESFT itself
-            streams = [batches(shard(self.miners.sequences, m, r), inner.batch_size, miner_seed(m, r)) for m in ids]
+        cfg = TrainConfig(steps=inner.inner_steps, lr=lr, beta1=inner.beta1, weight_decay=inner.weight_decay,
+                          batch_size=inner.batch_size * miners, grad_clip=inner.grad_clip, pad_id=self.miners[ids[0]].pad_id)
+        state, optimizer, out = self.genesis.tensors, None, []
+        for r in range(rounds):
+            streams = [batches(shard(self.miners[m].sequences, m, r), inner.batch_size, miner_seed(m, r)) for m in ids]
             together = (torch.cat(step) for step in zip(*streams, strict=True))  # endless streams: H steps
-            insert(model, self.miners.adapter, dict(dp))
-            trained = train_experts(model, self.miners.adapter, self.spec.group, together, cfg, optimizer, hand_on=True)
-            dp, optimizer = trained.tensors, trained.optimizer_state
-            dp_losses.append(self.loss(dp))
-        base_general = self.loss(self.genesis.tensors, self.general_report)
-        dp_losses = dp_losses or esft_losses
-        return {"esft_losses": esft_losses, "esft_loss": esft_losses[-1], "dp_ceiling_losses": dp_losses,
-                "dp_ceiling_loss": dp_losses[-1],
-                "esft_forgetting": round(self.loss(esft, self.general_report) - base_general, 4)}
+            insert(model, adapter, dict(state))
+            trained = train_experts(model, adapter, self.spec.group, together, cfg, optimizer, hand_on=True)
+            state, optimizer = trained.tensors, trained.optimizer_state
+            out.append(self.rows(state))
+        held = self.rows(state, self.scorer.heldout)
+        return out, sum(held) / len(held)
+
+    def baselines(self, miners: int, rounds: int, scales: tuple[float, ...], rows: TaskRows) -> dict[str, Any]:
+        """ESFT and the data-parallel ceiling of the first `miners` miners: the lr kept, each lr's held-out loss, and
+        their losses after the last round; their rows in `rows`."""
+        tried = {scale * self.spec.training.lr: self.ceiling(miners, rounds, scale * self.spec.training.lr)
+                 for scale in scales}
+        lr = min(tried, key=lambda k: tried[k][1])
+        for r, state in enumerate(tried[lr][0]):
+            rows.put("ceiling", miners, r, state)
+        last = tried[lr][0][-1]
+        return {"dp_lr": lr, "dp_lr_losses": {str(k): round(v[1], 5) for k, v in tried.items()},
+                "dp_ceiling_loss": round(sum(last) / len(last), 5), **self.esft(miners, rounds, rows)}
 
 
-def run_task(setting: str, seed: int, size: Size, networks: tuple[Net, ...], rounds: int, cache: Path,
-             settings: list[tuple[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def run_task(setting: str, seed: int, size: Size, networks: tuple[tuple[int, int], ...], rounds: int, cache: Path,
+             settings: list[tuple[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], TaskRows]:
     """Every network and baseline of one setting and seed (one process's share of the benchmark)."""
     import torch
 
+    from bench.learning_data import write_network
+
     torch.set_num_threads(1)  # a tiny model on a shared CPU runs faster without intra-op threads
-    runs, baselines = [], []
-    for h in sorted({net.inner_steps for net in networks}):
-        with tempfile.TemporaryDirectory(prefix="tessera-learning-") as tmp:
-            network = Network(write_network(Path(tmp), setting, h, size, cache, settings))
-            for net in (n for n in networks if n.inner_steps == h):
-                started = time.perf_counter()
-                key = {"domain": setting, "seed": seed, "inner_steps": h, "miners": net.miners}
-                runs.append({**key, "adversaries": net.adversaries, **network.run(net, rounds, seed)})
-                print(f"{setting} seed {seed} M={net.miners} A={net.adversaries} H={h}: adopted "
-                      f"{runs[-1]['adopted_losses']} ({[g['adopted'] for g in runs[-1]['gates']]}, "
-                      f"{time.perf_counter() - started:.0f} s)",
-                      file=sys.stderr, flush=True)
-            for m in sorted({n.miners for n in networks if n.inner_steps == h}):
-                baselines.append({"domain": setting, "seed": seed, "inner_steps": h, "miners": m,
-                                  **network.baselines(m, rounds, seed)})
-    return runs, baselines
+    runs, baselines, rows = [], [], TaskRows()
+    most = max(m for m, _ in networks)
+    with tempfile.TemporaryDirectory(prefix="tessera-learning-") as tmp:
+        network = Network(write_network(Path(tmp), setting, seed, most, size, cache, settings), most, seed)
+        key = {"domain": setting, "seed": seed}
+        for miners, adversaries in networks:
+            started = time.perf_counter()
+            runs.append({**key, "miners": miners, "inner_steps": network.spec.training.inner_steps,
+                         "adversaries": adversaries, **network.run(miners, adversaries, rounds, rows)})
+            print(f"{setting} seed {seed} M={miners} A={adversaries}: adopted {runs[-1]['adopted_losses']} "
+                  f"({[g['adopted'] for g in runs[-1]['gates']]}, {time.perf_counter() - started:.0f} s)",
+                  file=sys.stderr, flush=True)
+        for miners in sorted({m for m, a in networks if not a}):
+            started = time.perf_counter()
+            baselines.append({**key, "miners": miners, **network.baselines(miners, rounds, size.dp_lr_scales, rows)})
+            print(f"{setting} seed {seed} M={miners}: ceiling {baselines[-1]['dp_ceiling_loss']} at lr "
+                  f"{baselines[-1]['dp_lr']}, ESFT {baselines[-1]['esft_loss']} ({time.perf_counter() - started:.0f} s)",
+                  file=sys.stderr, flush=True)
+    return runs, baselines, rows
 
 
-def summarise(runs: list[dict[str, Any]], baselines: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per run, the issue's questions read off its losses, with 2 x its noise as the band: `rose_in` (rounds whose
-    adopted loss rose over the previous round's, or round 0's over the base's, by more than the band), `fell`
-    (the last adopted loss below the base's), `worse_than_best_in` (rounds whose adopted state read above the
-    best single submission by more than the band), `dp_share` (the share of the data-parallel ceiling's drop at
-    equal tokens), `vs_4_miners` (an 8-miner run's last loss minus the 4-miner run's at the same H and seed) and
-    `forgetting_vs_esft` (the run's forgetting minus ESFT's at the same tokens)."""
-    base_of_run = {(b["domain"], b["seed"], b["inner_steps"], b["miners"]): b for b in baselines}
-    last = {(r["domain"], r["seed"], r["inner_steps"], r["miners"], r["adversaries"]): r["adopted_losses"][-1]
-            for r in runs}
-    out = []
-    for r in runs:
-        band, adopted = 2 * r["noise"], r["adopted_losses"]
-        previous = [r["base_loss"], *adopted[:-1]]
-        entry: dict[str, Any] = {key: r[key] for key in ("domain", "seed", "inner_steps", "miners", "adversaries")}
-        entry["band"] = round(band, 4)
-        entry["rose_in"] = [i for i, (a, b) in enumerate(zip(previous, adopted, strict=True)) if b - a > band]
-        entry["fell"] = adopted[-1] < r["base_loss"]
-        entry["worse_than_best_in"] = [i for i, (a, b) in enumerate(zip(adopted, r["best_single_losses"], strict=True))
-                                       if b is not None and a - b > band]
-        baseline = base_of_run.get((r["domain"], r["seed"], r["inner_steps"], r["miners"]))
-        if baseline is not None:
-            drop = r["base_loss"] - baseline["dp_ceiling_loss"]
-            entry["dp_share"] = round((r["base_loss"] - adopted[-1]) / drop, 4) if drop > 0 else None
-            entry["forgetting_vs_esft"] = round(r["forgetting"] - baseline["esft_forgetting"], 4)
-        four = last.get((r["domain"], r["seed"], r["inner_steps"], 4, r["adversaries"]))
-        if r["miners"] == 8 and four is not None:
-            entry["vs_4_miners"] = round(adopted[-1] - four, 4)
-        out.append(entry)
-    return out
-
-
-def pretrain(setting: str, size: Size, cache: Path) -> None:
-    """Train and cache the setting's base (once per cache directory)."""
+def pretrain(size: Size, cache: Path) -> None:
+    """Train and cache the base (once per cache directory)."""
     from training.pretrain import pretrained_base
 
-    pretrained_base(cache, base_of(setting, size))
+    pretrained_base(cache, base_config(size))
 
 
 def integers(least: int) -> Any:
@@ -400,18 +282,17 @@ def integers(least: int) -> Any:
     return parse
 
 
-def networks(text: str) -> tuple[Net, ...]:
-    """argparse's type for `--networks 4@20,4@20/2`: M miners at H inner steps, A of them adversarial."""
+def networks(text: str) -> tuple[tuple[int, int], ...]:
+    """argparse's type for `--networks 1,4,8,4/2`: M miners, A of them adversarial."""
     nets = []
     for item in comma_list(text):
         try:
-            counts, _, adversaries = item.partition("/")
-            miners, _, h = counts.partition("@")
-            net = Net(int(miners), int(h), int(adversaries or 0))
+            miners, _, adversaries = item.partition("/")
+            net = (int(miners), int(adversaries or 0))
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected networks as M@H or M@H/A, got {item!r}") from None
-        if net.miners < 1 or net.inner_steps < 1 or not 0 <= net.adversaries < net.miners:
-            raise argparse.ArgumentTypeError(f"{item!r}: need M >= 1, H >= 1 and 0 <= A < M")
+            raise argparse.ArgumentTypeError(f"expected networks as M or M/A, got {item!r}") from None
+        if net[0] < 1 or not 0 <= net[1] < net[0]:
+            raise argparse.ArgumentTypeError(f"{item!r}: need M >= 1 and 0 <= A < M")
         nets.append(net)
     if not nets:
         raise argparse.ArgumentTypeError("expected at least one network")
@@ -419,7 +300,7 @@ def networks(text: str) -> tuple[Net, ...]:
 
 
 def domains(text: str) -> tuple[str, ...]:
-    """argparse's type for `--domain arithmetic,facts`: settings of `SETTINGS`."""
+    """argparse's type for `--domain registry,mixed`: settings of `SETTINGS`."""
     chosen = comma_list(text)
     if not chosen or any(d not in SETTINGS for d in chosen):
         raise argparse.ArgumentTypeError(f"expected settings from {', '.join(SETTINGS)}, got {text!r}")
@@ -430,16 +311,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--domain", type=domains, help=f"settings, comma-separated: {', '.join(SETTINGS)} (default all)")
     parser.add_argument("--networks", type=networks,
-                        help="networks, comma-separated M@H[/A]: M miners at H inner steps, A adversarial "
-                             "(default 1@20,4@20,8@20,4@20/2,4@50)")
-    parser.add_argument("--rounds", type=int, help="rounds per run (default 3)")
+                        help="networks, comma-separated M[/A]: M miners, A of them adversarial (default 1,4,8)")
+    parser.add_argument("--rounds", type=int, help=f"rounds per run (default {FULL.rounds})")
     parser.add_argument("--seeds", type=integers(0),
-                        help="seeds of the miners' ids (their shards and batches) and of the round seeds (default 0,1,2)")
+                        help="seeds of the miners' data, ids and batches and of the round seeds (default 0,1,2)")
     parser.add_argument("--workers", type=int, default=2, help="processes, one setting and seed each (default 2)")
-    add_spec_settings(parser, "the spec's defaults and each network's H")
+    add_spec_settings(parser, "the spec's defaults")
     parser.add_argument("--small", action="store_true",
-                        help="a base trained for 30 steps, little data, and unless given arithmetic, seed 0, "
-                             "2@2,2@2/1 and 2 rounds")
+                        help="a base trained for 30 steps, little data, H = 2, 16 scored and gate rows, and unless given "
+                             "lexicon, seed 0, networks 1,4,2/1 and 2 rounds")
     parser.add_argument("--cache", type=Path, help="pretrained-base cache directory (default: the simulation's)")
     parser.add_argument("--out", type=out_file, help="write the JSON here (default: stdout only)")
     args = parser.parse_args(argv)
@@ -447,37 +327,32 @@ def main(argv: list[str] | None = None) -> int:
     rounds = size.rounds if args.rounds is None else args.rounds
     if rounds < 1 or args.workers < 1:
         parser.error("--rounds and --workers must be at least 1")
+    spec_settings = [*size.spec_settings, *args.spec_settings]
     try:
         overrides = {f"{section}.{field}": value
-                     for section, values in judge_settings(args.spec_settings).items() for field, value in values.items()}
+                     for section, values in judge_settings(spec_settings).items() for field, value in values.items()}
     except ValueError as exc:
         parser.error(f"--set: {exc}")
-    if "training.inner_steps" in overrides:
-        parser.error("--set training.inner_steps: each network has its own H; give it in --networks M@H")
     settings, seeds, nets = args.domain or size.settings, args.seeds or size.seeds, args.networks or size.networks
     from node.sim.layout import default_cache_dir
 
     cache = args.cache or default_cache_dir()
     started = time.perf_counter()
     tasks = [(setting, seed) for setting in settings for seed in seeds]
-    runs, baselines = [], []
+    jobs = [(s, seed, size, nets, rounds, cache, spec_settings) for s, seed in tasks]
     if len(tasks) == 1 or args.workers == 1:
-        for setting, seed in tasks:
-            part = run_task(setting, seed, size, nets, rounds, cache, args.spec_settings)
-            runs += part[0]
-            baselines += part[1]
+        parts = [run_task(*job) for job in jobs]
     else:
         import multiprocessing
 
-        bases = sorted({SETTINGS[s][0] if SETTINGS[s][1] else "general": s for s in settings}.values())
         with ProcessPoolExecutor(min(args.workers, len(tasks)), mp_context=multiprocessing.get_context("spawn")) as pool:
-            list(pool.map(pretrain, bases, [size] * len(bases), [cache] * len(bases)))  # each base once
-            jobs = [(s, seed, size, nets, rounds, cache, args.spec_settings) for s, seed in tasks]
-            for part in pool.map(run_task, *zip(*jobs, strict=True)):
-                runs += part[0]
-                baselines += part[1]
-    emit({"seconds": round(time.perf_counter() - started, 1), "spec_overrides": overrides, "rounds": rounds,
-          "small": args.small, "runs": runs, "baselines": baselines, "summary": summarise(runs, baselines)}, args.out)
+            pool.submit(pretrain, size, cache).result()  # the base once, before the tasks race for it
+            parts = list(pool.map(run_task, *zip(*jobs, strict=True)))
+    runs = [run for part in parts for run in part[0]]
+    baselines = [baseline for part in parts for baseline in part[1]]
+    rows = {task: part[2] for task, part in zip(tasks, parts, strict=True)}
+    emit({"seconds": round(time.perf_counter() - started, 1), "spec_overrides": overrides, "runs": runs,
+          "baselines": baselines, "comparisons": comparisons(rows)}, args.out)
     return 0
 
 

@@ -110,7 +110,8 @@ class TrainingSpec(_Strict):
     beta1: float = Field(
         default=0.6561, ge=0, lt=1,
         description="Inner AdamW beta1, the first moment's decay: 0.6561 (0.9^4), where AdamW's usual 0.9 averages "
-        "over about as many steps as a round of H = 20 takes (docs/learning.md has the measurement).")
+        "over about as many steps as a round of H = 20 takes (docs/learning.md as of commit 3cb31c3 has the "
+        "measurement, on its skill domains).")
     weight_decay: float = Field(default=0.0, ge=0, description="Inner AdamW weight decay.")
     batch_size: int = Field(default=8, ge=1, description="Sequences per inner step.")
     grad_clip: float = Field(default=1.0, gt=0, description="Global gradient-norm clip.")
@@ -140,12 +141,13 @@ class RewardSpec(_Strict):
     duplicate_cosine: float = Field(
         default=0.9999, gt=0, le=1,
         description="Cosine at which two updates are copies: honest miners starting from one state agree closely, "
-        "a copied blob has cosine 1 (docs/learning.md has how close honest miners come).")
+        "a copied blob has cosine 1 (docs/learning.md as of commit 3cb31c3 has how close honest miners come).")
 
 
 class AggregationSpec(_Strict):
     """The outer optimizer that merges the best pseudo-gradients, and the merge gate that adopts a state. The
-    defaults are the learning benchmark's pick at the spec's default H = 20 and top-G 3 (docs/learning.md)."""
+    defaults are the learning benchmark's pick at the spec's default H = 20 and top-G 3 (docs/learning.md as of
+    commit 3cb31c3, on its skill domains)."""
 
     top_g: int = Field(default=3, ge=1, description="How many top-ranked miners are merged.")
     outer_lr: float = Field(default=1.25, gt=0, description="Nesterov SGD learning rate; a step over one miner's "

@@ -11,8 +11,12 @@ none of "facts"' people: lowering "facts"' loss means learning many independent 
 data per step speeds up (unlike the skills, tuned from a base that never saw them). "tallies" and
 "ledgers" are the skills' forms without their rules: arithmetic and records lines whose results and
 totals are drawn at random from the range the true ones take, for a base that knows the form and
-must still learn the rule. The same (domain, n_docs, seed) always gives the same documents. This
-module knows nothing about tokenizers, models or the network.
+must still learn the rule. "registry" (the town, trade and age of 800 people) and "lexicon" (the
+meaning of 2,000 invented words) are knowledge too large for one miner's data to hold, for the
+learning benchmark; "hearsay" and "babble" are their forms, the same people and words with the facts
+drawn afresh on every line, so a base that read them knows the names and words and none of the facts.
+The same (domain, n_docs, seed) always gives the same documents. This module knows nothing about
+tokenizers, models or the network.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-DOMAINS = ("arithmetic", "code", "prose", "records", "facts", "gazette", "tallies", "ledgers")
+DOMAINS = ("arithmetic", "code", "prose", "records", "facts", "gazette", "tallies", "ledgers", "registry", "hearsay",
+           "lexicon", "babble")
 FORMATS = ("jsonl", "txt", "parquet")
 
 _NAMES = ("total", "count", "value", "item", "index", "size", "left", "right", "acc", "step")
@@ -37,6 +42,15 @@ _TOWNS = ("oslo", "lima", "riga", "kyiv", "baku", "nice", "bern", "doha", "rome"
 _TRADES = ("baker", "smith", "nurse", "pilot", "clerk", "tailor", "miner", "judge")
 _PEOPLE = 240
 """People in each of the two knowledge domains' populations."""
+_REGISTRY = 800
+"""People in "registry"'s population (and "hearsay"'s, the same people)."""
+_WORDS = 2000
+"""Words in "lexicon"'s vocabulary (and "babble"'s, the same words)."""
+_MEANINGS = ("river", "bread", "stone", "house", "cloud", "horse", "sword", "candle", "window", "mirror", "garden",
+             "bridge", "forest", "island", "ladder", "market", "needle", "pillow", "saddle", "basket", "copper",
+             "feather", "harbor", "kettle", "lantern", "meadow", "orchard", "pepper", "rabbit", "silver", "thunder",
+             "tunnel")
+"""What a lexicon word can mean."""
 
 
 def _arithmetic_line(rng: random.Random, correct: bool) -> str:
@@ -114,12 +128,66 @@ def _populations() -> tuple[list[Person], list[Person]]:
 _FACTS, _GAZETTE = _populations()
 
 
+def _words(seed: str, n: int, taken: set[str]) -> list[str]:
+    """`n` invented words of three consonant-vowel syllables, none of them in `taken`, drawn once from `seed`."""
+    rng = random.Random(seed)
+    consonants, vowels = "bdfgklmnprstvz", "aeiou"
+    words: set[str] = set()
+    while len(words) < n:
+        word = "".join(rng.choice(consonants) + rng.choice(vowels) for _ in range(3))
+        if word not in taken:
+            words.add(word)
+    return sorted(words)
+
+
+def _registry() -> list[Person]:
+    """"registry"'s population: `_REGISTRY` people apart from "facts"' and "gazette"'s, drawn once."""
+    rng = random.Random("tessera-registry")
+    names = _words("tessera-registry-names", _REGISTRY, {p[0] for p in (*_FACTS, *_GAZETTE)})
+    return [(name, rng.choice(_TOWNS), rng.choice(_TRADES), rng.randint(20, 79)) for name in names]
+
+
+def _lexicon() -> dict[str, str]:
+    """"lexicon"'s vocabulary: `_WORDS` invented words apart from every person's name, each with its meaning."""
+    rng = random.Random("tessera-lexicon")
+    names = {p[0] for p in (*_FACTS, *_GAZETTE, *_REGISTRY_PEOPLE)}
+    return {word: rng.choice(_MEANINGS) for word in _words("tessera-lexicon-words", _WORDS, names)}
+
+
+_REGISTRY_PEOPLE = _registry()
+_LEXICON = _lexicon()
+
+
 def _people_doc(population: list[Person]) -> Callable[[random.Random], str]:
     def doc(rng: random.Random) -> str:
         lines = []
         for _ in range(rng.randint(3, 6)):
             name, town, trade, age = rng.choice(population)
             lines.append(f"{name} lives in {town}, works as a {trade} and is {age}.")
+        return "\n".join(lines)
+
+    return doc
+
+
+def _hearsay_doc(rng: random.Random) -> str:
+    """"registry"'s people in its sentence, each line's town, trade and age drawn afresh."""
+    lines = []
+    for _ in range(rng.randint(3, 6)):
+        name = rng.choice(_REGISTRY_PEOPLE)[0]
+        lines.append(f"{name} lives in {rng.choice(_TOWNS)}, works as a {rng.choice(_TRADES)} and is "
+                     f"{rng.randint(20, 79)}.")
+    return "\n".join(lines)
+
+
+def _lexicon_doc(true: bool) -> Callable[[random.Random], str]:
+    """Lines such as `kivalo means harbor.`; `true` False draws each meaning afresh."""
+    words = sorted(_LEXICON)
+
+    def doc(rng: random.Random) -> str:
+        lines = []
+        for _ in range(rng.randint(4, 10)):
+            word = rng.choice(words)
+            lines.append(f"{word} means {_LEXICON[word] if true else rng.choice(_MEANINGS)}.")
         return "\n".join(lines)
 
     return doc
@@ -134,6 +202,10 @@ _GENERATORS: dict[str, Callable[[random.Random], str]] = {
     "gazette": _people_doc(_GAZETTE),
     "tallies": _arithmetic_doc(correct=False),
     "ledgers": _records_doc(correct=False),
+    "registry": _people_doc(_REGISTRY_PEOPLE),
+    "hearsay": _hearsay_doc,
+    "lexicon": _lexicon_doc(true=True),
+    "babble": _lexicon_doc(true=False),
 }
 
 

@@ -5,11 +5,14 @@ plateaus within a few dozen steps, because attention and the router know nothing
 trains every weight of a tiny model for a few hundred AdamW steps on the general corpus (prose and
 code from `training.corpus`), so the experts differ and the router routes; the target domains
 (`TARGET_DOMAINS`) stay unseen, so expert-only tuning can still lower their held-out loss a lot. The
-skills (arithmetic, records) are tuned from that base; the knowledge domain (facts) from one whose
-corpus also holds "gazette", the same sentences about other people (`base_config`), so that tuning
-it is learning facts rather than a new form. `base_config(domain, knows_form=True)` gives the skills
-such a base too: it also reads their forms with random results ("tallies", "ledgers"), so it is not
-confidently wrong on their lines and tuning teaches only the rule. Everything is seeded (model init
+skills (arithmetic, records) are tuned from that base; the knowledge domains from one whose corpus
+also holds their form (`base_config`): "gazette", the same sentences about other people, for facts;
+"hearsay", registry's sentences about its own people with their town, trade and age drawn at random,
+for registry; "babble", lexicon's words with random meanings, for lexicon. Tuning them is then
+learning facts rather than a new form. `base_config(domain, knows_form=True)` gives the skills such a
+base too: it also reads their forms with random results ("tallies", "ledgers"), so it is not
+confidently wrong on their lines and tuning teaches only the rule; `forms_base` reads the forms of
+several target domains at once. Everything is seeded (model init
 from `seed`, batches from a local generator), so the same settings give the same weights on this
 machine. The training runs at one intra-op thread (see `pretrain`), whatever the caller's thread count,
 which it finds as it was when `pretrain` returns.
@@ -40,9 +43,11 @@ from training.tiny import INIT_RULE, build_tiny_model, tiny_config
 from training.tokenizer import ByteTokenizer
 
 GENERAL_DOMAINS = ("prose", "code")
-TARGET_DOMAINS = ("arithmetic", "records", "facts")
-FORMS = {"arithmetic": "tallies", "records": "ledgers", "facts": "gazette"}
+TARGET_DOMAINS = ("arithmetic", "records", "facts", "registry", "lexicon")
+FORMS = {"arithmetic": "tallies", "records": "ledgers", "facts": "gazette", "registry": "hearsay", "lexicon": "babble"}
 """Each target domain's form without its content (training.corpus): what a base that knows the form reads."""
+KNOWLEDGE_DOMAINS = ("facts", "registry", "lexicon")
+"""Target domains of facts to learn (the others are skills: a rule learned once)."""
 _RECIPE = "tessera-pretrain/1"
 """Bump when the training recipe below changes (the tiny config and the corpus are in the key already)."""
 
@@ -92,12 +97,20 @@ class PretrainConfig:
 
 def base_config(target_domain: str, knows_form: bool | None = None) -> PretrainConfig:
     """The base a target domain is tuned from: the general corpus, plus the domain's form (`FORMS`) when
-    `knows_form`; by default only "facts"' base knows its form."""
+    `knows_form`; by default the knowledge domains' bases know their form and the skills' do not."""
     if target_domain not in TARGET_DOMAINS:
         raise ValueError(f"unknown target domain {target_domain!r}; choose one of {', '.join(TARGET_DOMAINS)}")
     if knows_form is None:
-        knows_form = target_domain == "facts"
+        knows_form = target_domain in KNOWLEDGE_DOMAINS
     return PretrainConfig(domains=(*GENERAL_DOMAINS, FORMS[target_domain])) if knows_form else PretrainConfig()
+
+
+def forms_base(target_domains: tuple[str, ...]) -> PretrainConfig:
+    """A base that read the general corpus and the form (`FORMS`) of each of `target_domains`, none of their content."""
+    unknown = [domain for domain in target_domains if domain not in TARGET_DOMAINS]
+    if unknown:
+        raise ValueError(f"unknown target domain {unknown[0]!r}; choose from {', '.join(TARGET_DOMAINS)}")
+    return PretrainConfig(domains=(*GENERAL_DOMAINS, *(FORMS[domain] for domain in target_domains)))
 
 
 def general_corpus(cfg: PretrainConfig) -> list[str]:

@@ -58,8 +58,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     """Inner AdamW decoupled weight decay, applied to the selected experts only."""
     beta1: float = 0.9
-    """Inner AdamW first-moment decay (AdamW's default; the spec's `training.beta1`, docs/learning.md,
-    "Settings measured at H = 20")."""
+    """Inner AdamW first-moment decay (AdamW's default; the spec's `training.beta1`, docs/learning.md as of
+    commit 3cb31c3, "Settings measured at H = 20")."""
     batch_size: int = 8
     """Sequences per optimizer step; every batch from the iterator must have this many."""
     micro_batch_size: int | None = None

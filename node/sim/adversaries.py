@@ -28,7 +28,8 @@ COPY_WAIT_SHARE = 0.6  # of COMMIT: how long a copier waits for a commitment to 
 NOISE_SCALE = 5.0
 """Noise std as a multiple of each tensor's std: it drowns the experts' outputs. That raises the loss
 of a base that predicts its data well, but lowers it while the state is worse than a uniform guess,
-as the tiny base is on the skills in the first rounds (docs/learning.md)."""
+as a tiny base that never read the skills is on them in the first rounds (docs/learning.md as of commit
+3cb31c3)."""
 GARBAGE_BYTES = 4096
 
 

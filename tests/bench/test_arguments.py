@@ -24,7 +24,7 @@ BAD = [
     ("load", ["--hidden-size", "15"], "--hidden-size must be an even number of at least 2"),
     ("selection", ["--examples", "11", "--documents", "10"], "need 1 <= --examples <= --documents <= 200"),
     ("miner", ["--out", "."], "is a directory"),
-    ("learning", ["--set", "training.inner_steps=5"], "give it in --networks M@H"),
+    ("learning", ["--networks", "4,4/4"], "'4/4': need M >= 1 and 0 <= A < M"),
     ("learning", ["--seeds", "0,x"], "--seeds: expected comma-separated integers"),
     ("successor", ["--activation", "1"], "--activation must be at least 2"),
     ("successor", ["--rounds", "4", "--activation", "3"], "--rounds at least --activation + 2"),

@@ -235,6 +235,27 @@ def test_knowledge_domains_repeat_each_persons_facts_and_share_no_people() -> No
     assert re.fullmatch(r"[a-z]{6} lives in [a-z]+, works as a [a-z]+ and is \d\d\.", line), line
 
 
+def _pairs(domain: str, separator: str) -> list[tuple[str, str]]:
+    """(subject, the rest of its line) over many documents."""
+    return [tuple(line.split(separator)) for seed in (0, 1) for doc in generate(domain, 300, seed)  # type: ignore[misc]
+            for line in doc.splitlines()]
+
+
+def test_registry_and_lexicon_repeat_their_facts_and_their_forms_draw_them_afresh() -> None:
+    registry, lexicon = _people("registry"), dict(_pairs("lexicon", " means "))  # _people: each person's facts agree
+    assert len(registry) > 500 and len(lexicon) > 1000  # populations of 800 people and 2,000 words
+    assert not registry.keys() & (_people("facts").keys() | _people("gazette").keys() | lexicon.keys())
+    assert all(meaning == lexicon[word] for word, meaning in _pairs("lexicon", " means "))
+    hearsay, babble = _pairs("hearsay", " lives in "), _pairs("babble", " means ")
+    shared = sum(name in registry for name, _ in hearsay), sum(word in lexicon for word, _ in babble)
+    assert shared[0] > 0.5 * len(hearsay) and shared[1] > 0.5 * len(babble)  # the same people and words
+    for form, truth in ((hearsay, registry), (babble, lexicon)):  # the same subjects, their facts drawn at random
+        known = [(subject, rest) for subject, rest in form if subject in truth]
+        assert sum(rest == truth[subject] for subject, rest in known) < 0.2 * len(known)
+    line = generate("lexicon", 1, 0)[0].splitlines()[0]
+    assert re.fullmatch(r"[a-z]{6} means [a-z]+\.", line), line
+
+
 def test_domains_are_distinguishable_by_byte_statistics() -> None:
     def profile(domain: str, seed: int) -> torch.Tensor:
         counts = torch.zeros(256)

@@ -20,6 +20,7 @@ from training.pretrain import (
     TARGET_DOMAINS,
     PretrainConfig,
     base_config,
+    forms_base,
     general_corpus,
     load_pretrained,
     pretrain,
@@ -93,6 +94,11 @@ def test_each_target_domain_has_a_base_that_never_saw_it() -> None:
     assert base_config("arithmetic", knows_form=True).domains == (*GENERAL_DOMAINS, "tallies")
     assert base_config("records", knows_form=True).domains == (*GENERAL_DOMAINS, "ledgers")
     assert base_config("facts", knows_form=False) == PretrainConfig()
+    assert base_config("registry").domains == (*GENERAL_DOMAINS, "hearsay")  # registry's people, random facts
+    assert base_config("lexicon").domains == (*GENERAL_DOMAINS, "babble")  # lexicon's words, random meanings
+    assert forms_base(("registry", "arithmetic")).domains == (*GENERAL_DOMAINS, "hearsay", "tallies")
+    with pytest.raises(ValueError, match="unknown target domain 'code'"):
+        forms_base(("registry", "code"))
     with pytest.raises(ValueError, match="unknown target domain 'prose'"):
         base_config("prose")
 

@@ -1,5 +1,5 @@
 """`tessera simulate --set SECTION.FIELD=VALUE` and `--family`: a simulation of any spec field it does not
-derive from its files (the short rounds of docs/learning.md) without editing files by hand.
+derive from its files (the short rounds the learning benchmark measured) without editing files by hand.
 
 A setting is read as TOML, judged by the spec's own section model before anything is written, and
 lands in the prepared network's spec (nothing is started); an adversary's kind lands in its miner's
