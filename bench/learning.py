@@ -56,7 +56,8 @@ class Network:
     general-domain sequences, and the report sets."""
 
     def __init__(self, spec_path: Path, miners: int, seed: int) -> None:
-        from miner.model import MinerModel, MinerSettings
+        from miner.model import MinerModel
+        from miner.settings import MinerSettings
         from protocol.spec import load_spec
         from training.data import load_sequences
         from training.experts import extract
@@ -205,8 +206,7 @@ class Network:
         ids, inner = self.ids[:miners], self.spec.training
         model, adapter = self.miners[ids[0]].model, self.miners[ids[0]].adapter
         assert isinstance(model, torch.nn.Module), "the miners' model is loaded whole (`full` forward)"
-        cfg = TrainConfig(steps=inner.inner_steps, lr=lr, beta1=inner.beta1, weight_decay=inner.weight_decay,
-                          batch_size=inner.batch_size * miners, grad_clip=inner.grad_clip, pad_id=self.miners[ids[0]].pad_id)
+        cfg = TrainConfig.from_spec(inner, lr=lr, batch_size=inner.batch_size * miners, pad_id=self.miners[ids[0]].pad_id)
         state, optimizer, out = self.genesis.tensors, None, []
         for r in range(rounds):
             streams = [batches(shard(self.miners[m].sequences, m, r), inner.batch_size, miner_seed(m, r)) for m in ids]

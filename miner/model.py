@@ -4,20 +4,20 @@
 genesis state a miner trains from and the packed training sequences; `MinerModel.train` puts a state's
 experts into the model and runs the inner AdamW steps on this miner's shard of the sequences, in the
 batch order `miner_seed` draws. How it trains on this machine (device, forward mode, micro-batches,
-checkpointing, autocast, optimizer, the step in backward) is a `MinerSettings`. This module knows nothing about the network or the
-blob a round submits.
+checkpointing, autocast, optimizer, the step in backward) is a `MinerSettings`, which the node config's
+`[miner]` section extends. This module knows nothing about the network or the blob a round submits.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
+from miner.settings import MinerSettings
 from protocol.spec import NetworkSpec, spec_dir_path
 from training.adapters import MoEAdapter
 from training.compressed import CompressedModel
@@ -27,26 +27,6 @@ from training.model import base_experts, load_base, load_compressed_base
 from training.state import GENESIS_ROUND, GlobalExperts
 from training.tokenizer import load_tokenizer
 from training.trainer import TrainConfig, TrainResult, train_experts
-
-
-@dataclass(frozen=True)
-class MinerSettings:
-    """How this machine trains (the node config's `[miner]` section says it); the spec fixes what is trained."""
-
-    device: str = "cpu"
-    """Torch device for training, e.g. cpu or cuda:0."""
-    forward: Literal["full", "compressed"] = "full"
-    """'full' runs all experts (frozen); 'compressed' only the selected ones (a model loaded compressed)."""
-    micro_batch_size: int | None = None
-    """Sequences per forward pass; None: the spec's batch in one pass."""
-    checkpointing: bool = False
-    """Activation checkpointing: recompute decoder layers in backward to save memory."""
-    autocast: bool = True
-    """bf16 autocast when training on CUDA (no effect on CPU)."""
-    optimizer: Literal["adamw", "adamw8bit"] = "adamw"
-    """Inner optimizer: AdamW with fp32 moments, or bitsandbytes' AdamW8bit (8-bit moments)."""
-    step_in_backward: bool = False
-    """Each tensor's optimizer step taken in backward as its gradient is complete (`TrainConfig.step_in_backward`)."""
 
 
 def miner_seed(miner: str, round: int) -> int:
@@ -110,18 +90,13 @@ class MinerModel:
         `progress`: a tqdm bar on a terminal (the `tessera train` command; the daemon logs instead).
         `optimizer_state`: the AdamW state to go on from (None: start at zero, as a miner does); `hand_on`: the new
         one is in the result."""
-        inner = self.spec.training
         if isinstance(self.model, CompressedModel):  # `base` may be read from its blob file a tensor at a time
             self.model.load(base)
         else:
             insert(self.model, self.adapter, base)
-        cfg = TrainConfig(steps=steps or inner.inner_steps, lr=inner.lr, beta1=inner.beta1,
-                          weight_decay=inner.weight_decay, batch_size=inner.batch_size,
-                          micro_batch_size=settings.micro_batch_size, grad_clip=inner.grad_clip,
-                          forward=settings.forward, device=settings.device,
-                          checkpointing=settings.checkpointing, autocast=settings.autocast,
-                          optimizer=settings.optimizer, step_in_backward=settings.step_in_backward,
-                          pad_id=self.pad_id, progress=progress)
+        on_this_machine = {name: getattr(settings, name) for name in MinerSettings.model_fields}
+        cfg = TrainConfig.from_spec(self.spec.training, steps=steps or self.spec.training.inner_steps,
+                                    pad_id=self.pad_id, progress=progress, **on_this_machine)
         rows = shard(self.sequences, miner, round)
         order = batches(rows, cfg.batch_size, miner_seed(miner, round))
         return train_experts(self.model, self.adapter, self.spec.group, _while(order, keep_going), cfg,

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from miner.model import MinerModel, MinerSettings
+from miner.model import MinerModel
+from miner.settings import MinerSettings
 from protocol.spec import NetworkSpec
 from training.blob import BLOB_FORMAT, PGRAD_FORMAT, BlobMeta, encode_blob
 from training.experts import pseudo_gradient

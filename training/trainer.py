@@ -46,6 +46,8 @@ from training.sparse_experts import LayerCopies, layer_copies, trainable_experts
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from protocol.spec import TrainingSpec
+
 
 @dataclass
 class TrainConfig:
@@ -88,6 +90,15 @@ class TrainConfig:
     """Token id excluded from the loss."""
     progress: bool = False
     """Show a tqdm bar when stderr is a terminal."""
+
+    @classmethod
+    def from_spec(cls, training: TrainingSpec, **settings: Any) -> TrainConfig:
+        """The inner loop a spec's `training` section fixes (H, lr, beta1, weight decay, batch, clip); `settings`:
+        how this machine runs it, and any of those a caller changes on purpose (a shorter `tessera train`, the
+        learning benchmark's data-parallel ceiling with M batches a step at its own lr)."""
+        return cls(**{"steps": training.inner_steps, "lr": training.lr, "beta1": training.beta1,
+                      "weight_decay": training.weight_decay, "batch_size": training.batch_size,
+                      "grad_clip": training.grad_clip, **settings})
 
     def __post_init__(self) -> None:
         if self.steps < 1:

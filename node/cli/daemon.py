@@ -23,6 +23,7 @@ from node.runtime.config import MinerSection
 
 if TYPE_CHECKING:
     from node.runtime.config import NodeConfig
+    from node.runtime.context import DutiesFactory
 
 CONFIG_NAME = "node.toml"
 P2P_DEFAULTS = P2PConfig()
@@ -176,7 +177,9 @@ _MEMORY_SETTINGS = ("forward", "micro_batch_size", "checkpointing", "autocast", 
 """The `[miner]` fields `tessera init --device-memory` chooses (node.runtime.preflight.fit_memory)."""
 
 
-def run_daemon(args: argparse.Namespace) -> int:
+def run_daemon(args: argparse.Namespace, miner: DutiesFactory | None = None) -> int:
+    """`tessera miner | validator --config FILE`. `miner`: a miner's duties (None: the honest miner's); a
+    simulation's adversarial miner hands its own (node.sim.adversaries)."""
     from node.runtime.config import ConfigError, load_config
 
     config = load_config(args.config)
@@ -186,24 +189,19 @@ def run_daemon(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return _serve(config)
+        return _serve(config, miner)
     except ConfigError as exc:  # a setting the node found wrong as it started (a port in use): name the file
         raise ConfigError(f"{args.config}: {exc}") from exc
 
 
-def _serve(config: NodeConfig) -> int:
+def _serve(config: NodeConfig, miner: DutiesFactory | None) -> int:
     from node.duties.succession import Succession
     from node.runtime.daemon import serve
 
     if config.node.role == "miner":
         from node.duties.miner import MinerDuties
 
-        duties = MinerDuties.factory()
-        if config.miner.behaviour != "honest":  # a simulation adversary
-            from node.sim.adversaries import miner_factory
-
-            duties = miner_factory(config.miner.behaviour)
-        return serve(config, Succession.around(duties))
+        return serve(config, Succession.around(miner or MinerDuties.factory()))
     from node.duties.validator import ValidatorDuties
 
     return serve(config, Succession.around(ValidatorDuties))

@@ -79,9 +79,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)  # imports every command module: Ctrl-C may land here
     except KeyboardInterrupt:
         return _interrupted()
-    run: Callable[[argparse.Namespace], int] = args.run  # set_defaults(run=...) of the chosen command
+    return run(args.run, args)  # set_defaults(run=...) of the chosen command
+
+
+def run(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Run one parsed command; a user's error is one line on stderr and exit code 2, Ctrl-C exit code 130."""
     try:
-        return run(args)
+        return command(args)
     except ValueError as exc:
         message = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
         print(f"tessera: error: {message}", file=sys.stderr)

@@ -66,7 +66,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from miner.model import MinerModel, MinerSettings
+    from miner.model import MinerModel
+    from miner.settings import MinerSettings
     from miner.submission import ErrorFeedback, build_submission
     from node.cli.common import check_output_file, write_new_file
     from node.duties.consensus import SyncError, decode_state

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from miner.model import MinerModel, MinerSettings, miner_seed, training_files
+from miner.model import MinerModel, miner_seed, training_files
+from miner.settings import MinerSettings
 from miner.submission import ErrorFeedback, build_submission, encode_submission
 from node.duties.consensus import Consensus
 from node.duties.feedback import keep_feedback, load_feedback
@@ -46,13 +47,6 @@ log = logging.getLogger(__name__)
 
 TRAIN_MARGIN_SHARE = 0.1  # of TRAIN, kept free after training to write the blob
 TRAIN_MARGIN_MAX_S = 120.0
-
-
-def miner_settings(section: MinerSection) -> MinerSettings:
-    """How this machine trains, from the node config's `[miner]` section."""
-    return MinerSettings(device=section.device, forward=section.forward, micro_batch_size=section.micro_batch_size,
-                         checkpointing=section.checkpointing, autocast=section.autocast,
-                         optimizer=section.optimizer, step_in_backward=section.step_in_backward)
 
 
 @dataclass(frozen=True)
@@ -193,7 +187,7 @@ class MinerDuties:
         # Set when this phase is cancelled (the node stops): the training thread, which cancelling cannot
         # reach, ends after its current step instead of at the deadline, and the process can exit.
         stopping = threading.Event()
-        job = Job(model, self.me, round, head, base, miner_settings(self.ctx.config.miner),
+        job = Job(model, self.me, round, head, base, self.ctx.config.miner,
                   lambda: not stopping.is_set() and self.ctx.clock.now() < deadline,
                   self.ctx.metrics, feedback)
         try:

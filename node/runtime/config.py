@@ -29,6 +29,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from miner.settings import MinerSettings
 from node.net.config import P2PConfig
 
 ENV_PREFIX = "TESSERA_"
@@ -78,41 +79,19 @@ class HttpSection(_Section):
     port: int = Field(default=8080, ge=0, le=65535, description="TCP port; 0 picks a free one.")
 
 
-class MinerSection(_Section):
-    """How a miner trains. Of its memory settings (`forward`, `micro_batch_size`, `checkpointing`, `autocast`,
-    `optimizer`, `step_in_backward`), those the file and the environment leave unset are chosen as the miner
-    starts on CUDA (or on a CPU with `device_memory_gib` set): the fastest whose traced plan fits
-    (node.runtime.preflight.fit_memory); elsewhere they take their defaults."""
+class MinerSection(MinerSettings):
+    """How a miner trains: miner.model.MinerSettings (how this machine trains) and the node's own fields. Of its
+    memory settings (`forward`, `micro_batch_size`, `checkpointing`, `autocast`, `optimizer`, `step_in_backward`),
+    those the file and the environment leave unset are chosen as the miner starts on CUDA (or on a CPU with
+    `device_memory_gib` set): the fastest whose traced plan fits (node.runtime.preflight.fit_memory); elsewhere
+    they take their defaults."""
 
-    device: str = Field(default="cpu", description="Torch device for training, e.g. cpu or cuda:0.")
-    forward: Literal["full", "compressed"] = Field(
-        default="full", description="'full' runs all experts (frozen); 'compressed' only the selected ones."
-    )
-    micro_batch_size: int | None = Field(
-        default=None, ge=1, description="Sequences per forward pass; unset = the spec's batch (no accumulation)."
-    )
-    checkpointing: bool = Field(
-        default=False, description="Activation checkpointing: recompute decoder layers in backward to save memory."
-    )
-    autocast: bool = Field(default=True, description="bf16 autocast when training on CUDA (no effect on CPU).")
-    optimizer: Literal["adamw", "adamw8bit"] = Field(
-        default="adamw", description="Inner optimizer: 'adamw' (fp32 moments) or 'adamw8bit' (bitsandbytes' 8-bit "
-        "moments, about a quarter of the optimizer state's memory)."
-    )
-    step_in_backward: bool = Field(
-        default=False, description="Take each expert tensor's optimizer step in backward as its gradient is complete, "
-        "so the group's gradients never all live at once (a step of one micro-batch; a step is clipped by the norm "
-        "of the step before)."
-    )
     device_memory_gib: float | None = Field(
         default=None, gt=0, description="GiB training may use: of the CUDA device (unset: its free memory at start), "
         "or of host memory on a CPU (unset: no plan). A miner whose traced plan (`tessera plan`) needs more refuses "
         "to start; the memory settings left unset are chosen to fit it."
     )
     data: ConfigPath | None = Field(default=None, description="Local training file overriding the spec's train files.")
-    behaviour: Literal["honest", "lazy", "noise", "copier", "late", "garbage"] = Field(
-        default="honest", description="Exists for simulations: anything but 'honest' plays an adversary."
-    )
 
 
 class ValidatorSection(_Section):

@@ -4,13 +4,17 @@
 commits the first other miner's commitment and reveals that miner's blob as its own, `late`
 commits only after the COMMIT window (its own node refuses to send it; the refusal is logged),
 `garbage` commits to random bytes. `miner_factory(behaviour)` gives the DutiesFactory of the miner
-that `miner.behaviour` names ("honest" included). Production code never imports this module's
-strategies except through that factory. This module knows nothing about scoring or merging.
+playing a behaviour ("honest" included); `python -m node.sim.adversaries BEHAVIOUR miner --config FILE`
+is how the simulator starts such a miner (a `SimNode.program`): `tessera miner` with those duties.
+A node's config has no behaviour, and production code never imports this module. It knows nothing
+about scoring or merging.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
+from collections.abc import Sequence
 
 import torch
 
@@ -127,7 +131,23 @@ STRATEGIES: dict[str, type[HonestStrategy]] = {
 
 
 def miner_factory(behaviour: str) -> DutiesFactory:
-    """The miner duties playing `behaviour` (a `miner.behaviour` value)."""
+    """The miner duties playing `behaviour` (a STRATEGIES name)."""
     if behaviour not in STRATEGIES:
-        raise ValueError(f"miner.behaviour: unknown behaviour {behaviour!r}; one of {', '.join(STRATEGIES)}")
+        raise ValueError(f"unknown miner behaviour {behaviour!r}; one of {', '.join(STRATEGIES)}")
     return MinerDuties.factory(STRATEGIES[behaviour]())
+
+
+def main(argv: Sequence[str]) -> int:
+    """`BEHAVIOUR miner --config FILE`: the `tessera miner` of that config, playing BEHAVIOUR."""
+    from node.cli.daemon import run_daemon
+    from node.cli.main import build_parser, run
+    from training.allocator import set_policy
+
+    set_policy()
+    behaviour, *tessera = argv
+    args = build_parser().parse_args(tessera)
+    return run(lambda parsed: run_daemon(parsed, miner_factory(behaviour)), args)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -20,16 +20,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
-from node.runtime.config import MinerSection
 from node.sim import defaults
 from node.sim.warm import WarmProcess, die_with_parent
 from protocol.spec import FAMILIES, TimingSpec, judge_settings
 
-# The simulation adversaries are every `miner.behaviour` but "honest".
-ADVERSARY_KINDS: tuple[str, ...] = tuple(
-    k for k in get_args(MinerSection.model_fields["behaviour"].annotation) if k != "honest")
+ADVERSARY_KINDS = ("lazy", "noise", "copier", "late", "garbage")
+"""The adversarial miners' behaviours: node.sim.adversaries' strategies but the honest one (named here, where
+`tessera simulate`'s arguments are checked, without the miner's imports)."""
+ADVERSARY_PROGRAM = "node.sim.adversaries"
+"""The program of an adversarial miner: `tessera miner` playing the behaviour its first argument names."""
 # How the time after TRAIN is split between the other phases.
 AFTER_TRAIN_SHARES = {"commit_s": 0.2, "reveal_s": 0.33, "evaluate_s": 0.3, "merge_s": 0.17}
 MIN_AFTER_TRAIN_S = 6.0
@@ -138,7 +139,8 @@ class SimNode:
     node_id: str
     directory: Path
     args: list[str]
-    """What follows `tessera` on its command line: the role and `--config FILE`."""
+    """What follows the program on its command line: the role and `--config FILE` (an adversary's behaviour
+    before them)."""
     http_port: int | None
     program: str = "node.cli.main"
     """The module whose `main(args)` the process runs: `tessera` itself, or a test's wrapper around it."""

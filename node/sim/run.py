@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 from node.sim.layout import SimNetwork, make_sim_network, prepare_base, remove_written, sim_identity, to_toml
 from node.sim.process import (
     ADVERSARY_KINDS,
+    ADVERSARY_PROGRAM,
     SimNode,
     SimSettings,
     SimulationError,
@@ -154,14 +155,14 @@ class Simulation:
         }
         if role == "validator":
             config["validator"] = {"heldout": _rel(network / "data" / "heldout.jsonl", directory)}
-        if role == "miner" and kind != "honest":
-            config["miner"] = {"behaviour": kind}
         (directory / "config.toml").write_text(to_toml(config), encoding="utf-8")
         if role == "validator" and index == 0:
             # A second way into the network, for nodes that start while the bootstrap is down.
             self._bootstrap.append(f"/ip4/127.0.0.1/tcp/{p2p_port}/p2p/{peer_id_for(identity.node_id)}")
         node = SimNode(name, role, kind, identity.node_id, directory, [role, "--config", str(directory / "config.toml")],
                        http_port)
+        if kind != "honest":  # an adversary: `tessera miner` playing it
+            node.args, node.program = [kind, *node.args], ADVERSARY_PROGRAM
         self.nodes[name] = node
         return node
 

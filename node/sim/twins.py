@@ -158,7 +158,7 @@ class Twins:
         if not key.exists():
             save_identity(identity(name), key)
         config = NodeConfig(node={"role": role, "spec": self.spec_path, "key": key, "data_dir": self.root / name},
-                            http={"enabled": False}, miner={"behaviour": behaviour, **miner},
+                            http={"enabled": False}, miner=miner,
                             validator={"heldout": self.root / "net" / "heldout.jsonl", "data": self.validator_data})
         network = self.hub.join(identity(name).node_id, GossipJudge(self.spec, self.clock.now),
                                 BlobStore(config.blob_dir))

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from miner.model import MinerModel, MinerSettings
+from miner.model import MinerModel
+from miner.settings import MinerSettings
 from miner.submission import build_submission
 from protocol.identity import Identity
 from protocol.spec import load_spec

@@ -60,8 +60,9 @@ def test_a_miner_without_options_gets_a_new_key_and_its_defaults_written_out(
     files = network(tmp_path)
     assert main(["init", "--role", "miner", "--spec", str(files["spec"]), "--dir", str(tmp_path / "m")]) == 0
     text = (tmp_path / "m" / "node.toml").read_text(encoding="utf-8")
-    assert '[miner]\ndevice = "cpu"\nforward = "full"' in text and 'host = "127.0.0.1"' in text
+    assert '[miner]\ndevice = "cpu"\n# forward = "full"' in text and 'host = "127.0.0.1"' in text
     config = load_config(tmp_path / "m" / "node.toml")
+    assert "forward" not in config.miner.model_fields_set and config.miner.forward == "full"
     assert load_identity(config.node.key).node_id == capsys.readouterr().out.split()[1]
     assert config.p2p.announce == ()
 

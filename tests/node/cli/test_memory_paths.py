@@ -26,7 +26,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import training.checkpoint
 import training.model
-from miner.model import MinerModel, MinerSettings
+from miner.model import MinerModel
+from miner.settings import MinerSettings
 from miner.submission import build_submission, encode_submission
 from node.sim.twins import Twins
 from protocol.identity import Identity, save_identity

@@ -14,7 +14,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from miner.model import MinerModel, MinerSettings
+from miner.model import MinerModel
+from miner.settings import MinerSettings
 from miner.submission import ErrorFeedback, build_submission, encode_submission
 from node.cli.main import main
 from node.sim.twins import Twins, identity

@@ -68,7 +68,6 @@ class Net:
         config = NodeConfig(
             node={"role": role, "spec": self.sim.spec_path, "key": key, "data_dir": self.root / name},
             http={"enabled": False},
-            miner={"behaviour": behaviour},
             validator={"heldout": self.sim.directory / "data" / "heldout.jsonl"},
         )
         node_id = (sim_identity(0, "miner", int(index)).node_id if role == "miner"

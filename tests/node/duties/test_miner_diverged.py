@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from miner.model import MinerModel, MinerSettings
+from miner.model import MinerModel
+from miner.settings import MinerSettings
 from miner.submission import ErrorFeedback, build_submission, encode_submission
 from node.sim.twins import Twins
 from protocol.rounds import Phase

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from miner.model import MinerModel, MinerSettings
+from miner.model import MinerModel
+from miner.settings import MinerSettings
 from miner.submission import ErrorFeedback, build_submission
 from node.duties.consensus import decode_state
 from node.runtime.daemon import Node

@@ -72,7 +72,7 @@ async def _run(tmp_path: Path) -> dict[str, Any]:
         key = tmp_path / f"{name}.key"
         save_identity(identity(name), key)
         config = NodeConfig(node={"role": role, "spec": spec_path, "key": key, "data_dir": tmp_path / name},
-                            http={"enabled": False}, miner={"behaviour": MINERS.get(name, "honest")},
+                            http={"enabled": False},
                             validator={"heldout": tmp_path / "net" / "heldout.jsonl"})
         network = hub.join(identity(name).node_id, GossipJudge(spec, clock.now), BlobStore(config.blob_dir))
         duties = miner_factory(MINERS[name]) if role == "miner" else ValidatorDuties

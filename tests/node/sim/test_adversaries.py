@@ -9,18 +9,18 @@ from pathlib import Path
 import pytest
 
 from node.duties.miner import HonestStrategy, MinerDuties
-from node.runtime.config import MinerSection
 from node.sim.adversaries import STRATEGIES, miner_factory
+from node.sim.process import ADVERSARY_KINDS
 from node.sim.twins import Twins
 from protocol.rounds import Phase
 
 pytestmark = pytest.mark.timeout(180)
 
 
-def test_every_configurable_behaviour_has_a_strategy_and_unknown_ones_are_refused() -> None:
-    assert set(STRATEGIES) == set(MinerSection.model_fields["behaviour"].annotation.__args__)
+def test_every_adversary_the_simulator_offers_has_a_strategy_and_unknown_ones_are_refused() -> None:
+    assert set(STRATEGIES) == {"honest", *ADVERSARY_KINDS}
     assert STRATEGIES["honest"] is HonestStrategy
-    with pytest.raises(ValueError, match="miner.behaviour: unknown behaviour 'sneaky'"):
+    with pytest.raises(ValueError, match="unknown miner behaviour 'sneaky'"):
         miner_factory("sneaky")
 
 
