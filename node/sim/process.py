@@ -62,7 +62,7 @@ class SimSettings:
     """H written into the spec. Miners that trained until TRAIN ended (thousands of steps on a small shard)
     overfit it: after round 0 they gained less than the held-out noise, and in rounds 3 and 5 no submission
     beat the state (docs/architecture.md, "A simulation learns every round"). At 30 steps a round every round
-    of a 6-round run gains more than the noise (bench/results/simulation.json)."""
+    of a 6-round run lowers the whole held-out loss (bench/results/simulation.json)."""
     start_delay_s: float | None = None
     """Seconds from writing the spec to genesis; None = defaults.START_DELAY_S + defaults.START_DELAY_PER_NODE_S per node. The nodes'
     fork server has imported torch by then (node.sim.warm); each node still loads its model and starts libp2p."""
