@@ -37,6 +37,7 @@ def test_plan_of_a_config_prints_the_peak_its_parts_the_margin_and_what_it_does_
     assert result["parts"]["trainable_copies"] > 0
 
 
+@pytest.mark.slow  # two traces; make check traces 8-bit moments once (tests/training/test_plan.py)
 def test_plan_traces_the_8bit_optimizer(config_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = ("--config", str(config_file), "--role", "miner", "--experts-per-layer", "4", "--seq-len", "8")
     fp32 = plan_json(capsys, *args)

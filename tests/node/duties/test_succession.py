@@ -210,6 +210,7 @@ async def test_each_bad_successor_is_refused_in_one_line_and_changes_nothing(tmp
         await net.close()
 
 
+@pytest.mark.slow  # make check keeps the switch itself (the test above); this one restarts and adds nodes across it
 async def test_nodes_away_at_the_activation_round_or_new_after_it_end_on_the_network_s_spec(tmp_path: Path) -> None:
     net = Twins(tmp_path)
     document = signed(successor_network(net), 0, 1)
