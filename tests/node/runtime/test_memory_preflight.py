@@ -65,6 +65,7 @@ async def start(config: NodeConfig, tmp_path: Path) -> None:
     await node._close()
 
 
+@pytest.mark.slow  # several traces; make check keeps a miner that fits and starts
 async def test_a_miner_whose_plan_exceeds_its_declared_memory_refuses_to_start_naming_what_fits(
     tmp_path: Path
 ) -> None:
