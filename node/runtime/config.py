@@ -80,7 +80,7 @@ class HttpSection(_Section):
 
 
 class MinerSection(MinerSettings):
-    """How a miner trains: miner.model.MinerSettings (how this machine trains) and the node's own fields. Of its
+    """How a miner trains: miner.settings.MinerSettings (how this machine trains) and the node's own fields. Of its
     memory settings (`forward`, `micro_batch_size`, `checkpointing`, `autocast`, `optimizer`, `step_in_backward`),
     those the file and the environment leave unset are chosen as the miner starts on CUDA (or on a CPU with
     `device_memory_gib` set): the fastest whose traced plan fits (node.runtime.preflight.fit_memory); elsewhere
