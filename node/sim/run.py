@@ -159,10 +159,11 @@ class Simulation:
         if role == "validator" and index == 0:
             # A second way into the network, for nodes that start while the bootstrap is down.
             self._bootstrap.append(f"/ip4/127.0.0.1/tcp/{p2p_port}/p2p/{peer_id_for(identity.node_id)}")
-        node = SimNode(name, role, kind, identity.node_id, directory, [role, "--config", str(directory / "config.toml")],
-                       http_port)
-        if kind != "honest":  # an adversary: `tessera miner` playing it
-            node.args, node.program = [kind, *node.args], ADVERSARY_PROGRAM
+        args = [role, "--config", str(directory / "config.toml")]
+        if kind == "honest":
+            node = SimNode(name, role, kind, identity.node_id, directory, args, http_port)
+        else:  # an adversary: `tessera miner` playing it
+            node = SimNode(name, role, kind, identity.node_id, directory, [kind, *args], http_port, ADVERSARY_PROGRAM)
         self.nodes[name] = node
         return node
 
