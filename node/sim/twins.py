@@ -115,13 +115,14 @@ def phase_done(schedule: Schedule, r: int, phase: Phase) -> float:
     return schedule.phase_window(r, phase)[0]
 
 
-async def until(condition: Callable[[], bool], what: str, wait_s: float = WAIT_S) -> None:
-    """Return once `condition` holds; AssertionError naming `what` after `wait_s` seconds of wall time."""
+async def until(condition: Callable[[], bool], what: str, wait_s: float = WAIT_S, poll_s: float = 0.005) -> None:
+    """Return once `condition` holds, asked every `poll_s`; AssertionError naming `what` after `wait_s` seconds of
+    wall time."""
     deadline = time.monotonic() + wait_s
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)
+        await asyncio.sleep(poll_s)
 
 
 class Twins:

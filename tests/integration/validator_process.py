@@ -8,19 +8,18 @@ runs the node; the rest polls its HTTP API and reads its SQLite file.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 import sqlite3
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from node.sim.layout import sim_identity
+from node.sim.twins import until
 from protocol.identity import save_identity
 from protocol.spec import NetworkSpec, load_spec
 
@@ -104,11 +103,8 @@ def start(config: Path, log: Path) -> subprocess.Popen[bytes]:
 
 
 async def wait_until(condition: Callable[[], bool], what: str, timeout: float = START_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.2)
+    """`node.sim.twins.until` at a pace for a process's HTTP API and peers (every 0.2 s)."""
+    await until(condition, what, timeout, poll_s=0.2)
 
 
 def healthy(http_port: int) -> bool:
