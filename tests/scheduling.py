@@ -1,4 +1,4 @@
-"""How `make test` hands the test files to its four pytest-xdist workers (`-n 4 --dist loadfile`).
+"""How `make test` hands the test files to its five pytest-xdist workers (`-n 5 --dist loadfile`).
 
 The suite is bound by CPU on two cores, so every file that mostly waits on a round schedule runs beside files
 that keep the cores busy. Collection (`pytest_collection_modifyitems`) puts first (FIRST) the real networks,
@@ -22,9 +22,8 @@ TESTS = Path(__file__).parent
 # The order of the files named here is the docstring's; the others keep pytest's order within their group.
 FIRST = (
     "integration/test_network.py", "bench/test_real_size.py", "integration/test_unlike_validators.py",
-    "training/test_allocator.py", "node/runtime/test_status_page_render.py", "training/test_trainer_memory.py",
-    "training/test_device_memory.py", "bench/test_network_benchmarks.py", "integration/test_multihost.py",
-    "bench/test_successor.py",
+    "training/test_allocator.py", "training/test_trainer_memory.py", "training/test_device_memory.py",
+    "bench/test_network_benchmarks.py", "integration/test_multihost.py", "bench/test_successor.py",
 )
 LAST = ("integration/", "bench/", "deploy/", "node/cli/")
 LAST_LONGEST = (

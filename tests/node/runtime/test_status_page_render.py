@@ -9,8 +9,10 @@ another protocol version were refused. The page on a real simulation is checked 
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +20,11 @@ import pytest
 from node.runtime.http import HttpApi
 
 pytestmark = pytest.mark.slow
+
+# The page polls the node every POLL_MS; a test that changes the node moves the page's clock on by that much
+# (Playwright's fake timers, installed before the page loads) rather than waiting for the next poll.
+APP = Path(__file__).parents[3] / "node" / "runtime" / "page" / "app.js"
+POLL_MS = int(re.findall(r"^const POLL_MS = (\d+);", APP.read_text(encoding="utf-8"), re.M)[0])
 
 EVIL = '<img src=x onerror="document.body.dataset.pwned=1">'
 A, B = "aa" * 32, "bb" * 32
@@ -130,6 +137,7 @@ def test_the_page_renders_peer_text_as_text(browser: Any, served: tuple[HttpApi,
     node.spec = {"id": "bb" * 32, "since_round": 3, "group": {"0": [3, 7], "1": [0, 4]}, "successor": {
         "document": "cc" * 32, "activation": 9, "in_s": 7800.0, "signed_by": 2, "validators": 3,
         "group": {"0": [2], "1": [5]}}}
+    _next_poll(page)
     page.wait_for_selector("#successor:not([hidden])", timeout=10_000)
     assert page.locator("#spec").inner_text() == ("expert group layer 0: 3 7 · layer 1: 0 4 (successor spec "
                                                   "bbbbbbbbbbbb, since round 3)")
@@ -139,12 +147,14 @@ def test_the_page_renders_peer_text_as_text(browser: Any, served: tuple[HttpApi,
 
     assert page.locator("#key-alert").is_hidden()
     node.key_used_elsewhere = {"messages": 2, "last_kind": "commit", "last_round": 1}
+    _next_poll(page)
     page.wait_for_selector("#key-alert:not([hidden])", timeout=10_000)
     assert page.locator("#key-alert").inner_text() == (
         "Another node is running with this node's key: 2 message(s) signed with it reached this node that it "
         "did not send (the last a commit of round 1). Stop one of them, or give each its own key.")
     assert page.locator("#clock-alert").is_hidden()
     node.clock_behind = {"early_validators": 3, "behind_by_at_least_s": 42.5}
+    _next_poll(page)
     page.wait_for_selector("#clock-alert:not([hidden])", timeout=10_000)
     assert page.locator("#clock-alert").inner_text() == (
         "This node's clock is probably at least 42.5 s behind: messages from 3 validator(s) arrived before their "
@@ -152,6 +162,7 @@ def test_the_page_renders_peer_text_as_text(browser: Any, served: tuple[HttpApi,
     assert page.locator("#outvote-alert").is_hidden()
     node.outvoted = {"round": 3, "mine": "merged", "majority": "best_single", "state": "ab" * 32, "gain": -3.8e-9,
                      "margin": 1e-4}
+    _next_poll(page)
     page.wait_for_selector("#outvote-alert:not([hidden])", timeout=10_000)
     assert page.locator("#outvote-alert").inner_text() == (
         "Outvoted in round 3: this validator's merge gate adopted the merged state, validators holding a majority "
@@ -160,22 +171,26 @@ def test_the_page_renders_peer_text_as_text(browser: Any, served: tuple[HttpApi,
     assert page.locator("#disk-alert").is_hidden()
     node.disk = {**node.disk, "free_bytes": 0, "low": True,
                  "refused": {"round": 1, "error": "database or disk is full"}}
+    _next_poll(page)
     page.wait_for_selector("#disk-alert:not([hidden])", timeout=10_000)
     assert page.locator("#disk-alert").inner_text() == (
         "A full disk refused a write in round 1 (database or disk is full). The disk of /srv/tessera/data has 0 B "
         "free, and the rounds ahead need about 6.0 MiB: free space there or move node.data_dir to a larger disk. "
         "The node goes on, and catches up once there is room.")
     node.disk = {**node.disk, "free_bytes": 64 << 20, "low": False, "refused": None}  # room again
+    _next_poll(page)
     page.wait_for_selector("#disk-alert[hidden]", state="attached", timeout=10_000)
 
     assert page.locator("#version").inner_text() == "tessera 9.8.7 · protocol 5"
     assert page.locator("#protocol-alert").is_hidden()
     node.protocol_alert = "2 peers speak protocol 6; this node speaks 5: upgrade"
+    _next_poll(page)
     page.wait_for_selector("#protocol-alert:not([hidden])", timeout=10_000)
     assert page.locator("#protocol-alert").inner_text() == (
         "2 peers speak protocol 6; this node speaks 5: upgrade (peers on another protocol version are refused).")
 
     node.broken = True
+    _next_poll(page)
     page.wait_for_selector("#error:not([hidden])", timeout=10_000)
     assert page.locator("#error").inner_text().startswith("cannot reach the node: /status: HTTP 500")
     page.close()
@@ -185,10 +200,9 @@ def test_a_slow_node_is_polled_once_at_a_time(browser: Any, served: tuple[HttpAp
     """A node slower to answer than the poll interval must not be sent a new set of requests at every tick."""
     api, node = served
     page = browser.new_page()
-    page.clock.install()
     _ready(page, api.url)
     node.hold.clear()
-    page.clock.run_for(16_000)  # three polls' worth while the first is still waiting
+    page.clock.run_for(3 * POLL_MS + 1_000)  # three polls' worth while the first is still waiting
     page.wait_for_timeout(500)
     node.hold.set()
     page.wait_for_timeout(500)
@@ -203,10 +217,12 @@ def test_a_node_gone_quiet_leaves_no_live_looking_numbers(browser: Any, served: 
     _ready(page, api.url)
     assert page.locator("main.stale").count() == 0
     node.broken = True
+    _next_poll(page)
     page.wait_for_selector("#error:not([hidden])", timeout=10_000)
     assert page.locator("main.stale").count() == 1
     assert page.locator("#countdown").inner_text() == "—"
     node.broken = False
+    _next_poll(page)
     page.wait_for_selector("#error[hidden]", state="attached", timeout=10_000)
     assert page.locator("main.stale").count() == 0
     assert page.locator("#countdown").inner_text().startswith("commit of round 1 in")
@@ -221,6 +237,7 @@ def test_leaderboards_go_when_no_round_shown_has_miners(browser: Any, served: tu
     _ready(page, api.url)
     assert page.locator("table.leaderboard").count() == 1
     node.rounds_shown = [{**ROUNDS[0], "round": 40, "miners": []}]
+    _next_poll(page)
     page.wait_for_selector("#leaderboards > p.muted", timeout=10_000)
     assert page.locator("table.leaderboard").count() == 0
     assert page.locator("#leaderboards").inner_text() == "no scored round yet"
@@ -228,5 +245,11 @@ def test_leaderboards_go_when_no_round_shown_has_miners(browser: Any, served: tu
 
 
 def _ready(page: Any, url: str) -> None:
+    page.clock.install()
     page.goto(url + "/")
     page.wait_for_selector("body[data-ready='1']", timeout=10_000)
+
+
+def _next_poll(page: Any) -> None:
+    """Run the page's timers one poll interval on: the page asks the node again now."""
+    page.clock.run_for(POLL_MS)
