@@ -38,16 +38,16 @@ test-tools:
 		tmp=$$(mktemp -d) && (cd $$tmp && { apt-get download -q prometheus || { apt-get update -q && apt-get download -q prometheus; }; }) \
 		&& dpkg-deb -x $$tmp/prometheus_*.deb $$tmp/x && cp $$tmp/x/usr/bin/promtool $(VENV)/bin/ && rm -rf $$tmp; fi
 
-# Five pytest workers on two cores, a test file to one worker, in the order tests/scheduling.py gives them: the
+# Six pytest workers on two cores, a test file to one worker, in the order tests/scheduling.py gives them: the
 # real networks spend much of their time waiting for round phases, which the other workers fill (with four, the
-# first wave's three networks left most of a core idle for four minutes). One torch thread a worker
-# (OMP_NUM_THREADS=1, inherited by the processes tests start): OpenMP threads beside node processes spin instead of
-# working. mypy runs beside the tests (it spends most of a minute of one core reading torch's types) and prints its
-# report after theirs.
+# first wave's networks left most of a core idle for minutes; six leave a third of one for one minute). One torch
+# thread a worker (OMP_NUM_THREADS=1, inherited by the processes tests start): OpenMP threads beside node processes
+# spin instead of working. mypy (most of a minute of one core reading torch's types) runs beside the tests at a
+# lower priority, on what they leave idle, and prints its report after theirs.
 test: $(STAMP) test-tools
 	$(VENV)/bin/ruff check .
-	@types=$$(mktemp); $(VENV)/bin/mypy >$$types 2>&1 & mypy=$$!; \
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 5 --dist loadfile --no-loadscope-reorder; tests=$$?; \
+	@types=$$(mktemp); nice -n 10 $(VENV)/bin/mypy >$$types 2>&1 & mypy=$$!; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 6 --dist loadfile --no-loadscope-reorder; tests=$$?; \
 	wait $$mypy; typed=$$?; cat $$types; rm -f $$types; [ $$tests -eq 0 ] && [ $$typed -eq 0 ]
 
 # The quick loop: lint, types, unit and in-memory twin tests, on two workers; no test that starts a node, a browser

@@ -207,6 +207,13 @@ def main(argv: list[str] | None = None) -> int:
             for state in {v["global_hash"] for v in entry["validators"] if v["global_hash"]}:
                 keep_state(sim, state, directory / STATES)
             print(f"round {r}: validators' global loss {entry['global_loss']}", file=sys.stderr, flush=True)
+        if len(last := {v["global_hash"] for v in reported[-1]["validators"] if v["global_hash"]}) == 1:
+            # The miners take the last round's state a moment after the validators report it, as they would
+            # before the next round's TRAIN: wait for it there before the network stops.
+            (head,) = last
+            sim.wait_until(lambda: all((sim.get(n.name, "/status") or {}).get("head") == head
+                                       for n in sim.nodes.values() if n.role != "bootstrap" and n.alive),
+                           settings.round_seconds, "every node to hold the last round's state")
         restarted = sorted(name for name, node in sim.nodes.items()
                            if node.proc is None or node.proc.pid != pids.get(name) or not node.alive)
     except SimulationError as exc:

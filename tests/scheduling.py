@@ -1,4 +1,4 @@
-"""How `make test` hands the test files to its five pytest-xdist workers (`-n 5 --dist loadfile`).
+"""How `make test` hands the test files to its six pytest-xdist workers (`-n 6 --dist loadfile`).
 
 The suite is bound by CPU on two cores, so every file that mostly waits on a round schedule runs beside files
 that keep the cores busy. Collection (`pytest_collection_modifyitems`) puts first (FIRST) the real networks,
