@@ -40,7 +40,7 @@ test-tools:
 
 # Six pytest workers on two cores, a test file to one worker, in the order tests/scheduling.py gives them: the
 # real networks spend much of their time waiting for round phases, which the other workers fill (with four, the
-# first wave's networks left most of a core idle for minutes; six leave a third of one for one minute). One torch
+# first wave's networks left most of a core idle for minutes; six leave half of one idle for a minute). One torch
 # thread a worker (OMP_NUM_THREADS=1, inherited by the processes tests start): OpenMP threads beside node processes
 # spin instead of working. mypy (most of a minute of one core reading torch's types) runs beside the tests at a
 # lower priority, on what they leave idle, and prints its report after theirs.
