@@ -160,10 +160,11 @@ class Simulation:
             # A second way into the network, for nodes that start while the bootstrap is down.
             self._bootstrap.append(f"/ip4/127.0.0.1/tcp/{p2p_port}/p2p/{peer_id_for(identity.node_id)}")
         args = [role, "--config", str(directory / "config.toml")]
-        if kind == "honest":
-            node = SimNode(name, role, kind, identity.node_id, directory, args, http_port)
-        else:  # an adversary: `tessera miner` playing it
-            node = SimNode(name, role, kind, identity.node_id, directory, [kind, *args], http_port, ADVERSARY_PROGRAM)
+        if kind != "honest":  # an adversary: `tessera miner` playing it
+            args, program = [kind, *args], ADVERSARY_PROGRAM
+        else:
+            program = SimNode.program
+        node = SimNode(name, role, kind, identity.node_id, directory, args, http_port, program)
         self.nodes[name] = node
         return node
 
