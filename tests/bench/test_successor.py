@@ -16,9 +16,11 @@ pytestmark = [pytest.mark.integration,
 
 
 def test_a_network_moves_to_a_disjoint_group_at_its_round_with_no_restart(tmp_path: Path) -> None:
+    # MERGE gets 3.1 s of a 28 s round: beside the suite, the validator's gate (three candidates) took up to 2.9 s,
+    # and a state announced after the next TRAIN began reaches the miners a phase late, one round off.
     report = run_bench("successor", tmp_path / "successor.json", "--dir", str(tmp_path / "run"), "--rounds", "4",
-                       "--activation", "2", "--validators", "1", "--miners", "1", "--round-seconds", "24",
-                       "--train-share", "0.4", "--inner-steps", "5")
+                       "--activation", "2", "--validators", "1", "--miners", "1", "--round-seconds", "28",
+                       "--train-share", "0.35", "--inner-steps", "5")
     assert report["failure"] == "" and report["restarted"] == [], report["failure"]
     assert report["late_joiner"] == "miner-1" and report["successor"]["signed_by"] == 1
     rounds = report["rounds"]
