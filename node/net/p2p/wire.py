@@ -3,23 +3,27 @@
 Stock py-libp2p 0.8.1 reads a Noise packet with two socket reads (length, then body), copies each
 packet about twice on its way up, re-copies a yamux frame body after the session already gathered
 it, and writes a large message as one send per 64 KiB packet; with yamux frames capped at 64 KiB a
-blob stream ran near 270 MB/s on loopback. Each class here subclasses the stock one and changes
-only how bytes move through the process, never what goes on the wire, so a tuned node speaks to
-any libp2p peer:
+blob stream ran near 270 MB/s on loopback; and it answers almost every read of a yamux stream with a
+WINDOW_UPDATE frame. Each class here subclasses the stock one and changes how bytes move through the
+process, and on the wire no more than a go-yamux peer would, so a tuned node speaks to any libp2p peer:
 
 - yamux DATA frames may carry up to 1 MiB. A frame is still capped by the receive window the peer
   granted (256 KiB at first, growing to 16 MiB under go-yamux semantics), as every yamux expects.
 - A Noise session reads its socket in 512 KiB pieces and cuts packets out of them, writes all the
   packets of one message with one send, and joins the packets of a read once.
 - yamux takes a frame body straight from the session instead of copying it again.
+- A yamux stream at its initial window gives back what its reads free once the peer has less than
+  half of it left, as go-yamux does, instead of one WINDOW_UPDATE per gossip message read (each sealed
+  and sent, then opened and handled by the peer: a quarter of a sixteen-node network's CPU). This one
+  shows on the wire, as fewer and larger updates.
 
 One change is not about speed: yamux closes the connection of a peer that sends a DATA frame past
 what is left of a stream's receive window, before reading its body, as go-yamux does; stock
 py-libp2p buffers it, so a peer that ignored windows made a stream nobody reads hold any amount.
 
-Two module-level names of py-libp2p are set on import: yamux's frame-size constant, and the class
-its upgrader builds for yamux, which it takes by name rather than from the host's muxer options.
-These and the window check rely on private details of libp2p==0.8.1 (pinned in pyproject.toml);
+Three module-level names of py-libp2p are set on import: yamux's frame-size constant, and the classes
+its upgrader and yamux build for a connection's yamux and its streams, which they take by name rather
+than from the host's muxer options. These and the window check rely on private details of libp2p==0.8.1 (pinned in pyproject.toml);
 tests/node/net/test_wire.py and two integration tests (test_p2p.py, test_p2p_limits.py) hold them to
 it. The allocator policy that keeps these buffers' pages between frames is the process's
 (training.allocator). This module knows nothing about Tessera.
@@ -59,6 +63,7 @@ SOCKET_READ_BYTES = 512 * 1024
 
 # The stock module reads this constant at every write to size DATA frames (64 KiB there).
 yamux_module.MAX_MESSAGE_SIZE = max(yamux_module.MAX_MESSAGE_SIZE, FRAME_BYTES)
+
 
 
 class TunedNoise(NoiseTransport):
@@ -163,6 +168,27 @@ class WindowExceeded(trio.TooSlowError):
 
     A TooSlowError because that is the one error that every caller of `Yamux._read_data_body` answers by
     closing the connection (as it does for a frame body that takes too long)."""
+
+
+class TunedStream(yamux_module.YamuxStream):
+    """A yamux stream that, while its window is still the initial 256 KiB, gives back what its reads free only once
+    the peer has less than half of it left (go-yamux's rule); stock, it sends a WINDOW_UPDATE after almost every
+    read, one for each small gossip message. A bulk transfer uses the window up at once, and from its first update
+    on (which grows the window) the stream gives it back as stock, whose quick updates keep growing it to 16 MiB."""
+
+    _held = 0
+
+    async def _auto_tune_and_send_window_update(self, *, bytes_read: int = 0) -> None:
+        self._held += bytes_read
+        if self.target_recv_window <= yamux_module.DEFAULT_WINDOW_SIZE \
+                and self.recv_window >= self.target_recv_window // 2:
+            return
+        held, self._held = self._held, 0
+        await super()._auto_tune_and_send_window_update(bytes_read=held)
+
+
+# yamux builds every stream of a connection by this module-level name.
+yamux_module.YamuxStream = TunedStream  # type: ignore[misc]  # replaces a class by its subclass
 
 
 class TunedYamux(Yamux):

@@ -1,23 +1,33 @@
-"""node.net.p2p.wire's Noise session against py-libp2p's stock classes, over in-memory sockets.
+"""node.net.p2p.wire's Noise session against py-libp2p's stock classes, over in-memory sockets, and its
+yamux over an in-memory connection.
 
 A tuned node must put the same bytes on the wire and hand the same bytes up as a stock one, however
-the socket splits them, and fail the same way when the socket ends early.
+the socket splits them, and fail the same way when the socket ends early. Its yamux streams give their
+window back once the peer has less than half of it left, not after every read.
 """
 
 from __future__ import annotations
 
 import random
+import struct
 
 import pytest
 import trio
+import trio.testing
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.io.exceptions import ConnectionClosedError, IncompleteReadError
 from libp2p.peer.id import ID
 from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH, NoisePacketReadWriter, NoiseTransportReadWriter
 from libp2p.security.secure_session import SecureSession
+from libp2p.stream_muxer.yamux.yamux import (
+    DEFAULT_WINDOW_SIZE,
+    HEADER_SIZE,
+    TYPE_WINDOW_UPDATE,
+    YAMUX_HEADER_FORMAT,
+)
 from noise.connection import Keypair, NoiseConnection
 
-from node.net.p2p.wire import NoisePackets, PacketReader, TunedSession
+from node.net.p2p.wire import NoisePackets, PacketReader, TunedSession, TunedYamux
 
 SIZES = [0, 1, 12, MAX_PLAINTEXT_LENGTH - 1, MAX_PLAINTEXT_LENGTH, MAX_PLAINTEXT_LENGTH + 1, 300_000, (1 << 20) + 12]
 
@@ -76,7 +86,7 @@ def session(conn: object, cls: type[SecureSession]) -> SecureSession:
     key = create_new_key_pair()
     peer = ID.from_pubkey(key.public_key)
     return cls(local_peer=peer, local_private_key=key.private_key, remote_peer=peer,
-               remote_permanent_pubkey=key.public_key, is_initiator=True, conn=conn)  # type: ignore[arg-type]
+               remote_permanent_pubkey=key.public_key, is_initiator=True, conn=conn)
 
 
 def test_tuned_writes_are_the_stock_packets_on_the_wire() -> None:
@@ -85,10 +95,10 @@ def test_tuned_writes_are_the_stock_packets_on_the_wire() -> None:
     async def packets(cls: type[NoiseTransportReadWriter]) -> list[tuple[int, bytes]]:
         sender_end, receiver_end = noise_pair()
         wire = Socket()
-        sender = cls(wire, sender_end)  # type: ignore[arg-type]
+        sender = cls(wire, sender_end)
         for size in SIZES:
             await sender.write_msg(random.Random(size).randbytes(size))
-        reader, out = NoisePacketReadWriter(wire), []  # type: ignore[arg-type]
+        reader, out = NoisePacketReadWriter(wire), []
         while wire.data:
             sealed = await reader.read_msg()
             out.append((len(sealed), receiver_end.decrypt(sealed)))
@@ -104,7 +114,7 @@ async def sealed_stream(messages: list[bytes]) -> tuple[bytes, NoiseConnection]:
     """What a stock sender puts on the wire for `messages`, and the receiving end's Noise state."""
     sender_end, receiver_end = noise_pair()
     wire = Socket()
-    sender = NoiseTransportReadWriter(wire, sender_end)  # type: ignore[arg-type]
+    sender = NoiseTransportReadWriter(wire, sender_end)
     for message in messages:
         await sender.write_msg(message)
     return bytes(wire.data), receiver_end
@@ -129,8 +139,8 @@ def test_tuned_reads_give_what_stock_reads_give_however_the_socket_splits(seed: 
     async def main() -> None:
         stock_wire, stock_end = await sealed_stream(messages)
         tuned_wire, tuned_end = await sealed_stream(messages)
-        stock_conn = NoiseTransportReadWriter(Socket(stock_wire, random_cuts(rng, len(stock_wire))), stock_end)  # type: ignore[arg-type]
-        tuned_conn = NoisePackets(Socket(tuned_wire, random_cuts(rng, len(tuned_wire))), tuned_end)  # type: ignore[arg-type]
+        stock_conn = NoiseTransportReadWriter(Socket(stock_wire, random_cuts(rng, len(stock_wire))), stock_end)
+        tuned_conn = NoisePackets(Socket(tuned_wire, random_cuts(rng, len(tuned_wire))), tuned_end)
         stock = await read_all(session(stock_conn, SecureSession))
         tuned = await read_all(session(tuned_conn, TunedSession))
         assert tuned == stock
@@ -144,9 +154,9 @@ def test_packets_come_out_of_few_large_socket_reads() -> None:
         writer_end, reader_end = noise_pair()
         wire = Socket()
         for _ in range(32):
-            await NoiseTransportReadWriter(wire, writer_end).write_msg(b"x" * MAX_PLAINTEXT_LENGTH)  # type: ignore[arg-type]
+            await NoiseTransportReadWriter(wire, writer_end).write_msg(b"x" * MAX_PLAINTEXT_LENGTH)
         stock_socket, tuned_socket = Socket(bytes(wire.data)), Socket(bytes(wire.data))
-        stock, tuned = NoisePacketReadWriter(stock_socket), PacketReader(tuned_socket)  # type: ignore[arg-type]
+        stock, tuned = NoisePacketReadWriter(stock_socket), PacketReader(tuned_socket)
         for _ in range(32):
             assert await tuned.read_msg() == await stock.read_msg()
         assert stock_socket.reads == 64  # a length, then a body, per packet
@@ -161,7 +171,7 @@ def test_a_socket_that_ends_early_fails_as_the_stock_reader_fails(keep: int) -> 
         packet = (100).to_bytes(2, "big") + b"y" * 100
         failures = []
         for reader_cls in (NoisePacketReadWriter, PacketReader):
-            reader = reader_cls(Socket(packet[:keep]))  # type: ignore[arg-type]
+            reader = reader_cls(Socket(packet[:keep]))
             with pytest.raises(IncompleteReadError) as caught:
                 await reader.read_msg()
             failures.append((type(caught.value), caught.value.is_clean_close, caught.value.expected_bytes))
@@ -180,5 +190,65 @@ def test_a_session_read_after_the_peer_closed_raises_as_stock() -> None:
         for cls in (SecureSession, TunedSession):
             with pytest.raises(ConnectionClosedError):
                 await session(Closed(), cls).read(10)
+
+    trio.run(main)
+
+
+class Secured:
+    """One end of an in-memory connection as yamux sees a secured one: reads return exactly what was asked (as
+    `TunedSession`'s do); `window_updates` counts the WINDOW_UPDATE frames written that grant a stream more."""
+
+    def __init__(self, stream: trio.testing.MemoryStapledStream, initiator: bool) -> None:
+        self.stream, self.is_initiator, self.window_updates = stream, initiator, 0
+        self.pending = b""
+
+    async def read(self, n: int | None = None) -> bytes:
+        assert n is not None
+        while len(self.pending) < n:
+            self.pending += await self.stream.receive_some()
+        data, self.pending = self.pending[:n], self.pending[n:]
+        return data
+
+    async def write(self, data: bytes) -> None:
+        if len(data) == HEADER_SIZE:
+            _, kind, _, stream_id, delta = struct.unpack(YAMUX_HEADER_FORMAT, data)
+            self.window_updates += kind == TYPE_WINDOW_UPDATE and stream_id > 0 and delta > 0
+        await self.stream.send_all(data)
+
+    async def close(self) -> None:
+        await self.stream.aclose()
+
+
+def test_a_stream_gives_its_window_back_at_half_and_a_bulk_transfer_keeps_flowing() -> None:
+    message = 1000
+    small = DEFAULT_WINDOW_SIZE // 2 // message - 1  # just under half a window in small messages, each read
+    bulk = 3 * DEFAULT_WINDOW_SIZE  # three windows at once: the writer needs the window back as it goes
+
+    async def main() -> None:
+        left, right = trio.testing.memory_stream_pair()
+        writer_end, reader_end = Secured(left, True), Secured(right, False)
+        writer_mux, reader_mux = TunedYamux(writer_end, ID(b"reader")), TunedYamux(reader_end, ID(b"writer"))
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(writer_mux.start)
+                nursery.start_soon(reader_mux.start)
+                await writer_mux.event_started.wait()
+                await reader_mux.event_started.wait()
+                sending = await writer_mux.open_stream()
+                await sending.write(b"x" * message)
+                receiving = await reader_mux.accept_stream()
+                assert await receiving.read(message) == b"x" * message
+                opened = reader_end.window_updates
+                for i in range(small):
+                    await sending.write(bytes([i % 256]) * message)
+                    assert await receiving.read(message) == bytes([i % 256]) * message
+                assert reader_end.window_updates == opened  # stock py-libp2p: one more for every read
+                async with trio.open_nursery() as transfer:
+                    transfer.start_soon(sending.write, b"y" * bulk)
+                    got = b""
+                    while len(got) < bulk:
+                        got += await receiving.read(bulk - len(got))
+                assert got == b"y" * bulk
+                nursery.cancel_scope.cancel()
 
     trio.run(main)
