@@ -29,7 +29,8 @@ LAST = ("integration/", "bench/", "deploy/", "node/cli/")
 LAST_LONGEST = (
     "integration/test_full_disk.py", "integration/test_hostile.py", "bench/test_miner.py", "integration/test_p2p.py",
     "node/cli/test_real_checkpoint_cli.py", "integration/test_clock.py", "integration/test_restart.py",
-    "bench/test_gpu.py", "integration/test_operator_readme.py", "node/cli/test_inspect_cli.py", "bench/test_load.py",
+    "bench/test_gpu.py", "integration/test_operator_readme.py", "node/cli/test_inspect_cli.py",
+    "bench/test_load.py",
 )
 
 

@@ -23,10 +23,10 @@ py-libp2p buffers it, so a peer that ignored windows made a stream nobody reads 
 
 Three module-level names of py-libp2p are set on import: yamux's frame-size constant, and the classes
 its upgrader and yamux build for a connection's yamux and its streams, which they take by name rather
-than from the host's muxer options. These and the window check rely on private details of libp2p==0.8.1 (pinned in pyproject.toml);
-tests/node/net/test_wire.py and two integration tests (test_p2p.py, test_p2p_limits.py) hold them to
-it. The allocator policy that keeps these buffers' pages between frames is the process's
-(training.allocator). This module knows nothing about Tessera.
+than from the host's muxer options. These and the window check rely on private details of
+libp2p==0.8.1 (pinned in pyproject.toml); tests/node/net/test_wire.py and two integration tests
+(test_p2p.py, test_p2p_limits.py) hold them to it. The allocator policy that keeps these buffers'
+pages between frames is the process's (training.allocator). This module knows nothing about Tessera.
 """
 
 from __future__ import annotations
@@ -63,7 +63,6 @@ SOCKET_READ_BYTES = 512 * 1024
 
 # The stock module reads this constant at every write to size DATA frames (64 KiB there).
 yamux_module.MAX_MESSAGE_SIZE = max(yamux_module.MAX_MESSAGE_SIZE, FRAME_BYTES)
-
 
 
 class TunedNoise(NoiseTransport):
@@ -171,10 +170,11 @@ class WindowExceeded(trio.TooSlowError):
 
 
 class TunedStream(yamux_module.YamuxStream):
-    """A yamux stream that, while its window is still the initial 256 KiB, gives back what its reads free only once
-    the peer has less than half of it left (go-yamux's rule); stock, it sends a WINDOW_UPDATE after almost every
-    read, one for each small gossip message. A bulk transfer uses the window up at once, and from its first update
-    on (which grows the window) the stream gives it back as stock, whose quick updates keep growing it to 16 MiB."""
+    """A yamux stream that, while its window is still the initial 256 KiB, gives back what its reads free
+    only once the peer has less than half of it left (go-yamux's rule); stock, it sends a WINDOW_UPDATE
+    after almost every read, one for each small gossip message. A bulk transfer uses the window up at
+    once, and from its first update on (which grows the window) the stream gives it back as stock, whose
+    quick updates keep growing it to 16 MiB."""
 
     _held = 0
 

@@ -86,7 +86,7 @@ def session(conn: object, cls: type[SecureSession]) -> SecureSession:
     key = create_new_key_pair()
     peer = ID.from_pubkey(key.public_key)
     return cls(local_peer=peer, local_private_key=key.private_key, remote_peer=peer,
-               remote_permanent_pubkey=key.public_key, is_initiator=True, conn=conn)
+               remote_permanent_pubkey=key.public_key, is_initiator=True, conn=conn)  # type: ignore[arg-type]
 
 
 def test_tuned_writes_are_the_stock_packets_on_the_wire() -> None:
@@ -95,10 +95,10 @@ def test_tuned_writes_are_the_stock_packets_on_the_wire() -> None:
     async def packets(cls: type[NoiseTransportReadWriter]) -> list[tuple[int, bytes]]:
         sender_end, receiver_end = noise_pair()
         wire = Socket()
-        sender = cls(wire, sender_end)
+        sender = cls(wire, sender_end)  # type: ignore[arg-type]
         for size in SIZES:
             await sender.write_msg(random.Random(size).randbytes(size))
-        reader, out = NoisePacketReadWriter(wire), []
+        reader, out = NoisePacketReadWriter(wire), []  # type: ignore[arg-type]
         while wire.data:
             sealed = await reader.read_msg()
             out.append((len(sealed), receiver_end.decrypt(sealed)))
@@ -114,7 +114,7 @@ async def sealed_stream(messages: list[bytes]) -> tuple[bytes, NoiseConnection]:
     """What a stock sender puts on the wire for `messages`, and the receiving end's Noise state."""
     sender_end, receiver_end = noise_pair()
     wire = Socket()
-    sender = NoiseTransportReadWriter(wire, sender_end)
+    sender = NoiseTransportReadWriter(wire, sender_end)  # type: ignore[arg-type]
     for message in messages:
         await sender.write_msg(message)
     return bytes(wire.data), receiver_end
@@ -139,8 +139,8 @@ def test_tuned_reads_give_what_stock_reads_give_however_the_socket_splits(seed: 
     async def main() -> None:
         stock_wire, stock_end = await sealed_stream(messages)
         tuned_wire, tuned_end = await sealed_stream(messages)
-        stock_conn = NoiseTransportReadWriter(Socket(stock_wire, random_cuts(rng, len(stock_wire))), stock_end)
-        tuned_conn = NoisePackets(Socket(tuned_wire, random_cuts(rng, len(tuned_wire))), tuned_end)
+        stock_conn = NoiseTransportReadWriter(Socket(stock_wire, random_cuts(rng, len(stock_wire))), stock_end)  # type: ignore[arg-type]
+        tuned_conn = NoisePackets(Socket(tuned_wire, random_cuts(rng, len(tuned_wire))), tuned_end)  # type: ignore[arg-type]
         stock = await read_all(session(stock_conn, SecureSession))
         tuned = await read_all(session(tuned_conn, TunedSession))
         assert tuned == stock
@@ -154,9 +154,9 @@ def test_packets_come_out_of_few_large_socket_reads() -> None:
         writer_end, reader_end = noise_pair()
         wire = Socket()
         for _ in range(32):
-            await NoiseTransportReadWriter(wire, writer_end).write_msg(b"x" * MAX_PLAINTEXT_LENGTH)
+            await NoiseTransportReadWriter(wire, writer_end).write_msg(b"x" * MAX_PLAINTEXT_LENGTH)  # type: ignore[arg-type]
         stock_socket, tuned_socket = Socket(bytes(wire.data)), Socket(bytes(wire.data))
-        stock, tuned = NoisePacketReadWriter(stock_socket), PacketReader(tuned_socket)
+        stock, tuned = NoisePacketReadWriter(stock_socket), PacketReader(tuned_socket)  # type: ignore[arg-type]
         for _ in range(32):
             assert await tuned.read_msg() == await stock.read_msg()
         assert stock_socket.reads == 64  # a length, then a body, per packet
@@ -171,7 +171,7 @@ def test_a_socket_that_ends_early_fails_as_the_stock_reader_fails(keep: int) -> 
         packet = (100).to_bytes(2, "big") + b"y" * 100
         failures = []
         for reader_cls in (NoisePacketReadWriter, PacketReader):
-            reader = reader_cls(Socket(packet[:keep]))
+            reader = reader_cls(Socket(packet[:keep]))  # type: ignore[arg-type]
             with pytest.raises(IncompleteReadError) as caught:
                 await reader.read_msg()
             failures.append((type(caught.value), caught.value.is_clean_close, caught.value.expected_bytes))
@@ -198,7 +198,7 @@ class Secured:
     """One end of an in-memory connection as yamux sees a secured one: reads return exactly what was asked (as
     `TunedSession`'s do); `window_updates` counts the WINDOW_UPDATE frames written that grant a stream more."""
 
-    def __init__(self, stream: trio.testing.MemoryStapledStream, initiator: bool) -> None:
+    def __init__(self, stream: trio.StapledStream, initiator: bool) -> None:
         self.stream, self.is_initiator, self.window_updates = stream, initiator, 0
         self.pending = b""
 
